@@ -1,0 +1,101 @@
+"""The single-node engine: scheduler, model runner and sampler in one loop (S1).
+
+`LLMEngine.step()` is the whole serving loop in four lines: schedule a batch, tell whoever
+listens which chunks it holds (S3a), run it, sample and advance. The prefiller and decoder engines
+of a disaggregated deployment are these same parts rearranged.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass
+
+import torch
+
+from disagg.batch import Batch
+from disagg.config import EngineConfig
+from disagg.kv_cache import PagedKVCache
+from disagg.model import Transformer
+from disagg.model_runner import ModelRunner
+from disagg.page_allocator import PageAllocator
+from disagg.request import Request, SamplingParams
+from disagg.sampling import sample_token
+from disagg.scheduler import Scheduler
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """A token a step produced for a request; `finished` if it was the request's last."""
+
+    request: Request
+    token_id: int
+    finished: bool
+
+
+class LLMEngine:
+    """Serves many requests at once on one node with continuous batching."""
+
+    def __init__(self, config: EngineConfig, model: Transformer) -> None:
+        self.config = config
+        self.model = model.to(config.device).eval()
+        self.kv_cache = PagedKVCache(model.config, config.cache, config.device)
+        self.allocator = PageAllocator(config.cache.num_pages)
+        max_model_len = min(model.config.max_position_embeddings, config.cache.num_tokens)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.page_size,
+                                   max_model_len)
+        self.runner = ModelRunner(self.model, self.kv_cache)
+        self.batch_listeners: list[Callable[[Batch], None]] = []
+        self._ids = itertools.count()
+        self.num_steps = 0  # batches run so far
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
+                    request_id: str | None = None) -> Request:
+        """Queue a prompt; returns its `Request`, which fills in as steps run."""
+        request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids),
+                          params or SamplingParams(), self.model.config.eos_token_ids)
+        self.scheduler.add_request(request)
+        return request
+
+    def has_unfinished(self) -> bool:
+        """Whether any request still needs steps."""
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[TokenEvent]:
+        """Run one batch; return the tokens it produced."""
+        batch = self.scheduler.schedule()
+        if batch.is_empty:
+            return []
+        for listener in self.batch_listeners:
+            listener(batch)
+        output = self.runner.execute(batch)
+        self.num_steps += 1
+        sampled = {}
+        for row, chunk_idx in enumerate(output.sample_chunk_indices):
+            request = batch.chunks[chunk_idx].request
+            sampled[request.request_id] = sample_token(output.logits[row],
+                                                       request.sampling_params, request.generator)
+        self.scheduler.postprocess(batch, sampled)
+        return [TokenEvent(chunk.request, sampled[chunk.request.request_id],
+                           chunk.request.is_finished)
+                for chunk in batch.chunks if chunk.samples]
+
+    def generate(self, prompts: Iterable[list[int]],
+                 params: SamplingParams | None = None) -> list[Request]:
+        """Serve every prompt to completion; requests come back in prompt order."""
+        requests = [self.add_request(prompt, params) for prompt in prompts]
+        while self.has_unfinished():
+            steps_before = self.num_steps
+            self.step()
+            if self.num_steps == steps_before:
+                # Requests wait but nothing could be scheduled: a bug, never a silent hang.
+                raise RuntimeError(f"engine made no progress ({self.allocator.num_free} pages "
+                                   f"free, {len(self.scheduler.waiting)} waiting)")
+        return requests
+
+
+def build_engine(config: EngineConfig, state_dict: dict[str, torch.Tensor]) -> LLMEngine:
+    """An engine whose model holds `state_dict` (names as in `Transformer.load_weights`)."""
+    model = Transformer(config.model)
+    model.load_weights(state_dict)
+    return LLMEngine(config, model)

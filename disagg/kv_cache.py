@@ -1,0 +1,157 @@
+"""The paged KV cache in FlashInfer's NHD and HND layouts, and where its bytes live (S7).
+
+One tensor holds every layer so that a transfer engine can register it as one memory region.
+Per layer it is FlashInfer's single-tensor paged cache: K and V of a page sit next to each other,
+so one RDMA write moves both. This module only stores and locates; attention reads it
+(`attention.py`) and the allocator decides which pages a request owns (`page_allocator.py`).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from disagg.config import CacheConfig, ModelConfig
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous run of bytes inside the cache buffer: `[offset, offset + nbytes)`."""
+
+    offset: int
+    nbytes: int
+
+
+class PagedKVCache:
+    """All layers' paged K/V in one buffer.
+
+    ``buffer`` has shape ``[num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]`` if
+    `kv_layout` is NHD, and ``[num_layers, num_pages, 2, num_kv_heads, page_size, head_dim]`` if
+    it is HND. Index 0 of the third axis is K, 1 is V, so ``layer(i)[:, 0]`` is FlashInfer's K
+    cache: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
+    ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND).
+
+    >>> cache = PagedKVCache(ModelConfig.from_name("tiny"), CacheConfig(page_size=4, num_pages=8))
+    >>> cache.page_nbytes  # 2 (K,V) * 4 tokens * 4 kv heads * 8 dims * 4 bytes
+    1024
+    """
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, device: str | torch.device = "cpu"):
+        self.num_layers = model.num_layers
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.page_size = cache.page_size
+        self.num_pages = cache.num_pages
+        self.kv_layout = cache.kv_layout
+        if self.kv_layout == "NHD":
+            page_shape = (2, self.page_size, self.num_kv_heads, self.head_dim)
+        else:
+            page_shape = (2, self.num_kv_heads, self.page_size, self.head_dim)
+        self.buffer = torch.zeros(
+            (self.num_layers, self.num_pages, *page_shape), dtype=cache.dtype, device=device
+        )
+
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        """One layer's cache, ``[num_pages, 2, ...page dims]`` (a view, no copy)."""
+        return self.buffer[layer_idx]
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per cached value."""
+        return self.buffer.element_size()
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page of one layer, K and V together."""
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer: every page."""
+        return self.num_pages * self.page_nbytes
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+              page_ids: torch.Tensor, page_offsets: torch.Tensor) -> None:
+        """Store new tokens' K and V: token t goes to slot `page_offsets[t]` of `page_ids[t]`.
+
+        `k` and `v` are ``[num_tokens, num_kv_heads, head_dim]``.
+        """
+        cache = self.buffer[layer_idx]
+        if self.kv_layout == "NHD":
+            cache[page_ids, 0, page_offsets] = k
+            cache[page_ids, 1, page_offsets] = v
+        else:
+            # Advanced indices around a slice put the indexed dim first: [num_tokens, heads, dim].
+            cache[page_ids, 0, :, page_offsets] = k
+            cache[page_ids, 1, :, page_offsets] = v
+
+    def gather(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `num_tokens` cached tokens held by `page_ids`, in order.
+
+        Returns K and V as ``[num_kv_heads, num_tokens, head_dim]`` (the shape attention wants).
+        """
+        pages = self.buffer[layer_idx].index_select(0, page_ids)
+        if self.kv_layout == "NHD":
+            # [n, 2, page_size, heads, dim] -> [2, heads, n * page_size, dim]
+            kv = pages.permute(1, 3, 0, 2, 4)
+        else:
+            # [n, 2, heads, page_size, dim] -> [2, heads, n * page_size, dim]
+            kv = pages.permute(1, 2, 0, 3, 4)
+        kv = kv.reshape(2, self.num_kv_heads, -1, self.head_dim)[:, :, :num_tokens]
+        return kv[0], kv[1]
+
+    # Byte geometry for transfers (S5, S7).
+
+    def page_offset(self, layer_idx: int, page_id: int) -> int:
+        """Byte offset of page `page_id` of layer `layer_idx` from the start of `buffer`."""
+        self._check_page(layer_idx, page_id)
+        return (layer_idx * self.num_pages + page_id) * self.page_nbytes
+
+    def page_segments(self, layer_idx: int, page_id: int,
+                      head_start: int = 0, head_end: int | None = None) -> list[Segment]:
+        """Where heads `[head_start, head_end)` of one page live, as contiguous byte runs.
+
+        A whole page is one run in both layouts. A head range is one run per K/V half in HND
+        (heads come before tokens) but one run per token per half in NHD (the heads of a token
+        sit between other heads of the same token), which is the write-count lesson of S7.
+
+        >>> m, c = ModelConfig.from_name("tiny"), CacheConfig(page_size=4, num_pages=8)
+        >>> len(PagedKVCache(m, c).page_segments(0, 3, 0, 2))  # NHD: 2 halves * 4 tokens
+        8
+        >>> len(PagedKVCache(m, CacheConfig(4, 8, "HND")).page_segments(0, 3, 0, 2))
+        2
+        """
+        head_end = self.num_kv_heads if head_end is None else head_end
+        if not 0 <= head_start < head_end <= self.num_kv_heads:
+            raise ValueError(f"head range [{head_start}, {head_end}) is not inside "
+                             f"[0, {self.num_kv_heads})")
+        base = self.page_offset(layer_idx, page_id)
+        if head_start == 0 and head_end == self.num_kv_heads:
+            return [Segment(base, self.page_nbytes)]
+        row = self.head_dim * self.element_size  # bytes of one head of one token
+        half = self.page_nbytes // 2
+        heads = head_end - head_start
+        segments = []
+        for kv in range(2):
+            if self.kv_layout == "HND":
+                start = base + kv * half + head_start * self.page_size * row
+                segments.append(Segment(start, heads * self.page_size * row))
+            else:
+                for token in range(self.page_size):
+                    start = base + kv * half + (token * self.num_kv_heads + head_start) * row
+                    segments.append(Segment(start, heads * row))
+        return segments
+
+    def is_contiguous(self, head_start: int = 0, head_end: int | None = None) -> bool:
+        """Whether heads `[head_start, head_end)` of a page's K (or V) half are one run."""
+        head_end = self.num_kv_heads if head_end is None else head_end
+        whole = head_start == 0 and head_end == self.num_kv_heads
+        return whole or self.kv_layout == "HND" or self.page_size == 1
+
+    def _check_page(self, layer_idx: int, page_id: int) -> None:
+        if not 0 <= layer_idx < self.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range [0, {self.num_layers})")
+        if not 0 <= page_id < self.num_pages:
+            raise IndexError(f"page id {page_id} out of range [0, {self.num_pages})")

@@ -1,0 +1,106 @@
+"""A request and its sampling parameters, as the scheduler and the messengers see it (S2a).
+
+The one counter that matters is `num_computed_tokens`: tokens whose K/V are in this node's cache,
+whether computed here or written by a prefiller over RDMA. A request needs work whenever it is
+below `num_tokens` (prompt plus generated tokens).
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.errors import RequestError
+
+
+class RequestStatus(enum.Enum):
+    """Where a request is in its life on one node."""
+
+    WAITING = "waiting"  # queued, no pages yet (or preempted)
+    WAITING_FOR_KV = "waiting_for_kv"  # pages pinned, KV arriving from a prefiller (S2a)
+    RUNNING = "running"
+    FINISHED_STOPPED = "finished_stopped"  # hit an EOS or stop token
+    FINISHED_LENGTH = "finished_length"  # hit max_tokens
+    FINISHED_ABORTED = "finished_aborted"
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether this is a terminal state."""
+        return self.name.startswith("FINISHED")
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    """How to pick each next token. `temperature == 0` means greedy."""
+
+    max_tokens: int = 16
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 keeps every token
+    seed: int | None = None
+    ignore_eos: bool = False
+    stop_token_ids: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.max_tokens <= 0:
+            raise RequestError(f"max_tokens must be positive, got {self.max_tokens}")
+        if self.temperature < 0:
+            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not 0 < self.top_p <= 1:
+            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
+        if self.top_k < 0:
+            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
+
+
+@dataclass(eq=False)
+class Request:
+    """One prompt being served."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams = field(default_factory=SamplingParams)
+    eos_token_ids: tuple[int, ...] = ()
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    page_ids: list[int] = field(default_factory=list)
+    status: RequestStatus = RequestStatus.WAITING
+    generator: torch.Generator | None = None
+
+    def __post_init__(self) -> None:
+        if not self.prompt_token_ids:
+            raise RequestError(f"request {self.request_id}: the prompt is empty")
+        if self.sampling_params.seed is not None and self.generator is None:
+            self.generator = torch.Generator().manual_seed(self.sampling_params.seed)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        """Tokens in the prompt."""
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        """Prompt plus generated tokens."""
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        """Prompt then generated tokens."""
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def is_finished(self) -> bool:
+        """Whether the request reached a terminal state."""
+        return self.status.is_finished
+
+    def append_token(self, token_id: int) -> None:
+        """Record a sampled token and finish the request if it stops here."""
+        self.output_token_ids.append(token_id)
+        params = self.sampling_params
+        if not params.ignore_eos and token_id in self.eos_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif token_id in params.stop_token_ids:
+            self.status = RequestStatus.FINISHED_STOPPED
+        elif len(self.output_token_ids) >= params.max_tokens:
+            self.status = RequestStatus.FINISHED_LENGTH

@@ -1,0 +1,159 @@
+"""Continuous batching with chunked prefill under a token budget (S1, S3a).
+
+NOTE on the algorithm. There is no "prefill phase" or "decode phase" in the state: each request
+only has `num_computed_tokens` (K/V in the cache) and `num_tokens` (prompt plus outputs), and
+every step tries to close the gap, at most `chunk_size` tokens per request and
+`max_num_batched_tokens` per step. A prompt closes its gap in chunks; a decode's gap is the one
+token sampled last step. So a step naturally mixes prefill chunks with decodes (the "mixed" mode
+of S1), and the chunk that closes a request's gap is the one whose last row is sampled.
+Running requests go first, oldest first, so decodes are not starved by new prompts; when pages
+run out the newest unpinned running request is preempted (its pages freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from disagg.batch import Batch, ScheduledChunk
+from disagg.config import SchedulerConfig
+from disagg.errors import RequestError
+from disagg.page_allocator import PageAllocator
+from disagg.request import Request, RequestStatus
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides, each step, which chunk of which request runs."""
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; refuse one that could never fit."""
+        longest = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if request.num_prompt_tokens > self.max_model_len:
+            raise RequestError(f"request {request.request_id}: prompt of "
+                               f"{request.num_prompt_tokens} tokens exceeds the limit of "
+                               f"{self.max_model_len} (cache size / model context)")
+        if self._pages_for(longest - 1) > self.allocator.num_pages:
+            raise RequestError(f"request {request.request_id}: {longest} tokens need "
+                               f"{self._pages_for(longest - 1)} pages, the cache has "
+                               f"{self.allocator.num_pages}")
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        """Pick this step's chunks and make sure their pages exist."""
+        batch = Batch()
+        budget = self.config.max_num_batched_tokens
+        # Running requests first; iterate over a copy because preemption edits the list.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted by a request ahead of it
+                continue
+            num_tokens = self._chunk_len(request, budget)
+            scheduled = {id(chunk.request) for chunk in batch.chunks}
+            if num_tokens == 0 or not self._reserve_pages(request, num_tokens, scheduled):
+                continue
+            batch.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        # Then admit waiting requests while budget, sequence slots and pages allow.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = self._chunk_len(request, budget)
+            if num_tokens == 0 or not self._reserve_pages(request, num_tokens, None):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        return batch
+
+    def postprocess(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
+        """Advance each chunk's request; append sampled tokens; return requests that finished."""
+        finished = []
+        for chunk in batch.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.samples:
+                request.append_token(sampled[request.request_id])
+            if request.is_finished:
+                self._release(request)
+                finished.append(request)
+        return finished
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is, freeing its pages; returns it, or None if unknown."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    self._release(request)
+                    return request
+        return None
+
+    # Helpers.
+
+    def _chunk_len(self, request: Request, budget: int) -> int:
+        remaining = request.num_tokens - request.num_computed_tokens
+        return min(remaining, self.config.chunk_size, budget)
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _reserve_pages(self, request: Request, num_tokens: int,
+                       scheduled: set[int] | None) -> bool:
+        """Grow `request.page_ids` to hold its computed tokens plus `num_tokens` more.
+
+        With `scheduled` (ids of requests already in this step's batch) it may preempt running
+        requests outside that set; with None it never preempts (new requests wait instead).
+        """
+        needed = self._pages_for(request.num_computed_tokens + num_tokens) - len(request.page_ids)
+        while needed > 0 and not self.allocator.can_allocate(needed):
+            victim = None if scheduled is None else self._pick_victim(scheduled)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        if needed > 0:
+            request.page_ids.extend(self.allocator.allocate(needed))
+        return True
+
+    def _pick_victim(self, scheduled: set[int]) -> Request | None:
+        for request in reversed(self.running):
+            pinned = any(self.allocator.is_pinned(p) for p in request.page_ids)
+            if id(request) not in scheduled and not pinned:
+                return request
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        logger.info("preempting %s (out of pages); it will be recomputed", request.request_id)
+        self.running.remove(request)
+        self.allocator.free(request.page_ids)
+        request.page_ids = []
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.allocator.free(request.page_ids)
+        request.page_ids = []
