@@ -1,0 +1,301 @@
+"""`CounterPoller`: a dedicated thread that watches 64-bit counter words and reports each move.
+
+The model bumps a counter after each layer's attention output projection; this thread sees
+the bump and calls `on_change(index, old, new)`, so a messenger can start that layer's
+transfers without any Python inside the forward pass or the captured CUDA graph (S3b). Under
+tensor parallelism only the leader rank's counter is watched (S3c). The wait is C
+(`transfer_core._poller`, GIL released); this module is the thread, the callbacks and errors.
+It does not interpret values: layers and forward indices are the consumer's business.
+
+NOTE (the reporting contract). Each counter is read as a snapshot; the poller never invents
+values it did not read. If the counter moved several times between two reads, ONE call
+reports the whole jump: `on_change(i, old=3, new=6)` means the steps 4, 5 and 6 all happened,
+and the consumer must act on each of them. Reports of one counter chain exactly: every `old`
+is the previous report's `new` (the first `old` is the value read at `start()`), so the union
+of the half-open ranges `(old, new]` is every step, each once, in order. For the model's
+monotonic counter, `layer = (value - 1) % num_layers`. Callbacks run on the poller thread, one
+at a time, in index order within a snapshot; a slow callback delays later reports but loses
+none. An exception from a callback stops the thread and is re-raised by `check()` or `stop()`.
+
+NOTE (memory ordering: why the KV of layer i is readable once the counter shows i).
+CPU. The model thread appends layer i's KV (plain stores into the KV tensor), then runs
+`counter.add_(1)` on a CPU int64 tensor: an aligned 8-byte store, so the poller never sees a
+torn value. The poller reads with `__atomic_load_n(..., __ATOMIC_ACQUIRE)`: once it sees the
+new value, its later reads (and the reads of threads it hands work to through a lock or
+queue, e.g. the libfabric tcp provider copying from the KV region) cannot be satisfied from
+before that load. On x86-64 (TSO) stores become visible in program order, so the KV stores
+are visible before the counter store and acquire on the reader is all that is needed. On
+weakly ordered CPUs (aarch64) torch's plain store gives no release order; a writer there that
+needs the guarantee should bump with `bump_release(counter)` from this module.
+GPU. The counter is a word of mapped pinned host memory (`cuda_host.MappedCounter`); a
+kernel captured in the CUDA graph does `add_(1)` on its device alias after layer i's output
+projection. On one stream a kernel starts only after the previous one has completed, so when
+the bump kernel runs, the kernel that appended layer i's KV (several kernels earlier, before
+attention) has finished and its writes sit in GPU memory (L2 is the point of coherence for
+device memory, and PCIe peer reads by a NIC or copy-engine reads go through it). The bump is
+a posted PCIe write into host memory; x86 DMA is cache coherent, so the acquire load sees it
+without flushes. Hence a NIC that starts reading layer i's KV after the host saw the count is
+reading a completed kernel's output. Honest limits: (1) the CUDA docs promise this visibility
+to third-party readers only after a host-side synchronisation (event or stream sync); the
+argument above relies on kernel completion in stream order, which is how the hardware works,
+not a documented contract. (2) `__threadfence_system()` orders the writes of the calling
+thread, as seen by all observers including the host and peers, before its later writes; it
+is cumulative, so a bump kernel doing `__threadfence_system()` before its store would make
+the ordering formal, but torch's `add_` does not issue it, and a fence in the KV-append
+kernel alone would not order writes of other threads. (3) Programmatic dependent launch or
+running the bump on another stream would break the argument. (4) With TP, the leader's bump
+follows the output projection's all-reduce, which no rank enters before its own KV append
+has completed (S3c). Never use write-combined memory for counters: the CPU reads them.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Protocol, TypeAlias
+
+from transfer_core.errors import TransferTimeoutError
+from transfer_core.topology import pin_current_thread
+
+try:
+    from transfer_core._poller import ffi, lib
+except ImportError as exc:  # pragma: no cover - only without a build
+    raise ImportError(
+        "transfer_core._poller is not built: run `pip install -e .` or "
+        "`python transfer_core/_poller_build.py` from the repository root"
+    ) from exc
+
+logger = logging.getLogger(__name__)
+
+
+class HasHostAddress(Protocol):
+    """A counter living in memory the CPU can read, e.g. `cuda_host.MappedCounter`."""
+
+    @property
+    def host_address(self) -> int: ...
+
+
+if TYPE_CHECKING:
+    import numpy as np
+    import torch
+
+    CounterLike: TypeAlias = int | HasHostAddress | torch.Tensor | np.ndarray
+
+OnChange = Callable[[int, int, int], None]
+# The C wait returns to Python this often when nothing moves; it only bounds a C call.
+_WAIT_SLICE_S = 0.25
+
+
+@dataclass(frozen=True, slots=True)
+class PollerConfig:
+    """How the poller waits: spin first (lowest latency), then sleep with doubling naps.
+
+    `spin_us` is how long one wait busy-polls before it starts sleeping; the naps start at
+    `sleep_min_us` and double up to `sleep_max_us`, which also bounds how late `stop()` is
+    noticed. `cpu_affinity` pins the poller thread (see `topology.GpuGroup.cpus`).
+    """
+
+    spin_us: float = 50.0
+    sleep_min_us: float = 2.0
+    sleep_max_us: float = 200.0
+    cpu_affinity: tuple[int, ...] | None = None
+
+    def __post_init__(self) -> None:
+        if self.spin_us < 0 or self.sleep_min_us < 0 or self.sleep_max_us < self.sleep_min_us:
+            raise ValueError(f"need spin_us >= 0 and 0 <= sleep_min_us <= sleep_max_us: {self}")
+        if self.cpu_affinity is not None and not self.cpu_affinity:
+            raise ValueError("cpu_affinity must name at least one CPU, or be None")
+
+
+def counter_address(counter: CounterLike) -> int:
+    """The host address of one int64 counter word.
+
+    Accepts an int address, a `MappedCounter` (anything with `host_address`), or a CPU torch
+    tensor / numpy array of dtype int64 with exactly one element (a one-element slice of a
+    bigger tensor is fine). The word must be 8-byte aligned so loads are single-copy atomic.
+    """
+    if isinstance(counter, int):
+        address = counter
+    elif hasattr(counter, "host_address"):
+        address = int(counter.host_address)
+    elif hasattr(counter, "data_ptr") and hasattr(counter, "device"):  # torch.Tensor
+        if counter.device.type != "cpu":
+            raise ValueError(
+                f"counter tensor is on {counter.device}; the CPU cannot read device memory, "
+                "pass a MappedCounter (mapped pinned host memory) instead"
+            )
+        _check_word(str(counter.dtype), "torch.int64", counter.numel())
+        address = counter.data_ptr()
+    elif hasattr(counter, "__array_interface__"):  # numpy array
+        _check_word(str(counter.dtype), "int64", counter.size)
+        address = counter.__array_interface__["data"][0]
+    else:
+        raise TypeError(f"cannot watch a {type(counter).__name__}; pass a tensor, array or int")
+    if address == 0 or address % 8:
+        raise ValueError(f"counter address {address:#x} is null or not 8-byte aligned")
+    return address
+
+
+def _check_word(dtype: str, want: str, numel: int) -> None:
+    if dtype != want or numel != 1:
+        raise ValueError(f"a counter is one {want} element, got dtype {dtype} with {numel}")
+
+
+def load_acquire(counter: CounterLike) -> int:
+    """Read a counter word with an acquire load, as the poller does."""
+    return int(lib.tc_load_acquire(ffi.cast("int64_t *", counter_address(counter))))
+
+
+def bump_release(counter: CounterLike, delta: int = 1) -> int:
+    """Add `delta` with release order (a CPU writer's strict alternative to `add_`); new value."""
+    return int(lib.tc_fetch_add_release(ffi.cast("int64_t *", counter_address(counter)), delta))
+
+
+class CounterPoller:
+    """Watch `counters` on a dedicated thread and call `on_change(index, old, new)` per move.
+
+    `index` is the counter's position in `counters`. See the module NOTE for the contract:
+    jumps are reported whole, reports chain, nothing is lost or repeated. The poller keeps
+    references to the counter objects so their memory outlives the thread.
+
+    >>> import torch
+    >>> seen = []
+    >>> counter = torch.zeros(1, dtype=torch.int64)
+    >>> poller = CounterPoller([counter], lambda i, old, new: seen.append((old, new)))
+    >>> poller.start()
+    >>> _ = counter.add_(1)
+    >>> poller.wait_for(0, 1)
+    >>> poller.stop()
+    >>> seen
+    [(0, 1)]
+    """
+
+    def __init__(
+        self,
+        counters: Sequence[CounterLike],
+        on_change: OnChange,
+        config: PollerConfig | None = None,
+        name: str = "counter-poller",
+    ) -> None:
+        if not counters:
+            raise ValueError("CounterPoller needs at least one counter")
+        self._counters = list(counters)
+        self._on_change = on_change
+        self._config = config or PollerConfig()
+        self._name = name
+        n = len(self._counters)
+        # C-side state: the word pointers, the last reported values and the snapshot buffer.
+        addresses = [counter_address(c) for c in self._counters]
+        self._words = ffi.new("int64_t *[]", [ffi.cast("int64_t *", a) for a in addresses])
+        self._last = ffi.new("int64_t[]", n)
+        self._seen = ffi.new("int64_t[]", n)
+        self._stop = ffi.new("int *", 0)
+        self._thread: threading.Thread | None = None
+        self._error: BaseException | None = None
+        self._lock = threading.Lock()
+        self._progress = threading.Condition(self._lock)
+
+    def __enter__(self) -> CounterPoller:
+        self.start()
+        return self
+
+    def __exit__(self, *exc_info: object) -> None:
+        self.stop()
+
+    @property
+    def running(self) -> bool:
+        """Whether the poller thread is alive."""
+        return self._thread is not None and self._thread.is_alive()
+
+    def last_reported(self, index: int) -> int:
+        """The `new` of the latest report for counter `index` (its start value before any)."""
+        with self._lock:
+            return int(self._last[index])
+
+    def start(self) -> None:
+        """Read every counter's current value as the baseline and start the thread."""
+        if self._thread is not None:
+            raise RuntimeError("CounterPoller.start() called twice")
+        for i in range(len(self._counters)):
+            self._last[i] = lib.tc_load_acquire(self._words[i])
+        self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
+        self._thread.start()
+
+    def check(self) -> None:
+        """Re-raise, once, an exception raised by `on_change` on the poller thread."""
+        with self._lock:
+            error, self._error = self._error, None
+        if error is not None:
+            raise error
+
+    def wait_for(self, index: int, value: int, timeout: float = 5.0) -> None:
+        """Block until a report for counter `index` has reached `value` (for tests and tools).
+
+        Raises the callback's stored exception if the thread died, or `TransferTimeoutError`.
+        """
+        with self._progress:
+            done = self._progress.wait_for(
+                lambda: self._last[index] >= value or self._error is not None or not self.running,
+                timeout,
+            )
+        self.check()
+        if not done or self._last[index] < value:
+            raise TransferTimeoutError(
+                f"counter {index} reported {self._last[index]}, not {value}, within {timeout} s"
+            )
+
+    def stop(self, timeout: float = 5.0) -> None:
+        """Stop and join the thread, then re-raise any stored callback exception.
+
+        Stopping is noticed within one nap (`sleep_max_us`) unless a callback is running;
+        it is idempotent. Reports already read are delivered before the thread exits.
+        """
+        lib.tc_store_flag(self._stop, 1)
+        thread = self._thread
+        if thread is not None and thread is not threading.current_thread():
+            thread.join(timeout)
+            if thread.is_alive():
+                raise TransferTimeoutError(f"{self._name} did not stop within {timeout} s")
+        self.check()
+
+    def _run(self) -> None:
+        try:
+            self._prepare_thread()
+            self._loop()
+        except BaseException as exc:  # stored for the owner, never dropped (see check()).
+            logger.debug("%s stopped by a callback exception", self._name, exc_info=True)
+            with self._progress:
+                self._error = exc
+                self._progress.notify_all()
+        finally:
+            with self._progress:
+                self._progress.notify_all()
+
+    def _prepare_thread(self) -> None:
+        if self._config.cpu_affinity is not None:
+            pin_current_thread(self._config.cpu_affinity)
+        if lib.tc_set_timer_slack_ns(1000) != 0:
+            logger.debug("could not lower the timer slack of %s", self._name)
+
+    def _loop(self) -> None:
+        config = self._config
+        n = len(self._counters)
+        spin_ns = int(config.spin_us * 1e3)
+        sleep_min_ns = int(config.sleep_min_us * 1e3)
+        sleep_max_ns = int(config.sleep_max_us * 1e3)
+        slice_ns = int(_WAIT_SLICE_S * 1e9)
+        while True:
+            wait = (spin_ns, sleep_min_ns, sleep_max_ns, slice_ns)
+            changed = lib.tc_poll_wait(self._words, self._last, self._seen, n, self._stop, *wait)
+            if changed < 0:
+                return
+            for i in range(n):
+                new, old = self._seen[i], self._last[i]
+                if new == old:
+                    continue
+                self._on_change(i, old, new)
+                with self._progress:
+                    self._last[i] = new
+                    self._progress.notify_all()
