@@ -36,7 +36,7 @@ def _assert_chain(reports: list[tuple[int, int]], start: int, end: int) -> None:
     assert reports, "no report at all"
     assert reports[0][0] == start
     assert reports[-1][1] == end
-    for (_, prev_new), (old, new) in zip(reports, reports[1:], strict=False):
+    for (_, prev_new), (old, _) in zip(reports, reports[1:], strict=False):
         assert old == prev_new
     assert all(new > old for old, new in reports)
 
