@@ -1,0 +1,159 @@
+"""The data path of one endpoint: batched RMA writes and a progress loop, both in C (S5, S4c).
+
+`WriteOp` describes n writes (one call for thousands of pages, from int64 index arrays);
+`Worker.submit` hands it to the C worker from any thread; `Worker.progress` (called only
+by the endpoint's progress thread) posts under an in-flight cap, handles -FI_EAGAIN by
+reaping the CQ, enforces deadlines, and returns finished ops and immediate counts per value.
+The GIL is released for the whole C call. Retired ops may be dropped; until then the C side
+and the provider still point at them, so `Worker` keeps them alive.
+"""
+
+from __future__ import annotations
+
+from typing import Any, NamedTuple
+
+from ._pyfabric import ffi, lib
+from .objects import CompletionQueue, Endpoint
+
+MAX_EVENTS = 256
+MAX_IMMS = 64
+
+
+class Event(NamedTuple):
+    """An op finished (`err == 0`) or failed (`err` is a negative fi errno); `retired`: the
+    provider holds none of its contexts any more."""
+
+    op_id: int
+    err: int
+    retired: bool
+
+
+class WriteOp:
+    """n writes of `length` bytes: page i from `src_addr + src_idx[i] * src_stride` to remote
+    address `dst_addr + dst_idx[i] * dst_stride`. `None` index arrays mean `range(n)`.
+
+    Index arrays must expose a C-contiguous int64 buffer (numpy int64 arrays do); they are
+    kept alive with the op. `length == 0` with `imm` set is a pure immediate.
+    """
+
+    def __init__(
+        self,
+        op_id: int,
+        dest: int,
+        n: int,
+        length: int,
+        src_addr: int,
+        src_stride: int,
+        desc: Any,
+        dst_addr: int,
+        dst_stride: int,
+        key: int,
+        imm: int | None = None,
+        src_idx: Any = None,
+        dst_idx: Any = None,
+        deadline_ns: int = 0,
+    ) -> None:
+        c = ffi.new("struct fabp_op *")
+        c.id = op_id
+        c.dest = dest
+        c.n = n
+        c.len = length
+        c.src_addr = src_addr
+        c.src_stride = src_stride
+        c.desc = desc if desc is not None else ffi.NULL
+        c.dst_addr = dst_addr
+        c.dst_stride = dst_stride
+        c.key = key
+        c.deadline_ns = deadline_ns
+        if imm is not None:
+            c.imm = imm
+            c.flags = lib.FABP_OP_IMM
+        self._keep = []
+        c.src_idx = self._index_pointer(src_idx, n)
+        c.dst_idx = self._index_pointer(dst_idx, n)
+        self.c = c
+        self.op_id = op_id
+
+    def _index_pointer(self, indices: Any, n: int) -> Any:
+        if indices is None:
+            return ffi.NULL
+        pointer = ffi.from_buffer("int64_t[]", indices)
+        if len(pointer) != n:
+            raise ValueError(f"index array has {len(pointer)} entries, op has {n} writes")
+        self._keep.append(pointer)
+        return pointer
+
+
+class Stats(NamedTuple):
+    writes_posted: int
+    writes_completed: int
+    eagain: int
+    imms_received: int
+    foreign_errors: int
+    last_foreign_err: int
+    inflight: int
+
+
+class Worker:
+    """The C worker of one endpoint. `progress` must be called from a single thread."""
+
+    def __init__(self, endpoint: Endpoint, cq: CompletionQueue, max_inflight: int) -> None:
+        handle = lib.fabp_worker_new(endpoint.handle, cq.handle, max_inflight)
+        if handle == ffi.NULL:
+            raise MemoryError("fabp_worker_new")
+        self._handle = handle
+        self._live: dict[int, WriteOp] = {}
+        self._events = ffi.new("struct fabp_event[]", MAX_EVENTS)
+        self._imms = ffi.new("struct fabp_imm[]", MAX_IMMS)
+        self._n_ev = ffi.new("int *")
+        self._n_imm = ffi.new("int *")
+        self.max_inflight = max_inflight
+
+    def set_timing(self, spin_ns: int, idle_sleep_ns: int, linger_ns: int) -> None:
+        """Busy-poll for `spin_ns` after activity, then nap `idle_sleep_ns` between polls;
+        hold finished results up to `linger_ns` to batch them into one return."""
+        lib.fabp_set_timing(self._handle, spin_ns, idle_sleep_ns, linger_ns)
+
+    def submit(self, op: WriteOp) -> None:
+        self._live[op.op_id] = op
+        lib.fabp_submit(self._handle, op.c)
+
+    def interrupt(self) -> None:
+        """Make the running (or next) `progress` call return soon."""
+        lib.fabp_interrupt(self._handle)
+
+    def progress(self, budget_ns: int) -> tuple[list[Event], list[tuple[int, int]], int]:
+        """Run the C loop for up to `budget_ns`: (events, [(imm, count)], rc).
+
+        rc < 0 is a fatal CQ error (negative fi errno): the endpoint is unusable."""
+        rc = lib.fabp_progress(
+            self._handle, budget_ns, self._events, MAX_EVENTS, self._n_ev,
+            self._imms, MAX_IMMS, self._n_imm,
+        )
+        events = []
+        for e in self._events[0 : self._n_ev[0]]:
+            events.append(Event(int(e.id), int(e.err), bool(e.retired)))
+            if e.retired:
+                self._live.pop(int(e.id), None)
+        imms = [(int(i.imm), int(i.count)) for i in self._imms[0 : self._n_imm[0]]]
+        return events, imms, rc
+
+    def live_ops(self) -> list[int]:
+        """Ids of ops the C side or the provider may still touch."""
+        return list(self._live)
+
+    def stats(self) -> Stats:
+        out = ffi.new("struct fabp_stats *")
+        lib.fabp_get_stats(self._handle, out)
+        return Stats(
+            int(out.writes_posted), int(out.writes_completed), int(out.eagain),
+            int(out.imms_received), int(out.foreign_errors), int(out.last_foreign_err),
+            int(lib.fabp_inflight(self._handle)),
+        )
+
+    def free(self) -> None:
+        """Release the worker; only after its endpoint is closed."""
+        if self._handle is not None:
+            lib.fabp_worker_free(self._handle)
+            self._handle = None
+            self._live.clear()

@@ -1,0 +1,80 @@
+/* pyfabric data path: batched RMA writes with immediates and a progress loop (S5, S4c).
+ *
+ * Plain declarations only: _build.py feeds this file to both cffi's cdef (which cannot
+ * parse #include or macros) and the compiler, so the layouts Python sees are the real ones.
+ * One worker per endpoint; only the worker's thread calls fabp_progress, any thread may call
+ * fabp_submit.
+ */
+
+#define FABP_OP_IMM 1
+
+/* One queued operation: n writes of len bytes, page i going from
+ * src_addr + src_idx[i] * src_stride to raddr dst_addr + dst_idx[i] * dst_stride.
+ * A NULL index array means "index i itself". len == 0 with FABP_OP_IMM is a pure immediate. */
+struct fabp_op {
+    struct fabp_op *next;
+    uint64_t id;
+    uint64_t dest;
+    const int64_t *src_idx;
+    const int64_t *dst_idx;
+    uint64_t n;
+    uint64_t src_addr;
+    uint64_t src_stride;
+    void *desc;
+    uint64_t dst_addr;
+    uint64_t dst_stride;
+    uint64_t key;
+    uint64_t len;
+    uint64_t imm;
+    uint64_t flags;
+    int64_t deadline_ns;
+    /* Owned by the worker after fabp_submit. */
+    uint64_t posted;
+    uint64_t outstanding;
+    int32_t err;
+    int32_t reported;
+};
+
+/* An op finished (err == 0), failed (err < 0, a negative fi errno) or was retired: retired
+ * means the provider holds no context of it any more, so its memory may be freed. */
+struct fabp_event {
+    uint64_t id;
+    int32_t err;
+    int32_t retired;
+};
+
+/* Remote CQ data received: count completions carried the value imm. */
+struct fabp_imm {
+    uint64_t imm;
+    uint64_t count;
+};
+
+struct fabp_stats {
+    uint64_t writes_posted;
+    uint64_t writes_completed;
+    uint64_t eagain;
+    uint64_t imms_received;
+    uint64_t foreign_errors;
+    int32_t last_foreign_err;
+};
+
+struct fabp_worker;
+
+struct fabp_worker *fabp_worker_new(struct fid_ep *ep, struct fid_cq *cq, uint32_t max_inflight);
+void fabp_worker_free(struct fabp_worker *w);
+void fabp_submit(struct fabp_worker *w, struct fabp_op *op);
+void fabp_interrupt(struct fabp_worker *w);
+void fabp_set_timing(struct fabp_worker *w, int64_t spin_ns, int64_t idle_sleep_ns,
+                     int64_t linger_ns);
+void fabp_get_stats(struct fabp_worker *w, struct fabp_stats *out);
+uint32_t fabp_inflight(struct fabp_worker *w);
+int fabp_progress(struct fabp_worker *w, int64_t budget_ns,
+                  struct fabp_event *ev, int max_ev, int *n_ev,
+                  struct fabp_imm *imm, int max_imm, int *n_imm);
+
+/* Control-path helpers for what cffi cannot do from Python. */
+uint32_t fabp_api_version(void);
+int fabp_set_prov_name(struct fi_info *hints, const char *name);
+int fabp_set_domain_name(struct fi_info *hints, const char *name);
+int fabp_mr_reg_iface(struct fid_domain *domain, void *buf, size_t len, uint64_t access,
+                      uint64_t requested_key, int iface, int device, struct fid_mr **mr);
