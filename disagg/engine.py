@@ -8,13 +8,15 @@ of a disaggregated deployment are these same parts rearranged.
 from __future__ import annotations
 
 import itertools
+import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 
 import torch
 
 from disagg.batch import Batch
-from disagg.config import EngineConfig
+from disagg.config import CacheConfig, EngineConfig, ModelConfig
+from disagg.errors import ConfigError
 from disagg.kv_cache import PagedKVCache
 from disagg.model import Transformer
 from disagg.model_runner import ModelRunner
@@ -39,6 +41,7 @@ class LLMEngine:
     def __init__(self, config: EngineConfig, model: Transformer) -> None:
         self.config = config
         self.model = model.to(config.device).eval()
+        check_cache_fits(model.config, config.cache)
         self.kv_cache = PagedKVCache(model.config, config.cache, config.device)
         self.allocator = PageAllocator(config.cache.num_pages)
         max_model_len = min(model.config.max_position_embeddings, config.cache.num_tokens)
@@ -76,9 +79,9 @@ class LLMEngine:
             sampled[request.request_id] = sample_token(output.logits[row],
                                                        request.sampling_params, request.generator)
         self.scheduler.postprocess(batch, sampled)
-        return [TokenEvent(chunk.request, sampled[chunk.request.request_id],
-                           chunk.request.is_finished)
-                for chunk in batch.chunks if chunk.samples]
+        sampling_requests = [batch.chunks[i].request for i in output.sample_chunk_indices]
+        return [TokenEvent(request, sampled[request.request_id], request.is_finished)
+                for request in sampling_requests]
 
     def generate(self, prompts: Iterable[list[int]],
                  params: SamplingParams | None = None) -> list[Request]:
@@ -92,6 +95,19 @@ class LLMEngine:
                 raise RuntimeError(f"engine made no progress ({self.allocator.num_free} pages "
                                    f"free, {len(self.scheduler.waiting)} waiting)")
         return requests
+
+
+def check_cache_fits(model: ModelConfig, cache: CacheConfig) -> None:
+    """Refuse a page size or cache size that cannot work, naming the numbers."""
+    if cache.page_size > model.max_position_embeddings:
+        raise ConfigError(f"page size {cache.page_size} does not fit: the model's context is "
+                          f"{model.max_position_embeddings} tokens")
+    nbytes = (2 * model.num_layers * cache.num_tokens * model.num_kv_heads * model.head_dim
+              * torch.empty(0, dtype=cache.dtype).element_size())
+    limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
+    if nbytes > limit:
+        raise ConfigError(f"KV cache of {cache.num_pages} pages x {cache.page_size} tokens needs "
+                          f"{nbytes / 2**30:.1f} GiB, more than half of this machine's memory")
 
 
 def build_engine(config: EngineConfig, state_dict: dict[str, torch.Tensor]) -> LLMEngine:

@@ -1,0 +1,125 @@
+"""The `disagg` command: every demo, benchmark and tool, as thin typer commands.
+
+Commands parse options into config dataclasses, call library functions and print with rich; no
+serving logic lives here. Errors the user can fix print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from disagg.config import CacheConfig, EngineConfig, SchedulerConfig, check_kv_layout
+from disagg.errors import DisaggError, RequestError
+
+app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+bench_app = typer.Typer(help="Benchmarks (JSON with --json, else a table).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+console = Console()
+err_console = Console(stderr=True)
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """"1,2,3" -> [1, 2, 3], with an error naming the bad item."""
+    ids = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.lstrip("-").isdigit() or int(item) < 0:
+            raise RequestError(f"--prompt-token-ids: {item!r} is not a token id")
+        ids.append(int(item))
+    return ids
+
+
+@app.command()
+def generate(
+    model: Annotated[str, typer.Option(help="smollm2-135m, a preset (tiny, small) or a "
+                                            "Hugging Face Llama checkpoint directory")],
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (needs a tokenizer)")] = None,
+    prompt_token_ids: Annotated[str | None, typer.Option(help="Prompt as ids: 1,2,3")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most")] = 32,
+    kv_layout: Annotated[str, typer.Option(help="KV page layout: NHD or HND")] = "NHD",
+    page_size: Annotated[int, typer.Option(help="Tokens per KV page")] = 16,
+    num_pages: Annotated[int, typer.Option(help="KV pages in the cache")] = 512,
+    chunk_size: Annotated[int, typer.Option(help="Prefill chunk size in tokens")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 means greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: all)")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
+    from disagg.generate import generate_one
+
+    if (prompt is None) == (prompt_token_ids is None):
+        raise RequestError("give exactly one of --prompt or --prompt-token-ids")
+    config = EngineConfig(
+        model=None,  # type: ignore[arg-type]  # filled from the checkpoint by generate_one
+        cache=CacheConfig(page_size=page_size, num_pages=num_pages,
+                          kv_layout=check_kv_layout(kv_layout)),
+        scheduler=SchedulerConfig(chunk_size=chunk_size,
+                                  max_num_batched_tokens=max(chunk_size, 1)))
+    stream = None if as_json else _print_now
+    result = generate_one(
+        model, config, prompt=prompt,
+        prompt_token_ids=None if prompt_token_ids is None else parse_token_ids(prompt_token_ids),
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        on_text=stream)
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        _print_now("\n")
+        err_console.print(f"[dim]{len(result['token_ids'])} tokens, finish: "
+                          f"{result['finish_reason']}[/dim]")
+
+
+def _print_now(text: str) -> None:
+    console.print(text, end="", markup=False, highlight=False)
+    console.file.flush()  # stream token by token even when stdout is a pipe
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    provider: Annotated[str, typer.Option(help="libfabric provider: tcp, shm, or all")] = "tcp",
+    pages: Annotated[int, typer.Option(help="Pages in the batch")] = 2048,
+    page_size: Annotated[int, typer.Option(help="Bytes per page")] = 65536,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Peer workload: N pages written to shuffled slots of another process, plus 4 KiB latency."""
+    from transfer_core.bench import run_transfer_benchmark
+
+    providers = ["tcp", "shm"] if provider == "all" else [provider]
+    results = [run_transfer_benchmark(provider=p, num_pages=pages, page_bytes=page_size)
+               for p in providers]
+    if as_json:
+        sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results) + "\n")
+        return
+    from rich.table import Table
+
+    table = Table(title=f"transfer: {pages} pages x {page_size} B")
+    for column in ("provider", "GB/s", "µs/page", "4 KiB p50 µs", "4 KiB p99 µs", "verified"):
+        table.add_column(column)
+    for r in results:
+        table.add_row(r["provider"], f"{r['gbps']:.2f}", f"{r['us_per_page']:.2f}",
+                      f"{r['latency_us_p50']:.1f}", f"{r['latency_us_p99']:.1f}",
+                      str(r["verified"]))
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app; user errors become one line on stderr and exit code 2."""
+    from transfer_core.errors import TransferError
+
+    try:
+        app(args=argv)
+    except (DisaggError, TransferError, ValueError) as error:
+        err_console.print(f"[bold red]error:[/bold red] {error}", highlight=False)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

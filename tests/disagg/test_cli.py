@@ -1,0 +1,60 @@
+"""The `disagg` command: --json output, streaming, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from disagg.cli import main
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """`disagg --help` names each command."""
+    code, out, _ = run_cli(["--help"], capsys)
+    assert code == 0
+    assert all(name in out for name in ("generate", "bench"))
+
+
+def test_generate_json_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --json, stdout is exactly one JSON object with prompt and generated ids."""
+    code, out, _ = run_cli(["generate", "--model", "tiny", "--prompt-token-ids", "1,2,3",
+                            "--max-tokens", "5", "--json", "--kv-layout", "HND"], capsys)
+    result = json.loads(out)
+    assert code == 0 and out.count("\n") == 1
+    assert result["prompt_token_ids"] == [1, 2, 3] and len(result["token_ids"]) == 5
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "no-such-model", "--prompt-token-ids", "1"], "unknown model 'no-such-model'"),
+    (["--model", "tiny", "--prompt-token-ids", ""], "is not a token id"),
+    (["--model", "tiny", "--prompt", "hi"], "has no tokenizer"),
+    (["--model", "tiny", "--prompt-token-ids", "1,2,3", "--page-size", "2", "--num-pages", "2"],
+     "the cache has 2"),
+    (["--model", "tiny", "--prompt-token-ids", "1", "--page-size", "0"], "page_size must be"),
+    (["--model", "tiny", "--prompt-token-ids", "1", "--page-size", "8192"], "does not fit"),
+    (["--model", "tiny", "--prompt-token-ids", "1", "--kv-layout", "NDH"], "unknown kv_layout"),
+    (["--model", "tiny", "--prompt-token-ids", "99999"], "outside the vocabulary"),
+])
+def test_bad_input_exits_2_with_one_line(argv: list[str], message: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Each kind of bad input names the problem, exits 2 and prints no traceback."""
+    code, _, err = run_cli(["generate", *argv], capsys)
+    assert code == 2
+    assert message in err and "Traceback" not in err
+
+
+def test_malformed_checkpoint_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory that is not a checkpoint is refused with a message naming what is missing."""
+    (tmp_path / "config.json").write_text("{not json")
+    code, _, err = run_cli(["generate", "--model", str(tmp_path), "--prompt-token-ids", "1"],
+                           capsys)
+    assert code == 2 and "config.json" in err and "Traceback" not in err
