@@ -74,6 +74,10 @@ class WriteOp:
         self.c = c
         self.op_id = op_id
 
+    def keep(self, obj: Any) -> None:
+        """Keep `obj` (e.g. the source buffer's owner) alive as long as the op is live."""
+        self._keep.append(obj)
+
     def _index_pointer(self, indices: Any, n: int) -> Any:
         if indices is None:
             return ffi.NULL

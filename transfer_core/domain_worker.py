@@ -1,0 +1,170 @@
+"""`DomainWorker`: one domain (NIC) of a `TransferEngine`, with its own progress thread (S5).
+
+It owns the fabric stack and the C worker of one endpoint. Its thread calls the C progress
+loop (GIL released), which posts queued writes, reaps completions and counts immediates; the
+thread then runs finished ops' callbacks and hands immediate counts to the engine. The thread
+must run even on a pure receiver: progress is manual (the target's polling moves the data).
+Every submitted op reaches its `on_finish` exactly once, also on close or fatal error.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import os
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+
+from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
+from transfer_core.pyfabric import FabricStack, Info, MemoryRegistration, Worker, WriteOp, lib
+from transfer_core.pyfabric.errors import fabric_error
+
+logger = logging.getLogger(__name__)
+
+OnFinish = Callable[[TransferError | None], None]
+
+_BUDGET_NS = 20_000_000  # one C call's budget; submissions and close() interrupt it
+_PEER_ERRNOS = {
+    lib.FI_ENOTCONN, lib.FI_ECONNREFUSED, lib.FI_ECONNRESET, lib.FI_ECONNABORTED,
+    lib.FI_EHOSTUNREACH, lib.FI_ECANCELED, lib.FI_EACCES,
+}
+
+
+def error_for(err: int, what: str) -> TransferError:
+    """Map a negative fi errno from a write's completion to the exception `on_error` gets."""
+    base = fabric_error(what, err)
+    if -err == lib.FI_ETIMEDOUT:
+        return TransferTimeoutError(f"{what}: no completion before the deadline")
+    if -err in _PEER_ERRNOS:
+        return PeerError(str(base))
+    return base
+
+
+class DomainWorker:
+    """Endpoint + C worker + progress thread for one fi_info entry."""
+
+    def __init__(
+        self,
+        index: int,
+        info: Info,
+        on_imms: Callable[[list[tuple[int, int]]], None],
+        run_callback: Callable[..., None],
+        cpu: int | None = None,
+        max_inflight: int | None = None,
+    ) -> None:
+        self.index = index
+        self.info = info
+        self._on_imms = on_imms
+        self._run_callback = run_callback
+        self._cpu = cpu
+        self.stack = FabricStack(info)
+        self.address = self.stack.endpoint.name
+        # Stay under the provider's TX queue depth: spinning on EAGAIN at the limit collapses
+        # throughput on a busy machine, and a modest cap costs nothing on a quiet one.
+        cap = max_inflight or min(256, max(1, info.tx_size // 2))
+        self._worker = Worker(self.stack.endpoint, self.stack.cq, cap)
+        self._ids = itertools.count(1)
+        self._keys = itertools.count(1)
+        self._ops: dict[int, OnFinish] = {}
+        self._peers: dict[bytes, int] = {}
+        self._lock = threading.Lock()
+        self._deferred: deque[Callable[[], None]] = deque()
+        self._stopping = False
+        self.failure: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name=f"transfer-domain-{index}", daemon=True)
+        self._thread.start()
+
+    @property
+    def thread(self) -> threading.Thread:
+        return self._thread
+
+    def register(self, ptr: int, length: int, access: int, cuda_device: int | None) -> MemoryRegistration:
+        """Register with this domain. Without FI_MR_PROV_KEY keys must be unique per domain."""
+        prov_key = bool(self.info.mr_mode & lib.FI_MR_PROV_KEY)
+        key = 0 if prov_key else next(self._keys)
+        return MemoryRegistration(
+            self.stack.domain, ptr, length, access, key, self.stack.endpoint, cuda_device
+        )
+
+    def peer(self, address: bytes) -> int:
+        """fi_addr of a remote endpoint, inserted into the AV on first use."""
+        with self._lock:
+            fi_addr = self._peers.get(address)
+            if fi_addr is None:
+                fi_addr = self._peers[address] = self.stack.av.insert(address)
+            return fi_addr
+
+    def submit(self, build: Callable[[int], WriteOp], on_finish: OnFinish) -> None:
+        """Queue the op `build(op_id)` returns; `on_finish(error or None)` runs exactly once."""
+        op = build(next(self._ids))
+        with self._lock:  # against stop()/failure: an op is either failed by them or queued
+            if self.failure is not None:
+                raise TransferError(f"domain {self.index} progress thread failed") from self.failure
+            if self._stopping:
+                raise TransferError(f"domain {self.index} is closed")
+            self._ops[op.op_id] = on_finish
+            self._worker.submit(op)
+
+    def call_soon(self, callback: Callable[[], None]) -> None:
+        """Run `callback` on this domain's thread."""
+        self._deferred.append(callback)
+        self._worker.interrupt()
+
+    def pending(self) -> int:
+        return len(self._ops)
+
+    def stats(self) -> object:
+        return self._worker.stats()
+
+    def _run(self) -> None:
+        if self._cpu is not None:
+            os.sched_setaffinity(0, {self._cpu})  # 0 = this thread on Linux
+        try:
+            while not self._stopping:
+                events, imms, rc = self._worker.progress(_BUDGET_NS)
+                if rc < 0:
+                    raise fabric_error("fi_cq_read", rc)
+                for event in events:
+                    on_finish = self._ops.pop(event.op_id, None)
+                    if on_finish is not None:
+                        error = error_for(event.err, "rma write") if event.err else None
+                        self._run_callback(on_finish, error)
+                if imms:
+                    self._run_callback(self._on_imms, imms)
+                while self._deferred:
+                    self._run_callback(self._deferred.popleft())
+        except BaseException as exc:
+            logger.exception("domain %d progress thread failed", self.index)
+            with self._lock:
+                self.failure = exc
+            self._fail_all(TransferError(f"domain {self.index} progress failed: {exc}"))
+
+    def _fail_all(self, error: TransferError) -> None:
+        while self._ops:
+            _, on_finish = self._ops.popitem()
+            self._run_callback(on_finish, error)
+        while self._deferred:
+            self._run_callback(self._deferred.popleft())
+
+    def stop(self, drain_s: float) -> None:
+        """Wait up to `drain_s` for queued ops, stop the thread, fail what is left."""
+        deadline = time.monotonic() + drain_s
+        while self._ops and self._thread.is_alive() and time.monotonic() < deadline:
+            time.sleep(0.001)
+        with self._lock:
+            self._stopping = True
+        self._worker.interrupt()
+        self._thread.join()
+        self._fail_all(TransferError(f"engine closed before the operation finished (domain {self.index})"))
+
+    def close(self) -> None:
+        """After `stop()` and after every registration with this domain is closed."""
+        try:
+            self.stack.close()
+        finally:
+            if self.stack.endpoint.closed:
+                self._worker.free()
+            else:
+                logger.error("domain %d: endpoint not closed, C worker leaked on purpose", self.index)

@@ -1,0 +1,370 @@
+"""`TransferEngine`: one-sided RDMA writes with immediate data between processes (S5, S4c).
+
+The Python surface follows pplx-garden's TransferEngine: `register_memory` returns a local
+`MemoryRegion` and a `MemoryRegionDescriptor` (bytes) for peers; `submit_write`,
+`submit_paged_writes` and `submit_imm` take `on_done`/`on_error`; `expect_imm_count` fires
+once the receiver has counted the expected writes. Several domains (NICs) each run a
+`DomainWorker` progress thread; a paged write is cut into contiguous page ranges, one per
+domain. The receiver's immediate count is the truth of placement: a sender's `on_done` only
+means the provider is done with the source buffer.
+"""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import threading
+import time
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import numpy as np
+
+from transfer_core.domain_worker import DomainWorker
+from transfer_core.errors import TransferError
+from transfer_core.imm_counter import ImmCounterMap
+from transfer_core.memory import (
+    EngineAddress,
+    MemoryRegion,
+    MemoryRegionDescriptor,
+    check_pages,
+    check_range,
+    resolve_buffer,
+)
+from transfer_core.pyfabric import DEFAULT_PROVIDERS, WriteOp, find_infos, lib
+
+logger = logging.getLogger(__name__)
+
+OnDone = Callable[[], None]
+OnError = Callable[[TransferError], None]
+MAX_IMM = 2**32 - 1
+
+
+class _Completion:
+    """Fires exactly one of `on_done` / `on_error` for a transfer made of `parts` ops."""
+
+    def __init__(self, parts: int, on_done: OnDone | None, on_error: OnError | None,
+                 report: Callable[[BaseException], None]) -> None:
+        self._left = parts
+        self._failed = False
+        self._lock = threading.Lock()
+        self._on_done = on_done
+        self._on_error = on_error
+        self._report = report
+
+    def part_finished(self, error: TransferError | None) -> None:
+        with self._lock:
+            if self._failed:
+                return
+            if error is None:
+                self._left -= 1
+                if self._left:
+                    return
+            else:
+                self._failed = True
+        if error is None:
+            if self._on_done is not None:
+                self._on_done()
+        elif self._on_error is not None:
+            self._on_error(error)
+        else:
+            self._report(error)  # nobody listens: surface it on the owner's next call
+
+
+def _as_indices(pages: Any, what: str) -> np.ndarray:
+    indices = np.ascontiguousarray(np.asarray(pages).reshape(-1), dtype=np.int64)
+    if indices.size == 0:
+        raise ValueError(f"{what}: no pages")
+    return indices
+
+
+class TransferEngine:
+    """RMA writes with immediates over libfabric; see the module docstring."""
+
+    def __init__(
+        self,
+        provider: str | Sequence[str] = DEFAULT_PROVIDERS,
+        node: str | None = "127.0.0.1",
+        num_domains: int = 1,
+        cpus: Sequence[int] | None = None,
+        *,
+        hmem: bool = False,
+        delivery_complete: bool = False,
+        timeout_s: float = 30.0,
+        max_inflight: int | None = None,
+    ) -> None:
+        if num_domains < 1:
+            raise ValueError(f"num_domains must be >= 1, got {num_domains}")
+        self.timeout_s = timeout_s
+        self._errors: list[BaseException] = []
+        self._errors_lock = threading.Lock()
+        self._counters = ImmCounterMap(fire=self._fire)
+        self._regions: list[MemoryRegion] = []
+        self._names = itertools.count()
+        self._round_robin = itertools.count()
+        self._closed = False
+        self._threads: set[threading.Thread] = set()
+        infos = find_infos(provider, node=node, hmem=hmem, delivery_complete=delivery_complete)
+        # One entry per distinct NIC; with fewer NICs than domains, NICs get several domains.
+        by_domain = list({i.domain_name: i for i in reversed(infos)}.values())[::-1]
+        self._domains: list[DomainWorker] = []
+        try:
+            for d in range(num_domains):
+                cpu = cpus[d % len(cpus)] if cpus else None
+                self._domains.append(DomainWorker(
+                    d, by_domain[d % len(by_domain)], self._on_imms, self._guard, cpu, max_inflight
+                ))
+        except BaseException:
+            self.close()
+            raise
+        self._info = self._domains[0].info
+        self._threads = {w.thread for w in self._domains}
+        self._address = EngineAddress(self.provider, tuple(w.address for w in self._domains))
+
+    # -- identity ---------------------------------------------------------------------------
+
+    @property
+    def provider(self) -> str:
+        return self._domains[0].info.provider
+
+    @property
+    def num_domains(self) -> int:
+        return len(self._domains)
+
+    @property
+    def address(self) -> bytes:
+        """This engine's endpoints, for peers (an `EngineAddress` as bytes)."""
+        return self._address.to_bytes()
+
+    # -- memory -----------------------------------------------------------------------------
+
+    def register_memory(
+        self, buffer: Any, name: str | None = None
+    ) -> tuple[MemoryRegion, MemoryRegionDescriptor]:
+        """Register a bytes-like object, numpy array or contiguous torch tensor with every
+        domain. Read-only buffers can only be write sources. CUDA tensors need `hmem=True`
+        and a provider with FI_HMEM (Debian's libfabric has none)."""
+        self._check_open()
+        buf = resolve_buffer(buffer)
+        if buf.cuda_device is not None and not self._info.hmem:
+            raise ValueError(
+                f"provider {self.provider!r} was opened without FI_HMEM: cannot register CUDA "
+                "memory (use TransferEngine(hmem=True) with a CUDA-enabled libfabric)"
+            )
+        access = lib.FI_WRITE | (lib.FI_REMOTE_WRITE if buf.writable else 0)
+        name = name or f"mr{next(self._names)}"
+        registrations = []
+        try:
+            for worker in self._domains:
+                registrations.append(worker.register(buf.ptr, buf.nbytes, access, buf.cuda_device))
+        except BaseException:
+            for registration in registrations:
+                registration.close()
+            raise
+        descriptor = MemoryRegionDescriptor(
+            name=name,
+            provider=self.provider,
+            base=buf.ptr,
+            length=buf.nbytes,
+            virt_addr=bool(self._info.mr_mode & lib.FI_MR_VIRT_ADDR),
+            writable=buf.writable,
+            domains=tuple((w.address, r.key) for w, r in zip(self._domains, registrations)),
+        )
+        region = MemoryRegion(name, buf.ptr, buf.nbytes, buf.writable, tuple(registrations),
+                              descriptor, buf.keepalive)
+        self._regions.append(region)
+        return region, descriptor
+
+    def unregister_memory(self, region: MemoryRegion) -> None:
+        """Close a region's registrations; no transfer may still use it."""
+        self._regions.remove(region)
+        region.close()
+
+    # -- writes -----------------------------------------------------------------------------
+
+    def submit_write(
+        self,
+        src_mr: MemoryRegion,
+        offset: int,
+        length: int,
+        imm_data: int | None,
+        dst_mr: MemoryRegionDescriptor,
+        dst_offset: int,
+        on_done: OnDone | None = None,
+        on_error: OnError | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """One contiguous write of `length` bytes, optionally carrying `imm_data`."""
+        self._check_write(src_mr, dst_mr, imm_data)
+        if length <= 0:
+            raise ValueError(f"write length must be > 0, got {length}")
+        check_range(src_mr.name, src_mr.length, offset, length)
+        check_range(dst_mr.name, dst_mr.length, dst_offset, length)
+        d = next(self._round_robin) % len(self._domains)
+        done = _Completion(1, on_done, on_error, self._report)
+        self._submit(d, dst_mr, done, timeout_s, lambda op_id, dest, key, desc: WriteOp(
+            op_id, dest, 1, length, src_mr.ptr + offset, 0, desc,
+            dst_mr.remote_addr(dst_offset), 0, key, imm_data,
+        ), src_mr)
+
+    def submit_paged_writes(
+        self,
+        length: int,
+        src_mr: MemoryRegion,
+        src_page_indices: Sequence[int] | np.ndarray,
+        src_stride: int,
+        src_offset: int,
+        dst_mr: MemoryRegionDescriptor,
+        dst_page_indices: Sequence[int] | np.ndarray,
+        dst_stride: int,
+        dst_offset: int,
+        imm_data: int | None,
+        on_done: OnDone | None = None,
+        on_error: OnError | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """Page i goes from `src_offset + src_page_indices[i] * src_stride` to
+        `dst_offset + dst_page_indices[i] * dst_stride`, `length` bytes each, every write
+        carrying `imm_data`: the receiver counts len(pages) immediates. Page ranges are
+        striped over the domains; `on_done` fires once all pages are written."""
+        self._check_write(src_mr, dst_mr, imm_data)
+        src = _as_indices(src_page_indices, "src_page_indices")
+        dst = _as_indices(dst_page_indices, "dst_page_indices")
+        if src.size != dst.size:
+            raise ValueError(f"{src.size} source pages but {dst.size} destination pages")
+        if length <= 0 or src_stride <= 0 or dst_stride <= 0:
+            raise ValueError(f"length and strides must be > 0: {length}, {src_stride}, {dst_stride}")
+        check_pages(src_mr.name, src_mr.length, src, src_stride, src_offset, length)
+        check_pages(dst_mr.name, dst_mr.length, dst, dst_stride, dst_offset, length)
+        n = src.size
+        cuts = [n * d // len(self._domains) for d in range(len(self._domains) + 1)]
+        parts = [(d, cuts[d], cuts[d + 1]) for d in range(len(self._domains)) if cuts[d] < cuts[d + 1]]
+        done = _Completion(len(parts), on_done, on_error, self._report)
+        for d, lo, hi in parts:
+            self._submit(d, dst_mr, done, timeout_s, lambda op_id, dest, key, desc, lo=lo, hi=hi: WriteOp(
+                op_id, dest, hi - lo, length, src_mr.ptr + src_offset, src_stride, desc,
+                dst_mr.remote_addr(dst_offset), dst_stride, key, imm_data,
+                src_idx=src[lo:hi], dst_idx=dst[lo:hi],
+            ), src_mr)
+
+    def submit_imm(
+        self,
+        imm_data: int,
+        dst_mr: MemoryRegionDescriptor,
+        on_done: OnDone | None = None,
+        on_error: OnError | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
+        """A zero-byte write that only delivers `imm_data` to the owner of `dst_mr`."""
+        self._check_write(None, dst_mr, imm_data)
+        if imm_data is None:
+            raise ValueError("submit_imm needs an imm value")
+        d = next(self._round_robin) % len(self._domains)
+        done = _Completion(1, on_done, on_error, self._report)
+        self._submit(d, dst_mr, done, timeout_s, lambda op_id, dest, key, desc: WriteOp(
+            op_id, dest, 1, 0, 0, 0, None, dst_mr.remote_addr(0), 0, key, imm_data,
+        ), None)
+
+    # -- immediate counters -----------------------------------------------------------------
+
+    def expect_imm_count(self, imm: int, count: int, on_reached: OnDone) -> tuple[int, int] | None:
+        """Call `on_reached` (on an engine thread) once `count` writes carrying `imm` have
+        landed here, counting those that landed before this call; then forget `imm`."""
+        self._check_open()
+        return self._counters.expect(imm, count, on_reached)
+
+    def remove_imm_count(self, imm: int) -> tuple[int, int] | None:
+        """Drop the counter of `imm` (e.g. a cancelled request): (counted, expected) or None."""
+        return self._counters.remove(imm)
+
+    def stats(self) -> list[Any]:
+        """Per-domain counters of the C worker (writes, EAGAIN returns, immediates, ...)."""
+        return [w.stats() for w in self._domains]
+
+    # -- lifecycle --------------------------------------------------------------------------
+
+    def close(self, drain_s: float = 5.0) -> None:
+        """Let queued ops finish (up to `drain_s`), fail the rest through `on_error`, then
+        close threads, registrations and endpoints. Idempotent."""
+        if self._closed:
+            return
+        self._closed = True
+        for worker in self._domains:
+            worker.stop(drain_s)
+        for region in self._regions:
+            region.close()
+        self._regions.clear()
+        for worker in self._domains:
+            worker.close()
+
+    def __enter__(self) -> TransferEngine:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- internals --------------------------------------------------------------------------
+
+    def _submit(self, d: int, dst_mr: MemoryRegionDescriptor, done: _Completion,
+                timeout_s: float | None, build: Callable[..., WriteOp],
+                src_mr: MemoryRegion | None) -> None:
+        worker = self._domains[d]
+        address, key = dst_mr.domains[d % len(dst_mr.domains)]
+        dest = worker.peer(address)
+        desc = src_mr.registrations[d].desc if src_mr is not None else None
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        deadline = time.monotonic_ns() + int(timeout * 1e9)
+
+        def make(op_id: int) -> WriteOp:
+            op = build(op_id, dest, key, desc)
+            op.c.deadline_ns = deadline
+            op.keep(src_mr)  # the source memory outlives every in-flight write
+            return op
+
+        worker.submit(make, done.part_finished)
+
+    def _check_write(self, src_mr: MemoryRegion | None, dst_mr: MemoryRegionDescriptor,
+                     imm_data: int | None) -> None:
+        self._check_open()
+        if src_mr is not None and src_mr not in self._regions:
+            raise ValueError(f"region {src_mr.name!r} is not registered with this engine")
+        if dst_mr.provider != self.provider:
+            raise ValueError(f"region {dst_mr.name!r} is on provider {dst_mr.provider!r}, "
+                             f"this engine uses {self.provider!r}")
+        if not dst_mr.writable:
+            raise ValueError(f"region {dst_mr.name!r} is read-only at its owner")
+        if imm_data is not None and not 0 <= imm_data <= MAX_IMM:
+            raise ValueError(f"imm_data must fit in 32 bits, got {imm_data}")
+
+    def _check_open(self) -> None:
+        if self._closed:
+            raise TransferError("engine is closed")
+        with self._errors_lock:
+            if self._errors:
+                raise self._errors.pop(0)
+
+    def _report(self, error: BaseException) -> None:
+        logger.error("transfer engine: %s", error)
+        with self._errors_lock:
+            self._errors.append(error)
+
+    def _guard(self, callback: Callable[..., None], *args: Any) -> None:
+        """Run a user callback on an engine thread; its exception is kept for the owner."""
+        try:
+            callback(*args)
+        except Exception as exc:
+            logger.exception("transfer engine callback failed")
+            self._report(exc)
+
+    def _on_imms(self, imms: list[tuple[int, int]]) -> None:
+        for imm, count in imms:
+            self._counters.on_imm(imm, count)
+
+    def _fire(self, callback: OnDone) -> None:
+        if threading.current_thread() in self._threads:
+            self._guard(callback)
+        else:
+            self._domains[0].call_soon(callback)
