@@ -216,8 +216,8 @@ class CounterPoller:
 
     def start(self) -> None:
         """Read every counter's current value as the baseline and start the thread."""
-        if self._thread is not None:
-            raise RuntimeError("CounterPoller.start() called twice")
+        if self._thread is not None or self._stop[0]:
+            raise RuntimeError("a CounterPoller starts once and cannot restart after stop()")
         for i in range(len(self._counters)):
             self._last[i] = lib.tc_load_acquire(self._words[i])
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)

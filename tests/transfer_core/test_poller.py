@@ -149,6 +149,15 @@ def test_stop_is_clean_quick_and_idempotent(counter: torch.Tensor) -> None:
     poller.stop(timeout=1.0)
 
 
+def test_cannot_restart_after_stop(counter: torch.Tensor) -> None:
+    """A stopped poller stays stopped; make a new one instead."""
+    poller = CounterPoller([counter], _Recorder())
+    poller.start()
+    poller.stop()
+    with pytest.raises(RuntimeError, match="cannot restart"):
+        poller.start()
+
+
 def test_wait_for_times_out(counter: torch.Tensor) -> None:
     """Waiting for a value that never comes raises TransferTimeoutError."""
     with CounterPoller([counter], _Recorder()) as poller, pytest.raises(TransferTimeoutError):
