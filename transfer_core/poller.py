@@ -6,46 +6,7 @@ transfers without any Python inside the forward pass or the captured CUDA graph 
 tensor parallelism only the leader rank's counter is watched (S3c). The wait is C
 (`transfer_core._poller`, GIL released); this module is the thread, the callbacks and errors.
 It does not interpret values: layers and forward indices are the consumer's business.
-
-NOTE (the reporting contract). Each counter is read as a snapshot; the poller never invents
-values it did not read. If the counter moved several times between two reads, ONE call
-reports the whole jump: `on_change(i, old=3, new=6)` means the steps 4, 5 and 6 all happened,
-and the consumer must act on each of them. Reports of one counter chain exactly: every `old`
-is the previous report's `new` (the first `old` is the value read at `start()`), so the union
-of the half-open ranges `(old, new]` is every step, each once, in order. For the model's
-monotonic counter, `layer = (value - 1) % num_layers`. Callbacks run on the poller thread, one
-at a time, in index order within a snapshot; a slow callback delays later reports but loses
-none. An exception from a callback stops the thread and is re-raised by `check()` or `stop()`.
-
-NOTE (memory ordering: why the KV of layer i is readable once the counter shows i).
-CPU. The model thread appends layer i's KV (plain stores into the KV tensor), then runs
-`counter.add_(1)` on a CPU int64 tensor: an aligned 8-byte store, so the poller never sees a
-torn value. The poller reads with `__atomic_load_n(..., __ATOMIC_ACQUIRE)`: once it sees the
-new value, its later reads (and the reads of threads it hands work to through a lock or
-queue, e.g. the libfabric tcp provider copying from the KV region) cannot be satisfied from
-before that load. On x86-64 (TSO) stores become visible in program order, so the KV stores
-are visible before the counter store and acquire on the reader is all that is needed. On
-weakly ordered CPUs (aarch64) torch's plain store gives no release order; a writer there that
-needs the guarantee should bump with `bump_release(counter)` from this module.
-GPU. The counter is a word of mapped pinned host memory (`cuda_host.MappedCounter`); a
-kernel captured in the CUDA graph does `add_(1)` on its device alias after layer i's output
-projection. On one stream a kernel starts only after the previous one has completed, so when
-the bump kernel runs, the kernel that appended layer i's KV (several kernels earlier, before
-attention) has finished and its writes sit in GPU memory (L2 is the point of coherence for
-device memory, and PCIe peer reads by a NIC or copy-engine reads go through it). The bump is
-a posted PCIe write into host memory; x86 DMA is cache coherent, so the acquire load sees it
-without flushes. Hence a NIC that starts reading layer i's KV after the host saw the count is
-reading a completed kernel's output. Honest limits: (1) the CUDA docs promise this visibility
-to third-party readers only after a host-side synchronisation (event or stream sync); the
-argument above relies on kernel completion in stream order, which is how the hardware works,
-not a documented contract. (2) `__threadfence_system()` orders the writes of the calling
-thread, as seen by all observers including the host and peers, before its later writes; it
-is cumulative, so a bump kernel doing `__threadfence_system()` before its store would make
-the ordering formal, but torch's `add_` does not issue it, and a fence in the KV-append
-kernel alone would not order writes of other threads. (3) Programmatic dependent launch or
-running the bump on another stream would break the argument. (4) With TP, the leader's bump
-follows the output projection's all-reduce, which no rank enters before its own KV append
-has completed (S3c). Never use write-combined memory for counters: the CPU reads them.
+Read the two NOTEs below (reporting contract, memory ordering) before using it.
 """
 
 from __future__ import annotations
@@ -66,6 +27,49 @@ except ImportError as exc:  # pragma: no cover - only without a build
         "transfer_core._poller is not built: run `pip install -e .` or "
         "`python transfer_core/_poller_build.py` from the repository root"
     ) from exc
+
+# NOTE (the reporting contract). Each counter is read as a snapshot; the poller never invents
+# values it did not read. If the counter moved several times between two reads, ONE call
+# reports the whole jump: `on_change(i, old=3, new=6)` means the steps 4, 5 and 6 all happened,
+# and the consumer must act on each of them. Reports of one counter chain exactly: every `old`
+# is the previous report's `new` (the first `old` is the value read at `start()`), so the union
+# of the half-open ranges `(old, new]` is every step, each once, in order. For the model's
+# monotonic counter, `layer = (value - 1) % num_layers`. Callbacks run on the poller thread, one
+# at a time, in index order within a snapshot; a slow callback delays later reports but loses
+# none. Callbacks need the GIL: a Python-busy thread elsewhere can delay one by up to
+# `sys.getswitchinterval()` (the C wait itself never holds the GIL). An exception from a
+# callback stops the thread and is re-raised by `check()` or `stop()`.
+#
+# NOTE (memory ordering: why the KV of layer i is readable once the counter shows i).
+# CPU. The model thread appends layer i's KV (plain stores into the KV tensor), then runs
+# `counter.add_(1)` on a CPU int64 tensor: an aligned 8-byte store, so the poller never sees a
+# torn value. The poller reads with `__atomic_load_n(..., __ATOMIC_ACQUIRE)`: once it sees the
+# new value, its later reads (and the reads of threads it hands work to through a lock or
+# queue, e.g. the libfabric tcp provider copying from the KV region) cannot be satisfied from
+# before that load. On x86-64 (TSO) stores become visible in program order, so the KV stores
+# are visible before the counter store and acquire on the reader is all that is needed. On
+# weakly ordered CPUs (aarch64) torch's plain store gives no release order; a writer there that
+# needs the guarantee should bump with `bump_release(counter)` from this module.
+# GPU. The counter is a word of mapped pinned host memory (`cuda_host.MappedCounter`); a
+# kernel captured in the CUDA graph does `add_(1)` on its device alias after layer i's output
+# projection. On one stream a kernel starts only after the previous one has completed, so when
+# the bump kernel runs, the kernel that appended layer i's KV (several kernels earlier, before
+# attention) has finished and its writes sit in GPU memory (L2 is the point of coherence for
+# device memory, and PCIe peer reads by a NIC or copy-engine reads go through it). The bump is
+# a posted PCIe write into host memory; x86 DMA is cache coherent, so the acquire load sees it
+# without flushes. Hence a NIC that starts reading layer i's KV after the host saw the count is
+# reading a completed kernel's output. Honest limits: (1) the CUDA docs promise this visibility
+# to third-party readers only after a host-side synchronisation (event or stream sync); the
+# argument above relies on kernel completion in stream order, which is how the hardware works,
+# not a documented contract. (2) `__threadfence_system()` orders the writes of the calling
+# thread, as seen by all observers including the host and peers, before its later writes; it
+# is cumulative, so a bump kernel doing `__threadfence_system()` before its store would make
+# the ordering formal, but torch's `add_` does not issue it, and a fence in the KV-append
+# kernel alone would not order writes of other threads. (3) Programmatic dependent launch or
+# running the bump on another stream would break the argument. (4) With TP, the leader's bump
+# follows the output projection's all-reduce, which cannot finish before every rank has
+# entered it, i.e. after each rank's own KV append kernel has completed (S3c). Never use
+# write-combined memory for counters: the CPU reads them.
 
 logger = logging.getLogger(__name__)
 
