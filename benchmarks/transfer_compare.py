@@ -1,0 +1,279 @@
+"""Our transfer core against peer engines (NIXL, Mooncake), side by side in one run (S5).
+
+Every contender runs the same workload (2048 pages of 64 KiB into shuffled slots of another
+process's region, checksum-verified, plus a 4 KiB write latency): ours through
+`benchmarks/transfer.py --json --provider {tcp,shm}`, the peers through the harnesses in
+`benchmarks/peers/` under `.venv-peers` (skipped with a note when that venv is missing).
+Runs are interleaved round-robin, each after the CPUs have been quiet for a moment; medians
+and spread go to a rich table and to JSON with the ratios ours/peer per transport class.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import logging
+import os
+import platform
+import statistics
+import subprocess
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+
+from rich.console import Console
+from rich.table import Table
+
+ROOT = Path(__file__).resolve().parent.parent
+PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
+METRICS = ("gbps", "us_per_page", "latency_us_p50", "latency_us_p99")
+log = logging.getLogger("transfer_compare")
+
+
+@dataclass(frozen=True, slots=True)
+class Contender:
+    engine: str
+    transport: str  # the transport class: "tcp" or "shm"
+    cmd: tuple[str, ...]
+
+
+@dataclass(frozen=True, slots=True)
+class Quiet:
+    quiet: bool
+    waited_s: float
+    busy: float  # fraction of CPU time not idle over the last window
+
+
+@dataclass(slots=True)
+class Run:
+    engine: str
+    transport: str
+    repeat: int
+    quiet: Quiet
+    result: dict | None = None
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Summary:
+    engine: str
+    transport: str
+    runs_ok: int
+    runs_total: int
+    quiet_runs: int
+    verified: bool
+    median: dict[str, float] = field(default_factory=dict)
+    low: dict[str, float] = field(default_factory=dict)
+    high: dict[str, float] = field(default_factory=dict)
+
+
+def _cpu_times() -> tuple[int, int]:
+    """(total, idle) jiffies over all CPUs; idle counts iowait too."""
+    with open("/proc/stat") as f:
+        fields = [int(x) for x in f.readline().split()[1:]]
+    return sum(fields[:8]), fields[3] + fields[4]
+
+
+def cpu_busy(window_s: float) -> float:
+    total0, idle0 = _cpu_times()
+    time.sleep(window_s)
+    total1, idle1 = _cpu_times()
+    return 1.0 - (idle1 - idle0) / max(total1 - total0, 1)
+
+
+def wait_quiet(threshold: float = 0.10, window_s: float = 2.0, cap_s: float = 60.0) -> Quiet:
+    """Wait until the CPUs were < threshold busy for a whole window; give up after cap_s."""
+    start = time.monotonic()
+    while True:
+        busy = cpu_busy(window_s)
+        waited = time.monotonic() - start
+        if busy < threshold:
+            return Quiet(True, waited, busy)
+        if waited >= cap_s:
+            log.warning("CPUs still %.0f%% busy after %.0f s; running anyway", busy * 100, waited)
+            return Quiet(False, waited, busy)
+
+
+def _last_json(stdout: str) -> dict:
+    for line in reversed(stdout.strip().splitlines()):
+        if line.startswith("{"):
+            return json.loads(line)
+    raise ValueError("no JSON object on stdout")
+
+
+def run_once(c: Contender, repeat: int, quiet: Quiet, timeout_s: float) -> Run:
+    run = Run(c.engine, c.transport, repeat, quiet)
+    try:
+        proc = subprocess.run(
+            c.cmd, cwd=ROOT, capture_output=True, text=True, timeout=timeout_s, check=False
+        )
+    except subprocess.TimeoutExpired:
+        run.error = f"timed out after {timeout_s:.0f} s"
+        return run
+    try:
+        result = _last_json(proc.stdout)
+    except ValueError as exc:
+        tail = proc.stderr.strip().splitlines()[-3:]
+        run.error = f"exit {proc.returncode}, {exc}: {' | '.join(tail)}"
+        return run
+    if "error" in result:
+        run.error = result["error"]
+    elif proc.returncode not in (0, 1):  # 1 = ran but failed verification: keep the numbers
+        run.error = f"exit {proc.returncode}"
+    else:
+        run.result = result
+    return run
+
+
+def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
+    ours = [
+        Contender("ours", p, (sys.executable, "benchmarks/transfer.py", "--json", "--provider", p))
+        for p in ("tcp", "shm")
+    ]
+    if not (ROOT / "benchmarks" / "transfer.py").exists():
+        notes.append("benchmarks/transfer.py is missing: our transfer core was not measured")
+        ours = []
+    if not PEERS_PYTHON.exists():
+        notes.append(f"{PEERS_PYTHON} missing: peers skipped (run benchmarks/peers/setup_peers.sh)")
+        return ours
+    work = ("--pages", str(args.pages), "--page-size", str(args.page_size))
+    py = str(PEERS_PYTHON)
+    nixl, mooncake = "benchmarks/peers/nixl_peer.py", "benchmarks/peers/mooncake_peer.py"
+    return ours + [
+        Contender("nixl-ucx", "tcp", (py, nixl, "--transport", "tcp", *work)),
+        Contender("nixl-ucx", "shm", (py, nixl, "--transport", "shm", *work)),
+        Contender("mooncake", "tcp", (py, mooncake, "--transport", "tcp", *work)),
+    ]
+
+
+def summarise(runs: list[Run], c: Contender) -> Summary:
+    mine = [r for r in runs if (r.engine, r.transport) == (c.engine, c.transport)]
+    ok = [r.result for r in mine if r.result is not None]
+    s = Summary(
+        c.engine, c.transport, len(ok), len(mine), sum(r.quiet.quiet for r in mine),
+        verified=bool(ok) and all(bool(r.get("verified")) for r in ok),
+    )
+    for m in METRICS:
+        values = [float(r[m]) for r in ok if r.get(m) is not None]
+        if values:
+            s.median[m] = statistics.median(values)
+            s.low[m], s.high[m] = min(values), max(values)
+    return s
+
+
+def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
+    """ours/peer per transport class: > 1 on gbps and < 1 on latency means we are ahead."""
+    out: dict[str, dict[str, dict[str, float]]] = {}
+    by_key = {(s.engine, s.transport): s for s in summaries}
+    for s in summaries:
+        ours = by_key.get(("ours", s.transport))
+        if s.engine == "ours" or ours is None or "gbps" not in ours.median or not s.median:
+            continue
+        out.setdefault(s.transport, {})[s.engine] = {
+            f"{m}_ours_over_peer": ours.median[m] / s.median[m] for m in METRICS if s.median.get(m)
+        }
+    return out
+
+
+def _cell(s: Summary, m: str, fmt: str) -> str:
+    if m not in s.median:
+        return "-"
+    return f"{s.median[m]:{fmt}} [{s.low[m]:{fmt}}-{s.high[m]:{fmt}}]"
+
+
+def print_tables(summaries: list[Summary], ratio: dict, notes: list[str]) -> None:
+    console = Console()
+    table = Table(title="Peer workload: median [min-max] over repeats")
+    for col in ("engine", "class", "GB/s", "µs/page", "lat p50 µs", "lat p99 µs", "ok", "quiet"):
+        table.add_column(col)
+    for s in summaries:
+        table.add_row(
+            s.engine, s.transport, _cell(s, "gbps", ".2f"), _cell(s, "us_per_page", ".1f"),
+            _cell(s, "latency_us_p50", ".1f"), _cell(s, "latency_us_p99", ".1f"),
+            f"{s.runs_ok}/{s.runs_total}{'' if s.verified else ' UNVERIFIED'}",
+            f"{s.quiet_runs}/{s.runs_total}",
+        )
+    console.print(table)
+    rt = Table(title="ours / peer (GB/s: > 1 is ahead; latency: < 1 is ahead)")
+    for col in ("class", "peer", "GB/s", "lat p50", "lat p99"):
+        rt.add_column(col)
+    for cls, peers in ratio.items():
+        for peer, r in peers.items():
+            rt.add_row(cls, peer, *(
+                f"{r[k]:.2f}" if k in r else "-"
+                for k in ("gbps_ours_over_peer", "latency_us_p50_ours_over_peer",
+                          "latency_us_p99_ours_over_peer")
+            ))
+    console.print(rt)
+    for note in notes:
+        console.print(f"[yellow]note:[/yellow] {note}")
+
+
+def _peer_versions() -> dict[str, str]:
+    if not PEERS_PYTHON.exists():
+        return {}
+    code = (
+        "import importlib.metadata as m, json\n"
+        "out = {}\n"
+        "for p in ('nixl-cu12', 'mooncake-transfer-engine-non-cuda'):\n"
+        "    try: out[p] = m.version(p)\n"
+        "    except m.PackageNotFoundError: out[p] = 'not installed'\n"
+        "print(json.dumps(out))"
+    )
+    proc = subprocess.run([str(PEERS_PYTHON), "-c", code], capture_output=True, text=True)
+    return json.loads(proc.stdout) if proc.returncode == 0 else {"error": proc.stderr[-200:]}
+
+
+def main() -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--repeats", type=int, default=5)
+    parser.add_argument("--pages", type=int, default=2048, help="peers only (ours: its default)")
+    parser.add_argument("--page-size", type=int, default=64 * 1024, help="bytes, peers only")
+    parser.add_argument("--only", nargs="*", default=None, help="engine names to run")
+    parser.add_argument("--quiet-threshold", type=float, default=0.10)
+    parser.add_argument("--quiet-cap", type=float, default=60.0, help="max seconds to wait")
+    parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
+    parser.add_argument("--out", type=Path, default=ROOT / "out" / "transfer_compare.json")
+    args = parser.parse_args()
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+
+    notes: list[str] = []
+    todo = [c for c in contenders(args, notes) if args.only is None or c.engine in args.only]
+    runs: list[Run] = []
+    # Round-robin, not engine after engine: slow drifts in background load hit everyone alike.
+    for repeat in range(args.repeats):
+        for c in todo:
+            quiet = wait_quiet(args.quiet_threshold, 2.0, args.quiet_cap)
+            run = run_once(c, repeat, quiet, args.timeout)
+            got = f"{run.result['gbps']:.2f} GB/s" if run.result else f"error: {run.error}"
+            log.info("%s/%s #%d (quiet=%s): %s", c.engine, c.transport, repeat, quiet.quiet, got)
+            runs.append(run)
+    summaries = [summarise(runs, c) for c in todo]
+    ratio = ratios(summaries)
+    for s in summaries:
+        if s.runs_ok < s.runs_total:
+            errors = {r.error for r in runs if (r.engine, r.transport) == (s.engine, s.transport)}
+            notes.append(f"{s.engine}/{s.transport}: {errors - {None}}")
+    report = {
+        "workload": {"pages": args.pages, "page_bytes": args.page_size, "repeats": args.repeats},
+        "env": {
+            "cpus": len(os.sched_getaffinity(0)),
+            "kernel": platform.release(),
+            "python": platform.python_version(),
+            "peers": _peer_versions(),
+        },
+        "summaries": [asdict(s) for s in summaries],
+        "ratios": ratio,
+        "runs": [asdict(r) for r in runs],
+        "notes": notes,
+    }
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(report, indent=2))
+    print_tables(summaries, ratio, notes)
+    log.info("wrote %s", args.out)
+    return 0 if all(s.runs_ok == s.runs_total and s.verified for s in summaries) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
