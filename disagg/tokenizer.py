@@ -8,7 +8,6 @@ cutting a UTF-8 character in half.
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from pathlib import Path
 
@@ -16,8 +15,6 @@ from tokenizers import AddedToken, decoders, models, pre_tokenizers, processors
 from tokenizers import Tokenizer as Backend
 
 from disagg.errors import ModelLoadError
-
-logger = logging.getLogger(__name__)
 
 # llama.cpp token types (`tokenizer.ggml.token_type`).
 TOKEN_TYPE_CONTROL = 3

@@ -48,6 +48,7 @@ def load_model(spec: str) -> LoadedModel:
         return LoadedModel(config, state_dict, tokenizer)
     if spec in PRESETS:
         config = ModelConfig.from_name(spec)
+        logger.info("model %s: random weights (seed 0), no tokenizer", spec)
         return LoadedModel(config, init_random_weights(config), None)
     path = Path(spec).expanduser()
     if path.is_dir():
