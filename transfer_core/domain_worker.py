@@ -18,7 +18,15 @@ from collections import deque
 from collections.abc import Callable
 
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
-from transfer_core.pyfabric import FabricStack, Info, MemoryRegistration, Worker, WriteOp, lib
+from transfer_core.pyfabric import (
+    FabricStack,
+    Info,
+    MemoryRegistration,
+    Worker,
+    WriteOp,
+    check_peer_alive,
+    lib,
+)
 from transfer_core.pyfabric.errors import fabric_error
 
 logger = logging.getLogger(__name__)
@@ -89,11 +97,14 @@ class DomainWorker:
         )
 
     def peer(self, address: bytes) -> int:
-        """fi_addr of a remote endpoint, inserted into the AV on first use."""
+        """fi_addr of a remote endpoint, inserted into the AV on first use. Raises
+        FabricError for a shm peer that is gone (checked on every call: a stat)."""
         with self._lock:
             fi_addr = self._peers.get(address)
             if fi_addr is None:
                 fi_addr = self._peers[address] = self.stack.av.insert(address)
+            else:
+                check_peer_alive(address)
             return fi_addr
 
     def submit(self, build: Callable[[int], WriteOp], on_finish: OnFinish) -> None:

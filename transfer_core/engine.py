@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from transfer_core.domain_worker import DomainWorker
-from transfer_core.errors import TransferError
+from transfer_core.errors import FabricError, PeerError, TransferError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import (
     EngineAddress,
@@ -280,6 +280,10 @@ class TransferEngine:
         """Drop the counter of `imm` (e.g. a cancelled request): (counted, expected) or None."""
         return self._counters.remove(imm)
 
+    def imm_counted(self, imm: int) -> int:
+        """Arrivals of `imm` counted here and not yet consumed by a fired expectation."""
+        return self._counters.counted(imm)
+
     def stats(self) -> list[Any]:
         """Per-domain counters of the C worker (writes, EAGAIN returns, immediates, ...)."""
         return [w.stats() for w in self._domains]
@@ -313,7 +317,12 @@ class TransferEngine:
                 src_mr: MemoryRegion | None) -> None:
         worker = self._domains[d]
         address, key = dst_mr.domains[d % len(dst_mr.domains)]
-        dest = worker.peer(address)
+        try:
+            dest = worker.peer(address)
+        except FabricError as exc:  # an unreachable peer is reported like a failed write
+            error = PeerError(f"region {dst_mr.name!r}: peer unreachable: {exc}")
+            worker.call_soon(lambda: done.part_finished(error))
+            return
         desc = src_mr.registrations[d].desc if src_mr is not None else None
         timeout = self.timeout_s if timeout_s is None else timeout_s
         deadline = time.monotonic_ns() + int(timeout * 1e9)

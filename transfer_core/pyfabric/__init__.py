@@ -20,6 +20,7 @@ from .objects import (
     Fabric,
     FabricStack,
     MemoryRegistration,
+    check_peer_alive,
 )
 
 __all__ = [
@@ -41,6 +42,7 @@ __all__ = [
     "Worker",
     "WriteOp",
     "check",
+    "check_peer_alive",
     "ffi",
     "find_infos",
     "get_infos",

@@ -8,8 +8,10 @@ touches the data path: batched writes and CQ draining are in `datapath.Worker`.
 
 from __future__ import annotations
 
+import os
+
 from ._pyfabric import ffi, lib
-from .errors import check
+from .errors import FabricError, check
 from .info import Info
 
 
@@ -108,12 +110,29 @@ class AddressVector(_Fid):
         self.domain = domain
 
     def insert(self, address: bytes) -> int:
+        check_peer_alive(address)
         fi_addr = ffi.new("fi_addr_t *")
         rc = lib.fi_av_insert(self.handle, address, 1, fi_addr, 0, ffi.NULL)
         check("fi_av_insert", rc)
         if rc != 1:
             check("fi_av_insert", -lib.FI_EIO)
         return int(fi_addr[0])
+
+
+_SHM_PREFIX = b"fi_shm://"
+
+
+def check_peer_alive(address: bytes) -> None:
+    """Raise FabricError if `address` is a shm peer whose region (/dev/shm/<name>) is gone.
+
+    libfabric 1.17's shm segfaults in fi_av_insert on such an address, and small writes to a
+    peer that exited after insertion still complete locally; other providers: no-op."""
+    if not address.startswith(_SHM_PREFIX):
+        return
+    name = address[len(_SHM_PREFIX) :].split(b"\0", 1)[0].decode(errors="replace")
+    if "/" in name or not os.path.exists(f"/dev/shm/{name}"):
+        text = f"shm peer {name!r} is gone (no /dev/shm/{name})"
+        raise FabricError("fi_av_insert", lib.FI_EHOSTUNREACH, text)
 
 
 class Endpoint(_Fid):

@@ -1,0 +1,97 @@
+"""Bounds checks: a write outside its registered region is refused before posting (S5)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from transfer_core.engine import TransferEngine
+from transfer_core.errors import BoundsError
+from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_pages, check_range
+
+PAGE = 4096
+NUM_PAGES = 16
+
+
+def test_check_range_accepts_exact_fit() -> None:
+    """An access ending exactly at the region end is inside."""
+    check_range("r", 100, 60, 40)
+
+
+@pytest.mark.parametrize(("offset", "length"), [(61, 40), (-1, 1), (0, 101)])
+def test_check_range_names_region_and_offset(offset: int, length: int) -> None:
+    """The error names the region and the offending offset."""
+    with pytest.raises(BoundsError, match=rf"'kv'.*offset {offset}"):
+        check_range("kv", 100, offset, length)
+
+
+def test_check_pages_accepts_last_page() -> None:
+    """Page indices up to the last whole page fit."""
+    check_pages("r", NUM_PAGES * PAGE, np.arange(NUM_PAGES), PAGE, 0, PAGE)
+
+
+@pytest.mark.parametrize(
+    ("indices", "offset", "bad_entry"),
+    [([0, 3, 16, 2], 0, 2), ([5, -1], 0, 1), ([0, 15], 1, 1)],
+    ids=["past-end", "negative", "offset-pushes-out"],
+)
+def test_check_pages_names_first_bad_page(indices: list[int], offset: int, bad_entry: int) -> None:
+    """The first offending entry of the index array is named with its byte offset."""
+    arr = np.array(indices, dtype=np.int64)
+    page = int(arr[bad_entry])
+    with pytest.raises(BoundsError, match=rf"page {page} \(entry {bad_entry}\).*offset {offset + page * PAGE}"):
+        check_pages("dst", NUM_PAGES * PAGE, arr, PAGE, offset, PAGE)
+
+
+def test_check_pages_strided_slices() -> None:
+    """Head slices inside a page (offset + length <= stride) fit; one byte more does not."""
+    check_pages("r", NUM_PAGES * PAGE, np.arange(NUM_PAGES), PAGE, PAGE - 512, 512)
+    with pytest.raises(BoundsError):
+        check_pages("r", NUM_PAGES * PAGE, np.arange(NUM_PAGES), PAGE, PAGE - 511, 512)
+
+
+@pytest.fixture(scope="module")
+def engine() -> Iterator[TransferEngine]:
+    with TransferEngine("tcp") as eng:
+        yield eng
+
+
+@pytest.fixture(scope="module")
+def regions(engine: TransferEngine) -> tuple[MemoryRegion, MemoryRegionDescriptor]:
+    src, _ = engine.register_memory(np.zeros(NUM_PAGES * PAGE, np.uint8), name="src")
+    _, dst = engine.register_memory(np.zeros(NUM_PAGES * PAGE, np.uint8), name="dst")
+    return src, dst
+
+
+def _posted(engine: TransferEngine) -> int:
+    return sum(s.writes_posted for s in engine.stats())
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_engine_refuses_out_of_bounds_pages(engine: TransferEngine, regions, side: str) -> None:
+    """submit_paged_writes raises BoundsError naming the region and posts nothing."""
+    src, dst = regions
+    good, bad = np.arange(4), np.array([0, 1, NUM_PAGES, 2])
+    before = _posted(engine)
+    with pytest.raises(BoundsError, match=f"'{side}'"):
+        engine.submit_paged_writes(
+            PAGE, src, bad if side == "src" else good, PAGE, 0,
+            dst, bad if side == "dst" else good, PAGE, 0, 1,
+        )
+    assert _posted(engine) == before
+
+
+def test_engine_refuses_out_of_bounds_single_write(engine: TransferEngine, regions) -> None:
+    """submit_write past the destination end raises BoundsError before posting."""
+    src, dst = regions
+    with pytest.raises(BoundsError, match=r"'dst'.*offset 61440"):
+        engine.submit_write(src, 0, 2 * PAGE, None, dst, (NUM_PAGES - 1) * PAGE)
+
+
+def test_engine_refuses_mismatched_page_lists(engine: TransferEngine, regions) -> None:
+    """Source and destination page lists must pair up one to one."""
+    src, dst = regions
+    with pytest.raises(ValueError, match="3 source pages but 2"):
+        engine.submit_paged_writes(PAGE, src, [0, 1, 2], PAGE, 0, dst, [0, 1], PAGE, 0, 1)

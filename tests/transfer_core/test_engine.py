@@ -1,0 +1,151 @@
+"""In-process `TransferEngine` tests: two engines in this process over tcp and shm (S5).
+
+Fast checks of the API's contracts (registration, domains, callbacks, close); the
+cross-process behaviour is in test_engine_two_process.py.
+"""
+
+from __future__ import annotations
+
+import os
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from transfer_core import memory
+from transfer_core.engine import TransferEngine
+from transfer_core.errors import TransferError
+from transfer_core.memory import EngineAddress
+
+PAGE = 4096
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def engines(request: pytest.FixtureRequest) -> Iterator[tuple[TransferEngine, TransferEngine]]:
+    a, b = TransferEngine(request.param), TransferEngine(request.param, num_domains=2)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _wait(event: threading.Event) -> None:
+    assert event.wait(10.0), "callback did not fire"
+
+
+def test_address_lists_every_domain(engines) -> None:
+    """The address is an EngineAddress with one endpoint per domain."""
+    _, b = engines
+    address = EngineAddress.from_bytes(b.address)
+    assert address.provider == b.provider and len(address.domains) == 2
+
+
+def test_tensor_target_receives_striped_pages(engines) -> None:
+    """Pages written into a torch tensor of a 2-domain engine arrive; both domains count."""
+    a, b = engines
+    src = torch.arange(64 * PAGE // 4, dtype=torch.int32)
+    dst = torch.zeros_like(src)
+    src_mr, _ = a.register_memory(src)
+    _, dst_desc = b.register_memory(dst)
+    reached = threading.Event()
+    b.expect_imm_count(1, 64, reached.set)
+    a.submit_paged_writes(PAGE, src_mr, np.arange(64), PAGE, 0, dst_desc, np.arange(64)[::-1],
+                          PAGE, 0, 1)
+    _wait(reached)
+    assert torch.equal(dst.view(64, -1).flip(0), src.view(64, -1))
+
+
+def test_two_domains_stripe_page_ranges() -> None:
+    """A 2-domain sender cuts a paged write into two ranges, one per domain."""
+    with TransferEngine("tcp", num_domains=2) as a, TransferEngine("tcp") as b:
+        src_mr, _ = a.register_memory(np.ones(16 * PAGE, np.uint8))
+        _, dst_desc = b.register_memory(np.zeros(16 * PAGE, np.uint8))
+        done = threading.Event()
+        a.submit_paged_writes(PAGE, src_mr, np.arange(16), PAGE, 0, dst_desc, np.arange(16),
+                              PAGE, 0, 5, done.set)
+        _wait(done)
+        assert [s.writes_completed for s in a.stats()] == [8, 8]
+
+
+def test_bytes_source_is_read_only_target() -> None:
+    """bytes register as a source; writing into their descriptor is refused."""
+    with TransferEngine("tcp") as a:
+        src_mr, src_desc = a.register_memory(b"x" * PAGE)
+        assert not src_mr.writable
+        with pytest.raises(ValueError, match="read-only"):
+            a.submit_write(src_mr, 0, PAGE, None, src_desc, 0)
+
+
+def test_cuda_memory_needs_hmem(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without FI_HMEM a CUDA buffer is refused with a message naming the fix."""
+    fake = memory.BufferInfo(ptr=4096, nbytes=4096, writable=True, cuda_device=0, keepalive=None)
+    monkeypatch.setattr("transfer_core.engine.resolve_buffer", lambda _: fake)
+    with TransferEngine("tcp") as a, pytest.raises(ValueError, match="FI_HMEM"):
+        a.register_memory(object())
+
+
+def test_provider_mismatch_is_refused() -> None:
+    """A tcp engine cannot write into a region described by a shm engine."""
+    with TransferEngine("tcp") as a, TransferEngine("shm") as b:
+        src_mr, _ = a.register_memory(np.zeros(PAGE, np.uint8))
+        _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
+        with pytest.raises(ValueError, match="provider"):
+            a.submit_write(src_mr, 0, PAGE, None, desc, 0)
+
+
+def test_callback_exception_is_raised_on_next_call(engines) -> None:
+    """A raising on_done is not swallowed: the owner's next engine call re-raises it."""
+    a, b = engines
+    src_mr, _ = a.register_memory(np.zeros(PAGE, np.uint8))
+    _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
+    ran = threading.Event()
+
+    def explode() -> None:
+        ran.set()
+        raise RuntimeError("boom")
+
+    a.submit_imm(1, desc, explode)
+    _wait(ran)
+    with pytest.raises(RuntimeError, match="boom"):
+        for _ in range(1000):  # the callback's error is stored right after it returns
+            a.submit_imm(2, desc)
+            threading.Event().wait(0.001)
+
+
+def test_expectation_already_met_fires_on_engine_thread(engines) -> None:
+    """expect_imm_count after the arrivals fires at once, on an engine thread."""
+    a, b = engines
+    _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
+    sent = threading.Event()
+    a.submit_imm(9, desc, sent.set)
+    _wait(sent)
+    for _ in range(1000):
+        if b.imm_counted(9) == 1:
+            break
+        threading.Event().wait(0.002)
+    fired_on: list[str] = []
+    reached = threading.Event()
+    b.expect_imm_count(9, 1, lambda: (fired_on.append(threading.current_thread().name), reached.set()))
+    _wait(reached)
+    assert fired_on[0].startswith("transfer-domain-")
+
+
+def test_closed_engine_refuses_work() -> None:
+    """After close() (idempotent) every submit raises TransferError."""
+    a = TransferEngine("tcp")
+    src_mr, desc = a.register_memory(np.zeros(PAGE, np.uint8))
+    a.close()
+    a.close()
+    with pytest.raises(TransferError, match="closed"):
+        a.submit_write(src_mr, 0, PAGE, None, desc, 0)
+
+
+def test_close_leaves_no_shm_files() -> None:
+    """shm endpoints create /dev/shm/<pid>:... files; close() removes them (G12)."""
+    mine = f"{os.getpid()}:"
+    before = {f for f in os.listdir("/dev/shm") if f.startswith(mine)}
+    with TransferEngine("shm", num_domains=2) as a:
+        a.register_memory(np.zeros(PAGE, np.uint8))
+        assert len({f for f in os.listdir("/dev/shm") if f.startswith(mine)} - before) == 2
+    assert {f for f in os.listdir("/dev/shm") if f.startswith(mine)} == before

@@ -1,0 +1,172 @@
+"""Two-process `TransferEngine` tests over real libfabric providers on loopback (S5, S4c).
+
+The test process sends; a spawned receiver (`fabric_peer.Peer`) owns the destination region
+and counts immediates. Parametrized over tcp (the CI path) and shm.
+"""
+
+from __future__ import annotations
+
+import itertools
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from tests.transfer_core.fabric_peer import NUM_PAGES, PAGE, Peer, digest
+from transfer_core.engine import TransferEngine
+from transfer_core.errors import TransferError
+from transfer_core.memory import MemoryRegion
+
+pytestmark = pytest.mark.fabric
+
+WAIT_S = 20.0
+_imms = itertools.count(100)
+
+
+class _Callbacks:
+    """on_done / on_error of one request: counts every call, thread-safe."""
+
+    def __init__(self) -> None:
+        self.done = 0
+        self.errors: list[TransferError] = []
+        self.finished = threading.Event()
+        self._lock = threading.Lock()
+
+    def on_done(self) -> None:
+        with self._lock:
+            self.done += 1
+        self.finished.set()
+
+    def on_error(self, error: TransferError) -> None:
+        with self._lock:
+            self.errors.append(error)
+        self.finished.set()
+
+    @property
+    def calls(self) -> int:
+        return self.done + len(self.errors)
+
+
+@pytest.fixture(scope="module", params=["tcp", "shm"])
+def provider(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture(scope="module")
+def peer(provider: str) -> Iterator[Peer]:
+    p = Peer(provider)
+    yield p
+    p.stop()
+
+
+@pytest.fixture(scope="module")
+def sender(provider: str) -> Iterator[tuple[TransferEngine, MemoryRegion, np.ndarray]]:
+    """The local engine and a region of seeded random pages."""
+    data = np.random.default_rng(0).integers(0, 256, (NUM_PAGES, PAGE), dtype=np.uint8)
+    with TransferEngine(provider) as engine:
+        region, _ = engine.register_memory(data, name="src")
+        yield engine, region, data
+
+
+@pytest.fixture
+def fresh(peer: Peer) -> Peer:
+    peer.call("zero")
+    return peer
+
+
+def test_paged_writes_land_at_scattered_pages(sender, fresh: Peer) -> None:
+    """64 seeded pages to shuffled slots arrive byte-exact; the counter fires exactly once."""
+    engine, region, data = sender
+    imm, cb = next(_imms), _Callbacks()
+    src = np.arange(64)
+    dst = np.random.default_rng(1).permutation(NUM_PAGES)[:64]
+    fresh.call("expect", imm, 64)
+    engine.submit_paged_writes(PAGE, region, src, PAGE, 0, fresh.descriptor, dst, PAGE, 0, imm,
+                               cb.on_done, cb.on_error)
+    assert fresh.call("wait", imm, WAIT_S) == 1
+    assert cb.finished.wait(WAIT_S) and (cb.done, cb.errors) == (1, [])
+    assert fresh.call("digest", dst) == digest(data[src])
+
+
+def test_counter_fires_for_writes_landed_before_expectation(sender, fresh: Peer) -> None:
+    """All 16 writes counted at the receiver before `expect`: it fires at once, once."""
+    engine, region, _ = sender
+    imm, cb = next(_imms), _Callbacks()
+    engine.submit_paged_writes(PAGE, region, np.arange(16), PAGE, 0, fresh.descriptor,
+                               np.arange(16), PAGE, 0, imm, cb.on_done, cb.on_error)
+    assert cb.finished.wait(WAIT_S) and cb.done == 1
+    for _ in range(int(WAIT_S / 0.01)):
+        if fresh.call("counted", imm) == 16:
+            break
+        threading.Event().wait(0.01)
+    assert fresh.call("counted", imm) == 16
+    fresh.call("expect", imm, 16)
+    assert fresh.call("wait", imm, WAIT_S) == 1
+
+
+def test_counter_waits_for_exact_count(sender, fresh: Peer) -> None:
+    """15 of 16 writes do not fire the counter; the 16th does."""
+    engine, region, _ = sender
+    imm, first, last = next(_imms), _Callbacks(), _Callbacks()
+    fresh.call("expect", imm, 16)
+    engine.submit_paged_writes(PAGE, region, np.arange(15), PAGE, 0, fresh.descriptor,
+                               np.arange(15), PAGE, 0, imm, first.on_done, first.on_error)
+    assert first.finished.wait(WAIT_S) and first.done == 1
+    assert fresh.call("wait", imm, 0.3) == 0
+    engine.submit_write(region, 0, PAGE, imm, fresh.descriptor, 100 * PAGE, last.on_done, last.on_error)
+    assert fresh.call("wait", imm, WAIT_S) == 1
+
+
+def test_single_write_and_pure_immediate(sender, fresh: Peer) -> None:
+    """A contiguous 3-page write and a zero-byte immediate both count; the data lands."""
+    engine, region, data = sender
+    imm, write, signal = next(_imms), _Callbacks(), _Callbacks()
+    fresh.call("expect", imm, 2)
+    engine.submit_write(region, 5 * PAGE, 3 * PAGE, imm, fresh.descriptor, 40 * PAGE,
+                        write.on_done, write.on_error)
+    engine.submit_imm(imm, fresh.descriptor, signal.on_done, signal.on_error)
+    assert fresh.call("wait", imm, WAIT_S) == 1
+    assert write.finished.wait(WAIT_S) and signal.finished.wait(WAIT_S)
+    assert (write.done, signal.done) == (1, 1)
+    assert fresh.call("digest", [40, 41, 42]) == digest(data[5:8])
+
+
+def test_many_requests_in_flight(sender, fresh: Peer) -> None:
+    """32 requests of 8 pages, all submitted before any completes: each fires exactly once."""
+    engine, region, data = sender
+    imms = [next(_imms) for _ in range(32)]
+    for imm in imms:
+        fresh.call("expect", imm, 8)
+    callbacks = [_Callbacks() for _ in imms]
+    for r, (imm, cb) in enumerate(zip(imms, callbacks)):
+        pages = np.arange(8 * r, 8 * r + 8)
+        engine.submit_paged_writes(PAGE, region, pages, PAGE, 0, fresh.descriptor, pages[::-1],
+                                   PAGE, 0, imm, cb.on_done, cb.on_error)
+    assert [fresh.call("wait", imm, WAIT_S) for imm in imms] == [1] * 32
+    assert all(cb.finished.wait(WAIT_S) for cb in callbacks)
+    assert [(cb.done, cb.errors) for cb in callbacks] == [(1, [])] * 32
+    order = np.concatenate([np.arange(8 * r, 8 * r + 8)[::-1] for r in range(32)])
+    assert fresh.call("digest", order) == digest(data[:256])
+
+
+def test_dead_peer_reports_every_op_once(provider: str) -> None:
+    """After the receiver exits, every kind of op reaches on_error exactly once, also
+    counting what close() might still fire."""
+    gone = Peer(provider)
+    engine = TransferEngine(provider)
+    region, _ = engine.register_memory(np.zeros(8 * PAGE, np.uint8))
+    warm = _Callbacks()
+    engine.submit_write(region, 0, PAGE, None, gone.descriptor, 0, warm.on_done, warm.on_error)
+    assert warm.finished.wait(WAIT_S) and warm.done == 1  # connected, then the peer dies
+    gone.stop()
+    callbacks = [_Callbacks() for _ in range(3)]
+    engine.submit_paged_writes(PAGE, region, np.arange(8), PAGE, 0, gone.descriptor, np.arange(8),
+                               PAGE, 0, 1, callbacks[0].on_done, callbacks[0].on_error, timeout_s=1.0)
+    engine.submit_write(region, 0, PAGE, 2, gone.descriptor, 0, callbacks[1].on_done,
+                        callbacks[1].on_error, timeout_s=1.0)
+    engine.submit_imm(3, gone.descriptor, callbacks[2].on_done, callbacks[2].on_error, timeout_s=1.0)
+    assert all(cb.finished.wait(WAIT_S) for cb in callbacks)
+    engine.close()
+    assert [(cb.done, len(cb.errors)) for cb in callbacks] == [(0, 1)] * 3
+    assert all(isinstance(cb.errors[0], TransferError) for cb in callbacks)

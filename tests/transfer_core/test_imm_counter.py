@@ -1,0 +1,146 @@
+"""Unit tests of `ImmCounterMap` (S4c): expected counts, early arrivals, exactly-once firing."""
+
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from transfer_core.imm_counter import ImmCounterMap
+
+
+class _Recorder:
+    """A callback that counts how often it ran."""
+
+    def __init__(self) -> None:
+        self.calls = 0
+
+    def __call__(self) -> None:
+        self.calls += 1
+
+
+def test_fires_once_when_expected_count_reached() -> None:
+    """The callback runs at the n-th arrival, not before."""
+    counters, hit = ImmCounterMap(), _Recorder()
+    counters.expect(7, 3, hit)
+    counters.on_imm(7)
+    counters.on_imm(7)
+    assert hit.calls == 0
+    counters.on_imm(7)
+    assert hit.calls == 1
+
+
+def test_counter_is_removed_after_firing() -> None:
+    """Later arrivals of the same value do not fire the old callback again."""
+    counters, hit = ImmCounterMap(), _Recorder()
+    counters.expect(7, 1, hit)
+    counters.on_imm(7)
+    counters.on_imm(7)
+    assert hit.calls == 1
+    assert counters.pending() == {}
+
+
+def test_arrivals_before_expectation_count() -> None:
+    """Writes that land before `expect` count towards it; reaching it fires at once."""
+    counters, hit = ImmCounterMap(), _Recorder()
+    counters.on_imm(9, 4)
+    counters.expect(9, 4, hit)
+    assert hit.calls == 1
+    assert counters.counted(9) == 0
+
+
+def test_partial_early_arrivals_then_rest() -> None:
+    """Some writes before `expect`, the rest after: fires once at the total."""
+    counters, hit = ImmCounterMap(), _Recorder()
+    counters.on_imm(5, 2)
+    counters.expect(5, 5, hit)
+    counters.on_imm(5, 2)
+    assert hit.calls == 0
+    counters.on_imm(5)
+    assert hit.calls == 1
+
+
+def test_batched_arrivals_past_expectation_keep_surplus() -> None:
+    """A batch overshooting the expectation fires once and keeps the surplus counted."""
+    counters, hit = ImmCounterMap(), _Recorder()
+    counters.expect(3, 2, hit)
+    counters.on_imm(3, 5)
+    assert hit.calls == 1
+    assert counters.counted(3) == 3
+
+
+def test_values_are_independent() -> None:
+    """Arrivals of one value never advance another's counter."""
+    counters, a, b = ImmCounterMap(), _Recorder(), _Recorder()
+    counters.expect(1, 2, a)
+    counters.expect(2, 2, b)
+    counters.on_imm(1, 2)
+    assert (a.calls, b.calls) == (1, 0)
+
+
+def test_replacing_expectation_returns_previous_and_drops_it() -> None:
+    """pplx semantics: re-expecting returns (counted, expected) and discards the old one."""
+    counters, old, new = ImmCounterMap(), _Recorder(), _Recorder()
+    assert counters.expect(4, 3, old) is None
+    counters.on_imm(4)
+    assert counters.expect(4, 2, new) == (1, 3)
+    counters.on_imm(4, 2)
+    assert (old.calls, new.calls) == (0, 1)
+
+
+def test_remove_returns_state_and_forgets() -> None:
+    """remove() reports (counted, expected), then neither callback nor count survive."""
+    counters, hit = ImmCounterMap(), _Recorder()
+    counters.expect(8, 3, hit)
+    counters.on_imm(8)
+    assert counters.remove(8) == (1, 3)
+    counters.on_imm(8, 3)
+    assert hit.calls == 0
+    assert counters.remove(8) is None
+
+
+@pytest.mark.parametrize("count", [0, -1])
+def test_rejects_non_positive_count(count: int) -> None:
+    """An expected count below one is a caller bug."""
+    with pytest.raises(ValueError, match="expected count"):
+        ImmCounterMap().expect(1, count, _Recorder())
+
+
+def test_callbacks_go_through_fire_hook() -> None:
+    """The engine routes callbacks to its thread via `fire`; nothing runs inline."""
+    queued: list = []
+    counters, hit = ImmCounterMap(fire=queued.append), _Recorder()
+    counters.expect(1, 1, hit)
+    counters.on_imm(1)
+    assert hit.calls == 0 and len(queued) == 1
+    queued[0]()
+    assert hit.calls == 1
+
+
+def test_concurrent_arrivals_fire_each_counter_once() -> None:
+    """Four threads deliver shuffled arrivals of 50 values: every counter fires exactly once."""
+    counters = ImmCounterMap()
+    hits = {imm: _Recorder() for imm in range(50)}
+    lock = threading.Lock()
+
+    def locked(rec: _Recorder):
+        def fire() -> None:
+            with lock:
+                rec()
+        return fire
+
+    arrivals = [imm for imm in range(50) for _ in range(40)]
+    random.Random(0).shuffle(arrivals)
+    for imm in range(0, 50, 2):  # half expected up front, half after the arrivals started
+        counters.expect(imm, 40, locked(hits[imm]))
+    threads = [threading.Thread(target=lambda s=s: [counters.on_imm(i) for i in arrivals[s::4]])
+               for s in range(4)]
+    for t in threads:
+        t.start()
+    for imm in range(1, 50, 2):
+        counters.expect(imm, 40, locked(hits[imm]))
+    for t in threads:
+        t.join()
+    assert all(h.calls == 1 for h in hits.values())
+    assert counters.pending() == {}

@@ -1,0 +1,150 @@
+"""Tests of the `pyfabric` binding in one process: discovery, errors, MRs, the C data path (S5)."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+
+from transfer_core import pyfabric as pf
+from transfer_core.errors import FabricError, ProviderNotFoundError
+from transfer_core.pyfabric import lib
+
+ACCESS = lib.FI_WRITE | lib.FI_REMOTE_WRITE
+PAGE = 4096
+
+
+@pytest.fixture(params=["tcp", "shm"])
+def provider(request: pytest.FixtureRequest) -> str:
+    return request.param
+
+
+@pytest.fixture
+def pair(provider: str) -> Iterator[tuple[pf.FabricStack, pf.FabricStack]]:
+    """Two endpoints of one provider in this process."""
+    info = pf.find_infos(provider)[0]
+    a, b = pf.FabricStack(info), pf.FabricStack(info)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def test_alias_resolves_to_preference_list() -> None:
+    """"tcp" means the tcp class in every libfabric version's spelling."""
+    assert pf.resolve_providers("tcp") == ("tcp;ofi_rxm", "tcp", "net")
+    assert pf.resolve_providers(["shm"]) == ("shm",)
+
+
+def test_find_infos_tcp_pins_loopback() -> None:
+    """The default node keeps tcp on lo and reports what the data path needs."""
+    info = pf.find_infos("tcp")[0]
+    assert info.domain_name == "lo"
+    assert info.cq_data_size >= 4 and info.tx_size > 0
+
+
+def test_unknown_provider_raises() -> None:
+    """A preference list with nothing available names what was tried."""
+    with pytest.raises(ProviderNotFoundError, match="no-such-provider"):
+        pf.find_infos(["no-such-provider"])
+
+
+def test_fabric_error_carries_strerror() -> None:
+    """check() turns a negative return into FabricError(call, errno, fi_strerror)."""
+    with pytest.raises(FabricError, match="fi_demo failed: .*fi errno 11") as info:
+        pf.check("fi_demo", -lib.FI_EAGAIN)
+    assert info.value.errno == lib.FI_EAGAIN and info.value.text
+
+
+def test_duplicate_requested_key_is_rejected(pair) -> None:
+    """Requested keys must be unique per domain: libfabric says FI_ENOKEY (G8)."""
+    a, _ = pair
+    if a.info.mr_mode & lib.FI_MR_PROV_KEY:
+        pytest.skip("provider chooses keys")
+    buf = np.zeros(PAGE, np.uint8)
+    mr = pf.MemoryRegistration(a.domain, buf.ctypes.data, buf.nbytes, ACCESS, 42, a.endpoint)
+    try:
+        with pytest.raises(FabricError, match="fi_mr_reg") as info:
+            pf.MemoryRegistration(a.domain, buf.ctypes.data, buf.nbytes, ACCESS, 42, a.endpoint)
+        assert info.value.errno == lib.FI_ENOKEY
+    finally:
+        mr.close()
+
+
+def test_dead_shm_address_is_refused() -> None:
+    """Inserting a closed shm peer would crash libfabric 1.17; it raises instead."""
+    info = pf.find_infos("shm")[0]
+    a, b = pf.FabricStack(info), pf.FabricStack(info)
+    gone = b.endpoint.name
+    b.close()
+    try:
+        with pytest.raises(FabricError, match="is gone"):
+            a.av.insert(gone)
+    finally:
+        a.close()
+
+
+def _drive(workers: list[pf.Worker], until: float = 5.0) -> tuple[list[pf.Event], dict[int, int]]:
+    """Poll every worker (one thread, so the target progresses too, G17) until an event."""
+    events: list[pf.Event] = []
+    imms: dict[int, int] = {}
+    deadline = time.monotonic() + until
+    while not events and time.monotonic() < deadline:
+        for w in workers:
+            ev, got, rc = w.progress(200_000)
+            assert rc == 0
+            events += ev
+            for imm, n in got:
+                imms[imm] = imms.get(imm, 0) + n
+    return events, imms
+
+
+def test_worker_paged_write_lands_scattered(pair) -> None:
+    """One WriteOp of 32 pages lands byte-exact at permuted slots, with 32 immediates."""
+    a, b = pair
+    rng = np.random.default_rng(0)
+    src = rng.integers(0, 256, (32, PAGE), dtype=np.uint8)
+    dst = np.zeros_like(src)
+    mr_a = pf.MemoryRegistration(a.domain, src.ctypes.data, src.nbytes, ACCESS, 1, a.endpoint)
+    mr_b = pf.MemoryRegistration(b.domain, dst.ctypes.data, dst.nbytes, ACCESS, 1, b.endpoint)
+    wa, wb = pf.Worker(a.endpoint, a.cq, 8), pf.Worker(b.endpoint, b.cq, 8)
+    virt = bool(b.info.mr_mode & lib.FI_MR_VIRT_ADDR)
+    perm = rng.permutation(32).astype(np.int64)
+    try:
+        op = pf.WriteOp(
+            1, a.av.insert(b.endpoint.name), 32, PAGE, src.ctypes.data, PAGE, mr_a.desc,
+            dst.ctypes.data if virt else 0, PAGE, mr_b.key, imm=99,
+            src_idx=np.arange(32, dtype=np.int64), dst_idx=perm,
+        )
+        wa.submit(op)
+        events, imms = _drive([wa, wb])
+        _, more = _drive([wb], until=0.2)  # the last immediates may trail the sender's events
+        imms[99] = imms.get(99, 0) + more.get(99, 0)
+        assert events == [pf.Event(1, 0, True)]
+        assert imms == {99: 32}
+        np.testing.assert_array_equal(dst[perm], src)
+        assert wa.stats().writes_completed == 32 and wa.stats().inflight == 0
+    finally:
+        mr_a.close()
+        mr_b.close()
+        a.close()
+        b.close()
+        wa.free()
+        wb.free()
+
+
+def test_expired_op_is_never_posted(pair) -> None:
+    """An op whose deadline has passed fails with -FI_ETIMEDOUT and posts no write."""
+    a, b = pair
+    w = pf.Worker(a.endpoint, a.cq, 8)
+    try:
+        op = pf.WriteOp(7, a.av.insert(b.endpoint.name), 1, 0, 0, 0, None, 0, 0, 1, imm=1,
+                        deadline_ns=time.monotonic_ns() - 1)
+        w.submit(op)
+        events, _ = _drive([w])
+        assert events == [pf.Event(7, -lib.FI_ETIMEDOUT, True)]
+        assert w.stats().writes_posted == 0
+    finally:
+        a.close()
+        w.free()

@@ -1,0 +1,188 @@
+"""Transfer benchmark: the peer workload of issue 3, between two processes (S5, S4c).
+
+A sender writes `num_pages` pages of `page_bytes` to shuffled slots of a receiver's region
+with `submit_paged_writes`, one immediate value per request. A rep is timed from submit until
+the receiver's counter fires and its acknowledging immediate is back at the sender (the
+target's count is the truth of placement). Every rep is verified by a checksum of the
+receiver's pages read in the shuffled order. Then `latency_iters` single 4 KiB writes are
+timed one at a time, submit to sender completion. Waits for an idle machine first and reports
+medians; `run_transfer_benchmark` is what `benchmarks/transfer.py` and `disagg bench transfer`
+call.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import multiprocessing as mp
+import os
+import statistics
+import threading
+import time
+from typing import Any
+
+import numpy as np
+
+from transfer_core.engine import TransferEngine
+from transfer_core.memory import MemoryRegionDescriptor
+
+
+def cpu_busy_fraction(interval_s: float) -> float:
+    """Share of non-idle CPU time over `interval_s`, from /proc/stat."""
+
+    def sample() -> tuple[int, int]:
+        with open("/proc/stat") as f:
+            fields = [int(x) for x in f.readline().split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, total
+
+    idle0, total0 = sample()
+    time.sleep(interval_s)
+    idle1, total1 = sample()
+    return 1.0 - (idle1 - idle0) / max(1, total1 - total0)
+
+
+def wait_for_idle(threshold: float = 0.10, window_s: float = 2.0, cap_s: float = 60.0) -> float:
+    """Block until the machine was < `threshold` busy for `window_s` (at most `cap_s`).
+    Returns the last busy fraction seen."""
+    deadline = time.monotonic() + cap_s
+    busy = cpu_busy_fraction(window_s)
+    while busy >= threshold and time.monotonic() < deadline:
+        busy = cpu_busy_fraction(window_s)
+    return busy
+
+
+def _digest(pages: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(pages).data, digest_size=16).hexdigest()
+
+
+def _receiver_main(provider: str, num_pages: int, page_bytes: int, conn: Any) -> None:
+    """Spawned target: owns the destination region, counts immediates, acknowledges."""
+    with TransferEngine(provider) as engine:
+        region = np.zeros((num_pages, page_bytes), dtype=np.uint8)
+        _, desc = engine.register_memory(region, name="bench-dst")
+        conn.send((desc.to_bytes(),))
+        (ack_bytes,) = conn.recv()
+        ack = MemoryRegionDescriptor.from_bytes(ack_bytes)
+        while True:
+            msg = conn.recv()
+            if msg[0] == "stop":
+                break
+            if msg[0] == "arm":
+                _, imm = msg
+                region[:] = 0
+                engine.expect_imm_count(imm, num_pages, lambda imm=imm: engine.submit_imm(imm, ack))
+                conn.send(("armed",))
+            elif msg[0] == "digest":
+                conn.send(("digest", _digest(region[msg[1]])))
+
+
+class _Sender:
+    """The sending side's engine and regions; each rep waits for the receiver's ack."""
+
+    def __init__(self, provider: str, num_pages: int, page_bytes: int, seed: int) -> None:
+        self.engine = TransferEngine(provider)
+        rng = np.random.default_rng(seed)
+        self.src = rng.integers(0, 256, size=(num_pages, page_bytes), dtype=np.uint8)
+        self.perm = rng.permutation(num_pages)
+        self.src_mr, _ = self.engine.register_memory(self.src, name="bench-src")
+        self.ack = np.zeros(8, dtype=np.uint8)
+        _, self.ack_desc = self.engine.register_memory(self.ack, name="bench-ack")
+        self.errors: list[BaseException] = []
+
+    def paged_rep(self, dst: MemoryRegionDescriptor, imm: int, timeout_s: float) -> float:
+        acked, done = threading.Event(), threading.Event()
+        self.engine.expect_imm_count(imm, 1, acked.set)
+        num_pages, page_bytes = self.src.shape
+        start = time.perf_counter()
+        self.engine.submit_paged_writes(
+            page_bytes, self.src_mr, np.arange(num_pages), page_bytes, 0,
+            dst, self.perm, page_bytes, 0, imm, done.set, self.errors.append,
+        )
+        if not acked.wait(timeout_s):
+            raise TimeoutError(f"rep imm={imm}: receiver did not acknowledge ({self.errors})")
+        elapsed = time.perf_counter() - start
+        if not done.wait(timeout_s):
+            raise TimeoutError(f"rep imm={imm}: sender completions missing ({self.errors})")
+        return elapsed
+
+    def latencies_us(self, dst: MemoryRegionDescriptor, nbytes: int, iters: int) -> list[float]:
+        out: list[float] = []
+        done = threading.Event()
+        finished: list[int] = []
+
+        def on_done() -> None:
+            finished.append(time.perf_counter_ns())
+            done.set()
+
+        for _ in range(iters):
+            done.clear()
+            start = time.perf_counter_ns()
+            self.engine.submit_write(self.src_mr, 0, nbytes, None, dst, 0, on_done, self.errors.append)
+            if not done.wait(10.0):
+                raise TimeoutError(f"latency write did not complete ({self.errors})")
+            out.append((finished[-1] - start) / 1e3)
+        return out
+
+
+def run_transfer_benchmark(
+    provider: str = "tcp",
+    num_pages: int = 2048,
+    page_bytes: int = 65536,
+    reps: int = 5,
+    warmup: int = 1,
+    latency_bytes: int = 4096,
+    latency_iters: int = 2000,
+    wait_idle: bool = True,
+    seed: int = 0,
+    timeout_s: float = 120.0,
+) -> dict[str, Any]:
+    """Run the peer workload between this process and a spawned receiver; returns medians:
+    keys provider, gbps, us_per_page, latency_us_p50, latency_us_p99, verified, and more."""
+    busy = wait_for_idle() if wait_idle else cpu_busy_fraction(0.2)
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver_main, args=(provider, num_pages, page_bytes, child))
+    proc.start()
+    sender = None
+    try:
+        if not parent.poll(timeout_s):
+            raise TimeoutError("receiver did not start")
+        dst = MemoryRegionDescriptor.from_bytes(parent.recv()[0])
+        sender = _Sender(provider, num_pages, page_bytes, seed)
+        parent.send((sender.ack_desc.to_bytes(),))
+        want = _digest(sender.src)
+        seconds, verified = [], True
+        for rep in range(warmup + reps):
+            parent.send(("arm", rep + 1))
+            parent.recv()
+            elapsed = sender.paged_rep(dst, rep + 1, timeout_s)
+            parent.send(("digest", sender.perm))
+            verified &= parent.recv()[1] == want
+            if rep >= warmup:
+                seconds.append(elapsed)
+        lat = sender.latencies_us(dst, latency_bytes, latency_iters)
+        parent.send(("stop",))
+        proc.join(timeout_s)
+    finally:
+        if sender is not None:
+            sender.engine.close()
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    total = num_pages * page_bytes
+    gbps = [total / s / 1e9 for s in seconds]
+    return {
+        "provider": sender.engine.provider if sender else provider,
+        "num_pages": num_pages,
+        "page_bytes": page_bytes,
+        "reps": reps,
+        "gbps": statistics.median(gbps),
+        "gbps_min": min(gbps),
+        "gbps_max": max(gbps),
+        "us_per_page": statistics.median(seconds) / num_pages * 1e6,
+        "latency_bytes": latency_bytes,
+        "latency_us_p50": float(np.percentile(lat, 50)),
+        "latency_us_p99": float(np.percentile(lat, 99)),
+        "verified": bool(verified and proc.exitcode == 0),
+        "cpu_busy_before": round(busy, 3),
+        "cpus": os.cpu_count(),
+    }
