@@ -26,7 +26,8 @@ def wait_for_quiet(max_wait_s: float = 30.0, busy_limit: float = 0.15) -> bool:
     """Wait until the machine is mostly idle (other processes skew CPU timings)."""
     def busy() -> float:
         def read() -> tuple[int, int]:
-            fields = [int(x) for x in open("/proc/stat").readline().split()[1:]]
+            with open("/proc/stat") as stat:
+                fields = [int(x) for x in stat.readline().split()[1:]]
             return sum(fields), fields[3] + fields[4]
         total0, idle0 = read()
         time.sleep(1.0)
@@ -126,10 +127,11 @@ def main() -> None:
     rows = []
     for name, run in runs.items():
         for batch in (1, 8):
-            samples = [run(batch) for _ in range(args.reps)]  # interleaving kept simple: reps back to back
+            samples = [run(batch) for _ in range(args.reps)]
             prefill = statistics.median(s[0] for s in samples)
             decode = statistics.median(s[1] for s in samples)
-            rows.append({"engine": name, "batch": batch, "prefill_tokens_per_s": args.prompt_len / prefill,
+            rows.append({"engine": name, "batch": batch,
+                         "prefill_tokens_per_s": args.prompt_len / prefill,
                          "decode_step_ms": decode * 1e3})
     ref = {r["batch"]: r for r in rows if r["engine"] == "transformers"}
     for r in rows:

@@ -78,7 +78,8 @@ def _batched_decode(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """All requests decode one token: gather a padded ``[batch, heads, max_kv, dim]`` and mask."""
     page_table, kv_lens = meta.decode_page_table, meta.decode_kv_lens
-    assert page_table is not None and kv_lens is not None
+    assert page_table is not None
+    assert kv_lens is not None
     num_seqs, max_pages = page_table.shape
     pages = kv_cache.layer(layer_idx).index_select(0, page_table.reshape(-1))
     pages = pages.view(num_seqs, max_pages, *pages.shape[1:])

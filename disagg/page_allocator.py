@@ -84,7 +84,8 @@ class PageAllocator:
         """Assert the books balance: every page is free xor allocated, pinned ones allocated."""
         free = set(self._free)
         assert len(free) == len(self._free), "a page is on the free list twice"
-        assert not free & self._allocated, f"pages both free and allocated: {free & self._allocated}"
+        both = free & self._allocated
+        assert not both, f"pages both free and allocated: {sorted(both)}"
         assert free | self._allocated == set(range(self.num_pages)), "a page was leaked"
         assert self._pinned <= self._allocated, "a pinned page is not allocated"
         if expect_all_free:

@@ -98,9 +98,8 @@ class Request:
         """Record a sampled token and finish the request if it stops here."""
         self.output_token_ids.append(token_id)
         params = self.sampling_params
-        if not params.ignore_eos and token_id in self.eos_token_ids:
-            self.status = RequestStatus.FINISHED_STOPPED
-        elif token_id in params.stop_token_ids:
+        stops = not params.ignore_eos and token_id in self.eos_token_ids
+        if stops or token_id in params.stop_token_ids:
             self.status = RequestStatus.FINISHED_STOPPED
         elif len(self.output_token_ids) >= params.max_tokens:
             self.status = RequestStatus.FINISHED_LENGTH

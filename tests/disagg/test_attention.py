@@ -13,7 +13,8 @@ MODEL = ModelConfig.from_name("tiny")  # 8 query heads, 4 kv heads, head_dim 8
 SCALE = MODEL.head_dim ** -0.5
 
 
-def fill_request(cache: PagedKVCache, page_ids: list[int], k: torch.Tensor, v: torch.Tensor) -> None:
+def fill_request(cache: PagedKVCache, page_ids: list[int], k: torch.Tensor,
+                 v: torch.Tensor) -> None:
     positions = torch.arange(k.shape[0])
     pages = torch.tensor(page_ids)
     cache.write(0, k, v, pages[positions // cache.page_size], positions % cache.page_size)
@@ -54,4 +55,5 @@ def test_batched_decode_matches_dense_per_request(kv_layout: str) -> None:
                              decode_page_table=table, decode_kv_lens=torch.tensor(kv_lens))
     got = paged_attention(q, cache, 0, meta, SCALE)
     for i, (n, (k, v)) in enumerate(zip(kv_lens, keys, strict=True)):
-        torch.testing.assert_close(got[i:i + 1], reference_attention(q[i:i + 1], k, v, n - 1, SCALE))
+        expected = reference_attention(q[i:i + 1], k, v, n - 1, SCALE)
+        torch.testing.assert_close(got[i:i + 1], expected)

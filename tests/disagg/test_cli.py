@@ -29,8 +29,10 @@ def test_generate_json_is_one_object(capsys: pytest.CaptureFixture[str]) -> None
     code, out, _ = run_cli(["generate", "--model", "tiny", "--prompt-token-ids", "1,2,3",
                             "--max-tokens", "5", "--json", "--kv-layout", "HND"], capsys)
     result = json.loads(out)
-    assert code == 0 and out.count("\n") == 1
-    assert result["prompt_token_ids"] == [1, 2, 3] and len(result["token_ids"]) == 5
+    assert code == 0
+    assert out.count("\n") == 1
+    assert result["prompt_token_ids"] == [1, 2, 3]
+    assert len(result["token_ids"]) == 5
 
 
 @pytest.mark.parametrize(("argv", "message"), [
@@ -49,7 +51,8 @@ def test_bad_input_exits_2_with_one_line(argv: list[str], message: str,
     """Each kind of bad input names the problem, exits 2 and prints no traceback."""
     code, _, err = run_cli(["generate", *argv], capsys)
     assert code == 2
-    assert message in err and "Traceback" not in err
+    assert message in err
+    assert "Traceback" not in err
 
 
 def test_malformed_checkpoint_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
@@ -57,4 +60,6 @@ def test_malformed_checkpoint_exits_2(tmp_path: Path, capsys: pytest.CaptureFixt
     (tmp_path / "config.json").write_text("{not json")
     code, _, err = run_cli(["generate", "--model", str(tmp_path), "--prompt-token-ids", "1"],
                            capsys)
-    assert code == 2 and "config.json" in err and "Traceback" not in err
+    assert code == 2
+    assert "config.json" in err
+    assert "Traceback" not in err

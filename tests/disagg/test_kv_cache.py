@@ -18,7 +18,7 @@ def make_cache(kv_layout: str, page_size: int = 4, num_pages: int = 6) -> PagedK
 @pytest.mark.parametrize(("kv_layout", "k_shape"),
                          [("NHD", (6, 4, 4, 8)), ("HND", (6, 4, 4, 8))])
 def test_k_half_has_flashinfer_shape(kv_layout: str, k_shape: tuple[int, ...]) -> None:
-    """layer(i)[:, 0] is FlashInfer's K cache: [pages, page_size, heads, dim] or [pages, heads, page_size, dim]."""
+    """layer(i)[:, 0] is FlashInfer's K cache in the layout's documented shape."""
     cache = PagedKVCache(MODEL, CacheConfig(page_size=4, num_pages=6, kv_layout=kv_layout))
     assert tuple(cache.layer(0)[:, 0].shape) == k_shape
     assert cache.layer(1).data_ptr() - cache.layer(0).data_ptr() == cache.layer_nbytes
@@ -55,9 +55,11 @@ def test_page_segments_cover_exactly_the_head_range(kv_layout: str, head_start: 
                                                     head_end: int) -> None:
     """The byte runs of a head range hold exactly those heads' K and V of that page."""
     cache = make_cache(kv_layout)
-    cache.buffer.copy_(torch.arange(cache.buffer.numel(), dtype=torch.float32).view_as(cache.buffer))
+    values = torch.arange(cache.buffer.numel(), dtype=torch.float32)
+    cache.buffer.copy_(values.view_as(cache.buffer))
     raw = cache.buffer.view(-1).view(torch.uint8)
-    got = torch.cat([raw[s.offset:s.offset + s.nbytes] for s in cache.page_segments(1, 4, head_start, head_end)])
+    segments = cache.page_segments(1, 4, head_start, head_end)
+    got = torch.cat([raw[s.offset:s.offset + s.nbytes] for s in segments])
     page = cache.layer(1)[4]  # [2, ...]
     heads = page[:, :, head_start:head_end] if kv_layout == "NHD" else page[:, head_start:head_end]
     assert torch.equal(got.view(torch.float32), heads.reshape(-1))
@@ -69,7 +71,8 @@ def test_head_slice_write_counts(kv_layout: str, expected: int) -> None:
     cache = make_cache(kv_layout)
     assert len(cache.page_segments(0, 0, 0, 2)) == expected
     assert cache.is_contiguous(0, 2) == (kv_layout == "HND")
-    assert len(cache.page_segments(0, 0)) == 1 and cache.is_contiguous()
+    assert len(cache.page_segments(0, 0)) == 1
+    assert cache.is_contiguous()
 
 
 def test_page_offset_rejects_bad_ids() -> None:

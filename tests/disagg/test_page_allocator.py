@@ -16,7 +16,8 @@ def allocator() -> PageAllocator:
 def test_allocate_and_free_balance(allocator: PageAllocator) -> None:
     """Pages come back to the free list and the books balance."""
     pages = allocator.allocate(5)
-    assert len(set(pages)) == 5 and allocator.num_free == 3
+    assert len(set(pages)) == 5
+    assert allocator.num_free == 3
     allocator.free(pages)
     allocator.check_invariants(expect_all_free=True)
 

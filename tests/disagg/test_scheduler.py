@@ -84,8 +84,10 @@ def test_pinned_requests_are_never_preempted() -> None:
     # a needs a fifth page; b is pinned, so a gives up its own pages rather than take b's,
     # and b then grows into one of them.
     assert run_step(scheduler) == [("b", 4, 1)]
-    assert scheduler.running == [b] and len(b.page_ids) == 3
-    assert list(scheduler.waiting) == [a] and a.page_ids == []
+    assert scheduler.running == [b]
+    assert len(b.page_ids) == 3
+    assert list(scheduler.waiting) == [a]
+    assert a.page_ids == []
 
 
 def test_prompt_too_long_is_refused() -> None:
@@ -102,7 +104,8 @@ def test_abort_frees_pages() -> None:
     scheduler.add_request(make_request("a", 10))
     run_step(scheduler)
     request = scheduler.abort_request("a")
-    assert request is not None and request.status == RequestStatus.FINISHED_ABORTED
+    assert request is not None
+    assert request.status == RequestStatus.FINISHED_ABORTED
     scheduler.allocator.check_invariants(expect_all_free=True)
     assert scheduler.abort_request("a") is None
 
