@@ -23,6 +23,7 @@ from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
 from rich.console import Console
+from rich.markup import escape
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -126,9 +127,22 @@ def run_once(c: Contender, repeat: int, quiet: Quiet, timeout_s: float) -> Run:
     return run
 
 
+def check_workload(run: Run, pages: int, page_bytes: int) -> None:
+    """A contender that ran a different workload than asked is an error, not a data point."""
+    if run.result is None:
+        return
+    got = (run.result.get("pages", run.result.get("num_pages")), run.result.get("page_bytes"))
+    if got != (pages, page_bytes):
+        run.error = f"ran {got[0]} x {got[1]} B, asked {pages} x {page_bytes} B"
+        run.result = None
+
+
 def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
+    work = ("--pages", str(args.pages), "--page-size", str(args.page_size))
     ours = [
-        Contender("ours", p, (sys.executable, "benchmarks/transfer.py", "--json", "--provider", p))
+        Contender(
+            "ours", p, (sys.executable, "benchmarks/transfer.py", "--json", "--provider", p, *work)
+        )
         for p in ("tcp", "shm")
     ]
     if not (ROOT / "benchmarks" / "transfer.py").exists():
@@ -137,7 +151,6 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
     if not PEERS_PYTHON.exists():
         notes.append(f"{PEERS_PYTHON} missing: peers skipped (run benchmarks/peers/setup_peers.sh)")
         return ours
-    work = ("--pages", str(args.pages), "--page-size", str(args.page_size))
     py = str(PEERS_PYTHON)
     nixl, mooncake = "benchmarks/peers/nixl_peer.py", "benchmarks/peers/mooncake_peer.py"
     return ours + [
@@ -179,12 +192,13 @@ def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
 def _cell(s: Summary, m: str, fmt: str) -> str:
     if m not in s.median:
         return "-"
-    return f"{s.median[m]:{fmt}} [{s.low[m]:{fmt}}-{s.high[m]:{fmt}}]"
+    return escape(f"{s.median[m]:{fmt}} [{s.low[m]:{fmt}}-{s.high[m]:{fmt}}]")
 
 
 def print_tables(summaries: list[Summary], ratio: dict, notes: list[str]) -> None:
-    console = Console()
-    table = Table(title="Peer workload: median [min-max] over repeats")
+    # Piped into a file the default width (80) would fold every cell; keep rows on one line.
+    console = Console(width=None if sys.stdout.isatty() else 140)
+    table = Table(title=escape("Peer workload: median [min-max] over repeats"))
     for col in ("engine", "class", "GB/s", "µs/page", "lat p50 µs", "lat p99 µs", "ok", "quiet"):
         table.add_column(col)
     for s in summaries:
@@ -195,7 +209,7 @@ def print_tables(summaries: list[Summary], ratio: dict, notes: list[str]) -> Non
             f"{s.quiet_runs}/{s.runs_total}",
         )
     console.print(table)
-    rt = Table(title="ours / peer (GB/s: > 1 is ahead; latency: < 1 is ahead)")
+    rt = Table(title="ours / peer (GB/s > 1, latency < 1: ahead)")
     for col in ("class", "peer", "GB/s", "lat p50", "lat p99"):
         rt.add_column(col)
     for cls, peers in ratio.items():
@@ -228,15 +242,20 @@ def _peer_versions() -> dict[str, str]:
 def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
-    parser.add_argument("--pages", type=int, default=2048, help="peers only (ours: its default)")
-    parser.add_argument("--page-size", type=int, default=64 * 1024, help="bytes, peers only")
+    parser.add_argument("--pages", type=int, default=2048)
+    parser.add_argument("--page-size", type=int, default=64 * 1024, help="bytes per page")
     parser.add_argument("--only", nargs="*", default=None, help="engine names to run")
     parser.add_argument("--quiet-threshold", type=float, default=0.10)
     parser.add_argument("--quiet-cap", type=float, default=60.0, help="max seconds to wait")
     parser.add_argument("--timeout", type=float, default=300.0, help="seconds per run")
     parser.add_argument("--out", type=Path, default=ROOT / "out" / "transfer_compare.json")
+    parser.add_argument("--show", type=Path, help="only print the tables of a saved report")
     args = parser.parse_args()
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(message)s")
+    if args.show:
+        saved = json.loads(args.show.read_text())
+        print_tables([Summary(**d) for d in saved["summaries"]], saved["ratios"], saved["notes"])
+        return 0
 
     notes: list[str] = []
     todo = [c for c in contenders(args, notes) if args.only is None or c.engine in args.only]
@@ -246,6 +265,7 @@ def main() -> int:
         for c in todo:
             quiet = wait_quiet(args.quiet_threshold, 2.0, args.quiet_cap)
             run = run_once(c, repeat, quiet, args.timeout)
+            check_workload(run, args.pages, args.page_size)
             got = f"{run.result['gbps']:.2f} GB/s" if run.result else f"error: {run.error}"
             log.info("%s/%s #%d (quiet=%s): %s", c.engine, c.transport, repeat, quiet.quiet, got)
             runs.append(run)
