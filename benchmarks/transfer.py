@@ -25,14 +25,26 @@ from transfer_core.bench import run_transfer_benchmark  # noqa: E402
 
 def _table(results: list[dict]) -> Table:
     table = Table(title="transfer_core: paged writes to shuffled slots + 4 KiB write latency")
-    for column in ("provider", "pages x bytes", "GB/s (min-max)", "µs/page", "lat p50 µs",
-                   "lat p99 µs", "verified", "cpu busy before"):
+    for column in (
+        "provider",
+        "pages x bytes",
+        "GB/s (min-max)",
+        "µs/page",
+        "lat p50 µs",
+        "lat p99 µs",
+        "verified",
+        "cpu busy before",
+    ):
         table.add_column(column, justify="right")
     for r in results:
         table.add_row(
-            r["provider"], f"{r['num_pages']} x {r['page_bytes']}",
-            f"{r['gbps']:.2f} ({r['gbps_min']:.2f}-{r['gbps_max']:.2f})", f"{r['us_per_page']:.2f}",
-            f"{r['latency_us_p50']:.1f}", f"{r['latency_us_p99']:.1f}", str(r["verified"]),
+            r["provider"],
+            f"{r['num_pages']} x {r['page_bytes']}",
+            f"{r['gbps']:.2f} ({r['gbps_min']:.2f}-{r['gbps_max']:.2f})",
+            f"{r['us_per_page']:.2f}",
+            f"{r['latency_us_p50']:.1f}",
+            f"{r['latency_us_p99']:.1f}",
+            str(r["verified"]),
             f"{r['cpu_busy_before']:.0%}",
         )
     return table
@@ -49,12 +61,17 @@ def main() -> int:
     args = parser.parse_args()
     providers = ["tcp", "shm"] if args.provider == "all" else [args.provider]
     results = [
-        run_transfer_benchmark(p, num_pages=args.pages, page_bytes=args.page_size,
-                               reps=args.reps, wait_idle=not args.no_wait_idle)
+        run_transfer_benchmark(
+            p,
+            num_pages=args.pages,
+            page_bytes=args.page_size,
+            reps=args.reps,
+            wait_idle=not args.no_wait_idle,
+        )
         for p in providers
     ]
     if args.json:
-        payload = results[0] if len(results) == 1 else {p: r for p, r in zip(providers, results)}
+        payload = results[0] if len(results) == 1 else dict(zip(providers, results, strict=True))
         print(json.dumps(payload))
     else:
         Console().print(_table(results))

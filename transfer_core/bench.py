@@ -94,8 +94,18 @@ class _Sender:
         num_pages, page_bytes = self.src.shape
         start = time.perf_counter()
         self.engine.submit_paged_writes(
-            page_bytes, self.src_mr, np.arange(num_pages), page_bytes, 0,
-            dst, self.perm, page_bytes, 0, imm, done.set, self.errors.append,
+            page_bytes,
+            self.src_mr,
+            np.arange(num_pages),
+            page_bytes,
+            0,
+            dst,
+            self.perm,
+            page_bytes,
+            0,
+            imm,
+            done.set,
+            self.errors.append,
         )
         if not acked.wait(timeout_s):
             raise TimeoutError(f"rep imm={imm}: receiver did not acknowledge ({self.errors})")
@@ -116,7 +126,9 @@ class _Sender:
         for _ in range(iters):
             done.clear()
             start = time.perf_counter_ns()
-            self.engine.submit_write(self.src_mr, 0, nbytes, None, dst, 0, on_done, self.errors.append)
+            self.engine.submit_write(
+                self.src_mr, 0, nbytes, None, dst, 0, on_done, self.errors.append
+            )
             if not done.wait(10.0):
                 raise TimeoutError(f"latency write did not complete ({self.errors})")
             out.append((finished[-1] - start) / 1e3)

@@ -35,8 +35,13 @@ OnFinish = Callable[[TransferError | None], None]
 
 _BUDGET_NS = 20_000_000  # one C call's budget; submissions and close() interrupt it
 _PEER_ERRNOS = {
-    lib.FI_ENOTCONN, lib.FI_ECONNREFUSED, lib.FI_ECONNRESET, lib.FI_ECONNABORTED,
-    lib.FI_EHOSTUNREACH, lib.FI_ECANCELED, lib.FI_EACCES,
+    lib.FI_ENOTCONN,
+    lib.FI_ECONNREFUSED,
+    lib.FI_ECONNRESET,
+    lib.FI_ECONNABORTED,
+    lib.FI_EHOSTUNREACH,
+    lib.FI_ECANCELED,
+    lib.FI_EACCES,
 }
 
 
@@ -81,14 +86,18 @@ class DomainWorker:
         self._deferred: deque[Callable[[], None]] = deque()
         self._stopping = False
         self.failure: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name=f"transfer-domain-{index}", daemon=True)
+        self._thread = threading.Thread(
+            target=self._run, name=f"transfer-domain-{index}", daemon=True
+        )
         self._thread.start()
 
     @property
     def thread(self) -> threading.Thread:
         return self._thread
 
-    def register(self, ptr: int, length: int, access: int, cuda_device: int | None) -> MemoryRegistration:
+    def register(
+        self, ptr: int, length: int, access: int, cuda_device: int | None
+    ) -> MemoryRegistration:
         """Register with this domain. Without FI_MR_PROV_KEY keys must be unique per domain."""
         prov_key = bool(self.info.mr_mode & lib.FI_MR_PROV_KEY)
         key = 0 if prov_key else next(self._keys)
@@ -168,7 +177,9 @@ class DomainWorker:
             self._stopping = True
         self._worker.interrupt()
         self._thread.join()
-        self._fail_all(TransferError(f"engine closed before the operation finished (domain {self.index})"))
+        self._fail_all(
+            TransferError(f"engine closed before the operation finished (domain {self.index})")
+        )
 
     def close(self) -> None:
         """After `stop()` and after every registration with this domain is closed."""
@@ -178,4 +189,6 @@ class DomainWorker:
             if self.stack.endpoint.closed:
                 self._worker.free()
             else:
-                logger.error("domain %d: endpoint not closed, C worker leaked on purpose", self.index)
+                logger.error(
+                    "domain %d: endpoint not closed, C worker leaked on purpose", self.index
+                )

@@ -43,8 +43,13 @@ MAX_IMM = 2**32 - 1
 class _Completion:
     """Fires exactly one of `on_done` / `on_error` for a transfer made of `parts` ops."""
 
-    def __init__(self, parts: int, on_done: OnDone | None, on_error: OnError | None,
-                 report: Callable[[BaseException], None]) -> None:
+    def __init__(
+        self,
+        parts: int,
+        on_done: OnDone | None,
+        on_error: OnError | None,
+        report: Callable[[BaseException], None],
+    ) -> None:
         self._left = parts
         self._failed = False
         self._lock = threading.Lock()
@@ -111,9 +116,16 @@ class TransferEngine:
         try:
             for d in range(num_domains):
                 cpu = cpus[d % len(cpus)] if cpus else None
-                self._domains.append(DomainWorker(
-                    d, by_domain[d % len(by_domain)], self._on_imms, self._guard, cpu, max_inflight
-                ))
+                self._domains.append(
+                    DomainWorker(
+                        d,
+                        by_domain[d % len(by_domain)],
+                        self._on_imms,
+                        self._guard,
+                        cpu,
+                        max_inflight,
+                    )
+                )
         except BaseException:
             self.close()
             raise
@@ -168,10 +180,13 @@ class TransferEngine:
             length=buf.nbytes,
             virt_addr=bool(self._info.mr_mode & lib.FI_MR_VIRT_ADDR),
             writable=buf.writable,
-            domains=tuple((w.address, r.key) for w, r in zip(self._domains, registrations)),
+            domains=tuple(
+                (w.address, r.key) for w, r in zip(self._domains, registrations, strict=True)
+            ),
         )
-        region = MemoryRegion(name, buf.ptr, buf.nbytes, buf.writable, tuple(registrations),
-                              descriptor, buf.keepalive)
+        region = MemoryRegion(
+            name, buf.ptr, buf.nbytes, buf.writable, tuple(registrations), descriptor, buf.keepalive
+        )
         self._regions.append(region)
         return region, descriptor
 
@@ -203,10 +218,26 @@ class TransferEngine:
         check_range(dst_mr.name, dst_mr.length, dst_offset, length)
         d = next(self._round_robin) % len(self._domains)
         done = _Completion(1, on_done, on_error, self._report)
-        self._submit(d, dst_mr, done, timeout_s, lambda op_id, dest, key, desc: WriteOp(
-            op_id, dest, 1, length, src_mr.ptr + offset, 0, desc,
-            dst_mr.remote_addr(dst_offset), 0, key, imm_data,
-        ), src_mr)
+        self._submit(
+            d,
+            dst_mr,
+            done,
+            timeout_s,
+            lambda op_id, dest, key, desc: WriteOp(
+                op_id,
+                dest,
+                1,
+                length,
+                src_mr.ptr + offset,
+                0,
+                desc,
+                dst_mr.remote_addr(dst_offset),
+                0,
+                key,
+                imm_data,
+            ),
+            src_mr,
+        )
 
     def submit_paged_writes(
         self,
@@ -235,19 +266,40 @@ class TransferEngine:
         if src.size != dst.size:
             raise ValueError(f"{src.size} source pages but {dst.size} destination pages")
         if length <= 0 or src_stride <= 0 or dst_stride <= 0:
-            raise ValueError(f"length and strides must be > 0: {length}, {src_stride}, {dst_stride}")
+            raise ValueError(
+                f"length and strides must be > 0: {length}, {src_stride}, {dst_stride}"
+            )
         check_pages(src_mr.name, src_mr.length, src, src_stride, src_offset, length)
         check_pages(dst_mr.name, dst_mr.length, dst, dst_stride, dst_offset, length)
         n = src.size
         cuts = [n * d // len(self._domains) for d in range(len(self._domains) + 1)]
-        parts = [(d, cuts[d], cuts[d + 1]) for d in range(len(self._domains)) if cuts[d] < cuts[d + 1]]
+        parts = [
+            (d, cuts[d], cuts[d + 1]) for d in range(len(self._domains)) if cuts[d] < cuts[d + 1]
+        ]
         done = _Completion(len(parts), on_done, on_error, self._report)
         for d, lo, hi in parts:
-            self._submit(d, dst_mr, done, timeout_s, lambda op_id, dest, key, desc, lo=lo, hi=hi: WriteOp(
-                op_id, dest, hi - lo, length, src_mr.ptr + src_offset, src_stride, desc,
-                dst_mr.remote_addr(dst_offset), dst_stride, key, imm_data,
-                src_idx=src[lo:hi], dst_idx=dst[lo:hi],
-            ), src_mr)
+            self._submit(
+                d,
+                dst_mr,
+                done,
+                timeout_s,
+                lambda op_id, dest, key, desc, lo=lo, hi=hi: WriteOp(
+                    op_id,
+                    dest,
+                    hi - lo,
+                    length,
+                    src_mr.ptr + src_offset,
+                    src_stride,
+                    desc,
+                    dst_mr.remote_addr(dst_offset),
+                    dst_stride,
+                    key,
+                    imm_data,
+                    src_idx=src[lo:hi],
+                    dst_idx=dst[lo:hi],
+                ),
+                src_mr,
+            )
 
     def submit_imm(
         self,
@@ -264,9 +316,26 @@ class TransferEngine:
             raise ValueError("submit_imm needs an imm value")
         d = next(self._round_robin) % len(self._domains)
         done = _Completion(1, on_done, on_error, self._report)
-        self._submit(d, dst_mr, done, timeout_s, lambda op_id, dest, key, desc: WriteOp(
-            op_id, dest, 1, 0, 0, 0, None, dst_mr.remote_addr(0), 0, key, imm_data,
-        ), None)
+        self._submit(
+            d,
+            dst_mr,
+            done,
+            timeout_s,
+            lambda op_id, dest, key, desc: WriteOp(
+                op_id,
+                dest,
+                1,
+                0,
+                0,
+                0,
+                None,
+                dst_mr.remote_addr(0),
+                0,
+                key,
+                imm_data,
+            ),
+            None,
+        )
 
     # -- immediate counters -----------------------------------------------------------------
 
@@ -312,9 +381,15 @@ class TransferEngine:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _submit(self, d: int, dst_mr: MemoryRegionDescriptor, done: _Completion,
-                timeout_s: float | None, build: Callable[..., WriteOp],
-                src_mr: MemoryRegion | None) -> None:
+    def _submit(
+        self,
+        d: int,
+        dst_mr: MemoryRegionDescriptor,
+        done: _Completion,
+        timeout_s: float | None,
+        build: Callable[..., WriteOp],
+        src_mr: MemoryRegion | None,
+    ) -> None:
         worker = self._domains[d]
         address, key = dst_mr.domains[d % len(dst_mr.domains)]
         try:
@@ -335,14 +410,17 @@ class TransferEngine:
 
         worker.submit(make, done.part_finished)
 
-    def _check_write(self, src_mr: MemoryRegion | None, dst_mr: MemoryRegionDescriptor,
-                     imm_data: int | None) -> None:
+    def _check_write(
+        self, src_mr: MemoryRegion | None, dst_mr: MemoryRegionDescriptor, imm_data: int | None
+    ) -> None:
         self._check_open()
         if src_mr is not None and src_mr not in self._regions:
             raise ValueError(f"region {src_mr.name!r} is not registered with this engine")
         if dst_mr.provider != self.provider:
-            raise ValueError(f"region {dst_mr.name!r} is on provider {dst_mr.provider!r}, "
-                             f"this engine uses {self.provider!r}")
+            raise ValueError(
+                f"region {dst_mr.name!r} is on provider {dst_mr.provider!r}, "
+                f"this engine uses {self.provider!r}"
+            )
         if not dst_mr.writable:
             raise ValueError(f"region {dst_mr.name!r} is read-only at its owner")
         if imm_data is not None and not 0 <= imm_data <= MAX_IMM:

@@ -52,7 +52,9 @@ class _Reader:
         if got != magic:
             raise DescriptorError(f"{self._what}: bad magic {got!r}, expected {magic!r}")
         if version != WIRE_VERSION:
-            raise DescriptorError(f"{self._what}: version {version}, this build reads {WIRE_VERSION}")
+            raise DescriptorError(
+                f"{self._what}: version {version}, this build reads {WIRE_VERSION}"
+            )
 
     def end(self) -> None:
         if self._pos != len(self._data):
@@ -81,7 +83,11 @@ class EngineAddress:
     domains: tuple[bytes, ...]
 
     def to_bytes(self) -> bytes:
-        out = [_ADDR_MAGIC, struct.pack("<BB", WIRE_VERSION, len(self.domains)), _short(self.provider)]
+        out = [
+            _ADDR_MAGIC,
+            struct.pack("<BB", WIRE_VERSION, len(self.domains)),
+            _short(self.provider),
+        ]
         out += [struct.pack("<H", len(a)) + a for a in self.domains]
         return b"".join(out)
 
@@ -115,9 +121,15 @@ class MemoryRegionDescriptor:
         return (self.base if self.virt_addr else 0) + offset
 
     def to_bytes(self) -> bytes:
-        flags = (_FLAG_VIRT_ADDR if self.virt_addr else 0) | (_FLAG_WRITABLE if self.writable else 0)
+        flags = (_FLAG_VIRT_ADDR if self.virt_addr else 0) | (
+            _FLAG_WRITABLE if self.writable else 0
+        )
         out = [_MR_MAGIC, struct.pack("<BBB", WIRE_VERSION, flags, len(self.domains))]
-        out += [_short(self.name), _short(self.provider), struct.pack("<QQ", self.base, self.length)]
+        out += [
+            _short(self.name),
+            _short(self.provider),
+            struct.pack("<QQ", self.base, self.length),
+        ]
         out += [struct.pack("<QH", key, len(a)) + a for a, key in self.domains]
         return b"".join(out)
 
@@ -138,8 +150,15 @@ class MemoryRegionDescriptor:
         r.end()
         if not domains or length == 0:
             raise DescriptorError(f"memory region descriptor {name!r}: empty")
-        return cls(name, provider, base, length, bool(flags & _FLAG_VIRT_ADDR),
-                   bool(flags & _FLAG_WRITABLE), tuple(domains))
+        return cls(
+            name,
+            provider,
+            base,
+            length,
+            bool(flags & _FLAG_VIRT_ADDR),
+            bool(flags & _FLAG_WRITABLE),
+            tuple(domains),
+        )
 
 
 @dataclass(frozen=True)
@@ -165,12 +184,17 @@ def resolve_buffer(buffer: Any) -> BufferInfo:
         nbytes = buffer.numel() * buffer.element_size()
         info = BufferInfo(buffer.data_ptr(), nbytes, True, cuda, buffer)
     else:
+        # Our memoryview holds the buffer export (a registered bytearray cannot be resized).
+        # The cffi view only reads the address and is released at once: a from_buffer object
+        # kept alive can crash the garbage collector when it sits in a cycle with the
+        # memoryview it holds (the view is cleared first, then released twice).
         view = memoryview(buffer)
         if not view.c_contiguous:
             raise ValueError("buffer must be C-contiguous to register")
-        # from_buffer holds the buffer export: a registered bytearray cannot be resized.
-        pinned = ffi.from_buffer("char[]", view)
-        info = BufferInfo(int(ffi.cast("uintptr_t", pinned)), view.nbytes, not view.readonly, None, pinned)
+        probe = ffi.from_buffer("char[]", view)
+        ptr = int(ffi.cast("uintptr_t", probe))
+        ffi.release(probe)
+        info = BufferInfo(ptr, view.nbytes, not view.readonly, None, view)
     if info.nbytes == 0:
         raise ValueError("cannot register an empty buffer")
     return info
@@ -195,6 +219,7 @@ class MemoryRegion:
     def close(self) -> None:
         for registration in self.registrations:
             registration.close()
+        self.keepalive = None  # give the buffer back (a bytearray may be resized again)
 
 
 def check_range(region: str, region_len: int, offset: int, length: int) -> None:
@@ -219,7 +244,11 @@ def check_pages(
     if lo >= 0 and offset >= 0 and offset + hi * stride + length <= region_len:
         return
     limit = (region_len - offset - length) // stride if stride else -1
-    bad = (indices < 0) | (indices > limit) if offset >= 0 and limit >= 0 else np.ones_like(indices, bool)
+    bad = (
+        (indices < 0) | (indices > limit)
+        if offset >= 0 and limit >= 0
+        else np.ones_like(indices, bool)
+    )
     pos = int(np.flatnonzero(bad)[0])
     page = int(indices[pos])
     raise BoundsError(

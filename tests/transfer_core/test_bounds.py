@@ -13,6 +13,7 @@ from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_pag
 
 PAGE = 4096
 NUM_PAGES = 16
+Regions = tuple[MemoryRegion, MemoryRegionDescriptor]
 
 
 def test_check_range_accepts_exact_fit() -> None:
@@ -41,7 +42,9 @@ def test_check_pages_names_first_bad_page(indices: list[int], offset: int, bad_e
     """The first offending entry of the index array is named with its byte offset."""
     arr = np.array(indices, dtype=np.int64)
     page = int(arr[bad_entry])
-    with pytest.raises(BoundsError, match=rf"page {page} \(entry {bad_entry}\).*offset {offset + page * PAGE}"):
+    with pytest.raises(
+        BoundsError, match=rf"page {page} \(entry {bad_entry}\).*offset {offset + page * PAGE}"
+    ):
         check_pages("dst", NUM_PAGES * PAGE, arr, PAGE, offset, PAGE)
 
 
@@ -59,7 +62,7 @@ def engine() -> Iterator[TransferEngine]:
 
 
 @pytest.fixture(scope="module")
-def regions(engine: TransferEngine) -> tuple[MemoryRegion, MemoryRegionDescriptor]:
+def regions(engine: TransferEngine) -> Regions:
     src, _ = engine.register_memory(np.zeros(NUM_PAGES * PAGE, np.uint8), name="src")
     _, dst = engine.register_memory(np.zeros(NUM_PAGES * PAGE, np.uint8), name="dst")
     return src, dst
@@ -70,27 +73,39 @@ def _posted(engine: TransferEngine) -> int:
 
 
 @pytest.mark.parametrize("side", ["src", "dst"])
-def test_engine_refuses_out_of_bounds_pages(engine: TransferEngine, regions, side: str) -> None:
+def test_engine_refuses_out_of_bounds_pages(
+    engine: TransferEngine, regions: Regions, side: str
+) -> None:
     """submit_paged_writes raises BoundsError naming the region and posts nothing."""
     src, dst = regions
     good, bad = np.arange(4), np.array([0, 1, NUM_PAGES, 2])
     before = _posted(engine)
     with pytest.raises(BoundsError, match=f"'{side}'"):
         engine.submit_paged_writes(
-            PAGE, src, bad if side == "src" else good, PAGE, 0,
-            dst, bad if side == "dst" else good, PAGE, 0, 1,
+            PAGE,
+            src,
+            bad if side == "src" else good,
+            PAGE,
+            0,
+            dst,
+            bad if side == "dst" else good,
+            PAGE,
+            0,
+            1,
         )
     assert _posted(engine) == before
 
 
-def test_engine_refuses_out_of_bounds_single_write(engine: TransferEngine, regions) -> None:
+def test_engine_refuses_out_of_bounds_single_write(
+    engine: TransferEngine, regions: Regions
+) -> None:
     """submit_write past the destination end raises BoundsError before posting."""
     src, dst = regions
     with pytest.raises(BoundsError, match=r"'dst'.*offset 61440"):
         engine.submit_write(src, 0, 2 * PAGE, None, dst, (NUM_PAGES - 1) * PAGE)
 
 
-def test_engine_refuses_mismatched_page_lists(engine: TransferEngine, regions) -> None:
+def test_engine_refuses_mismatched_page_lists(engine: TransferEngine, regions: Regions) -> None:
     """Source and destination page lists must pair up one to one."""
     src, dst = regions
     with pytest.raises(ValueError, match="3 source pages but 2"):

@@ -26,6 +26,7 @@ pytestmark = pytest.mark.fabric
 
 NUM_PAGES = 256
 PAGE = 16 * 1024
+Sender = tuple[TransferEngine, MemoryRegion, np.ndarray]
 
 
 def digest(pages: np.ndarray) -> str:
@@ -100,6 +101,7 @@ class Peer:
             self.process.join(self._timeout)
         assert self.process.exitcode == 0
 
+
 WAIT_S = 20.0
 _imms = itertools.count(100)
 
@@ -141,7 +143,7 @@ def peer(provider: str) -> Iterator[Peer]:
 
 
 @pytest.fixture(scope="module")
-def sender(provider: str) -> Iterator[tuple[TransferEngine, MemoryRegion, np.ndarray]]:
+def sender(provider: str) -> Iterator[Sender]:
     """The local engine and a region of seeded random pages."""
     data = np.random.default_rng(0).integers(0, 256, (NUM_PAGES, PAGE), dtype=np.uint8)
     with TransferEngine(provider) as engine:
@@ -155,27 +157,42 @@ def fresh(peer: Peer) -> Peer:
     return peer
 
 
-def test_paged_writes_land_at_scattered_pages(sender, fresh: Peer) -> None:
+def test_paged_writes_land_at_scattered_pages(sender: Sender, fresh: Peer) -> None:
     """64 seeded pages to shuffled slots arrive byte-exact; the counter fires exactly once."""
     engine, region, data = sender
     imm, cb = next(_imms), _Callbacks()
     src = np.arange(64)
     dst = np.random.default_rng(1).permutation(NUM_PAGES)[:64]
     fresh.call("expect", imm, 64)
-    engine.submit_paged_writes(PAGE, region, src, PAGE, 0, fresh.descriptor, dst, PAGE, 0, imm,
-                               cb.on_done, cb.on_error)
+    engine.submit_paged_writes(
+        PAGE, region, src, PAGE, 0, fresh.descriptor, dst, PAGE, 0, imm, cb.on_done, cb.on_error
+    )
     assert fresh.call("wait", imm, WAIT_S) == 1
-    assert cb.finished.wait(WAIT_S) and (cb.done, cb.errors) == (1, [])
+    assert cb.finished.wait(WAIT_S)
+    assert (cb.done, cb.errors) == (1, [])
     assert fresh.call("digest", dst) == digest(data[src])
 
 
-def test_counter_fires_for_writes_landed_before_expectation(sender, fresh: Peer) -> None:
+def test_counter_fires_for_writes_landed_before_expectation(sender: Sender, fresh: Peer) -> None:
     """All 16 writes counted at the receiver before `expect`: it fires at once, once."""
     engine, region, _ = sender
     imm, cb = next(_imms), _Callbacks()
-    engine.submit_paged_writes(PAGE, region, np.arange(16), PAGE, 0, fresh.descriptor,
-                               np.arange(16), PAGE, 0, imm, cb.on_done, cb.on_error)
-    assert cb.finished.wait(WAIT_S) and cb.done == 1
+    engine.submit_paged_writes(
+        PAGE,
+        region,
+        np.arange(16),
+        PAGE,
+        0,
+        fresh.descriptor,
+        np.arange(16),
+        PAGE,
+        0,
+        imm,
+        cb.on_done,
+        cb.on_error,
+    )
+    assert cb.finished.wait(WAIT_S)
+    assert cb.done == 1
     for _ in range(int(WAIT_S / 0.01)):
         if fresh.call("counted", imm) == 16:
             break
@@ -185,44 +202,73 @@ def test_counter_fires_for_writes_landed_before_expectation(sender, fresh: Peer)
     assert fresh.call("wait", imm, WAIT_S) == 1
 
 
-def test_counter_waits_for_exact_count(sender, fresh: Peer) -> None:
+def test_counter_waits_for_exact_count(sender: Sender, fresh: Peer) -> None:
     """15 of 16 writes do not fire the counter; the 16th does."""
     engine, region, _ = sender
     imm, first, last = next(_imms), _Callbacks(), _Callbacks()
     fresh.call("expect", imm, 16)
-    engine.submit_paged_writes(PAGE, region, np.arange(15), PAGE, 0, fresh.descriptor,
-                               np.arange(15), PAGE, 0, imm, first.on_done, first.on_error)
-    assert first.finished.wait(WAIT_S) and first.done == 1
+    engine.submit_paged_writes(
+        PAGE,
+        region,
+        np.arange(15),
+        PAGE,
+        0,
+        fresh.descriptor,
+        np.arange(15),
+        PAGE,
+        0,
+        imm,
+        first.on_done,
+        first.on_error,
+    )
+    assert first.finished.wait(WAIT_S)
+    assert first.done == 1
     assert fresh.call("wait", imm, 0.3) == 0
-    engine.submit_write(region, 0, PAGE, imm, fresh.descriptor, 100 * PAGE, last.on_done, last.on_error)
+    engine.submit_write(
+        region, 0, PAGE, imm, fresh.descriptor, 100 * PAGE, last.on_done, last.on_error
+    )
     assert fresh.call("wait", imm, WAIT_S) == 1
 
 
-def test_single_write_and_pure_immediate(sender, fresh: Peer) -> None:
+def test_single_write_and_pure_immediate(sender: Sender, fresh: Peer) -> None:
     """A contiguous 3-page write and a zero-byte immediate both count; the data lands."""
     engine, region, data = sender
     imm, write, signal = next(_imms), _Callbacks(), _Callbacks()
     fresh.call("expect", imm, 2)
-    engine.submit_write(region, 5 * PAGE, 3 * PAGE, imm, fresh.descriptor, 40 * PAGE,
-                        write.on_done, write.on_error)
+    engine.submit_write(
+        region, 5 * PAGE, 3 * PAGE, imm, fresh.descriptor, 40 * PAGE, write.on_done, write.on_error
+    )
     engine.submit_imm(imm, fresh.descriptor, signal.on_done, signal.on_error)
     assert fresh.call("wait", imm, WAIT_S) == 1
-    assert write.finished.wait(WAIT_S) and signal.finished.wait(WAIT_S)
+    assert write.finished.wait(WAIT_S)
+    assert signal.finished.wait(WAIT_S)
     assert (write.done, signal.done) == (1, 1)
     assert fresh.call("digest", [40, 41, 42]) == digest(data[5:8])
 
 
-def test_many_requests_in_flight(sender, fresh: Peer) -> None:
+def test_many_requests_in_flight(sender: Sender, fresh: Peer) -> None:
     """32 requests of 8 pages, all submitted before any completes: each fires exactly once."""
     engine, region, data = sender
     imms = [next(_imms) for _ in range(32)]
     for imm in imms:
         fresh.call("expect", imm, 8)
     callbacks = [_Callbacks() for _ in imms]
-    for r, (imm, cb) in enumerate(zip(imms, callbacks)):
+    for r, (imm, cb) in enumerate(zip(imms, callbacks, strict=True)):
         pages = np.arange(8 * r, 8 * r + 8)
-        engine.submit_paged_writes(PAGE, region, pages, PAGE, 0, fresh.descriptor, pages[::-1],
-                                   PAGE, 0, imm, cb.on_done, cb.on_error)
+        engine.submit_paged_writes(
+            PAGE,
+            region,
+            pages,
+            PAGE,
+            0,
+            fresh.descriptor,
+            pages[::-1],
+            PAGE,
+            0,
+            imm,
+            cb.on_done,
+            cb.on_error,
+        )
     assert [fresh.call("wait", imm, WAIT_S) for imm in imms] == [1] * 32
     assert all(cb.finished.wait(WAIT_S) for cb in callbacks)
     assert [(cb.done, cb.errors) for cb in callbacks] == [(1, [])] * 32
@@ -238,14 +284,39 @@ def test_dead_peer_reports_every_op_once(provider: str) -> None:
     region, _ = engine.register_memory(np.zeros(8 * PAGE, np.uint8))
     warm = _Callbacks()
     engine.submit_write(region, 0, PAGE, None, gone.descriptor, 0, warm.on_done, warm.on_error)
-    assert warm.finished.wait(WAIT_S) and warm.done == 1  # connected, then the peer dies
+    assert warm.finished.wait(WAIT_S)
+    assert warm.done == 1  # connected, then the peer dies
     gone.stop()
     callbacks = [_Callbacks() for _ in range(3)]
-    engine.submit_paged_writes(PAGE, region, np.arange(8), PAGE, 0, gone.descriptor, np.arange(8),
-                               PAGE, 0, 1, callbacks[0].on_done, callbacks[0].on_error, timeout_s=1.0)
-    engine.submit_write(region, 0, PAGE, 2, gone.descriptor, 0, callbacks[1].on_done,
-                        callbacks[1].on_error, timeout_s=1.0)
-    engine.submit_imm(3, gone.descriptor, callbacks[2].on_done, callbacks[2].on_error, timeout_s=1.0)
+    engine.submit_paged_writes(
+        PAGE,
+        region,
+        np.arange(8),
+        PAGE,
+        0,
+        gone.descriptor,
+        np.arange(8),
+        PAGE,
+        0,
+        1,
+        callbacks[0].on_done,
+        callbacks[0].on_error,
+        timeout_s=1.0,
+    )
+    engine.submit_write(
+        region,
+        0,
+        PAGE,
+        2,
+        gone.descriptor,
+        0,
+        callbacks[1].on_done,
+        callbacks[1].on_error,
+        timeout_s=1.0,
+    )
+    engine.submit_imm(
+        3, gone.descriptor, callbacks[2].on_done, callbacks[2].on_error, timeout_s=1.0
+    )
     assert all(cb.finished.wait(WAIT_S) for cb in callbacks)
     engine.close()
     assert [(cb.done, len(cb.errors)) for cb in callbacks] == [(0, 1)] * 3

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import random
 import threading
+from collections.abc import Callable
 
 import pytest
 
@@ -113,7 +114,8 @@ def test_callbacks_go_through_fire_hook() -> None:
     counters, hit = ImmCounterMap(fire=queued.append), _Recorder()
     counters.expect(1, 1, hit)
     counters.on_imm(1)
-    assert hit.calls == 0 and len(queued) == 1
+    assert hit.calls == 0
+    assert len(queued) == 1
     queued[0]()
     assert hit.calls == 1
 
@@ -124,18 +126,21 @@ def test_concurrent_arrivals_fire_each_counter_once() -> None:
     hits = {imm: _Recorder() for imm in range(50)}
     lock = threading.Lock()
 
-    def locked(rec: _Recorder):
+    def locked(rec: _Recorder) -> Callable[[], None]:
         def fire() -> None:
             with lock:
                 rec()
+
         return fire
 
     arrivals = [imm for imm in range(50) for _ in range(40)]
     random.Random(0).shuffle(arrivals)
     for imm in range(0, 50, 2):  # half expected up front, half after the arrivals started
         counters.expect(imm, 40, locked(hits[imm]))
-    threads = [threading.Thread(target=lambda s=s: [counters.on_imm(i) for i in arrivals[s::4]])
-               for s in range(4)]
+    threads = [
+        threading.Thread(target=lambda s=s: [counters.on_imm(i) for i in arrivals[s::4]])
+        for s in range(4)
+    ]
     for t in threads:
         t.start()
     for imm in range(1, 50, 2):

@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import dataclasses
+import gc
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -14,8 +16,13 @@ from transfer_core.memory import EngineAddress, MemoryRegionDescriptor, resolve_
 
 def _descriptor(**changes: object) -> MemoryRegionDescriptor:
     base = MemoryRegionDescriptor(
-        name="kv-layer0", provider="tcp;ofi_rxm", base=0x7F00_0000_1000, length=1 << 20,
-        virt_addr=True, writable=True, domains=((b"\x02\x00\x12\x34" + bytes(12), 17), (b"addr2", 2**63)),
+        name="kv-layer0",
+        provider="tcp;ofi_rxm",
+        base=0x7F00_0000_1000,
+        length=1 << 20,
+        virt_addr=True,
+        writable=True,
+        domains=((b"\x02\x00\x12\x34" + bytes(12), 17), (b"addr2", 2**63)),
     )
     return dataclasses.replace(base, **changes)
 
@@ -43,7 +50,7 @@ def test_remote_addr_honours_virt_addr(virt: bool, expected: int) -> None:
         (lambda b: b"", "truncated"),
     ],
 )
-def test_descriptor_rejects_malformed_bytes(mangle, message: str) -> None:
+def test_descriptor_rejects_malformed_bytes(mangle: Callable[[bytes], bytes], message: str) -> None:
     """Corrupt or foreign bytes raise DescriptorError, never a half-built descriptor."""
     with pytest.raises(DescriptorError, match=message):
         MemoryRegionDescriptor.from_bytes(mangle(_descriptor().to_bytes()))
@@ -66,7 +73,9 @@ def test_resolve_bytearray_is_writable() -> None:
     """A bytearray resolves to its own address and size and is writable."""
     buf = bytearray(b"abcd")
     info = resolve_buffer(buf)
-    assert info.nbytes == 4 and info.writable and info.cuda_device is None
+    assert info.nbytes == 4
+    assert info.writable
+    assert info.cuda_device is None
 
 
 def test_resolve_bytes_is_read_only() -> None:
@@ -106,3 +115,13 @@ def test_registered_bytearray_cannot_be_resized() -> None:
     with pytest.raises(BufferError):
         buf.extend(b"x")
     del info
+
+
+def test_pinned_buffer_in_garbage_cycle_is_collected() -> None:
+    """A resolved buffer caught in a reference cycle is collected without crashing (a kept
+    cffi from_buffer object here used to segfault the garbage collector)."""
+    for _ in range(20):
+        cycle: list[object] = [resolve_buffer(bytearray(64))]
+        cycle.append(cycle)
+        del cycle
+        gc.collect()

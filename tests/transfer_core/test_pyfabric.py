@@ -14,6 +14,7 @@ from transfer_core.pyfabric import lib
 
 ACCESS = lib.FI_WRITE | lib.FI_REMOTE_WRITE
 PAGE = 4096
+Pair = tuple[pf.FabricStack, pf.FabricStack]
 
 
 @pytest.fixture(params=["tcp", "shm"])
@@ -32,7 +33,7 @@ def pair(provider: str) -> Iterator[tuple[pf.FabricStack, pf.FabricStack]]:
 
 
 def test_alias_resolves_to_preference_list() -> None:
-    """"tcp" means the tcp class in every libfabric version's spelling."""
+    """ "tcp" means the tcp class in every libfabric version's spelling."""
     assert pf.resolve_providers("tcp") == ("tcp;ofi_rxm", "tcp", "net")
     assert pf.resolve_providers(["shm"]) == ("shm",)
 
@@ -41,7 +42,8 @@ def test_find_infos_tcp_pins_loopback() -> None:
     """The default node keeps tcp on lo and reports what the data path needs."""
     info = pf.find_infos("tcp")[0]
     assert info.domain_name == "lo"
-    assert info.cq_data_size >= 4 and info.tx_size > 0
+    assert info.cq_data_size >= 4
+    assert info.tx_size > 0
 
 
 def test_unknown_provider_raises() -> None:
@@ -54,10 +56,11 @@ def test_fabric_error_carries_strerror() -> None:
     """check() turns a negative return into FabricError(call, errno, fi_strerror)."""
     with pytest.raises(FabricError, match="fi_demo failed: .*fi errno 11") as info:
         pf.check("fi_demo", -lib.FI_EAGAIN)
-    assert info.value.errno == lib.FI_EAGAIN and info.value.text
+    assert info.value.errno == lib.FI_EAGAIN
+    assert info.value.text
 
 
-def test_duplicate_requested_key_is_rejected(pair) -> None:
+def test_duplicate_requested_key_is_rejected(pair: Pair) -> None:
     """Requested keys must be unique per domain: libfabric says FI_ENOKEY (G8)."""
     a, _ = pair
     if a.info.mr_mode & lib.FI_MR_PROV_KEY:
@@ -100,7 +103,7 @@ def _drive(workers: list[pf.Worker], until: float = 5.0) -> tuple[list[pf.Event]
     return events, imms
 
 
-def test_worker_paged_write_lands_scattered(pair) -> None:
+def test_worker_paged_write_lands_scattered(pair: Pair) -> None:
     """One WriteOp of 32 pages lands byte-exact at permuted slots, with 32 immediates."""
     a, b = pair
     rng = np.random.default_rng(0)
@@ -113,9 +116,19 @@ def test_worker_paged_write_lands_scattered(pair) -> None:
     perm = rng.permutation(32).astype(np.int64)
     try:
         op = pf.WriteOp(
-            1, a.av.insert(b.endpoint.name), 32, PAGE, src.ctypes.data, PAGE, mr_a.desc,
-            dst.ctypes.data if virt else 0, PAGE, mr_b.key, imm=99,
-            src_idx=np.arange(32, dtype=np.int64), dst_idx=perm,
+            1,
+            a.av.insert(b.endpoint.name),
+            32,
+            PAGE,
+            src.ctypes.data,
+            PAGE,
+            mr_a.desc,
+            dst.ctypes.data if virt else 0,
+            PAGE,
+            mr_b.key,
+            imm=99,
+            src_idx=np.arange(32, dtype=np.int64),
+            dst_idx=perm,
         )
         wa.submit(op)
         events, imms = _drive([wa, wb])
@@ -124,7 +137,8 @@ def test_worker_paged_write_lands_scattered(pair) -> None:
         assert events == [pf.Event(1, 0, True)]
         assert imms == {99: 32}
         np.testing.assert_array_equal(dst[perm], src)
-        assert wa.stats().writes_completed == 32 and wa.stats().inflight == 0
+        assert wa.stats().writes_completed == 32
+        assert wa.stats().inflight == 0
     finally:
         mr_a.close()
         mr_b.close()
@@ -134,13 +148,25 @@ def test_worker_paged_write_lands_scattered(pair) -> None:
         wb.free()
 
 
-def test_expired_op_is_never_posted(pair) -> None:
+def test_expired_op_is_never_posted(pair: Pair) -> None:
     """An op whose deadline has passed fails with -FI_ETIMEDOUT and posts no write."""
     a, b = pair
     w = pf.Worker(a.endpoint, a.cq, 8)
     try:
-        op = pf.WriteOp(7, a.av.insert(b.endpoint.name), 1, 0, 0, 0, None, 0, 0, 1, imm=1,
-                        deadline_ns=time.monotonic_ns() - 1)
+        op = pf.WriteOp(
+            7,
+            a.av.insert(b.endpoint.name),
+            1,
+            0,
+            0,
+            0,
+            None,
+            0,
+            0,
+            1,
+            imm=1,
+            deadline_ns=time.monotonic_ns() - 1,
+        )
         w.submit(op)
         events, _ = _drive([w])
         assert events == [pf.Event(7, -lib.FI_ETIMEDOUT, True)]

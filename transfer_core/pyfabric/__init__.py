@@ -11,7 +11,15 @@ from __future__ import annotations
 from ._pyfabric import ffi, lib
 from .datapath import Event, Stats, Worker, WriteOp
 from .errors import FabricError, ProviderNotFoundError, check, strerror
-from .info import DEFAULT_PROVIDERS, PROVIDER_ALIASES, Info, InfoRequest, find_infos, get_infos, resolve_providers
+from .info import (
+    DEFAULT_PROVIDERS,
+    PROVIDER_ALIASES,
+    Info,
+    InfoRequest,
+    find_infos,
+    get_infos,
+    resolve_providers,
+)
 from .objects import (
     AddressVector,
     CompletionQueue,

@@ -113,10 +113,11 @@ class Worker:
         self._n_imm = ffi.new("int *")
         self.max_inflight = max_inflight
 
-    def set_timing(self, spin_ns: int, idle_sleep_ns: int, linger_ns: int) -> None:
-        """Busy-poll for `spin_ns` after activity, then nap `idle_sleep_ns` between polls;
-        hold finished results up to `linger_ns` to batch them into one return."""
-        lib.fabp_set_timing(self._handle, spin_ns, idle_sleep_ns, linger_ns)
+    def set_timing(self, spin_ns: int, idle_sleep_ns: int, linger_ns: int, quiet_ns: int) -> None:
+        """Busy-poll for `spin_ns` after activity, then nap `idle_sleep_ns` between polls.
+        Immediates are batched into one return until none came for `quiet_ns` or the oldest
+        is `linger_ns` old (defaults 1 ms, 100 us, 500 us, 20 us)."""
+        lib.fabp_set_timing(self._handle, spin_ns, idle_sleep_ns, linger_ns, quiet_ns)
 
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op
@@ -131,8 +132,14 @@ class Worker:
 
         rc < 0 is a fatal CQ error (negative fi errno): the endpoint is unusable."""
         rc = lib.fabp_progress(
-            self._handle, budget_ns, self._events, MAX_EVENTS, self._n_ev,
-            self._imms, MAX_IMMS, self._n_imm,
+            self._handle,
+            budget_ns,
+            self._events,
+            MAX_EVENTS,
+            self._n_ev,
+            self._imms,
+            MAX_IMMS,
+            self._n_imm,
         )
         events = []
         for e in self._events[0 : self._n_ev[0]]:
@@ -150,8 +157,12 @@ class Worker:
         out = ffi.new("struct fabp_stats *")
         lib.fabp_get_stats(self._handle, out)
         return Stats(
-            int(out.writes_posted), int(out.writes_completed), int(out.eagain),
-            int(out.imms_received), int(out.foreign_errors), int(out.last_foreign_err),
+            int(out.writes_posted),
+            int(out.writes_completed),
+            int(out.eagain),
+            int(out.imms_received),
+            int(out.foreign_errors),
+            int(out.last_foreign_err),
             int(lib.fabp_inflight(self._handle)),
         )
 

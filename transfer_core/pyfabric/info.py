@@ -27,7 +27,10 @@ DEFAULT_PROVIDERS = PROVIDER_ALIASES["tcp"]
 
 # The mr_mode bits this binding knows how to honour; a provider may demand any subset.
 SUPPORTED_MR_MODE = (
-    lib.FI_MR_LOCAL | lib.FI_MR_VIRT_ADDR | lib.FI_MR_ALLOCATED | lib.FI_MR_PROV_KEY
+    lib.FI_MR_LOCAL
+    | lib.FI_MR_VIRT_ADDR
+    | lib.FI_MR_ALLOCATED
+    | lib.FI_MR_PROV_KEY
     | lib.FI_MR_ENDPOINT
 )
 MIN_CQ_DATA_BYTES = 4

@@ -147,7 +147,9 @@ class Endpoint(_Fid):
         self.domain = domain
         try:
             cq_fid = ffi.cast("struct fid *", cq.handle)
-            check("fi_ep_bind(cq)", lib.fi_ep_bind(self.handle, cq_fid, lib.FI_TRANSMIT | lib.FI_RECV))
+            check(
+                "fi_ep_bind(cq)", lib.fi_ep_bind(self.handle, cq_fid, lib.FI_TRANSMIT | lib.FI_RECV)
+            )
             av_fid = ffi.cast("struct fid *", av.handle)
             check("fi_ep_bind(av)", lib.fi_ep_bind(self.handle, av_fid, 0))
             check("fi_enable", lib.fi_enable(self.handle))
@@ -187,12 +189,20 @@ class MemoryRegistration(_Fid):
         out = ffi.new("struct fid_mr **")
         buf = ffi.cast("void *", ptr)
         if cuda_device is None:
-            rc = lib.fi_mr_reg(domain.handle, buf, length, access, 0, requested_key, 0, out, ffi.NULL)
+            rc = lib.fi_mr_reg(
+                domain.handle, buf, length, access, 0, requested_key, 0, out, ffi.NULL
+            )
             check("fi_mr_reg", rc)
         else:
             rc = lib.fabp_mr_reg_iface(
-                domain.handle, buf, length, access, requested_key, lib.FI_HMEM_CUDA,
-                cuda_device, out,
+                domain.handle,
+                buf,
+                length,
+                access,
+                requested_key,
+                lib.FI_HMEM_CUDA,
+                cuda_device,
+                out,
             )
             check("fi_mr_regattr", rc)
         super().__init__(out[0])
@@ -222,7 +232,9 @@ class FabricStack:
         try:
             self.fabric = self._keep(Fabric(info))
             self.domain = self._keep(Domain(self.fabric, info))
-            self.cq = self._keep(CompletionQueue(self.domain, cq_size or info.tx_size + info.rx_size))
+            self.cq = self._keep(
+                CompletionQueue(self.domain, cq_size or info.tx_size + info.rx_size)
+            )
             self.av = self._keep(AddressVector(self.domain, av_count))
             self.endpoint = self._keep(Endpoint(self.domain, self.cq, self.av))
         except BaseException:

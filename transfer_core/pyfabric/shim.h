@@ -65,7 +65,7 @@ void fabp_worker_free(struct fabp_worker *w);
 void fabp_submit(struct fabp_worker *w, struct fabp_op *op);
 void fabp_interrupt(struct fabp_worker *w);
 void fabp_set_timing(struct fabp_worker *w, int64_t spin_ns, int64_t idle_sleep_ns,
-                     int64_t linger_ns);
+                     int64_t linger_ns, int64_t quiet_ns);
 void fabp_get_stats(struct fabp_worker *w, struct fabp_stats *out);
 uint32_t fabp_inflight(struct fabp_worker *w);
 int fabp_progress(struct fabp_worker *w, int64_t budget_ns,
