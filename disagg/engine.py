@@ -19,7 +19,7 @@ from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.errors import ConfigError
 from disagg.kv_cache import PagedKVCache
 from disagg.model import Transformer
-from disagg.model_runner import ModelRunner
+from disagg.model_runner import ForwardOutput, ModelRunner
 from disagg.page_allocator import PageAllocator
 from disagg.request import Request, SamplingParams
 from disagg.sampling import sample_token
@@ -48,7 +48,9 @@ class LLMEngine:
         self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.page_size,
                                    max_model_len)
         self.runner = ModelRunner(self.model, self.kv_cache)
+        # Told which chunks run before each forward (S3a), and what it produced after it.
         self.batch_listeners: list[Callable[[Batch], None]] = []
+        self.forward_listeners: list[Callable[[Batch, ForwardOutput], None]] = []
         self._ids = itertools.count()
         self.num_steps = 0  # batches run so far
 
@@ -73,7 +75,12 @@ class LLMEngine:
             listener(batch)
         output = self.runner.execute(batch)
         self.num_steps += 1
-        sampled = {}
+        for forward_listener in self.forward_listeners:
+            forward_listener(batch, output)
+        sampled: dict[str, int] = {}
+        if self.config.scheduler.mode == "prefill_only":
+            self.scheduler.postprocess(batch, sampled)  # a prefiller never samples (S8)
+            return []
         for row, chunk_idx in enumerate(output.sample_chunk_indices):
             request = batch.chunks[chunk_idx].request
             sampled[request.request_id] = sample_token(output.logits[row],

@@ -25,3 +25,15 @@ class RequestError(DisaggError, ValueError):
 
 class OutOfPagesError(DisaggError):
     """The page allocator has fewer free pages than asked for."""
+
+
+class ProtocolError(DisaggError):
+    """A control message is malformed, truncated, of an unknown type or version."""
+
+
+class PeerMismatchError(DisaggError):
+    """A peer's model, dtype, page size, layout or protocol version differs from ours."""
+
+
+class PeerClosedError(DisaggError):
+    """The peer closed the control connection (or it broke)."""

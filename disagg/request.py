@@ -21,9 +21,12 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"  # queued, no pages yet (or preempted)
     WAITING_FOR_KV = "waiting_for_kv"  # pages pinned, KV arriving from a prefiller (S2a)
     RUNNING = "running"
+    TRANSFERRING = "transferring"  # prefiller: prompt computed, KV writes still in flight (S4b)
     FINISHED_STOPPED = "finished_stopped"  # hit an EOS or stop token
     FINISHED_LENGTH = "finished_length"  # hit max_tokens
     FINISHED_ABORTED = "finished_aborted"
+    FINISHED_TRANSFERRED = "finished_transferred"  # prefiller: every write landed, pages freed
+    FINISHED_FAILED = "finished_failed"  # a peer or transfer failed; the reason is logged
 
     @property
     def is_finished(self) -> bool:

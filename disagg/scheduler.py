@@ -38,6 +38,12 @@ class Scheduler:
 
     def add_request(self, request: Request) -> None:
         """Queue a request; refuse one that could never fit."""
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise `RequestError` if `request` could never fit the cache or the context."""
         longest = request.num_prompt_tokens + request.sampling_params.max_tokens
         if request.num_prompt_tokens > self.max_model_len:
             raise RequestError(f"request {request.request_id}: prompt of "
@@ -47,8 +53,6 @@ class Scheduler:
             raise RequestError(f"request {request.request_id}: {longest} tokens need "
                                f"{self._pages_for(longest - 1)} pages, the cache has "
                                f"{self.allocator.num_pages}")
-        request.status = RequestStatus.WAITING
-        self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
@@ -83,18 +87,34 @@ class Scheduler:
             budget -= num_tokens
         return batch
 
+    def add_prefilled(self, request: Request) -> None:
+        """Run a request whose pages already hold `num_computed_tokens` tokens of KV (S2c)."""
+        assert request.page_ids and request.num_computed_tokens > 0, "nothing was prefilled"
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
     def postprocess(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
-        """Advance each chunk's request; append sampled tokens; return requests that finished."""
-        finished = []
+        """Advance each chunk's request and append sampled tokens.
+
+        Returns the requests that left the running set: finished ones (pages freed) and, in
+        prefill-only mode, those whose prompt is now computed (status TRANSFERRING: their pages
+        stay allocated until the messenger has written them out, S4b).
+        """
+        done = []
         for chunk in batch.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
+            if chunk.samples and self.config.mode == "prefill_only":
+                request.status = RequestStatus.TRANSFERRING
+                self.running.remove(request)
+                done.append(request)
+                continue
             if chunk.samples:
                 request.append_token(sampled[request.request_id])
             if request.is_finished:
                 self._release(request)
-                finished.append(request)
-        return finished
+                done.append(request)
+        return done
 
     def abort_request(self, request_id: str) -> Request | None:
         """Drop a request wherever it is, freeing its pages; returns it, or None if unknown."""

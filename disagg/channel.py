@@ -1,0 +1,104 @@
+"""A control connection: framed messages over a stream socket, one per peer (S2).
+
+Sending is thread-safe (a lock per channel); receiving belongs to one reader thread. A broken
+or closed connection is a `PeerClosedError`; a bad frame is a `ProtocolError`, after which the
+stream cannot be trusted and the channel is closed.
+"""
+
+from __future__ import annotations
+
+import socket
+import threading
+
+from disagg.errors import PeerClosedError, ProtocolError
+from disagg.messages import HEADER, Message, decode_header, decode_payload, encode
+
+
+class Channel:
+    """One end of a control connection."""
+
+    def __init__(self, sock: socket.socket, peer: str = "peer") -> None:
+        self.sock = sock
+        self.peer = peer
+        self._send_lock = threading.Lock()
+        self._closed = False
+        if sock.family in (socket.AF_INET, socket.AF_INET6):
+            # Control messages are small and latency bound: do not wait to coalesce them.
+            sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+
+    @staticmethod
+    def connect(address: str, timeout_s: float = 10.0) -> Channel:
+        """Connect to `host:port`."""
+        host, port = parse_address(address)
+        try:
+            sock = socket.create_connection((host, port), timeout=timeout_s)
+        except OSError as error:
+            raise PeerClosedError(f"cannot connect to {address}: {error}") from None
+        sock.settimeout(None)
+        return Channel(sock, address)
+
+    def send(self, message: Message) -> None:
+        """Send one message; raises `PeerClosedError` if the connection is gone."""
+        frame = encode(message)
+        with self._send_lock:
+            if self._closed:
+                raise PeerClosedError(f"channel to {self.peer} is closed")
+            try:
+                self.sock.sendall(frame)
+            except OSError as error:
+                raise PeerClosedError(f"{self.peer}: send failed: {error}") from None
+
+    def recv(self) -> Message:
+        """Block for the next message."""
+        header = self._read_exactly(HEADER.size)
+        cls, length = decode_header(header)
+        body = self._read_exactly(length)
+        return decode_payload(cls, body)
+
+    def close(self) -> None:
+        """Close the socket (idempotent); a blocked `recv` then fails with PeerClosedError."""
+        with self._send_lock:
+            if self._closed:
+                return
+            self._closed = True
+        try:
+            self.sock.shutdown(socket.SHUT_RDWR)
+        except OSError:
+            pass  # already disconnected: nothing left to shut down
+        self.sock.close()
+
+    @property
+    def closed(self) -> bool:
+        """Whether `close` was called."""
+        return self._closed
+
+    def _read_exactly(self, n: int) -> bytes:
+        chunks, left = [], n
+        while left:
+            try:
+                chunk = self.sock.recv(min(left, 1 << 20))
+            except OSError as error:
+                raise PeerClosedError(f"{self.peer}: receive failed: {error}") from None
+            if not chunk:
+                if left != n:
+                    raise ProtocolError(f"{self.peer}: connection closed mid-frame "
+                                        f"({n - left} of {n} bytes)")
+                raise PeerClosedError(f"{self.peer} closed the connection")
+            chunks.append(chunk)
+            left -= len(chunk)
+        return b"".join(chunks)
+
+
+def parse_address(address: str) -> tuple[str, int]:
+    """"host:port" -> (host, port), with an error naming a malformed address."""
+    host, sep, port = address.rpartition(":")
+    if not sep or not host or not port.isdigit():
+        raise ValueError(f"address {address!r} is not host:port")
+    return host, int(port)
+
+
+def listen(address: str) -> socket.socket:
+    """A listening socket on `host:port` (port 0 picks a free one)."""
+    host, port = parse_address(address)
+    server = socket.create_server((host, port), reuse_port=False)
+    return server

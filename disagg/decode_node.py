@@ -1,0 +1,189 @@
+"""A decoder node: takes requests from routers, gets their KV from prefillers, decodes (S2a,
+S2c, S4c).
+
+At start-up it connects to every prefiller and shakes hands (a mismatch stops it with the
+prefiller's reason). Threads: one accepts router connections; one per connection (router or
+prefiller) reads messages into the inbox; the engine thread (`run`) drains the inbox, releases
+requests whose KV arrived, steps the engine, and reports tokens and states to the routers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from disagg.channel import Channel, listen
+from disagg.decode_messenger import DecodeMessenger
+from disagg.engine import LLMEngine
+from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
+from disagg.messages import HelloAck, KVFailed, Reject, RequestEvent, Shutdown, Submit
+from disagg.request import Request, SamplingParams
+from transfer_core.engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+PROGRESS_INTERVAL_S = 0.05
+
+
+class DecodeNode:
+    """One decoder, fed by one or more prefillers."""
+
+    def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
+                 prefillers: list[str], listen_address: str = "127.0.0.1:0",
+                 node_id: str = "decode-0") -> None:
+        if not prefillers:
+            raise ValueError("a decoder needs at least one prefiller address")
+        self.engine = engine
+        self.transfer = transfer
+        self.node_id = node_id
+        self.messenger = DecodeMessenger(engine, transfer, node_id, fingerprint)
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._stop = threading.Event()
+        self._channels: list[Channel] = []
+        self._clients: dict[str, Channel] = {}  # request id -> the router that sent it
+        self._last_progress = 0.0
+        for address in prefillers:
+            self._connect_prefiller(address)
+        self._server = listen(listen_address)
+        host, port = self._server.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        threading.Thread(target=self._accept_loop, name="decode-accept", daemon=True).start()
+
+    def _connect_prefiller(self, address: str) -> None:
+        channel = Channel.connect(address)
+        self._channels.append(channel)
+        channel.send(self.messenger.hello())
+        reply = channel.recv()
+        if isinstance(reply, Reject):
+            channel.close()
+            raise PeerMismatchError(f"prefiller {address} refused this decoder: {reply.reason}")
+        if not isinstance(reply, HelloAck):
+            channel.close()
+            raise ProtocolError(f"prefiller {address} answered {type(reply).__name__}")
+        index = self.messenger.add_prefiller(channel)
+        threading.Thread(target=self._read_prefiller, args=(channel, index), daemon=True,
+                         name=f"decode-prefiller-{index}").start()
+
+    def _read_prefiller(self, channel: Channel, index: int) -> None:
+        while True:
+            try:
+                message = channel.recv()
+            except (PeerClosedError, ProtocolError) as error:
+                self.inbox.put(("prefiller_gone", (index, str(error))))
+                return
+            if isinstance(message, KVFailed):
+                self.inbox.put(("KVFailed", message))
+            elif isinstance(message, Reject):
+                logger.warning("prefiller %s rejected a message: %s", channel.peer,
+                               message.reason)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, peer = self._server.accept()
+            except OSError:
+                return  # closed: shutting down
+            channel = Channel(sock, f"router {peer[0]}:{peer[1]}")
+            self._channels.append(channel)
+            threading.Thread(target=self._read_router, args=(channel,), daemon=True).start()
+
+    def _read_router(self, channel: Channel) -> None:
+        while True:
+            try:
+                message = channel.recv()
+            except ProtocolError as error:
+                self._send(channel, Reject(str(error)))
+                channel.close()
+                return
+            except PeerClosedError:
+                return
+            if isinstance(message, Submit | Shutdown):
+                self.inbox.put((type(message).__name__, (channel, message)))
+            else:
+                self._send(channel, Reject(f"unexpected {type(message).__name__}"))
+
+    def run(self) -> None:
+        """The engine loop, until `stop()` or a Shutdown message."""
+        while not self._stop.is_set():
+            idle = not self.engine.has_unfinished() and not self.messenger.pending
+            self._drain_inbox(block=idle and not self.messenger.waiting)
+            for request in self.messenger.poll():
+                self._report(request, "decoding")
+            if self.engine.has_unfinished():
+                for event in self.engine.step():
+                    state = event.request.status.value if event.finished else "decoding"
+                    self._report(event.request, state, [event.token_id])
+            self._report_progress()
+
+    def _drain_inbox(self, block: bool) -> None:
+        while True:
+            try:
+                kind, item = self.inbox.get(timeout=0.005) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            if kind == "Submit":
+                self._submit(*item)
+            elif kind == "KVFailed":
+                request = self.messenger.fail(item.request_id, item.reason)
+                if request is not None:
+                    self._report(request, "failed", detail=item.reason)
+            elif kind == "prefiller_gone":
+                logger.error("prefiller %d gone: %s", *item)
+            elif kind == "Shutdown":
+                self._stop.set()
+
+    def _submit(self, channel: Channel, message: Submit) -> None:
+        params = SamplingParams(max_tokens=message.max_tokens, temperature=message.temperature,
+                                top_p=message.top_p, top_k=message.top_k,
+                                seed=None if message.seed < 0 else message.seed)
+        try:
+            request = Request(message.request_id, list(message.prompt_token_ids), params,
+                              self.engine.model.config.eos_token_ids)
+            self._clients[request.request_id] = channel
+            self.messenger.submit(request)
+        except RequestError as error:
+            self._clients.pop(message.request_id, None)
+            self._send(channel, RequestEvent(message.request_id, "failed", detail=str(error)))
+            return
+        self._report(request, "waiting_for_kv")
+
+    def _report(self, request: Request, state: str, token_ids: list[int] | None = None,
+                detail: str = "") -> None:
+        channel = self._clients.get(request.request_id)
+        if channel is None:
+            return
+        received, _ = self.messenger.received_writes(request.request_id)
+        self._send(channel, RequestEvent(request.request_id, state, token_ids or [], received,
+                                         detail))
+        if state.startswith("finished") or state == "failed":
+            del self._clients[request.request_id]
+
+    def _report_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._last_progress < PROGRESS_INTERVAL_S:
+            return
+        self._last_progress = now
+        for request_id, pending in self.messenger.pending.items():
+            self._report(pending.request, "waiting_for_kv")
+
+    def _send(self, channel: Channel, message: Any) -> None:
+        try:
+            channel.send(message)
+        except PeerClosedError:
+            logger.info("router %s is gone", channel.peer)
+
+    def stop(self) -> None:
+        """Ask `run` to return."""
+        self._stop.set()
+
+    def close(self) -> None:
+        """Close connections, the messenger and the fabric."""
+        self._stop.set()
+        self._server.close()
+        for channel in self._channels:
+            channel.close()
+        self.messenger.close()
+        self.transfer.close()

@@ -1,0 +1,221 @@
+"""Typed, versioned control messages between router, decoders and prefillers (S2).
+
+Control only: KV pages and context travel as RDMA writes, never here. A frame is a fixed
+header (magic, protocol version, message type, payload length) and a JSON payload whose fields
+are checked against the message's declared types on decode, so a malformed, truncated or
+foreign frame is a `ProtocolError` naming the problem, never a half-built object. No pickle.
+"""
+
+from __future__ import annotations
+
+import base64
+import json
+import struct
+from dataclasses import MISSING, asdict, dataclass, field, fields
+from typing import Any, ClassVar
+
+from disagg.errors import ProtocolError
+
+PROTOCOL_VERSION = 1
+MAGIC = b"DG"
+HEADER = struct.Struct("!2sBBI")  # magic, version, type, payload length
+MAX_PAYLOAD = 64 << 20
+
+
+@dataclass(frozen=True, slots=True)
+class Message:
+    """Base of every message: subclasses set `TYPE` and declare fields with plain types."""
+
+    TYPE: ClassVar[int] = 0
+
+
+# Handshake (decoder -> prefiller, prefiller -> decoder).
+
+@dataclass(frozen=True, slots=True)
+class Hello(Message):
+    """A decoder introduces itself: what it runs, where its KV and context buffers are."""
+
+    TYPE: ClassVar[int] = 1
+    node_id: str
+    model: str  # a fingerprint of the model's shape and weights
+    dtype: str
+    page_size: int
+    kv_layout: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    engine_address: bytes
+    kv_descriptor: bytes
+    context_descriptor: bytes
+    context_slot_nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class HelloAck(Message):
+    """The prefiller accepts: here is its fabric address."""
+
+    TYPE: ClassVar[int] = 2
+    node_id: str
+    engine_address: bytes
+
+
+@dataclass(frozen=True, slots=True)
+class Reject(Message):
+    """The sender refuses the connection or a message, and says why; it may then close."""
+
+    TYPE: ClassVar[int] = 3
+    reason: str
+
+
+# Requests between messengers.
+
+@dataclass(frozen=True, slots=True)
+class KVRequest(Message):
+    """Decoder -> prefiller: prefill these tokens and write their KV into my pages (S2a)."""
+
+    TYPE: ClassVar[int] = 4
+    request_id: str
+    imm: int  # carried by every write of this request; the decoder counts it (S4c)
+    prompt_token_ids: list[int]  # the whole prompt; the prefiller computes all but the last
+    dst_page_ids: list[int]
+    context_slot: int
+
+
+@dataclass(frozen=True, slots=True)
+class KVFailed(Message):
+    """Prefiller -> decoder: this request's KV will not arrive."""
+
+    TYPE: ClassVar[int] = 5
+    request_id: str
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class Cancel(Message):
+    """Decoder -> prefiller: drop this request (its writes may still be in flight)."""
+
+    TYPE: ClassVar[int] = 6
+    request_id: str
+
+
+# Router <-> decoder.
+
+@dataclass(frozen=True, slots=True)
+class Submit(Message):
+    """Router -> decoder: serve this prompt."""
+
+    TYPE: ClassVar[int] = 10
+    request_id: str
+    prompt_token_ids: list[int]
+    max_tokens: int
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int = -1  # -1: unseeded
+
+
+@dataclass(frozen=True, slots=True)
+class RequestEvent(Message):
+    """Decoder -> router: a request changed state or produced tokens."""
+
+    TYPE: ClassVar[int] = 11
+    request_id: str
+    state: str  # waiting_for_kv, decoding, finished_*, failed
+    token_ids: list[int] = field(default_factory=list)
+    layers_received: int = 0  # KV writes landed so far / pages of the prompt
+    detail: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Shutdown(Message):
+    """Ask a node to finish and exit."""
+
+    TYPE: ClassVar[int] = 12
+
+
+MESSAGE_TYPES: dict[int, type[Message]] = {
+    cls.TYPE: cls for cls in (Hello, HelloAck, Reject, KVRequest, KVFailed, Cancel, Submit,
+                              RequestEvent, Shutdown)
+}
+_JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str,
+               "list[int]": list}
+
+
+def encode(message: Message) -> bytes:
+    """A whole frame: header plus JSON payload (bytes fields in base64)."""
+    payload = {}
+    for f in fields(message):
+        value = getattr(message, f.name)
+        payload[f.name] = base64.b64encode(value).decode() if f.type == "bytes" else value
+    body = json.dumps(payload, separators=(",", ":")).encode()
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, message.TYPE, len(body)) + body
+
+
+def decode_header(header: bytes) -> tuple[type[Message], int]:
+    """Message class and payload length from a frame header; refuses foreign frames."""
+    if len(header) != HEADER.size:
+        raise ProtocolError(f"truncated header: {len(header)} of {HEADER.size} bytes")
+    magic, version, type_id, length = HEADER.unpack(header)
+    if magic != MAGIC:
+        raise ProtocolError(f"bad magic {magic!r}: not a disagg control frame")
+    if version != PROTOCOL_VERSION:
+        raise ProtocolError(f"protocol version {version}, this node speaks {PROTOCOL_VERSION}")
+    if type_id not in MESSAGE_TYPES:
+        raise ProtocolError(f"unknown message type {type_id}")
+    if length > MAX_PAYLOAD:
+        raise ProtocolError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD} byte limit")
+    return MESSAGE_TYPES[type_id], length
+
+
+def decode_payload(cls: type[Message], body: bytes) -> Message:
+    """Build `cls` from a JSON payload, checking every field's presence and type."""
+    try:
+        payload = json.loads(body)
+    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+        raise ProtocolError(f"{cls.__name__}: payload is not JSON ({error})") from None
+    if not isinstance(payload, dict):
+        raise ProtocolError(f"{cls.__name__}: payload is not an object")
+    declared = {f.name: f for f in fields(cls)}
+    unknown = set(payload) - set(declared)
+    if unknown:
+        raise ProtocolError(f"{cls.__name__}: unknown fields {sorted(unknown)}")
+    values: dict[str, Any] = {}
+    for name, f in declared.items():
+        if name not in payload:
+            if f.default is not MISSING or f.default_factory is not MISSING:
+                continue
+            raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
+        values[name] = _check_field(cls.__name__, name, f.type, payload[name])
+    try:
+        return cls(**values)
+    except TypeError as error:
+        raise ProtocolError(f"{cls.__name__}: {error}") from None
+
+
+def decode(frame: bytes) -> Message:
+    """Decode one whole frame (header and payload)."""
+    cls, length = decode_header(frame[:HEADER.size])
+    body = frame[HEADER.size:]
+    if len(body) != length:
+        raise ProtocolError(f"{cls.__name__}: payload of {len(body)} bytes, header says {length}")
+    return decode_payload(cls, body)
+
+
+def _check_field(message: str, name: str, type_name: str, value: Any) -> Any:
+    expected = _JSON_TYPES[type_name]
+    bad = not isinstance(value, expected) or isinstance(value, bool)
+    if type_name == "list[int]" and not bad:
+        bad = not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if bad:
+        raise ProtocolError(f"{message}.{name}: expected {type_name}, got {type(value).__name__}")
+    if type_name == "bytes":
+        try:
+            return base64.b64decode(value, validate=True)
+        except ValueError:
+            raise ProtocolError(f"{message}.{name}: not base64") from None
+    return float(value) if type_name == "float" else value
+
+
+def as_dict(message: Message) -> dict[str, Any]:
+    """The message's fields (for logs and traces)."""
+    return asdict(message)

@@ -1,0 +1,53 @@
+"""What every node builds at start-up: the engine, the transfer engine, a model fingerprint.
+
+Kept apart from the node loops so the demo, the tests and `disagg serve` build nodes the same way.
+"""
+
+from __future__ import annotations
+
+import hashlib
+from dataclasses import dataclass, fields
+
+import torch
+
+from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg.engine import LLMEngine, build_engine
+from disagg.weights import LoadedModel, load_model
+from transfer_core.engine import TransferEngine
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Options every node takes (the CLI builds this, nothing else)."""
+
+    model: str
+    cache: CacheConfig
+    scheduler: SchedulerConfig
+    provider: str = "tcp"  # an alias (tcp, shm, efa, verbs) or a libfabric provider name
+    fabric_node: str | None = "127.0.0.1"  # interface address for the fabric endpoints
+    threads: int | None = None  # torch intra-op threads for this node
+
+
+def model_fingerprint(loaded: LoadedModel) -> str:
+    """A short digest of the model's shape and weights: peers must agree on it exactly."""
+    digest = hashlib.sha256()
+    for f in fields(loaded.config):
+        digest.update(f"{f.name}={getattr(loaded.config, f.name)};".encode())
+    for name in sorted(loaded.state_dict):
+        tensor = loaded.state_dict[name].reshape(-1)
+        # A strided sample of every tensor: enough to tell checkpoints apart, cheap to hash.
+        sample = tensor[:: max(1, tensor.numel() // 256)].to(torch.float32).contiguous()
+        digest.update(name.encode())
+        digest.update(sample.numpy().tobytes())
+    return f"{loaded.config.name}-{digest.hexdigest()[:16]}"
+
+
+def build_node(config: NodeConfig) -> tuple[LLMEngine, TransferEngine, str, LoadedModel]:
+    """Load the model, build the engine and open the fabric; returns them and the fingerprint."""
+    if config.threads:
+        torch.set_num_threads(config.threads)
+    loaded = load_model(config.model)
+    engine = build_engine(EngineConfig(loaded.config, config.cache, config.scheduler),
+                          loaded.state_dict)
+    transfer = TransferEngine(config.provider, node=config.fabric_node)
+    return engine, transfer, model_fingerprint(loaded), loaded

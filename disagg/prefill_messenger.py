@@ -1,0 +1,323 @@
+"""The prefiller's KV messenger: stream each layer's pages to the decoder as they are computed
+(S2b, S3, S4a, S4b).
+
+Before a batch runs the engine tells the messenger which chunks it holds (S3a); the messenger
+plans, per request, the pages those chunks complete. The model bumps a layer counter after each
+layer's attention output projection; a `CounterPoller` thread sees every bump and posts that
+layer's page writes at once, while the forward moves on (S3b). After the request's last chunk
+it writes the context slot (hidden state and logits, S4a), and when every write has completed
+it frees the source pages and finishes the request (S4b). Every write carries the request's
+immediate value; the decoder counts them (S4c). Threads: the engine's (plans, context, frees),
+the poller's (page writes), the transfer engine's (completions, which only count).
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
+
+from disagg.batch import Batch
+from disagg.channel import Channel
+from disagg.engine import LLMEngine
+from disagg.errors import PeerClosedError, RequestError
+from disagg.handoff import allocate_context_buffer, context_slot_nbytes, pack_context
+from disagg.handoff import prefill_token_ids
+from disagg.layer_counter import LayerCounter
+from disagg.messages import Hello, KVFailed, KVRequest
+from disagg.model_runner import ForwardOutput
+from disagg.request import Request, RequestStatus, SamplingParams
+from disagg.transfer_plan import num_pages, pages_completed_by_chunk
+from transfer_core.engine import TransferEngine
+from transfer_core.errors import TransferError
+from transfer_core.memory import MemoryRegionDescriptor
+from transfer_core.poller import CounterPoller
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class DecoderPeer:
+    """A connected decoder: where its KV pages and context slots are."""
+
+    peer_id: str
+    channel: Channel
+    kv: MemoryRegionDescriptor
+    context: MemoryRegionDescriptor
+    num_pages: int
+    num_context_slots: int
+    layer_nbytes: int
+
+
+@dataclass
+class Transfer:
+    """One request's outgoing KV: the prefiller-side transfer context."""
+
+    key: str  # "<peer_id>/<request_id>", unique on this prefiller
+    request_id: str  # as the decoder named it
+    request: Request
+    peer: DecoderPeer
+    imm: int
+    dst_page_ids: list[int]
+    context_slot: int
+    pending_writes: int = 0
+    all_submitted: bool = False
+    error: str | None = None
+    layer_post_times: list[tuple[int, float]] = field(default_factory=list)
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedWrite:
+    """Pages of one request completed by one forward, to be written layer by layer."""
+
+    transfer: Transfer
+    src_page_ids: list[int]
+    dst_page_ids: list[int]
+
+
+class PrefillMessenger:
+    """Follows the prefiller's forward passes and ships KV pages as layers finish."""
+
+    def __init__(self, engine: LLMEngine, transfer: TransferEngine,
+                 num_context_slots: int = 16, wait_timeout_s: float = 60.0) -> None:
+        self.engine = engine
+        self.transfer = transfer
+        self.kv_cache = engine.kv_cache
+        self.num_layers = engine.model.config.num_layers
+        self.wait_timeout_s = wait_timeout_s
+        self._kv_region, _ = transfer.register_memory(self.kv_cache.buffer, name="prefill-kv")
+        self._context = allocate_context_buffer(engine.model.config, num_context_slots)
+        self._context_region, _ = transfer.register_memory(self._context, name="prefill-ctx")
+        self._slot_nbytes = context_slot_nbytes(engine.model.config)
+        self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(num_context_slots):
+            self._free_slots.put(slot)
+        self._lock = threading.Condition()
+        self._transfers: dict[str, Transfer] = {}
+        self._plans: dict[int, list[PlannedWrite]] = {}
+        self._forwards_planned = 0
+        self._handled_value = 0  # counter value whose writes have all been posted
+        self._finished: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
+        self.stats = {"pages": 0, "writes": 0, "bytes": 0, "requests": 0}
+        # The model bumps this after each layer; the poller thread turns bumps into writes.
+        self.counter = LayerCounter()
+        engine.model.layer_counter = self.counter
+        engine.batch_listeners.append(self.on_batch)
+        engine.forward_listeners.append(self.after_forward)
+        self._poller = CounterPoller([self.counter.value], self._on_counter,
+                                     name="layer-counter-poller")
+        self._poller.start()
+
+    # Peers and requests (engine thread).
+
+    def add_peer(self, hello: Hello, channel: Channel) -> DecoderPeer:
+        """Accept a decoder whose handshake was validated; parse its descriptors."""
+        kv = MemoryRegionDescriptor.from_bytes(hello.kv_descriptor)
+        context = MemoryRegionDescriptor.from_bytes(hello.context_descriptor)
+        layer_nbytes, rest = divmod(kv.length, self.num_layers)
+        peer_pages, rest2 = divmod(layer_nbytes, self.kv_cache.page_nbytes)
+        if rest or rest2 or peer_pages == 0:
+            raise RequestError(f"decoder {hello.node_id}: KV region of {kv.length} bytes is not "
+                               f"{self.num_layers} layers of whole {self.kv_cache.page_nbytes}"
+                               "-byte pages")
+        return DecoderPeer(hello.node_id, channel, kv, context, peer_pages,
+                           context.length // self._slot_nbytes, layer_nbytes)
+
+    def start_request(self, message: KVRequest, peer: DecoderPeer) -> None:
+        """Validate a decoder's request and queue its prefill; raises `RequestError`."""
+        key = f"{peer.peer_id}/{message.request_id}"
+        prompt = message.prompt_token_ids
+        if key in self._transfers:
+            raise RequestError(f"request {message.request_id} is already in flight")
+        if len(prompt) < 2:
+            raise RequestError(f"request {message.request_id}: a prompt of {len(prompt)} "
+                               "tokens needs no prefill (the decoder runs its last token)")
+        if len(message.dst_page_ids) < num_pages(len(prompt) - 1, self.kv_cache.page_size):
+            raise RequestError(f"request {message.request_id}: {len(message.dst_page_ids)} "
+                               f"destination pages for {len(prompt) - 1} tokens")
+        bad = [p for p in message.dst_page_ids if not 0 <= p < peer.num_pages]
+        if bad:
+            raise RequestError(f"request {message.request_id}: page ids {bad[:4]} are outside "
+                               f"the decoder's region of {peer.num_pages} pages")
+        if not 0 <= message.context_slot < peer.num_context_slots:
+            raise RequestError(f"request {message.request_id}: context slot "
+                               f"{message.context_slot} outside [0, {peer.num_context_slots})")
+        vocab = self.engine.model.config.vocab_size
+        if any(not 0 <= t < vocab for t in prompt):
+            raise RequestError(f"request {message.request_id}: token ids outside [0, {vocab})")
+        if not 0 <= message.imm < 2**32:
+            raise RequestError(f"request {message.request_id}: imm {message.imm} not 32-bit")
+        request = Request(key, prefill_token_ids(prompt), SamplingParams(max_tokens=1))
+        self.engine.scheduler.add_request(request)
+        self._transfers[key] = Transfer(key, message.request_id, request, peer, message.imm,
+                                        list(message.dst_page_ids), message.context_slot)
+
+    def fail_peer(self, peer: DecoderPeer, reason: str) -> None:
+        """The decoder is gone: nothing more is written to it; its requests end as failed."""
+        with self._lock:
+            for transfer in self._transfers.values():
+                if transfer.peer is peer and transfer.error is None:
+                    transfer.error = reason
+
+    def cancel(self, peer: DecoderPeer, request_id: str) -> None:
+        """The decoder dropped `request_id`: write nothing more; it ends as failed."""
+        transfer = self._transfers.get(f"{peer.peer_id}/{request_id}")
+        if transfer is not None:
+            with self._lock:
+                transfer.error = transfer.error or "cancelled by the decoder"
+
+    def has_work(self) -> bool:
+        """Whether any request is still being prefilled or transferred."""
+        return bool(self._transfers)
+
+    # Forward pass hooks.
+
+    def on_batch(self, batch: Batch) -> None:
+        """Before a forward (S3a): plan the pages each chunk completes."""
+        plan = []
+        for chunk in batch.chunks:
+            transfer = self._transfers.get(chunk.request.request_id)
+            if transfer is None:
+                continue
+            request = chunk.request
+            indices = pages_completed_by_chunk(chunk.start, chunk.end,
+                                               request.num_prompt_tokens,
+                                               self.kv_cache.page_size)
+            if indices:
+                plan.append(PlannedWrite(transfer, [request.page_ids[i] for i in indices],
+                                         [transfer.dst_page_ids[i] for i in indices]))
+        with self._lock:
+            self._plans[self._forwards_planned] = plan
+            self._forwards_planned += 1
+
+    def _on_counter(self, index: int, old: int, new: int) -> None:
+        """Poller thread (S3b): post the writes of every layer that finished since `old`."""
+        for value in range(old + 1, new + 1):
+            forward, layer = LayerCounter.decode(value, self.num_layers)
+            with self._lock:
+                plan = self._plans.get(forward, [])
+            now = time.perf_counter()
+            for write in plan:
+                write.transfer.layer_post_times.append((layer, now))
+                self._submit_layer(write, layer)
+            with self._lock:
+                if layer == self.num_layers - 1:
+                    self._plans.pop(forward, None)
+                self._handled_value = value
+                self._lock.notify_all()
+
+    def _submit_layer(self, write: PlannedWrite, layer: int) -> None:
+        transfer = write.transfer
+        with self._lock:
+            if transfer.error is not None:
+                return
+            transfer.pending_writes += 1
+        page_nbytes = self.kv_cache.page_nbytes
+        try:
+            self.transfer.submit_paged_writes(
+                page_nbytes, self._kv_region, write.src_page_ids, page_nbytes,
+                layer * self.kv_cache.layer_nbytes, transfer.peer.kv, write.dst_page_ids,
+                page_nbytes, layer * transfer.peer.layer_nbytes, transfer.imm,
+                on_done=lambda: self._write_done(transfer, None),
+                on_error=lambda error: self._write_done(transfer, error))
+        except (TransferError, ValueError) as error:
+            self._write_done(transfer, error)
+            return
+        self._count(pages=len(write.src_page_ids), writes=len(write.src_page_ids),
+                    nbytes=len(write.src_page_ids) * page_nbytes)
+
+    def after_forward(self, batch: Batch, output: ForwardOutput) -> None:
+        """After a forward: once every layer's writes are posted, write the context of
+        requests whose prefill is complete (S4a) and mark them fully submitted."""
+        target = self._forwards_planned * self.num_layers
+        with self._lock:
+            done = self._lock.wait_for(lambda: self._handled_value >= target,
+                                       self.wait_timeout_s)
+        self._poller.check()
+        if not done:
+            raise TimeoutError(f"layer poller saw {self._handled_value} of {target} bumps")
+        for row, chunk_idx in enumerate(output.sample_chunk_indices):
+            transfer = self._transfers.get(batch.chunks[chunk_idx].request.request_id)
+            if transfer is None:
+                continue
+            self._submit_context(transfer, output, row)
+            with self._lock:
+                transfer.all_submitted = True
+                if transfer.pending_writes == 0:
+                    self._finished.put(transfer)
+
+    def _submit_context(self, transfer: Transfer, output: ForwardOutput, row: int) -> None:
+        with self._lock:
+            if transfer.error is not None:
+                return
+            transfer.pending_writes += 1
+        slot = self._free_slots.get(timeout=self.wait_timeout_s)
+        pack_context(self._context[slot], output.hidden_states[row], output.logits[row])
+
+        def done(error: TransferError | None) -> None:
+            self._free_slots.put(slot)
+            self._write_done(transfer, error)
+
+        try:
+            self.transfer.submit_write(
+                self._context_region, slot * self._slot_nbytes, self._slot_nbytes, transfer.imm,
+                transfer.peer.context, transfer.context_slot * self._slot_nbytes,
+                on_done=lambda: done(None), on_error=done)
+        except (TransferError, ValueError) as error:
+            done(error)
+            return
+        self._count(writes=1, nbytes=self._slot_nbytes)
+
+    def _count(self, pages: int = 0, writes: int = 0, nbytes: int = 0) -> None:
+        with self._lock:  # the poller thread and the engine thread both post writes
+            self.stats["pages"] += pages
+            self.stats["writes"] += writes
+            self.stats["bytes"] += nbytes
+
+    def _write_done(self, transfer: Transfer, error: BaseException | None) -> None:
+        """Transfer-engine thread: count a finished write; the last one finishes the request."""
+        with self._lock:
+            transfer.pending_writes -= 1
+            if error is not None and transfer.error is None:
+                transfer.error = f"write failed: {error}"
+            if transfer.pending_writes == 0 and transfer.all_submitted:
+                self._finished.put(transfer)
+
+    # Completion (engine thread).
+
+    def poll(self) -> list[Transfer]:
+        """Free the source pages of requests whose writes all completed (S4b); tell the
+        decoder of failures. Returns the transfers that ended."""
+        ended = []
+        while True:
+            try:
+                transfer = self._finished.get_nowait()
+            except queue.Empty:
+                break
+            request = transfer.request
+            self.engine.allocator.free(request.page_ids)
+            request.page_ids = []
+            del self._transfers[transfer.key]
+            self.stats["requests"] += 1
+            if transfer.error is None:
+                request.status = RequestStatus.FINISHED_TRANSFERRED
+            else:
+                request.status = RequestStatus.FINISHED_FAILED
+                logger.warning("request %s failed: %s", transfer.key, transfer.error)
+                self._tell(transfer.peer, KVFailed(transfer.request_id, transfer.error))
+            ended.append(transfer)
+        return ended
+
+    def _tell(self, peer: DecoderPeer, message: KVFailed) -> None:
+        try:
+            peer.channel.send(message)
+        except PeerClosedError:
+            logger.info("decoder %s is gone; not told about %s", peer.peer_id, message.request_id)
+
+    def close(self) -> None:
+        """Stop the poller and unregister memory (call after the transfer engine drained)."""
+        self._poller.stop()
+        self.transfer.unregister_memory(self._kv_region)
+        self.transfer.unregister_memory(self._context_region)
