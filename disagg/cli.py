@@ -19,7 +19,10 @@ from disagg.errors import DisaggError, RequestError
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 bench_app = typer.Typer(help="Benchmarks (JSON with --json, else a table).", no_args_is_help=True)
+serve_app = typer.Typer(help="Run one node of a disaggregated deployment.",
+                        no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+app.add_typer(serve_app, name="serve")
 console = Console()
 err_console = Console(stderr=True)
 
@@ -75,6 +78,61 @@ def generate(
         _print_now("\n")
         err_console.print(f"[dim]{len(result['token_ids'])} tokens, finish: "
                           f"{result['finish_reason']}[/dim]")
+
+
+ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a preset (tiny, small) or a "
+                                                "Hugging Face Llama checkpoint directory")]
+LayoutOption = Annotated[str, typer.Option(help="KV page layout: NHD or HND")]
+PageSizeOption = Annotated[int, typer.Option(help="Tokens per KV page")]
+NumPagesOption = Annotated[int, typer.Option(help="KV pages in the cache")]
+ChunkOption = Annotated[int, typer.Option(help="Prefill chunk size in tokens")]
+ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm, efa, verbs, or "
+                                                   "a provider name")]
+ThreadsOption = Annotated[int, typer.Option(help="torch threads for this node (0: default)")]
+
+
+def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chunk_size: int,
+                 provider: str, threads: int, mode: str) -> object:
+    from disagg.node_setup import NodeConfig
+
+    return NodeConfig(model, CacheConfig(page_size=page_size, num_pages=num_pages,
+                                         kv_layout=check_kv_layout(kv_layout)),
+                      SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=chunk_size,
+                                      mode=mode),  # type: ignore[arg-type]
+                      provider=provider, threads=threads or None)
+
+
+@serve_app.command("prefill")
+def serve_prefill(
+    model: ModelOption,
+    listen: Annotated[str, typer.Option(help="host:port for decoders (port 0: any)")] = "127.0.0.1:0",
+    node_id: Annotated[str, typer.Option(help="Name in logs and handshakes")] = "prefill-0",
+    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
+    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
+    provider: ProviderOption = "tcp", threads: ThreadsOption = 0,
+) -> None:
+    """Run a prefiller: prefill requests from decoders and stream their KV back."""
+    from disagg.serve import serve_prefill as run
+
+    run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
+                     "prefill_only"), listen, node_id)  # type: ignore[arg-type]
+
+
+@serve_app.command("decode")
+def serve_decode(
+    model: ModelOption,
+    prefiller: Annotated[list[str], typer.Option(help="A prefiller's host:port (repeatable)")],
+    listen: Annotated[str, typer.Option(help="host:port for routers (port 0: any)")] = "127.0.0.1:0",
+    node_id: Annotated[str, typer.Option(help="Name in logs and handshakes")] = "decode-0",
+    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
+    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
+    provider: ProviderOption = "tcp", threads: ThreadsOption = 0,
+) -> None:
+    """Run a decoder: take requests, get their KV from prefillers, decode them."""
+    from disagg.serve import serve_decode as run
+
+    run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
+                     "mixed"), listen, prefiller, node_id)  # type: ignore[arg-type]
 
 
 def _print_now(text: str) -> None:

@@ -15,6 +15,7 @@ import itertools
 import logging
 import queue
 import threading
+import time
 from collections import deque
 from dataclasses import dataclass
 
@@ -24,7 +25,7 @@ from disagg.errors import PeerClosedError
 from disagg.handoff import allocate_context_buffer, context_slot_nbytes, unpack_context
 from disagg.messages import Hello, KVRequest
 from disagg.request import Request, RequestStatus
-from disagg.transfer_plan import expected_write_count, num_pages
+from disagg.transfer_plan import CONTEXT_WRITES, expected_write_count, num_pages
 from transfer_core.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -39,6 +40,16 @@ class PendingKV:
     context_slot: int
     expected_writes: int
     prefiller: int  # index into the messenger's prefiller list
+    started_at: float = 0.0  # time.monotonic() when the prefiller was asked
+
+
+@dataclass(frozen=True, slots=True)
+class KVReceipt:
+    """What one request's KV transfer took, as the decoder saw it."""
+
+    writes: int
+    nbytes: int
+    wait_ms: float  # from asking the prefiller to the counter firing (prefill included)
 
 
 class DecodeMessenger:
@@ -115,7 +126,8 @@ class DecodeMessenger:
         slot = self._free_slots.pop()
         expected = expected_write_count(request.num_prompt_tokens, page_size, config.num_layers)
         index = min(range(len(self.prefillers)), key=self._load.__getitem__)
-        self.pending[request.request_id] = PendingKV(request, imm, slot, expected, index)
+        self.pending[request.request_id] = PendingKV(request, imm, slot, expected, index,
+                                                     time.monotonic())
         self._load[index] += 1
         # Arm the counter before asking: writes may land before this line would otherwise run.
         self.transfer.expect_imm_count(imm, expected, lambda: self._ready.put(request.request_id))
@@ -126,8 +138,9 @@ class DecodeMessenger:
         except PeerClosedError as error:
             self.fail(request.request_id, f"prefiller unreachable: {error}")
 
-    def poll(self) -> list[Request]:
-        """Hand every request whose counter fired to the engine (S2c); returns them."""
+    def poll(self) -> list[tuple[Request, KVReceipt]]:
+        """Hand every request whose counter fired to the engine (S2c); returns them with what
+        their KV took."""
         released = []
         while True:
             try:
@@ -140,9 +153,16 @@ class DecodeMessenger:
             self._load[pending.prefiller] -= 1
             self._free_slots.append(pending.context_slot)
             self._release(pending.request)
-            released.append(pending.request)
+            released.append((pending.request, self._receipt(pending)))
         self._start_waiting()
         return released
+
+    def _receipt(self, pending: PendingKV) -> KVReceipt:
+        cache, model = self.engine.kv_cache, self.engine.model.config
+        pages = (pending.expected_writes - CONTEXT_WRITES) // model.num_layers
+        nbytes = pages * model.num_layers * cache.page_nbytes + context_slot_nbytes(model)
+        wait_ms = (time.monotonic() - pending.started_at) * 1e3
+        return KVReceipt(pending.expected_writes, nbytes, wait_ms)
 
     def _release(self, request: Request) -> None:
         self.engine.allocator.unpin(request.page_ids)

@@ -109,8 +109,9 @@ class DecodeNode:
         while not self._stop.is_set():
             idle = not self.engine.has_unfinished() and not self.messenger.pending
             self._drain_inbox(block=idle and not self.messenger.waiting)
-            for request in self.messenger.poll():
-                self._report(request, "decoding")
+            for request, receipt in self.messenger.poll():
+                self._report(request, "decoding", kv_writes=receipt.writes,
+                             kv_bytes=receipt.nbytes, kv_wait_ms=receipt.wait_ms)
             if self.engine.has_unfinished():
                 for event in self.engine.step():
                     state = event.request.status.value if event.finished else "decoding"
@@ -151,13 +152,13 @@ class DecodeNode:
         self._report(request, "waiting_for_kv")
 
     def _report(self, request: Request, state: str, token_ids: list[int] | None = None,
-                detail: str = "") -> None:
+                detail: str = "", **kv: Any) -> None:
         channel = self._clients.get(request.request_id)
         if channel is None:
             return
         received, _ = self.messenger.received_writes(request.request_id)
-        self._send(channel, RequestEvent(request.request_id, state, token_ids or [], received,
-                                         detail))
+        self._send(channel, RequestEvent(request.request_id, state, token_ids or [],
+                                         kv_writes_received=received, detail=detail, **kv))
         if state.startswith("finished") or state == "failed":
             del self._clients[request.request_id]
 

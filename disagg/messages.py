@@ -122,7 +122,10 @@ class RequestEvent(Message):
     request_id: str
     state: str  # waiting_for_kv, decoding, finished_*, failed
     token_ids: list[int] = field(default_factory=list)
-    layers_received: int = 0  # KV writes landed so far / pages of the prompt
+    kv_writes_received: int = 0  # while waiting for KV: writes landed so far
+    kv_writes: int = 0  # once decoding: writes the request's KV took (pages x layers + 1)
+    kv_bytes: int = 0  # ... and their bytes
+    kv_wait_ms: float = 0.0  # ... and the time from asking a prefiller to the counter firing
     detail: str = ""
 
 

@@ -1,0 +1,122 @@
+"""Start a prefiller and decoders as separate local processes, and stop them all (S1).
+
+Each node is `python -m disagg.cli serve ...` in its own process, talking over libfabric, so
+the demo and the end-to-end tests run exactly what a multi-machine deployment runs. A node
+prints `READY <host:port>` once it accepts connections; every process started here is ended on
+exit, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+from dataclasses import dataclass, field
+
+from disagg.errors import DisaggError
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterConfig:
+    """What to start: the options every node shares, and how many decoders."""
+
+    model: str
+    num_decoders: int = 1
+    kv_layout: str = "NHD"
+    page_size: int = 16
+    num_pages: int = 512
+    chunk_size: int = 256
+    provider: str = "tcp"
+    threads_per_node: int = 1
+    extra_args: list[str] = field(default_factory=list)
+    startup_timeout_s: float = 120.0
+
+
+class LocalCluster:
+    """Context manager: one prefiller and `num_decoders` decoders as child processes."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.processes: list[subprocess.Popen[str]] = []
+        self.prefiller_address = ""
+        self.decoder_addresses: list[str] = []
+        self.logs: dict[str, list[str]] = {}
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            prefiller = self._spawn("prefill-0", ["serve", "prefill"])
+            self.prefiller_address = self._wait_ready("prefill-0", prefiller)
+            # Decoders start side by side: each loads the model on its own.
+            names = [f"decode-{i}" for i in range(self.config.num_decoders)]
+            decoders = [self._spawn(name, ["serve", "decode", "--prefiller",
+                                           self.prefiller_address]) for name in names]
+            self.decoder_addresses = [self._wait_ready(name, process)
+                                      for name, process in zip(names, decoders, strict=True)]
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _common_args(self) -> list[str]:
+        c = self.config
+        return ["--model", c.model, "--kv-layout", c.kv_layout, "--page-size", str(c.page_size),
+                "--num-pages", str(c.num_pages), "--chunk-size", str(c.chunk_size),
+                "--provider", c.provider, "--threads", str(c.threads_per_node), *c.extra_args]
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[str]:
+        command = [sys.executable, "-m", "disagg.cli", *args, "--node-id", name,
+                   *self._common_args()]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=env)
+        self.processes.append(process)
+        log = self.logs.setdefault(name, [])
+        threading.Thread(target=_collect, args=(process.stderr, log), daemon=True).start()
+        return process
+
+    def _wait_ready(self, name: str, process: subprocess.Popen[str]) -> str:
+        log = self.logs[name]
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("READY "):
+                threading.Thread(target=_collect, args=(process.stdout, log), daemon=True).start()
+                return line.split()[1]
+            log.append(line.rstrip())
+            if time.monotonic() > deadline:
+                break
+        process.wait(timeout=5)
+        time.sleep(0.1)  # let the stderr reader catch the last lines
+        raise DisaggError(f"{name} did not start (exit code {process.returncode}): "
+                          + " | ".join(self.logs[name][-5:]))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End every process: politely, then by force."""
+        for process in self.processes:
+            if process.poll() is None:
+                process.terminate()
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("killing pid %d", process.pid)
+                process.kill()
+                process.wait()
+
+    def exit_codes(self) -> list[int | None]:
+        """Each process's exit code (None while running)."""
+        return [process.poll() for process in self.processes]
+
+
+def _collect(stream: object, log: list[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        log.append(line.rstrip())

@@ -1,0 +1,46 @@
+"""`disagg serve prefill|decode`: run one node until told to stop (S2).
+
+Prints `READY <host:port>` on stdout once the node accepts control connections (the demo and
+the tests wait for that line), then serves until a Shutdown message, SIGTERM or Ctrl-C, and
+always releases the fabric (endpoints, registrations, shm files) on the way out.
+"""
+
+from __future__ import annotations
+
+import logging
+import signal
+import sys
+
+from disagg.decode_node import DecodeNode
+from disagg.node_setup import NodeConfig, build_node
+from disagg.prefill_node import PrefillNode
+
+
+def _serve(node: PrefillNode | DecodeNode) -> None:
+    for signum in (signal.SIGTERM, signal.SIGINT):
+        signal.signal(signum, lambda *_: node.stop())
+    sys.stdout.write(f"READY {node.address}\n")
+    sys.stdout.flush()
+    try:
+        node.run()
+    finally:
+        node.close()
+
+
+def serve_prefill(config: NodeConfig, listen: str, node_id: str) -> None:
+    """Run a prefiller (prefill only: it never samples, S8)."""
+    logging.basicConfig(level=logging.INFO, format=f"{node_id} %(levelname)s %(message)s")
+    engine, transfer, fingerprint, _ = build_node(config)
+    _serve(PrefillNode(engine, transfer, fingerprint, listen, node_id))
+
+
+def serve_decode(config: NodeConfig, listen: str, prefillers: list[str], node_id: str) -> None:
+    """Run a decoder fed by `prefillers`."""
+    logging.basicConfig(level=logging.INFO, format=f"{node_id} %(levelname)s %(message)s")
+    engine, transfer, fingerprint, _ = build_node(config)
+    try:
+        node = DecodeNode(engine, transfer, fingerprint, prefillers, listen, node_id)
+    except BaseException:
+        transfer.close()
+        raise
+    _serve(node)
