@@ -18,8 +18,7 @@ $(STAMP): $(BUILD_INPUTS) scripts/install_system_deps.sh
 	touch $(STAMP)
 
 demo: install
-	$(VENV)/bin/disagg generate --model smollm2-135m \
-		--prompt "The three primary colors are" --max-tokens 32
+	$(VENV)/bin/disagg demo --model smollm2-135m --decoders 3 --max-tokens 32
 
 test: install
 	$(PY) -m pytest -q

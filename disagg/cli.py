@@ -14,7 +14,7 @@ import typer
 from rich.console import Console
 
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig, check_kv_layout
-from disagg.errors import DisaggError, RequestError
+from disagg.errors import ConfigError, DisaggError, RequestError
 
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -133,6 +133,44 @@ def serve_decode(
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
                      "mixed"), listen, prefiller, node_id)  # type: ignore[arg-type]
+
+
+@app.command()
+def demo(
+    model: ModelOption = "smollm2-135m",
+    decoders: Annotated[int, typer.Option(help="Decoder processes")] = 3,
+    prompts_file: Annotated[str | None, typer.Option(
+        help="JSON Lines ({'prompt': ...} or {'prompt_token_ids': [...]}, optional "
+             "max_tokens) or plain text, one prompt per line")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per request at most")] = 32,
+    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
+    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
+    provider: ProviderOption = "tcp",
+    temperature: Annotated[float, typer.Option(help="0 means greedy")] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
+    from rich.live import Live
+
+    from disagg.cluster import ClusterConfig
+    from disagg.demo import load_prompts, run_demo
+    from disagg.demo_view import request_table, totals_table
+
+    if decoders < 1:
+        raise ConfigError(f"--decoders must be at least 1, got {decoders}")
+    cluster = ClusterConfig(model=model, num_decoders=decoders,
+                            kv_layout=check_kv_layout(kv_layout), page_size=page_size,
+                            num_pages=num_pages, chunk_size=chunk_size, provider=provider)
+    specs = load_prompts(prompts_file)
+    if as_json:
+        result = run_demo(cluster, specs, max_tokens, temperature)
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    err_console.print(f"starting 1 prefiller and {decoders} decoders ({model}, {provider})...")
+    with Live(console=console, refresh_per_second=8) as live:
+        result = run_demo(cluster, specs, max_tokens, temperature,
+                          view=lambda requests: live.update(request_table(requests)))
+    console.print(totals_table(result))
 
 
 def _print_now(text: str) -> None:
