@@ -89,6 +89,8 @@ ChunkOption = Annotated[int, typer.Option(help="Prefill chunk size in tokens")]
 ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm, efa, verbs, or "
                                                    "a provider name")]
 ThreadsOption = Annotated[int, typer.Option(help="torch threads for this node (0: default)")]
+TraceOption = Annotated[str | None, typer.Option(
+    help="Write a Chrome trace: a file path ({node_id} is filled in) or a directory")]
 
 
 def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chunk_size: int,
@@ -109,13 +111,13 @@ def serve_prefill(
     node_id: Annotated[str, typer.Option(help="Name in logs and handshakes")] = "prefill-0",
     kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
-    provider: ProviderOption = "tcp", threads: ThreadsOption = 0,
+    provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
 ) -> None:
     """Run a prefiller: prefill requests from decoders and stream their KV back."""
     from disagg.serve import serve_prefill as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "prefill_only"), listen, node_id)  # type: ignore[arg-type]
+                     "prefill_only"), listen, node_id, trace)  # type: ignore[arg-type]
 
 
 @serve_app.command("decode")
@@ -126,13 +128,29 @@ def serve_decode(
     node_id: Annotated[str, typer.Option(help="Name in logs and handshakes")] = "decode-0",
     kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
-    provider: ProviderOption = "tcp", threads: ThreadsOption = 0,
+    provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
 ) -> None:
     """Run a decoder: take requests, get their KV from prefillers, decode them."""
     from disagg.serve import serve_decode as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "mixed"), listen, prefiller, node_id)  # type: ignore[arg-type]
+                     "mixed"), listen, prefiller, node_id, trace)  # type: ignore[arg-type]
+
+
+@serve_app.command("mixed")
+def serve_mixed(
+    model: ModelOption,
+    listen: Annotated[str, typer.Option(help="host:port for routers (port 0: any)")] = "127.0.0.1:0",
+    node_id: Annotated[str, typer.Option(help="Name in logs and traces")] = "mixed-0",
+    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
+    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
+    provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
+) -> None:
+    """Run a single-node engine (prefill and decode mixed, S1) behind the router protocol."""
+    from disagg.serve import serve_decode as run
+
+    run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
+                     "mixed"), listen, [], node_id, trace)  # type: ignore[arg-type]
 
 
 @app.command()

@@ -100,6 +100,9 @@ class DecodeMessenger:
         Raises `RequestError` at once for a request that could never fit this node's cache.
         """
         self.engine.scheduler.check_fits(request)
+        if not self.prefillers:
+            self.engine.scheduler.add_request(request)  # single node: prefill it here (S1)
+            return
         request.status = RequestStatus.WAITING_FOR_KV
         self.waiting.append(request)
         self._start_waiting()

@@ -1,5 +1,6 @@
 """A decoder node: takes requests from routers, gets their KV from prefillers, decodes (S2a,
-S2c, S4c).
+S2c, S4c). With no prefillers it is the single-node "mixed" engine of S1 (`serve mixed`): it
+prefills locally, in chunks, batched with its decodes.
 
 At start-up it connects to every prefiller and shakes hands (a mismatch stops it with the
 prefiller's reason). Threads: one accepts router connections; one per connection (router or
@@ -21,6 +22,7 @@ from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
 from disagg.messages import HelloAck, KVFailed, Reject, RequestEvent, Shutdown, Submit
 from disagg.request import Request, SamplingParams
+from disagg.trace import Tracer
 from transfer_core.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -32,10 +34,9 @@ class DecodeNode:
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
                  prefillers: list[str], listen_address: str = "127.0.0.1:0",
-                 node_id: str = "decode-0") -> None:
-        if not prefillers:
-            raise ValueError("a decoder needs at least one prefiller address")
+                 node_id: str = "decode-0", tracer: Tracer | None = None) -> None:
         self.engine = engine
+        self.tracer = tracer or Tracer()
         self.transfer = transfer
         self.node_id = node_id
         self.messenger = DecodeMessenger(engine, transfer, node_id, fingerprint)
@@ -110,13 +111,24 @@ class DecodeNode:
             idle = not self.engine.has_unfinished() and not self.messenger.pending
             self._drain_inbox(block=idle and not self.messenger.waiting)
             for request, receipt in self.messenger.poll():
+                now = time.time()
+                self.tracer.complete("kv_wait", now - receipt.wait_ms / 1e3, now,
+                                     request_id=request.request_id)
                 self._report(request, "decoding", kv_writes=receipt.writes,
                              kv_bytes=receipt.nbytes, kv_wait_ms=receipt.wait_ms)
             if self.engine.has_unfinished():
-                for event in self.engine.step():
-                    state = event.request.status.value if event.finished else "decoding"
-                    self._report(event.request, state, [event.token_id])
+                self._step()
             self._report_progress()
+
+    def _step(self) -> None:
+        start, num_steps = time.time(), self.engine.num_steps
+        for event in self.engine.step():
+            state = event.request.status.value if event.finished else "decoding"
+            self._report(event.request, state, [event.token_id])
+        batch = self.engine.last_batch
+        if self.engine.num_steps != num_steps and batch is not None:
+            self.tracer.complete("step", start, time.time(), num_tokens=batch.num_tokens,
+                                 num_seqs=len(batch.chunks))
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -149,7 +161,7 @@ class DecodeNode:
             self._clients.pop(message.request_id, None)
             self._send(channel, RequestEvent(message.request_id, "failed", detail=str(error)))
             return
-        self._report(request, "waiting_for_kv")
+        self._report(request, "waiting_for_kv" if self.messenger.prefillers else "prefilling")
 
     def _report(self, request: Request, state: str, token_ids: list[int] | None = None,
                 detail: str = "", **kv: Any) -> None:
@@ -188,3 +200,4 @@ class DecodeNode:
             channel.close()
         self.messenger.close()
         self.transfer.close()
+        self.tracer.close()

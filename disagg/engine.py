@@ -53,6 +53,7 @@ class LLMEngine:
         self.forward_listeners: list[Callable[[Batch, ForwardOutput], None]] = []
         self._ids = itertools.count()
         self.num_steps = 0  # batches run so far
+        self.last_batch: Batch | None = None
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
@@ -71,6 +72,7 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
+        self.last_batch = batch
         for listener in self.batch_listeners:
             listener(batch)
         output = self.runner.execute(batch)

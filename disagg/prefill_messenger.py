@@ -29,6 +29,7 @@ from disagg.layer_counter import LayerCounter
 from disagg.messages import Hello, KVFailed, KVRequest
 from disagg.model_runner import ForwardOutput
 from disagg.request import Request, RequestStatus, SamplingParams
+from disagg.trace import Tracer
 from disagg.transfer_plan import num_pages, pages_completed_by_chunk
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
@@ -66,6 +67,11 @@ class Transfer:
     all_submitted: bool = False
     error: str | None = None
     layer_post_times: list[tuple[int, float]] = field(default_factory=list)
+    # Wall-clock milestones (time.time()) for traces: the TTFT split of S1.
+    received_at: float = 0.0
+    first_scheduled_at: float = 0.0
+    last_layer_at: float = 0.0
+    done_at: float = 0.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -81,8 +87,10 @@ class PrefillMessenger:
     """Follows the prefiller's forward passes and ships KV pages as layers finish."""
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine,
-                 num_context_slots: int = 16, wait_timeout_s: float = 60.0) -> None:
+                 num_context_slots: int = 16, wait_timeout_s: float = 60.0,
+                 tracer: Tracer | None = None) -> None:
         self.engine = engine
+        self.tracer = tracer or Tracer()
         self.transfer = transfer
         self.kv_cache = engine.kv_cache
         self.num_layers = engine.model.config.num_layers
@@ -152,7 +160,8 @@ class PrefillMessenger:
         request = Request(key, prefill_token_ids(prompt), SamplingParams(max_tokens=1))
         self.engine.scheduler.add_request(request)
         self._transfers[key] = Transfer(key, message.request_id, request, peer, message.imm,
-                                        list(message.dst_page_ids), message.context_slot)
+                                        list(message.dst_page_ids), message.context_slot,
+                                        received_at=time.time())
 
     def fail_peer(self, peer: DecoderPeer, reason: str) -> None:
         """The decoder is gone: nothing more is written to it; its requests end as failed."""
@@ -182,6 +191,7 @@ class PrefillMessenger:
             if transfer is None:
                 continue
             request = chunk.request
+            transfer.first_scheduled_at = transfer.first_scheduled_at or time.time()
             indices = pages_completed_by_chunk(chunk.start, chunk.end,
                                                request.num_prompt_tokens,
                                                self.kv_cache.page_size)
@@ -202,6 +212,9 @@ class PrefillMessenger:
             for write in plan:
                 write.transfer.layer_post_times.append((layer, now))
                 self._submit_layer(write, layer)
+            if plan:
+                self.tracer.instant("layer_writes_posted", forward=forward, layer=layer,
+                                    requests=len(plan))
             with self._lock:
                 if layer == self.num_layers - 1:
                     self._plans.pop(forward, None)
@@ -242,6 +255,7 @@ class PrefillMessenger:
             transfer = self._transfers.get(batch.chunks[chunk_idx].request.request_id)
             if transfer is None:
                 continue
+            transfer.last_layer_at = time.time()
             self._submit_context(transfer, output, row)
             with self._lock:
                 transfer.all_submitted = True
@@ -280,6 +294,7 @@ class PrefillMessenger:
         """Transfer-engine thread: count a finished write; the last one finishes the request."""
         with self._lock:
             transfer.pending_writes -= 1
+            transfer.done_at = time.time()
             if error is not None and transfer.error is None:
                 transfer.error = f"write failed: {error}"
             if transfer.pending_writes == 0 and transfer.all_submitted:
@@ -301,6 +316,7 @@ class PrefillMessenger:
             request.page_ids = []
             del self._transfers[transfer.key]
             self.stats["requests"] += 1
+            self._trace(transfer)
             if transfer.error is None:
                 request.status = RequestStatus.FINISHED_TRANSFERRED
             else:
@@ -309,6 +325,14 @@ class PrefillMessenger:
                 self._tell(transfer.peer, KVFailed(transfer.request_id, transfer.error))
             ended.append(transfer)
         return ended
+
+    def _trace(self, t: Transfer) -> None:
+        ids = {"request_id": t.request_id, "decoder": t.peer.peer_id}
+        scheduled = t.first_scheduled_at or t.done_at
+        last_layer = t.last_layer_at or t.done_at
+        self.tracer.complete("queue", t.received_at, scheduled, **ids)
+        self.tracer.complete("prefill", scheduled, last_layer, **ids)
+        self.tracer.complete("transfer_tail", last_layer, t.done_at, error=t.error, **ids)
 
     def _tell(self, peer: DecoderPeer, message: KVFailed) -> None:
         try:

@@ -11,6 +11,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from typing import Any
 
 from disagg.channel import Channel, listen
@@ -19,6 +20,7 @@ from disagg.handoff import context_slot_nbytes
 from disagg.errors import PeerClosedError, ProtocolError, RequestError
 from disagg.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest, Reject, Shutdown
 from disagg.prefill_messenger import DecoderPeer, PrefillMessenger
+from disagg.trace import Tracer
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 
@@ -38,12 +40,14 @@ class PrefillNode:
     """One prefiller serving any number of decoders."""
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
-                 listen_address: str = "127.0.0.1:0", node_id: str = "prefill-0") -> None:
+                 listen_address: str = "127.0.0.1:0", node_id: str = "prefill-0",
+                 tracer: Tracer | None = None) -> None:
         self.engine = engine
         self.transfer = transfer
         self.node_id = node_id
         self.fingerprint = fingerprint
-        self.messenger = PrefillMessenger(engine, transfer)
+        self.tracer = tracer or Tracer()
+        self.messenger = PrefillMessenger(engine, transfer, tracer=self.tracer)
         self._server = listen(listen_address)
         host, port = self._server.getsockname()[:2]
         self.address = f"{host}:{port}"
@@ -121,7 +125,13 @@ class PrefillNode:
             busy = self.engine.has_unfinished()
             self._drain_inbox(block=not busy and not self.messenger.has_work())
             if self.engine.has_unfinished():
+                start = time.time()
+                num_steps = self.engine.num_steps
                 self.engine.step()
+                batch = self.engine.last_batch
+                if self.engine.num_steps != num_steps and batch is not None:
+                    self.tracer.complete("step", start, time.time(), num_tokens=batch.num_tokens,
+                                         num_seqs=len(batch.chunks))
             self.messenger.poll()
 
     def _drain_inbox(self, block: bool) -> None:
@@ -170,6 +180,7 @@ class PrefillNode:
             channel.close()
         self.messenger.close()
         self.transfer.close()
+        self.tracer.close()
 
 
 def serve_forever(node: PrefillNode) -> None:

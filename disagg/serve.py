@@ -14,6 +14,7 @@ import sys
 from disagg.decode_node import DecodeNode
 from disagg.node_setup import NodeConfig, build_node
 from disagg.prefill_node import PrefillNode
+from disagg.trace import Tracer, trace_path
 
 
 def _serve(node: PrefillNode | DecodeNode) -> None:
@@ -27,19 +28,23 @@ def _serve(node: PrefillNode | DecodeNode) -> None:
         node.close()
 
 
-def serve_prefill(config: NodeConfig, listen: str, node_id: str) -> None:
+def serve_prefill(config: NodeConfig, listen: str, node_id: str,
+                  trace: str | None = None) -> None:
     """Run a prefiller (prefill only: it never samples, S8)."""
     logging.basicConfig(level=logging.INFO, format=f"{node_id} %(levelname)s %(message)s")
     engine, transfer, fingerprint, _ = build_node(config)
-    _serve(PrefillNode(engine, transfer, fingerprint, listen, node_id))
+    tracer = Tracer(trace_path(trace, node_id), node_id)
+    _serve(PrefillNode(engine, transfer, fingerprint, listen, node_id, tracer))
 
 
-def serve_decode(config: NodeConfig, listen: str, prefillers: list[str], node_id: str) -> None:
-    """Run a decoder fed by `prefillers`."""
+def serve_decode(config: NodeConfig, listen: str, prefillers: list[str], node_id: str,
+                 trace: str | None = None) -> None:
+    """Run a decoder fed by `prefillers`; with none, a single-node mixed engine (S1)."""
     logging.basicConfig(level=logging.INFO, format=f"{node_id} %(levelname)s %(message)s")
     engine, transfer, fingerprint, _ = build_node(config)
+    tracer = Tracer(trace_path(trace, node_id), node_id)
     try:
-        node = DecodeNode(engine, transfer, fingerprint, prefillers, listen, node_id)
+        node = DecodeNode(engine, transfer, fingerprint, prefillers, listen, node_id, tracer)
     except BaseException:
         transfer.close()
         raise
