@@ -349,6 +349,10 @@ class TransferEngine:
         """Drop the counter of `imm` (e.g. a cancelled request): (counted, expected) or None."""
         return self._counters.remove(imm)
 
+    def pending_imm_counts(self) -> dict[int, tuple[int, int]]:
+        """Armed counters not yet fired: imm -> (counted, expected). Empty when idle."""
+        return self._counters.pending()
+
     def imm_counted(self, imm: int) -> int:
         """Arrivals of `imm` counted here and not yet consumed by a fired expectation."""
         return self._counters.counted(imm)
