@@ -16,7 +16,9 @@ import threading
 import time
 from dataclasses import dataclass, field
 
+from disagg.channel import Channel
 from disagg.errors import DisaggError
+from disagg.messages import Shutdown
 
 logger = logging.getLogger(__name__)
 
@@ -99,9 +101,20 @@ class LocalCluster:
                           + " | ".join(self.logs[name][-5:]))
 
     def stop(self, timeout_s: float = 10.0) -> None:
-        """End every process: politely, then by force."""
+        """End every process: a Shutdown message (after which each node checks that it
+        leaked nothing), then SIGTERM, then SIGKILL."""
+        for address in [*self.decoder_addresses, self.prefiller_address]:
+            try:
+                channel = Channel.connect(address, timeout_s=2.0)
+                channel.send(Shutdown())
+                channel.close()
+            except (DisaggError, OSError):
+                pass  # that node is gone already; the signals below cover the rest
+        deadline = time.monotonic() + timeout_s / 2
         for process in self.processes:
-            if process.poll() is None:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
                 process.terminate()
         deadline = time.monotonic() + timeout_s
         for process in self.processes:

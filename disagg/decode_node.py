@@ -42,6 +42,7 @@ class DecodeNode:
         self.messenger = DecodeMessenger(engine, transfer, node_id, fingerprint)
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
+        self.shutdown_requested = False
         self._channels: list[Channel] = []
         self._clients: dict[str, Channel] = {}  # request id -> the router that sent it
         self._last_progress = 0.0
@@ -146,6 +147,7 @@ class DecodeNode:
             elif kind == "prefiller_gone":
                 logger.error("prefiller %d gone: %s", *item)
             elif kind == "Shutdown":
+                self.shutdown_requested = True
                 self._stop.set()
 
     def _submit(self, channel: Channel, message: Submit) -> None:
@@ -187,6 +189,13 @@ class DecodeNode:
             channel.send(message)
         except PeerClosedError:
             logger.info("router %s is gone", channel.peer)
+
+    def check_clean(self) -> None:
+        """Assert nothing is left behind: no request, transfer context, page or counter."""
+        assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"
+        assert not self.messenger.pending and not self.messenger.waiting, "KV still awaited"
+        assert not self.transfer.pending_imm_counts(), "immediate counters still armed"
+        self.engine.allocator.check_invariants(expect_all_free=True)
 
     def stop(self) -> None:
         """Ask `run` to return."""

@@ -165,11 +165,13 @@ def totals(requests: list[DemoRequest], wall_s: float) -> dict[str, Any]:
 
 
 def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens: int,
-             temperature: float = 0.0, view: Any = None, timeout_s: float = 600.0
-             ) -> dict[str, Any]:
+             temperature: float = 0.0, view: Any = None, timeout_s: float = 600.0,
+             exit_codes: bool = False) -> dict[str, Any]:
     """Start the cluster, serve every prompt, stop the cluster; returns the JSON result.
 
     `view`, if given, is called with the request list after every event (the live display).
+    With `exit_codes`, the result also holds each node's exit code (0: it shut down clean)
+    and the tail of its log.
     """
     loaded = load_model(cluster_config.model)
     requests = make_requests(specs, loaded.tokenizer, loaded.config.vocab_size, max_tokens)
@@ -189,7 +191,11 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
             if view is not None:
                 view(requests)
         wall_s = time.monotonic() - started
-        router.shutdown()
-    return {"model": cluster_config.model, "decoders": cluster_config.num_decoders,
-            "kv_layout": cluster_config.kv_layout, "provider": cluster_config.provider,
-            "requests": [r.as_json() for r in requests], "totals": totals(requests, wall_s)}
+        router.close()
+    result = {"model": cluster_config.model, "decoders": cluster_config.num_decoders,
+              "kv_layout": cluster_config.kv_layout, "provider": cluster_config.provider,
+              "requests": [r.as_json() for r in requests], "totals": totals(requests, wall_s)}
+    if exit_codes:
+        result["exit_codes"] = cluster.exit_codes()
+        result["logs"] = {name: lines[-8:] for name, lines in cluster.logs.items()}
+    return result

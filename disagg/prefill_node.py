@@ -53,6 +53,7 @@ class PrefillNode:
         self.address = f"{host}:{port}"
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
+        self.shutdown_requested = False
         self._channels: list[Channel] = []
         threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True).start()
 
@@ -78,6 +79,10 @@ class PrefillNode:
         """Reader thread of one decoder: handshake, then forward its messages to the inbox."""
         try:
             hello = channel.recv()
+            if isinstance(hello, Shutdown):  # an operator (or the demo) asking us to stop
+                self.inbox.put(("Shutdown", None))
+                channel.close()
+                return
             if not isinstance(hello, Hello):
                 raise ProtocolError(f"expected Hello first, got {type(hello).__name__}")
             mismatches = hello_mismatches(hello, self.expected_hello())
@@ -160,6 +165,7 @@ class PrefillNode:
             peer, message = item
             self.messenger.cancel(peer, message.request_id)
         elif kind == "Shutdown":
+            self.shutdown_requested = True
             self._stop.set()
 
     def _tell(self, peer: DecoderPeer, message: KVFailed) -> None:
@@ -167,6 +173,12 @@ class PrefillNode:
             peer.channel.send(message)
         except PeerClosedError:
             logger.info("decoder %s is gone", peer.peer_id)
+
+    def check_clean(self) -> None:
+        """Assert nothing is left behind: no request, transfer, page or armed counter."""
+        assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"
+        assert not self.messenger.has_work(), "transfers still in flight"
+        self.engine.allocator.check_invariants(expect_all_free=True)
 
     def stop(self) -> None:
         """Ask `run` to return."""

@@ -59,4 +59,9 @@ class Router:
                 channel.send(Shutdown())
             except PeerClosedError:
                 pass  # already gone
+        self.close()
+
+    def close(self) -> None:
+        """Close the connections (the decoders keep running)."""
+        for channel in self.decoders:
             channel.close()

@@ -24,6 +24,9 @@ def _serve(node: PrefillNode | DecodeNode) -> None:
     sys.stdout.flush()
     try:
         node.run()
+        if node.shutdown_requested:
+            # Asked to stop when idle: prove that nothing leaked (a non-zero exit otherwise).
+            node.check_clean()
     finally:
         node.close()
 

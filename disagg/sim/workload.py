@@ -83,10 +83,13 @@ def load_trace(path: Path) -> list[Arrival]:
             continue
         try:
             item = json.loads(line)
-            arrivals.append(Arrival(float(item["time"]), int(item["prompt_len"]),
-                                    int(item["output_len"])))
+            arrival = Arrival(float(item["time"]), int(item["prompt_len"]),
+                              int(item["output_len"]))
         except (json.JSONDecodeError, KeyError, TypeError, ValueError) as error:
             raise ConfigError(f"{path}:{number}: not a trace record ({error})") from error
+        if arrival.prompt_len < 2 or arrival.output_len < 2 or arrival.time < 0:
+            raise ConfigError(f"{path}:{number}: lengths must be >= 2 and time >= 0")
+        arrivals.append(arrival)
     if not arrivals:
         raise ConfigError(f"trace {path} is empty")
     return sorted(arrivals, key=lambda a: a.time)
