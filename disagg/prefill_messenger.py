@@ -17,6 +17,7 @@ import logging
 import queue
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 
 from disagg.batch import Batch
@@ -108,6 +109,7 @@ class PrefillMessenger:
         self._forwards_planned = 0
         self._handled_value = 0  # counter value whose writes have all been posted
         self._finished: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
+        self.recent: deque[Transfer] = deque(maxlen=64)  # ended transfers, for tests and tools
         self.stats = {"pages": 0, "writes": 0, "bytes": 0, "requests": 0}
         # The model bumps this after each layer; the poller thread turns bumps into writes.
         self.counter = LayerCounter()
@@ -324,6 +326,7 @@ class PrefillMessenger:
                 logger.warning("request %s failed: %s", transfer.key, transfer.error)
                 self._tell(transfer.peer, KVFailed(transfer.request_id, transfer.error))
             ended.append(transfer)
+            self.recent.append(transfer)
         return ended
 
     def _trace(self, t: Transfer) -> None:
