@@ -16,6 +16,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -146,10 +147,10 @@ def config_from_args(args: argparse.Namespace) -> WorkloadConfig:
     )
 
 
-def timed(fn: object) -> float:
+def timed(fn: Callable[[], object]) -> float:
     """Wall seconds of one call, perf_counter based."""
     start = time.perf_counter()
-    fn()  # type: ignore[operator]
+    fn()
     return time.perf_counter() - start
 
 
