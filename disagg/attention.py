@@ -12,7 +12,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from disagg.kv_cache import PagedKVCache
+from disagg.kv_cache import KVCache
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ def causal_mask(context_len: int, query_len: int, device: torch.device) -> torch
     return key_pos[None, :] <= query_pos[:, None]
 
 
-def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int,
+def paged_attention(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """Attention of every batch token over its own request's cache (after this batch's append).
 
@@ -74,20 +74,13 @@ def paged_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int,
     return out
 
 
-def _batched_decode(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int,
+def _batched_decode(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """All requests decode one token: gather a padded ``[batch, heads, max_kv, dim]`` and mask."""
     page_table, kv_lens = meta.decode_page_table, meta.decode_kv_lens
     assert page_table is not None
     assert kv_lens is not None
-    num_seqs, max_pages = page_table.shape
-    pages = kv_cache.layer(layer_idx).index_select(0, page_table.reshape(-1))
-    pages = pages.view(num_seqs, max_pages, *pages.shape[1:])
-    if kv_cache.kv_layout == "NHD":
-        kv = pages.permute(2, 0, 4, 1, 3, 5)  # [2, seqs, heads, pages, page_size, dim]
-    else:
-        kv = pages.permute(2, 0, 3, 1, 4, 5)
-    kv = kv.reshape(2, num_seqs, kv_cache.num_kv_heads, -1, kv_cache.head_dim)
+    kv = kv_cache.gather_batch(layer_idx, page_table)  # [2, seqs, kv_heads, max_kv, dim]
     key_pos = torch.arange(kv.shape[3], device=q.device)
     mask = (key_pos[None, :] < kv_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, max_kv]
     o = F.scaled_dot_product_attention(q[:, :, None, :], kv[0], kv[1], attn_mask=mask,

@@ -9,6 +9,7 @@ so one RDMA write moves both. This module only stores and locates; attention rea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -102,6 +103,34 @@ class PagedKVCache:
         kv = kv.reshape(2, self.num_kv_heads, -1, self.head_dim)[:, :, :num_tokens]
         return kv[0], kv[1]
 
+    def gather_batch(self, layer_idx: int, page_table: torch.Tensor) -> torch.Tensor:
+        """Every request's pages at once: `page_table` is ``[num_seqs, max_pages]``; returns
+        ``[2, num_seqs, num_kv_heads, max_pages * page_size, head_dim]`` (K then V)."""
+        num_seqs, max_pages = page_table.shape
+        pages = self.buffer[layer_idx].index_select(0, page_table.reshape(-1))
+        pages = pages.view(num_seqs, max_pages, *pages.shape[1:])
+        if self.kv_layout == "NHD":
+            kv = pages.permute(2, 0, 4, 1, 3, 5)  # [2, seqs, heads, pages, page_size, dim]
+        else:
+            kv = pages.permute(2, 0, 3, 1, 4, 5)
+        return kv.reshape(2, num_seqs, self.num_kv_heads, -1, self.head_dim)
+
+    @property
+    def shards(self) -> list[PagedKVCache]:
+        """The per-rank memory regions: one, unsharded."""
+        return [self]
+
+    @property
+    def device(self) -> torch.device:
+        """Where the cache lives."""
+        return self.buffer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type of the cache."""
+        return self.buffer.dtype
+
+
     # Byte geometry for transfers (S5, S7).
 
     def page_offset(self, layer_idx: int, page_id: int) -> int:
@@ -155,3 +184,31 @@ class PagedKVCache:
             raise IndexError(f"layer {layer_idx} out of range [0, {self.num_layers})")
         if not 0 <= page_id < self.num_pages:
             raise IndexError(f"page id {page_id} out of range [0, {self.num_pages})")
+
+
+class KVCache(Protocol):
+    """What the model and attention need from a paged cache, sharded or not."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    kv_layout: str
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def shards(self) -> list[PagedKVCache]: ...
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+              page_ids: torch.Tensor, page_offsets: torch.Tensor) -> None: ...
+
+    def gather(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
+               ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def gather_batch(self, layer_idx: int, page_table: torch.Tensor) -> torch.Tensor: ...

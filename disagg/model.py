@@ -17,7 +17,7 @@ from torch import nn
 
 from disagg.attention import AttentionMetadata, paged_attention
 from disagg.config import ModelConfig
-from disagg.kv_cache import PagedKVCache
+from disagg.kv_cache import KVCache
 from disagg.layer_counter import LayerCounter, NullLayerCounter
 
 
@@ -73,7 +73,7 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(q_size, config.hidden_size, bias=False)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: PagedKVCache, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
@@ -125,7 +125,7 @@ class Transformer(nn.Module):
         self.layer_counter: LayerCounter = NullLayerCounter()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_cache: PagedKVCache, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
         """Run `input_ids` ``[num_tokens]`` through every layer; returns the final-norm hidden
         states ``[num_tokens, hidden_size]`` and leaves each layer's K/V in `kv_cache`."""
         h = self.embed_tokens(input_ids)

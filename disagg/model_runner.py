@@ -13,7 +13,7 @@ import torch
 
 from disagg.attention import AttentionMetadata, SequenceSlice
 from disagg.batch import Batch
-from disagg.kv_cache import PagedKVCache
+from disagg.kv_cache import KVCache
 from disagg.model import Transformer
 
 
@@ -27,12 +27,12 @@ class ForwardOutput:
 
 
 class ModelRunner:
-    """Runs a `Transformer` over a `PagedKVCache` one batch at a time."""
+    """Runs a `Transformer` over a paged `KVCache` one batch at a time."""
 
-    def __init__(self, model: Transformer, kv_cache: PagedKVCache) -> None:
+    def __init__(self, model: Transformer, kv_cache: KVCache) -> None:
         self.model = model
         self.kv_cache = kv_cache
-        self.device = kv_cache.buffer.device
+        self.device = kv_cache.device
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids ``[num_tokens]``, positions ``[num_tokens]`` and attention metadata."""
