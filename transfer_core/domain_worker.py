@@ -4,7 +4,8 @@ It owns the fabric stack and the C worker of one endpoint. Its thread calls the 
 loop (GIL released), which posts queued writes, reaps completions and counts immediates; the
 thread then runs finished ops' callbacks and hands immediate counts to the engine. The thread
 must run even on a pure receiver: progress is manual (the target's polling moves the data).
-Every submitted op reaches its `on_finish` exactly once, also on close or fatal error.
+Every submitted op reaches its `on_finish` exactly once, also on close or fatal error;
+`Completion` folds the ops of one transfer (one per domain) into one on_done/on_error.
 """
 
 from __future__ import annotations
@@ -32,6 +33,8 @@ from transfer_core.pyfabric.errors import fabric_error
 logger = logging.getLogger(__name__)
 
 OnFinish = Callable[[TransferError | None], None]
+OnDone = Callable[[], None]
+OnError = Callable[[TransferError], None]
 
 _BUDGET_NS = 20_000_000  # one C call's budget; submissions and close() interrupt it
 _PEER_ERRNOS = {
@@ -43,6 +46,42 @@ _PEER_ERRNOS = {
     lib.FI_ECANCELED,
     lib.FI_EACCES,
 }
+
+
+class Completion:
+    """Fires exactly one of `on_done` / `on_error` for a transfer made of `parts` ops."""
+
+    def __init__(
+        self,
+        parts: int,
+        on_done: OnDone | None,
+        on_error: OnError | None,
+        report: Callable[[BaseException], None],
+    ) -> None:
+        self._left = parts
+        self._failed = False
+        self._lock = threading.Lock()
+        self._on_done = on_done
+        self._on_error = on_error
+        self._report = report
+
+    def part_finished(self, error: TransferError | None) -> None:
+        with self._lock:
+            if self._failed:
+                return
+            if error is None:
+                self._left -= 1
+                if self._left:
+                    return
+            else:
+                self._failed = True
+        if error is None:
+            if self._on_done is not None:
+                self._on_done()
+        elif self._on_error is not None:
+            self._on_error(error)
+        else:
+            self._report(error)  # nobody listens: surface it on the owner's next call
 
 
 def error_for(err: int, what: str) -> TransferError:
@@ -116,9 +155,9 @@ class DomainWorker:
                 check_peer_alive(address)
             return fi_addr
 
-    def submit(self, build: Callable[[int], WriteOp], on_finish: OnFinish) -> None:
-        """Queue the op `build(op_id)` returns; `on_finish(error or None)` runs exactly once."""
-        op = build(next(self._ids))
+    def submit(self, op: WriteOp, on_finish: OnFinish) -> None:
+        """Queue `op`; `on_finish(error or None)` runs exactly once, on this domain's thread."""
+        op.op_id = next(self._ids)
         with self._lock:  # against stop()/failure: an op is either failed by them or queued
             if self.failure is not None:
                 raise TransferError(f"domain {self.index} progress thread failed") from self.failure

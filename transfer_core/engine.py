@@ -20,7 +20,7 @@ from typing import Any
 
 import numpy as np
 
-from transfer_core.domain_worker import DomainWorker
+from transfer_core.domain_worker import Completion, DomainWorker, OnDone, OnError
 from transfer_core.errors import FabricError, PeerError, TransferError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import (
@@ -35,45 +35,7 @@ from transfer_core.pyfabric import DEFAULT_PROVIDERS, WriteOp, find_infos, lib
 
 logger = logging.getLogger(__name__)
 
-OnDone = Callable[[], None]
-OnError = Callable[[TransferError], None]
 MAX_IMM = 2**32 - 1
-
-
-class _Completion:
-    """Fires exactly one of `on_done` / `on_error` for a transfer made of `parts` ops."""
-
-    def __init__(
-        self,
-        parts: int,
-        on_done: OnDone | None,
-        on_error: OnError | None,
-        report: Callable[[BaseException], None],
-    ) -> None:
-        self._left = parts
-        self._failed = False
-        self._lock = threading.Lock()
-        self._on_done = on_done
-        self._on_error = on_error
-        self._report = report
-
-    def part_finished(self, error: TransferError | None) -> None:
-        with self._lock:
-            if self._failed:
-                return
-            if error is None:
-                self._left -= 1
-                if self._left:
-                    return
-            else:
-                self._failed = True
-        if error is None:
-            if self._on_done is not None:
-                self._on_done()
-        elif self._on_error is not None:
-            self._on_error(error)
-        else:
-            self._report(error)  # nobody listens: surface it on the owner's next call
 
 
 def _as_indices(pages: Any, what: str) -> np.ndarray:
@@ -116,16 +78,9 @@ class TransferEngine:
         try:
             for d in range(num_domains):
                 cpu = cpus[d % len(cpus)] if cpus else None
-                self._domains.append(
-                    DomainWorker(
-                        d,
-                        by_domain[d % len(by_domain)],
-                        self._on_imms,
-                        self._guard,
-                        cpu,
-                        max_inflight,
-                    )
-                )
+                info = by_domain[d % len(by_domain)]
+                worker = DomainWorker(d, info, self._on_imms, self._guard, cpu, max_inflight)
+                self._domains.append(worker)
         except BaseException:
             self.close()
             raise
@@ -216,27 +171,10 @@ class TransferEngine:
             raise ValueError(f"write length must be > 0, got {length}")
         check_range(src_mr.name, src_mr.length, offset, length)
         check_range(dst_mr.name, dst_mr.length, dst_offset, length)
+        done = Completion(1, on_done, on_error, self._report)
         d = next(self._round_robin) % len(self._domains)
-        done = _Completion(1, on_done, on_error, self._report)
-        self._submit(
-            d,
-            dst_mr,
-            done,
-            timeout_s,
-            lambda op_id, dest, key, desc: WriteOp(
-                op_id,
-                dest,
-                1,
-                length,
-                src_mr.ptr + offset,
-                0,
-                desc,
-                dst_mr.remote_addr(dst_offset),
-                0,
-                key,
-                imm_data,
-            ),
-            src_mr,
+        self._post(
+            d, done, timeout_s, src_mr, dst_mr, 1, length, offset, 0, dst_offset, 0, imm_data
         )
 
     def submit_paged_writes(
@@ -276,30 +214,12 @@ class TransferEngine:
         parts = [
             (d, cuts[d], cuts[d + 1]) for d in range(len(self._domains)) if cuts[d] < cuts[d + 1]
         ]
-        done = _Completion(len(parts), on_done, on_error, self._report)
+        done = Completion(len(parts), on_done, on_error, self._report)
         for d, lo, hi in parts:
-            self._submit(
-                d,
-                dst_mr,
-                done,
-                timeout_s,
-                lambda op_id, dest, key, desc, lo=lo, hi=hi: WriteOp(
-                    op_id,
-                    dest,
-                    hi - lo,
-                    length,
-                    src_mr.ptr + src_offset,
-                    src_stride,
-                    desc,
-                    dst_mr.remote_addr(dst_offset),
-                    dst_stride,
-                    key,
-                    imm_data,
-                    src_idx=src[lo:hi],
-                    dst_idx=dst[lo:hi],
-                ),
-                src_mr,
-            )
+            self._post(
+                d, done, timeout_s, src_mr, dst_mr, hi - lo, length, src_offset, src_stride,
+                dst_offset, dst_stride, imm_data, src[lo:hi], dst[lo:hi],
+            )  # fmt: skip
 
     def submit_imm(
         self,
@@ -314,28 +234,9 @@ class TransferEngine:
         self._check_write(None, dst_mr, imm_data)
         if imm_data is None:
             raise ValueError("submit_imm needs an imm value")
+        done = Completion(1, on_done, on_error, self._report)
         d = next(self._round_robin) % len(self._domains)
-        done = _Completion(1, on_done, on_error, self._report)
-        self._submit(
-            d,
-            dst_mr,
-            done,
-            timeout_s,
-            lambda op_id, dest, key, desc: WriteOp(
-                op_id,
-                dest,
-                1,
-                0,
-                0,
-                0,
-                None,
-                dst_mr.remote_addr(0),
-                0,
-                key,
-                imm_data,
-            ),
-            None,
-        )
+        self._post(d, done, timeout_s, None, dst_mr, 1, 0, 0, 0, 0, 0, imm_data)
 
     # -- immediate counters -----------------------------------------------------------------
 
@@ -385,15 +286,13 @@ class TransferEngine:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _submit(
-        self,
-        d: int,
-        dst_mr: MemoryRegionDescriptor,
-        done: _Completion,
-        timeout_s: float | None,
-        build: Callable[..., WriteOp],
-        src_mr: MemoryRegion | None,
-    ) -> None:
+    def _post(
+        self, d: int, done: Completion, timeout_s: float | None, src_mr: MemoryRegion | None,
+        dst_mr: MemoryRegionDescriptor, n: int, length: int, src_offset: int, src_stride: int,
+        dst_offset: int, dst_stride: int, imm: int | None,
+        src_idx: np.ndarray | None = None, dst_idx: np.ndarray | None = None,
+    ) -> None:  # fmt: skip
+        """Queue n writes on domain d, to the peer domain d maps to (d modulo its count)."""
         worker = self._domains[d]
         address, key = dst_mr.domains[d % len(dst_mr.domains)]
         try:
@@ -402,17 +301,17 @@ class TransferEngine:
             error = PeerError(f"region {dst_mr.name!r}: peer unreachable: {exc}")
             worker.call_soon(lambda: done.part_finished(error))
             return
-        desc = src_mr.registrations[d].desc if src_mr is not None else None
         timeout = self.timeout_s if timeout_s is None else timeout_s
-        deadline = time.monotonic_ns() + int(timeout * 1e9)
-
-        def make(op_id: int) -> WriteOp:
-            op = build(op_id, dest, key, desc)
-            op.c.deadline_ns = deadline
-            op.keep(src_mr)  # the source memory outlives every in-flight write
-            return op
-
-        worker.submit(make, done.part_finished)
+        op = WriteOp(
+            dest=dest, n=n, length=length,
+            src_addr=src_mr.ptr + src_offset if src_mr else 0, src_stride=src_stride,
+            desc=src_mr.registrations[d].desc if src_mr else None,
+            dst_addr=dst_mr.remote_addr(dst_offset), dst_stride=dst_stride, key=key, imm=imm,
+            src_idx=src_idx, dst_idx=dst_idx,
+            deadline_ns=time.monotonic_ns() + int(timeout * 1e9),
+        )  # fmt: skip
+        op.keep(src_mr)  # the source memory outlives every in-flight write
+        worker.submit(op, done.part_finished)
 
     def _check_write(
         self, src_mr: MemoryRegion | None, dst_mr: MemoryRegionDescriptor, imm_data: int | None

@@ -116,20 +116,12 @@ def test_worker_paged_write_lands_scattered(pair: Pair) -> None:
     perm = rng.permutation(32).astype(np.int64)
     try:
         op = pf.WriteOp(
-            1,
-            a.av.insert(b.endpoint.name),
-            32,
-            PAGE,
-            src.ctypes.data,
-            PAGE,
-            mr_a.desc,
-            dst.ctypes.data if virt else 0,
-            PAGE,
-            mr_b.key,
-            imm=99,
-            src_idx=np.arange(32, dtype=np.int64),
-            dst_idx=perm,
-        )
+            dest=a.av.insert(b.endpoint.name), n=32, length=PAGE,
+            src_addr=src.ctypes.data, src_stride=PAGE, desc=mr_a.desc,
+            dst_addr=dst.ctypes.data if virt else 0, dst_stride=PAGE, key=mr_b.key, imm=99,
+            src_idx=np.arange(32, dtype=np.int64), dst_idx=perm,
+        )  # fmt: skip
+        op.op_id = 1
         wa.submit(op)
         events, imms = _drive([wa, wb])
         _, more = _drive([wb], until=0.2)  # the last immediates may trail the sender's events
@@ -154,19 +146,11 @@ def test_expired_op_is_never_posted(pair: Pair) -> None:
     w = pf.Worker(a.endpoint, a.cq, 8)
     try:
         op = pf.WriteOp(
-            7,
-            a.av.insert(b.endpoint.name),
-            1,
-            0,
-            0,
-            0,
-            None,
-            0,
-            0,
-            1,
-            imm=1,
+            dest=a.av.insert(b.endpoint.name), n=1, length=0, src_addr=0, src_stride=0,
+            desc=None, dst_addr=0, dst_stride=0, key=1, imm=1,
             deadline_ns=time.monotonic_ns() - 1,
-        )
+        )  # fmt: skip
+        op.op_id = 7
         w.submit(op)
         events, _ = _drive([w])
         assert events == [pf.Event(7, -lib.FI_ETIMEDOUT, True)]

@@ -38,7 +38,7 @@ class WriteOp:
 
     def __init__(
         self,
-        op_id: int,
+        *,
         dest: int,
         n: int,
         length: int,
@@ -54,7 +54,6 @@ class WriteOp:
         deadline_ns: int = 0,
     ) -> None:
         c = ffi.new("struct fabp_op *")
-        c.id = op_id
         c.dest = dest
         c.n = n
         c.len = length
@@ -68,11 +67,19 @@ class WriteOp:
         if imm is not None:
             c.imm = imm
             c.flags = lib.FABP_OP_IMM
-        self._keep = []
+        self._keep: list[Any] = []
         c.src_idx = self._index_pointer(src_idx, n)
         c.dst_idx = self._index_pointer(dst_idx, n)
         self.c = c
-        self.op_id = op_id
+
+    @property
+    def op_id(self) -> int:
+        """The id events report; the submitter sets it before `Worker.submit`."""
+        return int(self.c.id)
+
+    @op_id.setter
+    def op_id(self, value: int) -> None:
+        self.c.id = value
 
     def keep(self, obj: Any) -> None:
         """Keep `obj` (e.g. the source buffer's owner) alive as long as the op is live."""
