@@ -54,9 +54,12 @@ def generate(
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: all)")] = 0,
     seed: Annotated[int | None, typer.Option(help="Sampling seed")] = None,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    trace: Annotated[str | None, typer.Option(
+        help="Write a Chrome/Perfetto trace of the engine steps to this JSON file")] = None,
 ) -> None:
     """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
     from disagg.generate import generate_one
+    from disagg.trace import Tracer
 
     if (prompt is None) == (prompt_token_ids is None):
         raise RequestError("give exactly one of --prompt or --prompt-token-ids")
@@ -67,11 +70,13 @@ def generate(
         scheduler=SchedulerConfig(chunk_size=chunk_size,
                                   max_num_batched_tokens=max(chunk_size, 1)))
     stream = None if as_json else _print_now
+    tracer = Tracer(trace, "generate")
     result = generate_one(
         model, config, prompt=prompt,
         prompt_token_ids=None if prompt_token_ids is None else parse_token_ids(prompt_token_ids),
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        on_text=stream)
+        on_text=stream, tracer=tracer)
+    tracer.close()
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
     else:
@@ -166,6 +171,9 @@ def demo(
     provider: ProviderOption = "tcp",
     temperature: Annotated[float, typer.Option(help="0 means greedy")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    trace: Annotated[str | None, typer.Option(
+        help="Write one Chrome/Perfetto trace of every process (router, prefiller, decoders) "
+             "to this JSON file")] = None,
 ) -> None:
     """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
     from rich.live import Live
@@ -181,14 +189,16 @@ def demo(
                             num_pages=num_pages, chunk_size=chunk_size, provider=provider)
     specs = load_prompts(prompts_file)
     if as_json:
-        result = run_demo(cluster, specs, max_tokens, temperature)
+        result = run_demo(cluster, specs, max_tokens, temperature, trace=trace)
         sys.stdout.write(json.dumps(result) + "\n")
         return
     err_console.print(f"starting 1 prefiller and {decoders} decoders ({model}, {provider})...")
     with Live(console=console, refresh_per_second=8) as live:
-        result = run_demo(cluster, specs, max_tokens, temperature,
+        result = run_demo(cluster, specs, max_tokens, temperature, trace=trace,
                           view=lambda requests: live.update(request_table(requests)))
     console.print(totals_table(result))
+    if trace:
+        err_console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
 
 
 def _print_now(text: str) -> None:

@@ -37,6 +37,7 @@ class ClusterConfig:
     threads_per_node: int = 1
     extra_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 120.0
+    trace_dir: str | None = None  # each node writes <node_id>.json here (a Chrome trace)
 
 
 class LocalCluster:
@@ -71,7 +72,8 @@ class LocalCluster:
         c = self.config
         return ["--model", c.model, "--kv-layout", c.kv_layout, "--page-size", str(c.page_size),
                 "--num-pages", str(c.num_pages), "--chunk-size", str(c.chunk_size),
-                "--provider", c.provider, "--threads", str(c.threads_per_node), *c.extra_args]
+                "--provider", c.provider, "--threads", str(c.threads_per_node),
+                *(["--trace", c.trace_dir] if c.trace_dir else []), *c.extra_args]
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[str]:
         command = [sys.executable, "-m", "disagg.cli", *args, "--node-id", name,

@@ -10,8 +10,10 @@ and tokens/s, and the transfer figures. `run_demo` returns the JSON the `--json`
 from __future__ import annotations
 
 import json
+import shutil
+import tempfile
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -20,6 +22,8 @@ from disagg.errors import ConfigError, DisaggError
 from disagg.messages import RequestEvent, Submit
 from disagg.router import Router
 from disagg.tokenizer import StreamDecoder, Tokenizer
+from disagg.trace import Tracer
+from disagg.trace_merge import merge_trace_dir, record_request
 from disagg.weights import load_model
 
 BUILTIN_PROMPTS = [
@@ -164,34 +168,71 @@ def totals(requests: list[DemoRequest], wall_s: float) -> dict[str, Any]:
             "kv_writes": sum(r.kv_writes for r in requests), "kv_bytes": kv_bytes}
 
 
+def trace_request(tracer: Tracer, request: DemoRequest, tokens_before: int,
+                  clock: float) -> None:
+    """Router-side trace of one event: new tokens, KV writes landed so far, the end.
+    `clock` turns `time.monotonic()` into `time.time()`, the clock every node traces on."""
+    rid = request.request_id
+    for index in range(tokens_before, len(request.token_ids)):
+        kind = "first_token" if index == 0 else "token"
+        record_request(tracer, rid, kind, request.token_times[index] + clock, index=index)
+    landed = request.kv_writes or request.kv_writes_received
+    if landed:
+        tracer.counter("kv_writes_landed", **{rid: landed})
+    if request.done:
+        end = time.monotonic() + clock
+        record_request(tracer, rid, "done", end, state=request.state)
+        tracer.complete("request", request.submitted_at + clock, end, track=rid,
+                        request_id=rid, decoder=request.decoder, ttft_ms=request.ttft_ms,
+                        tpot_ms=request.tpot_ms, tokens=len(request.token_ids))
+
+
 def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens: int,
              temperature: float = 0.0, view: Any = None, timeout_s: float = 600.0,
-             exit_codes: bool = False) -> dict[str, Any]:
+             exit_codes: bool = False, trace: str | None = None) -> dict[str, Any]:
     """Start the cluster, serve every prompt, stop the cluster; returns the JSON result.
 
     `view`, if given, is called with the request list after every event (the live display).
     With `exit_codes`, the result also holds each node's exit code (0: it shut down clean)
-    and the tail of its log.
+    and the tail of its log. With `trace`, every process records a Chrome trace and one
+    merged trace (router, prefiller, decoders on one clock) is written to that path.
     """
     loaded = load_model(cluster_config.model)
     requests = make_requests(specs, loaded.tokenizer, loaded.config.vocab_size, max_tokens)
     by_id = {r.request_id: r for r in requests}
-    with LocalCluster(cluster_config) as cluster:
-        router = Router(cluster.decoder_addresses)
-        started = time.monotonic()
-        for request in requests:
-            request.submitted_at = time.monotonic()
-            request.decoder = router.submit(Submit(request.request_id, request.prompt_token_ids,
-                                                   request.max_tokens, temperature))
-        while not all(r.done for r in requests):
-            event = router.events.get(timeout=timeout_s)
-            if event.state == "decoder_gone":
-                raise DisaggError(f"a decoder died: {event.detail}")
-            apply_event(by_id[event.request_id], event, time.monotonic())
-            if view is not None:
-                view(requests)
-        wall_s = time.monotonic() - started
-        router.close()
+    trace_dir = tempfile.mkdtemp(prefix="disagg-trace-") if trace else None
+    tracer = Tracer(f"{trace_dir}/router.json" if trace_dir else None, "router")
+    clock = time.time() - time.monotonic()
+    try:
+        with LocalCluster(replace(cluster_config, trace_dir=trace_dir)) as cluster:
+            router = Router(cluster.decoder_addresses)
+            started = time.monotonic()
+            for request in requests:
+                request.submitted_at = time.monotonic()
+                request.decoder = router.submit(Submit(
+                    request.request_id, request.prompt_token_ids, request.max_tokens,
+                    temperature))
+                record_request(tracer, request.request_id, "submit",
+                               request.submitted_at + clock, decoder=request.decoder)
+            while not all(r.done for r in requests):
+                event = router.events.get(timeout=timeout_s)
+                if event.state == "decoder_gone":
+                    raise DisaggError(f"a decoder died: {event.detail}")
+                request = by_id[event.request_id]
+                tokens_before = len(request.token_ids)
+                apply_event(request, event, time.monotonic())
+                trace_request(tracer, request, tokens_before, clock)
+                if view is not None:
+                    view(requests)
+            wall_s = time.monotonic() - started
+            router.close()
+        if trace_dir is not None and trace is not None:
+            tracer.close()
+            names = ["prefill-0", *(f"decode-{i}" for i in range(cluster_config.num_decoders))]
+            merge_trace_dir(trace_dir, trace, expected=names)
+    finally:
+        if trace_dir is not None:
+            shutil.rmtree(trace_dir, ignore_errors=True)
     result = {"model": cluster_config.model, "decoders": cluster_config.num_decoders,
               "kv_layout": cluster_config.kv_layout, "provider": cluster_config.provider,
               "requests": [r.as_json() for r in requests], "totals": totals(requests, wall_s)}

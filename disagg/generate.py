@@ -1,11 +1,13 @@
 """One prompt, one node, start to finish: what `disagg generate` runs (S1).
 
 Loads the model, builds an `LLMEngine` with the requested cache and scheduler settings, streams
-text as tokens arrive and returns a JSON-ready summary.
+text as tokens arrive and returns a JSON-ready summary. With a `Tracer`, every engine step is a
+span in a Chrome trace.
 """
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
@@ -15,14 +17,17 @@ from disagg.engine import build_engine
 from disagg.errors import RequestError
 from disagg.request import SamplingParams
 from disagg.tokenizer import StreamDecoder
+from disagg.trace import Tracer
 from disagg.weights import load_model
 
 
 def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
                  prompt_token_ids: list[int] | None, max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
-                 on_text: Callable[[str], None] | None = None) -> dict[str, Any]:
-    """Generate for one prompt (text or ids); `on_text` receives text as it decodes."""
+                 on_text: Callable[[str], None] | None = None,
+                 tracer: Tracer | None = None) -> dict[str, Any]:
+    """Generate for one prompt (text or ids); `on_text` receives text as it decodes; `tracer`
+    records each step."""
     loaded = load_model(model_spec)
     tokenizer = loaded.tokenizer
     if prompt is not None:
@@ -40,8 +45,14 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
                             top_k=top_k, seed=seed)
     request = engine.add_request(prompt_token_ids, params)
     stream = StreamDecoder(tokenizer, skip_special_tokens=True) if tokenizer else None
+    tracer = tracer or Tracer()
     while engine.has_unfinished():
-        for event in engine.step():
+        start = time.time()
+        events = engine.step()
+        if engine.last_batch is not None:
+            tracer.complete("step", start, time.time(), num_tokens=engine.last_batch.num_tokens,
+                            num_seqs=len(engine.last_batch.chunks))
+        for event in events:
             if stream is not None and on_text is not None:
                 on_text(stream.push(event.token_id))
     if stream is not None and on_text is not None:
