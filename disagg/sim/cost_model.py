@@ -170,7 +170,8 @@ def step_cost(model: SimModel, hw: Hardware, parallel: Parallel, shape: BatchSha
         heads, qk_dim, v_dim = model.attention_dims(decode)
         flops += 2 * heads / shard * (qk_dim + v_dim) * pairs
     kv_split = 1 if model.attention == "mla" else min(shard, model.num_kv_heads)
-    nbytes = shape.kv_tokens_read * model.kv_elems_per_token * model.kv_bytes / kv_split
+    nbytes = (shape.kv_tokens_read * model.kv_elems_per_token * model.kv_bytes / kv_split
+              * hw.kv_read_passes)
     add("attention", layers * flops, layers * nbytes, attn_rate)
 
     # LM head, once per step, only for the rows that sample.
@@ -253,3 +254,18 @@ def kv_transfer(model: SimModel, hw: Hardware, num_tokens: int, last_chunk_token
     context = model.hidden_size * ACTIVATION_BYTES
     return TransferCost(nbytes, nbytes / bandwidth + hw.nic_latency_s,
                         (last_layer + context) / bandwidth + hw.nic_latency_s)
+
+
+def kv_capacity_tokens(model: SimModel, hw: Hardware, parallel: Parallel,
+                       fraction: float) -> float:
+    """Tokens of KV cache one instance holds once its weights are loaded."""
+    shard = parallel.tp
+    moe = model.num_moe_layers * model.num_experts * model.expert_params
+    per_device = (model.total_params - moe) * model.weight_bytes / shard \
+        + moe * model.weight_bytes / parallel.devices
+    free = (hw.hbm_capacity - per_device) * fraction
+    if free <= 0:
+        raise ConfigError(f"{model.name} does not fit on {parallel.label} of {hw.name}: "
+                          f"{per_device / 1e9:.0f} GB of weights per device")
+    kv_split = 1 if model.attention == "mla" else min(shard, model.num_kv_heads)
+    return free * kv_split / model.kv_bytes_per_token

@@ -46,6 +46,7 @@ class Hardware:
     seq_overhead_s: float = 0.0  # host work per sequence per step (batch preparation)
     seq_layer_overhead_s: float = 0.0  # per sequence per layer, for engines that loop in Python
     overlap_compute_memory: bool = True  # roofline max (True) or compute + memory (False)
+    kv_read_passes: float = 1.0  # times attention moves each cached KV byte (1: read in place)
 
     def __post_init__(self) -> None:
         for f in fields(self):

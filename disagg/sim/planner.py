@@ -14,11 +14,10 @@ from dataclasses import dataclass, field
 
 from disagg.errors import ConfigError
 from disagg.sim.cost_model import (
-    BatchShape, Parallel, StepCost, decode_shape, kv_transfer, prefill_time, step_cost,
-    tokens_per_step)
+    BatchShape, Parallel, StepCost, decode_shape, kv_capacity_tokens, kv_transfer, prefill_time,
+    step_cost, tokens_per_step)
 from disagg.sim.hardware import Hardware
 from disagg.sim.models import SimModel
-from disagg.sim.simulator import kv_capacity_tokens
 
 MAX_PREFILL_UTILISATION = 0.8  # beyond this the prefiller queue, hence TTFT, explodes
 

@@ -27,7 +27,8 @@ from typing import Literal
 import numpy as np
 
 from disagg.errors import ConfigError
-from disagg.sim.cost_model import BatchShape, Parallel, kv_transfer, step_time
+from disagg.sim.cost_model import (
+    BatchShape, Parallel, kv_capacity_tokens, kv_transfer, step_time)
 from disagg.sim.hardware import Hardware
 from disagg.sim.models import SimModel
 from disagg.sim.results import SimRequest, SimResult
@@ -97,21 +98,6 @@ class _Instance:
     nic_free_at: float = 0.0
     step_prefills: list[tuple[SimRequest, int]] = field(default_factory=list)
     step_decodes: list[SimRequest] = field(default_factory=list)
-
-
-def kv_capacity_tokens(model: SimModel, hw: Hardware, parallel: Parallel,
-                       fraction: float) -> float:
-    """Tokens of KV cache one instance holds once its weights are loaded."""
-    shard = parallel.tp
-    moe = model.num_moe_layers * model.num_experts * model.expert_params
-    per_device = (model.total_params - moe) * model.weight_bytes / shard \
-        + moe * model.weight_bytes / parallel.devices
-    free = (hw.hbm_capacity - per_device) * fraction
-    if free <= 0:
-        raise ConfigError(f"{model.name} does not fit on {parallel.label} of {hw.name}: "
-                          f"{per_device / 1e9:.0f} GB of weights per device")
-    kv_split = 1 if model.attention == "mla" else min(shard, model.num_kv_heads)
-    return free * kv_split / model.kv_bytes_per_token
 
 
 class ClusterSimulator:
