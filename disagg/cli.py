@@ -15,6 +15,7 @@ from rich.console import Console
 
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig, check_kv_layout
 from disagg.errors import ConfigError, DisaggError, RequestError
+from disagg.sim.commands import register as register_sim_commands
 
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -22,6 +23,7 @@ bench_app = typer.Typer(help="Benchmarks (JSON with --json, else a table).", no_
 serve_app = typer.Typer(help="Run one node of a disaggregated deployment.",
                         no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
+register_sim_commands(app)
 app.add_typer(serve_app, name="serve")
 console = Console()
 err_console = Console(stderr=True)
