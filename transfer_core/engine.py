@@ -31,7 +31,7 @@ from transfer_core.memory import (
     check_range,
     resolve_buffer,
 )
-from transfer_core.pyfabric import DEFAULT_PROVIDERS, WriteOp, find_infos, lib
+from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, WriteOp, find_infos, lib
 
 logger = logging.getLogger(__name__)
 
@@ -46,12 +46,21 @@ def _as_indices(pages: Any, what: str) -> np.ndarray:
 
 
 class TransferEngine:
-    """RMA writes with immediates over libfabric; see the module docstring."""
+    """RMA writes with immediates over libfabric; see the module docstring.
+
+    provider: a name, an alias ("tcp", "shm", "efa", "verbs") or a preference list; the
+    first one present is used. node: local address to bind ("auto": loopback for socket
+    providers, every device for NIC providers). num_domains: endpoints (NICs) with one
+    progress thread each, given distinct NICs where fi_getinfo lists several. cpus: cores
+    the progress threads are pinned to, round robin. hmem: ask for FI_HMEM (CUDA memory).
+    delivery_complete: sender completion means "placed" (costs tcp ~40%). timeout_s: default
+    deadline of every op. max_inflight: writes in flight per domain (default: min(64, tx/2)).
+    """
 
     def __init__(
         self,
         provider: str | Sequence[str] = DEFAULT_PROVIDERS,
-        node: str | None = "127.0.0.1",
+        node: str | None = AUTO_NODE,
         num_domains: int = 1,
         cpus: Sequence[int] | None = None,
         *,

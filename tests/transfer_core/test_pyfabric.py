@@ -38,6 +38,22 @@ def test_alias_resolves_to_preference_list() -> None:
     assert pf.resolve_providers(["shm"]) == ("shm",)
 
 
+@pytest.mark.parametrize(
+    ("provider", "node", "expected"),
+    [
+        ("tcp;ofi_rxm", "auto", "127.0.0.1"),
+        ("net", "auto", "127.0.0.1"),
+        ("efa", "auto", None),
+        ("verbs;ofi_rxm", "auto", None),
+        ("tcp", "10.0.0.7", "10.0.0.7"),
+        ("shm", "127.0.0.1", None),
+    ],
+)
+def test_source_node_per_provider(provider: str, node: str, expected: str | None) -> None:
+    """Socket providers default to loopback, NIC providers to all devices, shm to none."""
+    assert pf.info.source_node(provider, node) == expected
+
+
 def test_find_infos_tcp_pins_loopback() -> None:
     """The default node keeps tcp on lo and reports what the data path needs."""
     info = pf.find_infos("tcp")[0]

@@ -12,6 +12,7 @@ from ._pyfabric import ffi, lib
 from .datapath import Event, Stats, Worker, WriteOp
 from .errors import FabricError, ProviderNotFoundError, check, strerror
 from .info import (
+    AUTO_NODE,
     DEFAULT_PROVIDERS,
     PROVIDER_ALIASES,
     Info,
@@ -32,6 +33,7 @@ from .objects import (
 )
 
 __all__ = [
+    "AUTO_NODE",
     "DEFAULT_PROVIDERS",
     "PROVIDER_ALIASES",
     "AddressVector",

@@ -35,6 +35,12 @@ SUPPORTED_MR_MODE = (
 )
 MIN_CQ_DATA_BYTES = 4
 
+# `node="auto"`: socket providers bind to loopback (else they list eth0 first, the CI trap);
+# NIC providers (efa, verbs) take every device. Pass an address to pick an interface.
+AUTO_NODE = "auto"
+LOOPBACK = "127.0.0.1"
+_SOCKET_PROVIDERS = ("tcp", "net", "sockets", "udp")
+
 _PROGRESS_NAMES = {
     lib.FI_PROGRESS_AUTO: "auto",
     lib.FI_PROGRESS_MANUAL: "manual",
@@ -123,10 +129,10 @@ class Info:
 
 @dataclass(frozen=True)
 class InfoRequest:
-    """What to ask fi_getinfo for; `node` pins the interface of socket-based providers."""
+    """What to ask fi_getinfo for; `node` (with FI_SOURCE) picks the local interface."""
 
     provider: str
-    node: str | None = "127.0.0.1"
+    node: str | None = AUTO_NODE
     hmem: bool = False
     delivery_complete: bool = False
     domain_name: str | None = None
@@ -152,11 +158,21 @@ def _make_hints(req: InfoRequest) -> object:
     return hints
 
 
+def source_node(provider: str, node: str | None) -> str | None:
+    """The node fi_getinfo gets for `provider`. shm never gets one: it names endpoints
+    itself, and a node would become part of the name and collide between processes."""
+    core = provider.split(";")[0]
+    if core == "shm":
+        return None
+    if node == AUTO_NODE:
+        return LOOPBACK if core in _SOCKET_PROVIDERS else None
+    return node
+
+
 def get_infos(req: InfoRequest) -> list[Info]:
     """All fi_info entries for one provider that can carry 4-byte immediates; may be empty."""
     hints = _make_hints(req)
-    # shm names endpoints itself; a node would become part of its name and collide.
-    node = None if req.provider.startswith("shm") else req.node
+    node = source_node(req.provider, req.node)
     out = ffi.new("struct fi_info **")
     rc = lib.fi_getinfo(
         lib.fabp_api_version(),
@@ -183,7 +199,7 @@ def get_infos(req: InfoRequest) -> list[Info]:
 
 def find_infos(
     providers: str | Sequence[str],
-    node: str | None = "127.0.0.1",
+    node: str | None = AUTO_NODE,
     hmem: bool = False,
     delivery_complete: bool = False,
 ) -> list[Info]:
