@@ -13,7 +13,13 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
-from disagg.config import CacheConfig, EngineConfig, SchedulerConfig, check_kv_layout
+from disagg.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check_kv_layout,
+)
 from disagg.errors import ConfigError, DisaggError, RequestError
 from disagg.sim.commands import register as register_sim_commands
 
@@ -98,17 +104,22 @@ ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm,
 ThreadsOption = Annotated[int, typer.Option(help="torch threads for this node (0: default)")]
 TraceOption = Annotated[str | None, typer.Option(
     help="Write a Chrome trace: a file path ({node_id} is filled in) or a directory")]
+TpOption = Annotated[int, typer.Option(help="Tensor-parallel degree: KV sharded by head (S6)")]
+ReplicatedOption = Annotated[bool, typer.Option(
+    help="Every TP rank holds the whole KV cache (MLA-style latent cache, S9a)")]
 
 
 def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chunk_size: int,
-                 provider: str, threads: int, mode: str) -> object:
+                 provider: str, threads: int, mode: str, tp: int = 1,
+                 replicated_kv: bool = False) -> object:
     from disagg.node_setup import NodeConfig
 
     return NodeConfig(model, CacheConfig(page_size=page_size, num_pages=num_pages,
                                          kv_layout=check_kv_layout(kv_layout)),
                       SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=chunk_size,
                                       mode=mode),  # type: ignore[arg-type]
-                      provider=provider, threads=threads or None)
+                      ParallelConfig(tp, replicated_kv), provider=provider,
+                      threads=threads or None)
 
 
 @serve_app.command("prefill")
@@ -119,12 +130,13 @@ def serve_prefill(
     kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
     provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
+    tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
 ) -> None:
     """Run a prefiller: prefill requests from decoders and stream their KV back."""
     from disagg.serve import serve_prefill as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "prefill_only"), listen, node_id, trace)  # type: ignore[arg-type]
+                     "prefill_only", tp, replicated_kv), listen, node_id, trace)  # type: ignore[arg-type]
 
 
 @serve_app.command("decode")
@@ -136,12 +148,13 @@ def serve_decode(
     kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
     provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
+    tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
 ) -> None:
     """Run a decoder: take requests, get their KV from prefillers, decode them."""
     from disagg.serve import serve_decode as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "mixed"), listen, prefiller, node_id, trace)  # type: ignore[arg-type]
+                     "mixed", tp, replicated_kv), listen, prefiller, node_id, trace)  # type: ignore[arg-type]
 
 
 @serve_app.command("mixed")
@@ -152,12 +165,13 @@ def serve_mixed(
     kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
     provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
+    tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
 ) -> None:
     """Run a single-node engine (prefill and decode mixed, S1) behind the router protocol."""
     from disagg.serve import serve_decode as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "mixed"), listen, [], node_id, trace)  # type: ignore[arg-type]
+                     "mixed", tp, replicated_kv), listen, [], node_id, trace)  # type: ignore[arg-type]
 
 
 @app.command()
@@ -176,6 +190,13 @@ def demo(
     trace: Annotated[str | None, typer.Option(
         help="Write one Chrome/Perfetto trace of every process (router, prefiller, decoders) "
              "to this JSON file")] = None,
+    prefill_tp: Annotated[int, typer.Option(help="Prefiller TP degree (KV by head)")] = 1,
+    decode_tp: Annotated[int, typer.Option(help="Decoders' TP degree")] = 1,
+    replicated: Annotated[bool, typer.Option(
+        help="Replicated KV on every rank (MLA-style, S9a); replica sets send at random")] = False,
+    decode_dp: Annotated[int, typer.Option(
+        help="Data-parallel decoder ranks: that many independent decoder engines, one process "
+             "each (overrides --decoders; S9a's DP deployment)")] = 0,
 ) -> None:
     """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
     from rich.live import Live
@@ -184,11 +205,13 @@ def demo(
     from disagg.demo import load_prompts, run_demo
     from disagg.demo_view import request_table, totals_table
 
+    decoders = decode_dp or decoders
     if decoders < 1:
         raise ConfigError(f"--decoders must be at least 1, got {decoders}")
     cluster = ClusterConfig(model=model, num_decoders=decoders,
                             kv_layout=check_kv_layout(kv_layout), page_size=page_size,
-                            num_pages=num_pages, chunk_size=chunk_size, provider=provider)
+                            num_pages=num_pages, chunk_size=chunk_size, provider=provider,
+                            prefill_tp=prefill_tp, decode_tp=decode_tp, replicated_kv=replicated)
     specs = load_prompts(prompts_file)
     if as_json:
         result = run_demo(cluster, specs, max_tokens, temperature, trace=trace)

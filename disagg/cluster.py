@@ -35,6 +35,9 @@ class ClusterConfig:
     chunk_size: int = 256
     provider: str = "tcp"
     threads_per_node: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    replicated_kv: bool = False  # every TP rank holds all KV heads (MLA-style, S9a)
     extra_args: list[str] = field(default_factory=list)
     startup_timeout_s: float = 120.0
     trace_dir: str | None = None  # each node writes <node_id>.json here (a Chrome trace)
@@ -52,12 +55,14 @@ class LocalCluster:
 
     def __enter__(self) -> LocalCluster:
         try:
-            prefiller = self._spawn("prefill-0", ["serve", "prefill"])
+            prefiller = self._spawn("prefill-0", ["serve", "prefill", "--tp",
+                                                  str(self.config.prefill_tp)])
             self.prefiller_address = self._wait_ready("prefill-0", prefiller)
             # Decoders start side by side: each loads the model on its own.
             names = [f"decode-{i}" for i in range(self.config.num_decoders)]
             decoders = [self._spawn(name, ["serve", "decode", "--prefiller",
-                                           self.prefiller_address]) for name in names]
+                                           self.prefiller_address, "--tp",
+                                           str(self.config.decode_tp)]) for name in names]
             self.decoder_addresses = [self._wait_ready(name, process)
                                       for name, process in zip(names, decoders, strict=True)]
         except BaseException:
@@ -73,7 +78,8 @@ class LocalCluster:
         return ["--model", c.model, "--kv-layout", c.kv_layout, "--page-size", str(c.page_size),
                 "--num-pages", str(c.num_pages), "--chunk-size", str(c.chunk_size),
                 "--provider", c.provider, "--threads", str(c.threads_per_node),
-                *(["--trace", c.trace_dir] if c.trace_dir else []), *c.extra_args]
+                *(["--trace", c.trace_dir] if c.trace_dir else []),
+                *(["--replicated-kv"] if c.replicated_kv else []), *c.extra_args]
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[str]:
         command = [sys.executable, "-m", "disagg.cli", *args, "--node-id", name,

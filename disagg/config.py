@@ -121,12 +121,25 @@ class SchedulerConfig:
 
 
 @dataclass(frozen=True, slots=True)
+class ParallelConfig:
+    """How a node shards its KV cache: TP degree over KV heads, or replicated (MLA-style)."""
+
+    tp: int = 1
+    replicated_kv: bool = False
+
+    def __post_init__(self) -> None:
+        if self.tp < 1:
+            raise ConfigError(f"tp must be >= 1, got {self.tp}")
+
+
+@dataclass(frozen=True, slots=True)
 class EngineConfig:
-    """Everything one engine needs: model shape, cache, scheduler, device."""
+    """Everything one engine needs: model shape, cache, scheduler, parallelism, device."""
 
     model: ModelConfig
     cache: CacheConfig = field(default_factory=CacheConfig)
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
 
     def with_cache(self, **changes: object) -> EngineConfig:

@@ -23,9 +23,10 @@ from disagg.channel import Channel
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError
 from disagg.handoff import allocate_context_buffer, context_slot_nbytes, unpack_context
-from disagg.messages import Hello, KVRequest
+from disagg.messages import Hello, HelloAck, KVRequest
 from disagg.request import Request, RequestStatus
-from disagg.transfer_plan import CONTEXT_WRITES, expected_write_count, num_pages
+from disagg.tp import Sharding
+from disagg.transfer_plan import PageGeometry, expected_write_count, num_pages, writes_per_page
 from transfer_core.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
@@ -62,14 +63,18 @@ class DecodeMessenger:
         self.node_id = node_id
         self.model_fingerprint = model_fingerprint
         config = engine.model.config
-        self._kv_region, self._kv_descriptor = transfer.register_memory(
-            engine.kv_cache.buffer, name="decode-kv")
+        # One region per TP rank: prefillers write each rank's heads straight into it (S5a).
+        registered = [transfer.register_memory(shard.buffer, name=f"decode-kv{rank}")
+                      for rank, shard in enumerate(engine.kv_cache.shards)]
+        self._kv_regions = [region for region, _ in registered]
+        self._kv_descriptors = [descriptor for _, descriptor in registered]
         self.context = allocate_context_buffer(config, num_context_slots)
         self._context_region, self._context_descriptor = transfer.register_memory(
             self.context, name="decode-ctx")
         self._free_slots = list(range(num_context_slots))
         self._imms = itertools.count(1)
         self.prefillers: list[Channel] = []
+        self._page_writes: list[int] = []  # writes per page per layer, per prefiller
         self._load: list[int] = []  # requests in flight per prefiller
         self.waiting: deque[Request] = deque()  # no pages (or no context slot) yet
         self.pending: dict[str, PendingKV] = {}
@@ -81,15 +86,23 @@ class DecodeMessenger:
         config, cache = self.engine.model.config, self.engine.kv_cache
         return Hello(
             node_id=self.node_id, model=self.model_fingerprint,
-            dtype=str(cache.buffer.dtype).removeprefix("torch."), page_size=cache.page_size,
+            dtype=str(cache.dtype).removeprefix("torch."), page_size=cache.page_size,
             kv_layout=cache.kv_layout, num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
-            engine_address=self.transfer.address, kv_descriptor=self._kv_descriptor.to_bytes(),
+            engine_address=self.transfer.address,
+            kv_descriptors=[d.to_bytes() for d in self._kv_descriptors],
             context_descriptor=self._context_descriptor.to_bytes(),
-            context_slot_nbytes=context_slot_nbytes(config))
+            context_slot_nbytes=context_slot_nbytes(config), tp=cache.sharding.tp,
+            replicated_kv=cache.sharding.replicated)
 
-    def add_prefiller(self, channel: Channel) -> int:
+    def add_prefiller(self, channel: Channel, ack: HelloAck) -> int:
         """Use a prefiller whose handshake succeeded; returns its index."""
+        cache = self.engine.kv_cache
+        theirs = Sharding(ack.tp, cache.num_kv_heads, ack.replicated_kv)
+        geometry = PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
+                                cache.shards[0].element_size)
+        # The prefiller plans with the same function: both sides agree on the count (S6b).
+        self._page_writes.append(writes_per_page(theirs, cache.sharding, geometry))
         self.prefillers.append(channel)
         self._load.append(0)
         return len(self.prefillers) - 1
@@ -127,8 +140,9 @@ class DecodeMessenger:
         config, page_size = self.engine.model.config, self.engine.kv_cache.page_size
         imm = next(self._imms) % 2**32
         slot = self._free_slots.pop()
-        expected = expected_write_count(request.num_prompt_tokens, page_size, config.num_layers)
         index = min(range(len(self.prefillers)), key=self._load.__getitem__)
+        expected = expected_write_count(request.num_prompt_tokens, page_size, config.num_layers,
+                                        self._page_writes[index])
         self.pending[request.request_id] = PendingKV(request, imm, slot, expected, index,
                                                      time.monotonic())
         self._load[index] += 1
@@ -162,8 +176,9 @@ class DecodeMessenger:
 
     def _receipt(self, pending: PendingKV) -> KVReceipt:
         cache, model = self.engine.kv_cache, self.engine.model.config
-        pages = (pending.expected_writes - CONTEXT_WRITES) // model.num_layers
-        nbytes = pages * model.num_layers * cache.page_nbytes + context_slot_nbytes(model)
+        pages = num_pages(pending.request.num_prompt_tokens - 1, cache.page_size)
+        kv_nbytes = sum(shard.page_nbytes for shard in cache.shards)
+        nbytes = pages * model.num_layers * kv_nbytes + context_slot_nbytes(model)
         wait_ms = (time.monotonic() - pending.started_at) * 1e3
         return KVReceipt(pending.expected_writes, nbytes, wait_ms)
 
@@ -205,5 +220,6 @@ class DecodeMessenger:
 
     def close(self) -> None:
         """Unregister memory (after the transfer engine drained)."""
-        self.transfer.unregister_memory(self._kv_region)
+        for region in self._kv_regions:
+            self.transfer.unregister_memory(region)
         self.transfer.unregister_memory(self._context_region)

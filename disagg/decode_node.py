@@ -64,7 +64,7 @@ class DecodeNode:
         if not isinstance(reply, HelloAck):
             channel.close()
             raise ProtocolError(f"prefiller {address} answered {type(reply).__name__}")
-        index = self.messenger.add_prefiller(channel)
+        index = self.messenger.add_prefiller(channel, reply)
         threading.Thread(target=self._read_prefiller, args=(channel, index), daemon=True,
                          name=f"decode-prefiller-{index}").start()
 

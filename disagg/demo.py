@@ -43,6 +43,7 @@ class PromptSpec:
     text: str | None = None
     token_ids: list[int] | None = None
     max_tokens: int | None = None
+    builtin: bool = False  # one of BUILTIN_PROMPTS
 
 
 @dataclass
@@ -96,7 +97,7 @@ def load_prompts(path: str | None) -> list[PromptSpec]:
     """Prompts from a JSON Lines file (`{"prompt": ...}` or `{"prompt_token_ids": [...]}`,
     optional `max_tokens`), a plain text file (one prompt per line), or the built-in set."""
     if path is None:
-        return [PromptSpec(text=p) for p in BUILTIN_PROMPTS]
+        return [PromptSpec(text=p, builtin=True) for p in BUILTIN_PROMPTS]
     file = Path(path)
     if not file.is_file():
         raise ConfigError(f"prompts file {path} does not exist")
@@ -127,6 +128,9 @@ def make_requests(specs: list[PromptSpec], tokenizer: Tokenizer | None, vocab_si
     for i, spec in enumerate(specs):
         if spec.token_ids is not None:
             ids = spec.token_ids
+        elif tokenizer is None and spec.builtin:
+            # A random-weight preset has no tokenizer: its built-in prompts are their bytes.
+            ids = [byte % vocab_size for byte in (spec.text or "").encode()]
         elif tokenizer is None:
             raise ConfigError("this model has no tokenizer: give prompt_token_ids")
         else:

@@ -17,13 +17,15 @@ import torch
 from disagg.batch import Batch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.errors import ConfigError
-from disagg.kv_cache import PagedKVCache
+from disagg.kv_cache import KVCache, PagedKVCache
 from disagg.model import Transformer
 from disagg.model_runner import ForwardOutput, ModelRunner
 from disagg.page_allocator import PageAllocator
 from disagg.request import Request, SamplingParams
 from disagg.sampling import sample_token
 from disagg.scheduler import Scheduler
+from disagg.sharded_kv_cache import ShardedKVCache
+from disagg.tp import Sharding
 
 
 @dataclass(frozen=True, slots=True)
@@ -42,7 +44,7 @@ class LLMEngine:
         self.config = config
         self.model = model.to(config.device).eval()
         check_cache_fits(model.config, config.cache)
-        self.kv_cache = PagedKVCache(model.config, config.cache, config.device)
+        self.kv_cache = make_kv_cache(model.config, config)
         self.allocator = PageAllocator(config.cache.num_pages)
         max_model_len = min(model.config.max_position_embeddings, config.cache.num_tokens)
         self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.page_size,
@@ -104,6 +106,15 @@ class LLMEngine:
                 raise RuntimeError(f"engine made no progress ({self.allocator.num_free} pages "
                                    f"free, {len(self.scheduler.waiting)} waiting)")
         return requests
+
+
+def make_kv_cache(model: ModelConfig, config: EngineConfig) -> KVCache:
+    """One paged cache, or one per TP rank when the node is sharded (S6)."""
+    parallel = config.parallel
+    if parallel.tp == 1 and not parallel.replicated_kv:
+        return PagedKVCache(model, config.cache, config.device)
+    sharding = Sharding(parallel.tp, model.num_kv_heads, parallel.replicated_kv)
+    return ShardedKVCache(model, config.cache, sharding, config.device)
 
 
 def check_cache_fits(model: ModelConfig, cache: CacheConfig) -> None:

@@ -14,6 +14,7 @@ from typing import Protocol
 import torch
 
 from disagg.config import CacheConfig, ModelConfig
+from disagg.tp import Sharding
 
 
 @dataclass(frozen=True, slots=True)
@@ -121,6 +122,11 @@ class PagedKVCache:
         return [self]
 
     @property
+    def sharding(self) -> Sharding:
+        """One rank holding every head."""
+        return Sharding(1, self.num_kv_heads)
+
+    @property
     def device(self) -> torch.device:
         """Where the cache lives."""
         return self.buffer.device
@@ -204,6 +210,9 @@ class KVCache(Protocol):
 
     @property
     def shards(self) -> list[PagedKVCache]: ...
+
+    @property
+    def sharding(self) -> Sharding: ...
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
               page_ids: torch.Tensor, page_offsets: torch.Tensor) -> None: ...

@@ -45,9 +45,11 @@ class Hello(Message):
     num_kv_heads: int
     head_dim: int
     engine_address: bytes
-    kv_descriptor: bytes
+    kv_descriptors: list[bytes]  # one memory region per TP rank (S5a)
     context_descriptor: bytes
     context_slot_nbytes: int
+    tp: int = 1
+    replicated_kv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,6 +59,8 @@ class HelloAck(Message):
     TYPE: ClassVar[int] = 2
     node_id: str
     engine_address: bytes
+    tp: int = 1  # the prefiller's sharding: the decoder needs it to count writes (S6b)
+    replicated_kv: bool = False
 
 
 @dataclass(frozen=True, slots=True)
@@ -140,8 +144,8 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls for cls in (Hello, HelloAck, Reject, KVRequest, KVFailed, Cancel, Submit,
                               RequestEvent, Shutdown)
 }
-_JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str,
-               "list[int]": list}
+_JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str, "bool": bool,
+               "list[int]": list, "list[bytes]": list}
 
 
 def encode(message: Message) -> bytes:
@@ -149,7 +153,11 @@ def encode(message: Message) -> bytes:
     payload = {}
     for f in fields(message):
         value = getattr(message, f.name)
-        payload[f.name] = base64.b64encode(value).decode() if f.type == "bytes" else value
+        if f.type == "bytes":
+            value = base64.b64encode(value).decode()
+        elif f.type == "list[bytes]":
+            value = [base64.b64encode(item).decode() for item in value]
+        payload[f.name] = value
     body = json.dumps(payload, separators=(",", ":")).encode()
     return HEADER.pack(MAGIC, PROTOCOL_VERSION, message.TYPE, len(body)) + body
 
@@ -206,17 +214,25 @@ def decode(frame: bytes) -> Message:
 
 def _check_field(message: str, name: str, type_name: str, value: Any) -> Any:
     expected = _JSON_TYPES[type_name]
-    bad = not isinstance(value, expected) or isinstance(value, bool)
+    bad = not isinstance(value, expected) or (isinstance(value, bool) and type_name != "bool")
     if type_name == "list[int]" and not bad:
         bad = not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if type_name == "list[bytes]" and not bad:
+        bad = not all(isinstance(v, str) for v in value)
     if bad:
         raise ProtocolError(f"{message}.{name}: expected {type_name}, got {type(value).__name__}")
     if type_name == "bytes":
-        try:
-            return base64.b64decode(value, validate=True)
-        except ValueError:
-            raise ProtocolError(f"{message}.{name}: not base64") from None
+        return _b64(message, name, value)
+    if type_name == "list[bytes]":
+        return [_b64(message, name, item) for item in value]
     return float(value) if type_name == "float" else value
+
+
+def _b64(message: str, name: str, value: str) -> bytes:
+    try:
+        return base64.b64decode(value, validate=True)
+    except ValueError:
+        raise ProtocolError(f"{message}.{name}: not base64") from None
 
 
 def as_dict(message: Message) -> dict[str, Any]:

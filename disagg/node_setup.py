@@ -6,11 +6,11 @@ Kept apart from the node loops so the demo, the tests and `disagg serve` build n
 from __future__ import annotations
 
 import hashlib
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
 from disagg.engine import LLMEngine, build_engine
 from disagg.weights import LoadedModel, load_model
 from transfer_core.engine import TransferEngine
@@ -23,6 +23,7 @@ class NodeConfig:
     model: str
     cache: CacheConfig
     scheduler: SchedulerConfig
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
     provider: str = "tcp"  # an alias (tcp, shm, efa, verbs) or a libfabric provider name
     fabric_node: str | None = "127.0.0.1"  # interface address for the fabric endpoints
     threads: int | None = None  # torch intra-op threads for this node
@@ -47,7 +48,7 @@ def build_node(config: NodeConfig) -> tuple[LLMEngine, TransferEngine, str, Load
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = load_model(config.model)
-    engine = build_engine(EngineConfig(loaded.config, config.cache, config.scheduler),
-                          loaded.state_dict)
+    engine = build_engine(EngineConfig(loaded.config, config.cache, config.scheduler,
+                                       config.parallel), loaded.state_dict)
     transfer = TransferEngine(config.provider, node=config.fabric_node)
     return engine, transfer, model_fingerprint(loaded), loaded

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import logging
 import queue
+import random
 import threading
 import time
 from collections import deque
@@ -31,7 +32,15 @@ from disagg.messages import Hello, KVFailed, KVRequest
 from disagg.model_runner import ForwardOutput
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.trace import Tracer
-from disagg.transfer_plan import num_pages, pages_completed_by_chunk
+from disagg.tp import Sharding
+from disagg.transfer_plan import (
+    PageGeometry,
+    PageWrite,
+    assign_source_sets,
+    num_pages,
+    pages_completed_by_chunk,
+    plan_page_writes,
+)
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.memory import MemoryRegionDescriptor
@@ -42,15 +51,17 @@ logger = logging.getLogger(__name__)
 
 @dataclass
 class DecoderPeer:
-    """A connected decoder: where its KV pages and context slots are."""
+    """A connected decoder: where its KV pages (one region per TP rank) and context slots are."""
 
     peer_id: str
     channel: Channel
-    kv: MemoryRegionDescriptor
+    kv: list[MemoryRegionDescriptor]
     context: MemoryRegionDescriptor
+    sharding: Sharding
     num_pages: int
     num_context_slots: int
-    layer_nbytes: int
+    page_nbytes: int  # of one rank's page
+    layer_nbytes: int  # of one rank's layer
 
 
 @dataclass
@@ -64,6 +75,7 @@ class Transfer:
     imm: int
     dst_page_ids: list[int]
     context_slot: int
+    page_writes: list[PageWrite]  # the plan for every page and layer (S6)
     pending_writes: int = 0
     all_submitted: bool = False
     error: str | None = None
@@ -96,7 +108,10 @@ class PrefillMessenger:
         self.kv_cache = engine.kv_cache
         self.num_layers = engine.model.config.num_layers
         self.wait_timeout_s = wait_timeout_s
-        self._kv_region, _ = transfer.register_memory(self.kv_cache.buffer, name="prefill-kv")
+        # One region per TP rank, as one process registering every GPU's KV (S5a).
+        self._kv_regions = [transfer.register_memory(shard.buffer, name=f"prefill-kv{rank}")[0]
+                            for rank, shard in enumerate(self.kv_cache.shards)]
+        self._rng = random.Random(0)
         self._context = allocate_context_buffer(engine.model.config, num_context_slots)
         self._context_region, _ = transfer.register_memory(self._context, name="prefill-ctx")
         self._slot_nbytes = context_slot_nbytes(engine.model.config)
@@ -124,16 +139,36 @@ class PrefillMessenger:
 
     def add_peer(self, hello: Hello, channel: Channel) -> DecoderPeer:
         """Accept a decoder whose handshake was validated; parse its descriptors."""
-        kv = MemoryRegionDescriptor.from_bytes(hello.kv_descriptor)
+        sharding = Sharding(hello.tp, hello.num_kv_heads, hello.replicated_kv)
+        if len(hello.kv_descriptors) != sharding.tp:
+            raise RequestError(f"decoder {hello.node_id}: {len(hello.kv_descriptors)} KV "
+                               f"regions for tp={sharding.tp}")
+        kv = [MemoryRegionDescriptor.from_bytes(d) for d in hello.kv_descriptors]
         context = MemoryRegionDescriptor.from_bytes(hello.context_descriptor)
-        layer_nbytes, rest = divmod(kv.length, self.num_layers)
-        peer_pages, rest2 = divmod(layer_nbytes, self.kv_cache.page_nbytes)
-        if rest or rest2 or peer_pages == 0:
-            raise RequestError(f"decoder {hello.node_id}: KV region of {kv.length} bytes is not "
-                               f"{self.num_layers} layers of whole {self.kv_cache.page_nbytes}"
-                               "-byte pages")
-        return DecoderPeer(hello.node_id, channel, kv, context, peer_pages,
-                           context.length // self._slot_nbytes, layer_nbytes)
+        page_nbytes = self._geometry.page_nbytes(sharding.heads_per_rank)
+        layer_nbytes, rest = divmod(kv[0].length, self.num_layers)
+        peer_pages, rest2 = divmod(layer_nbytes, page_nbytes)
+        if rest or rest2 or peer_pages == 0 or any(d.length != kv[0].length for d in kv):
+            raise RequestError(f"decoder {hello.node_id}: KV regions of {kv[0].length} bytes "
+                               f"are not {self.num_layers} layers of whole {page_nbytes}-byte "
+                               "pages")
+        return DecoderPeer(hello.node_id, channel, kv, context, sharding, peer_pages,
+                           context.length // self._slot_nbytes, page_nbytes, layer_nbytes)
+
+    @property
+    def _geometry(self) -> PageGeometry:
+        cache = self.kv_cache
+        return PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
+                            cache.shards[0].element_size)
+
+    def _plan(self, peer: DecoderPeer) -> list[PageWrite]:
+        """This request's page plan. Equal shardings: rank i to rank i (S6a); otherwise a
+        random source replica set per destination set, so every source device sends (S6c)."""
+        ours = self.kv_cache.sharding
+        matched = ours == peer.sharding and not ours.replicated
+        rng = None if matched else self._rng
+        return plan_page_writes(ours, peer.sharding, self._geometry,
+                                assign_source_sets(ours, peer.sharding, rng))
 
     def start_request(self, message: KVRequest, peer: DecoderPeer) -> None:
         """Validate a decoder's request and queue its prefill; raises `RequestError`."""
@@ -163,7 +198,7 @@ class PrefillMessenger:
         self.engine.scheduler.add_request(request)
         self._transfers[key] = Transfer(key, message.request_id, request, peer, message.imm,
                                         list(message.dst_page_ids), message.context_slot,
-                                        received_at=time.time())
+                                        self._plan(peer), received_at=time.time())
 
     def fail_peer(self, peer: DecoderPeer, reason: str) -> None:
         """The decoder is gone: nothing more is written to it; its requests end as failed."""
@@ -224,24 +259,29 @@ class PrefillMessenger:
                 self._lock.notify_all()
 
     def _submit_layer(self, write: PlannedWrite, layer: int) -> None:
-        transfer = write.transfer
-        with self._lock:
-            if transfer.error is not None:
+        """One paged-write call per planned page write: the pages of the chunk, one layer."""
+        transfer, peer = write.transfer, write.transfer.peer
+        src_page_nbytes = self.kv_cache.shards[0].page_nbytes
+        src_layer_nbytes = self.kv_cache.shards[0].layer_nbytes
+        num_pages = len(write.src_page_ids)
+        for plan in transfer.page_writes:
+            with self._lock:
+                if transfer.error is not None:
+                    return
+                transfer.pending_writes += 1
+            try:
+                self.transfer.submit_paged_writes(
+                    plan.nbytes, self._kv_regions[plan.src_rank], write.src_page_ids,
+                    src_page_nbytes, layer * src_layer_nbytes + plan.src_offset,
+                    peer.kv[plan.dst_rank], write.dst_page_ids, peer.page_nbytes,
+                    layer * peer.layer_nbytes + plan.dst_offset, transfer.imm,
+                    on_done=lambda: self._write_done(transfer, None),
+                    on_error=lambda error: self._write_done(transfer, error))
+            except (TransferError, ValueError) as error:
+                self._write_done(transfer, error)
                 return
-            transfer.pending_writes += 1
-        page_nbytes = self.kv_cache.page_nbytes
-        try:
-            self.transfer.submit_paged_writes(
-                page_nbytes, self._kv_region, write.src_page_ids, page_nbytes,
-                layer * self.kv_cache.layer_nbytes, transfer.peer.kv, write.dst_page_ids,
-                page_nbytes, layer * transfer.peer.layer_nbytes, transfer.imm,
-                on_done=lambda: self._write_done(transfer, None),
-                on_error=lambda error: self._write_done(transfer, error))
-        except (TransferError, ValueError) as error:
-            self._write_done(transfer, error)
-            return
-        self._count(pages=len(write.src_page_ids), writes=len(write.src_page_ids),
-                    nbytes=len(write.src_page_ids) * page_nbytes)
+            self._count(writes=num_pages, nbytes=num_pages * plan.nbytes)
+        self._count(pages=num_pages)
 
     def after_forward(self, batch: Batch, output: ForwardOutput) -> None:
         """After a forward: once every layer's writes are posted, write the context of
@@ -346,5 +386,6 @@ class PrefillMessenger:
     def close(self) -> None:
         """Stop the poller and unregister memory (call after the transfer engine drained)."""
         self._poller.stop()
-        self.transfer.unregister_memory(self._kv_region)
+        for region in self._kv_regions:
+            self.transfer.unregister_memory(region)
         self.transfer.unregister_memory(self._context_region)

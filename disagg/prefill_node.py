@@ -60,9 +60,10 @@ class PrefillNode:
     def expected_hello(self) -> Hello:
         """The handshake fields a decoder must match (addresses and descriptors aside)."""
         config, cache = self.engine.model.config, self.engine.kv_cache
-        dtype = str(cache.buffer.dtype).removeprefix("torch.")
-        return Hello(self.node_id, self.fingerprint, dtype, cache.page_size, cache.kv_layout, config.num_layers, config.num_kv_heads,
-                     config.head_dim, b"", b"", b"", context_slot_nbytes(config))
+        dtype = str(cache.dtype).removeprefix("torch.")
+        return Hello(self.node_id, self.fingerprint, dtype, cache.page_size, cache.kv_layout,
+                     config.num_layers, config.num_kv_heads, config.head_dim, b"", [], b"",
+                     context_slot_nbytes(config))
 
     def _accept_loop(self) -> None:
         while not self._stop.is_set():
@@ -92,7 +93,9 @@ class PrefillNode:
                 channel.close()
                 return
             peer = self.messenger.add_peer(hello, channel)
-            channel.send(HelloAck(self.node_id, self.transfer.address))
+            sharding = self.engine.kv_cache.sharding
+            channel.send(HelloAck(self.node_id, self.transfer.address, sharding.tp,
+                                  sharding.replicated))
         except (ProtocolError, RequestError, TransferError) as error:
             self._refuse(channel, str(error))
             return

@@ -111,3 +111,32 @@ def test_smollm2_matches_transformers(hf_smollm2_model: Any, hf_smollm2_tokenize
     ours, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert all(o == e[:len(o)] and (len(o) == MAX_TOKENS or o[-1] in (2,))
                for o, e in zip(ours, expected, strict=True))
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize(("prefill_tp", "decode_tp"),
+                         [(1, 1), (2, 2), (2, 1), (1, 2), (4, 2), (2, 4)])
+def test_tensor_parallel_shardings_match_single_node(kv_layout: str, prefill_tp: int,
+                                                     decode_tp: int) -> None:
+    """Prefill at TP p, decode at TP d (KV split by head, one region per rank): same tokens."""
+    prompts = random_prompts([2, 9, 23], vocab_size=512, seed=prefill_tp * 10 + decode_tp)
+    config = ClusterConfig(model="tiny", num_decoders=1, kv_layout=kv_layout, page_size=4,
+                           chunk_size=6, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    ours, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
+    assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("prefill_tp", "decode_tp", "num_decoders"),
+                         [(4, 2, 1), (2, 1, 3)], ids=["replicated-tp", "replicated-dp"])
+def test_replicated_kv_and_dp_decoders_match_single_node(prefill_tp: int, decode_tp: int,
+                                                         num_decoders: int) -> None:
+    """MLA-style replicated KV (every rank a replica, random source rank per request), with
+    TP decoders and with DP decoders (independent engines): same tokens."""
+    prompts = random_prompts([5, 14, 30, 3], vocab_size=512, seed=7)
+    config = ClusterConfig(model="tiny", num_decoders=num_decoders, kv_layout="HND",
+                           page_size=4, chunk_size=8, prefill_tp=prefill_tp,
+                           decode_tp=decode_tp, replicated_kv=True)
+    ours, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
+    assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)

@@ -28,8 +28,8 @@ def frame(type_id: int, payload: object, version: int = PROTOCOL_VERSION,
 
 def test_round_trip_keeps_every_field() -> None:
     """Encode then decode gives the same message, bytes fields included."""
-    hello = Hello("d0", "tiny-abc", "float32", 16, "HND", 2, 4, 8, b"\x00addr", b"kv", b"ctx",
-                  4096)
+    hello = Hello("d0", "tiny-abc", "float32", 16, "HND", 2, 4, 8, b"\x00addr", [b"kv0", b"kv1"],
+                  b"ctx", 4096, tp=2, replicated_kv=True)
     request = KVRequest("r1", 7, [1, 2, 3], [9, 4], 2)
     assert decode(encode(hello)) == hello
     assert decode(encode(request)) == request
@@ -67,9 +67,9 @@ def test_oversized_payload_is_refused_before_reading() -> None:
 
 def test_bytes_fields_must_be_base64() -> None:
     """A descriptor that is not base64 is a protocol error, not garbage bytes."""
-    good = json.loads(encode(Hello("d", "m", "f", 1, "NHD", 1, 1, 2, b"a", b"b", b"c", 1))[
+    good = json.loads(encode(Hello("d", "m", "f", 1, "NHD", 1, 1, 2, b"a", [b"b"], b"c", 1))[
         HEADER.size:])
-    good["kv_descriptor"] = "%%%"
+    good["context_descriptor"] = "%%%"
     with pytest.raises(ProtocolError, match="not base64"):
         decode(frame(Hello.TYPE, good))
 
