@@ -33,7 +33,8 @@ def _table(results: list[dict]) -> Table:
         "lat p50 µs",
         "lat p99 µs",
         "verified",
-        "cpu busy before",
+        "busy before",
+        "memcpy GB/s",
     ):
         table.add_column(column, justify="right")
     for r in results:
@@ -46,6 +47,7 @@ def _table(results: list[dict]) -> Table:
             f"{r['latency_us_p99']:.1f}",
             str(r["verified"]),
             f"{r['cpu_busy_before']:.0%}",
+            f"{r['memcpy_gbps']:.1f}",
         )
     return table
 

@@ -50,6 +50,19 @@ def wait_for_idle(threshold: float = 0.10, window_s: float = 2.0, cap_s: float =
     return busy
 
 
+def memcpy_gbps(nbytes: int, reps: int = 3) -> float:
+    """This machine's single-thread copy bandwidth right now (median of `reps` copies of
+    `nbytes`): the yardstick that tells a slow transport from a slow or busy machine."""
+    src = np.ones(nbytes, dtype=np.uint8)
+    dst = np.empty_like(src)
+    times = []
+    for _ in range(reps):
+        start = time.perf_counter()
+        np.copyto(dst, src)
+        times.append(time.perf_counter() - start)
+    return nbytes / statistics.median(times) / 1e9
+
+
 def _digest(pages: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(pages).data, digest_size=16).hexdigest()
 
@@ -150,6 +163,7 @@ def run_transfer_benchmark(
     """Run the peer workload between this process and a spawned receiver; returns medians:
     keys provider, gbps, us_per_page, latency_us_p50, latency_us_p99, verified, and more."""
     busy = wait_for_idle() if wait_idle else cpu_busy_fraction(0.2)
+    copy_gbps = memcpy_gbps(num_pages * page_bytes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver_main, args=(provider, num_pages, page_bytes, child))
@@ -190,6 +204,7 @@ def run_transfer_benchmark(
         "gbps": statistics.median(gbps),
         "gbps_min": min(gbps),
         "gbps_max": max(gbps),
+        "gbps_reps": [round(g, 3) for g in gbps],
         "us_per_page": statistics.median(seconds) / num_pages * 1e6,
         "latency_bytes": latency_bytes,
         "latency_us_p50": float(np.percentile(lat, 50)),
@@ -197,4 +212,5 @@ def run_transfer_benchmark(
         "verified": bool(verified and proc.exitcode == 0),
         "cpu_busy_before": round(busy, 3),
         "cpus": os.cpu_count(),
+        "memcpy_gbps": round(copy_gbps, 2),
     }
