@@ -301,7 +301,7 @@ def test_dead_peer_reports_every_op_once(provider: str) -> None:
         1,
         callbacks[0].on_done,
         callbacks[0].on_error,
-        timeout_s=1.0,
+        timeout_s=0.5,
     )
     engine.submit_write(
         region,
@@ -312,10 +312,10 @@ def test_dead_peer_reports_every_op_once(provider: str) -> None:
         0,
         callbacks[1].on_done,
         callbacks[1].on_error,
-        timeout_s=1.0,
+        timeout_s=0.5,
     )
     engine.submit_imm(
-        3, gone.descriptor, callbacks[2].on_done, callbacks[2].on_error, timeout_s=1.0
+        3, gone.descriptor, callbacks[2].on_done, callbacks[2].on_error, timeout_s=0.5
     )
     assert all(cb.finished.wait(WAIT_S) for cb in callbacks)
     engine.close()

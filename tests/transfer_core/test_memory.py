@@ -120,7 +120,7 @@ def test_registered_bytearray_cannot_be_resized() -> None:
 def test_pinned_buffer_in_garbage_cycle_is_collected() -> None:
     """A resolved buffer caught in a reference cycle is collected without crashing (a kept
     cffi from_buffer object here used to segfault the garbage collector)."""
-    for _ in range(20):
+    for _ in range(3):
         cycle: list[object] = [resolve_buffer(bytearray(64))]
         cycle.append(cycle)
         del cycle
