@@ -1,0 +1,211 @@
+"""Mixed versus disaggregated serving on this machine: one request stream, served two ways (S1).
+
+A seeded stream: a few short prompts with long outputs start first, then long prompts arrive at
+a fixed interval while those decode. (a) "mixed": two single-node engines (`serve mixed`), one
+per core, the router splitting requests; each step batches prefill chunks with decodes, so a
+long prompt stalls every decode on its node. (b) "disagg": a prefiller and a decoder, one core
+each; the decoder's steps hold only decodes. Latencies come from the router's RequestEvent
+arrival times; the TTFT split (queue, prefill, transfer tail) from the prefiller's trace.
+Run: `python benchmarks/disagg.py [--model smollm2-135m|tiny|small] [--json]` (about 3 min).
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# This file shares its name with the package it measures: put the repository root first so
+# `import disagg` finds the package, never this script.
+_ROOT = str(Path(__file__).resolve().parent.parent)
+if __name__ == "disagg":
+    # A sibling script (benchmarks/*.py) imported `disagg` and found this file first on its
+    # path: step aside and load the real package under that name.
+    sys.path.insert(0, _ROOT)
+    del sys.modules["disagg"]
+    import importlib
+
+    sys.modules["disagg"] = importlib.import_module("disagg")
+else:
+    sys.path.insert(0, _ROOT)
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import logging  # noqa: E402
+import os  # noqa: E402
+import queue  # noqa: E402
+import random  # noqa: E402
+import tempfile  # noqa: E402
+import time  # noqa: E402
+from dataclasses import dataclass, field  # noqa: E402
+from typing import Any  # noqa: E402
+
+from disagg.cluster import ClusterConfig  # noqa: E402
+from disagg.messages import RequestEvent, Submit  # noqa: E402
+from disagg.router import Router  # noqa: E402
+from disagg.weights import load_model  # noqa: E402
+from disagg_report import print_tables, summarize  # noqa: E402
+from pinned_cluster import CpuMeter, Mode, PinnedCluster, wait_for_quiet  # noqa: E402
+
+logger = logging.getLogger("benchmarks.disagg")
+
+
+@dataclass(frozen=True, slots=True)
+class Arrival:
+    """One request of the stream: when it is sent, what it asks for."""
+
+    at_s: float
+    request_id: str
+    kind: str  # "short" (decodes for long) or "long" (a long prompt)
+    prompt_token_ids: list[int]
+    max_tokens: int
+
+
+@dataclass
+class Observed:
+    """What the router saw of one request (`time.time()` seconds, the traces' clock)."""
+
+    arrival: Arrival
+    submitted_at: float = 0.0
+    node: int = -1
+    state: str = "queued"
+    token_times: list[float] = field(default_factory=list)
+
+    @property
+    def done(self) -> bool:
+        """Whether the request reached a terminal state."""
+        return self.state.startswith("finished") or self.state == "failed"
+
+
+def make_schedule(args: argparse.Namespace, vocab_size: int) -> list[Arrival]:
+    """The seeded stream: shorts at t=0 (staggered 50 ms), then one long every interval."""
+    rng = random.Random(args.seed)
+
+    def prompt(length: int) -> list[int]:
+        # Skip the lowest ids: special tokens (BOS, EOS) live there in most vocabularies.
+        return [rng.randrange(min(16, vocab_size - 1), vocab_size) for _ in range(length)]
+
+    stream = [Arrival(0.05 * i, f"short-{i}", "short", prompt(args.short_prompt_len),
+                      args.short_max_tokens) for i in range(args.num_short)]
+    stream += [Arrival(args.first_long_s + i * args.interval_s, f"long-{i}", "long",
+                       prompt(args.long_prompt_len), args.long_max_tokens)
+               for i in range(args.num_long)]
+    return stream
+
+
+def cluster_config(args: argparse.Namespace, schedule: list[Arrival], trace_dir: str
+                   ) -> ClusterConfig:
+    """Options shared by every node of both modes: one torch thread, a cache that fits the
+    whole stream at once (so no request waits for pages), a trace file per node."""
+    pages = sum(-(-(len(a.prompt_token_ids) + a.max_tokens) // args.page_size)
+                for a in schedule)
+    return ClusterConfig(model=args.model, num_decoders=1, page_size=args.page_size,
+                         num_pages=pages + 16, chunk_size=args.chunk_size,
+                         threads_per_node=1, extra_args=["--trace", trace_dir])
+
+
+def serve_stream(router: Router, schedule: list[Arrival], timeout_s: float
+                 ) -> tuple[list[Observed], float, float]:
+    """Send each request at its time, collect events until all end; returns the requests,
+    the start time and the end time."""
+    observed = [Observed(arrival) for arrival in schedule]
+    by_id = {o.arrival.request_id: o for o in observed}
+    pending = sorted(observed, key=lambda o: o.arrival.at_s)
+    start = time.time()
+    deadline = start + timeout_s
+    while not all(o.done for o in observed):
+        now = time.time()
+        if now > deadline:
+            raise TimeoutError(f"stream not done after {timeout_s:.0f} s: "
+                               f"{sum(not o.done for o in observed)} requests open")
+        while pending and start + pending[0].arrival.at_s <= now:
+            request = pending.pop(0)
+            a = request.arrival
+            request.submitted_at = time.time()
+            request.node = router.submit(Submit(a.request_id, a.prompt_token_ids,
+                                                a.max_tokens))
+        wait = start + pending[0].arrival.at_s - time.time() if pending else 1.0
+        try:
+            event = router.events.get(timeout=max(0.0, min(wait, 1.0)))
+        except queue.Empty:
+            continue
+        received = time.time()
+        apply_event(by_id, event, received)
+    return observed, start, time.time()
+
+
+def apply_event(by_id: dict[str, Observed], event: RequestEvent, received: float) -> None:
+    """Fold one decoder event into its request; a dead node ends the run."""
+    if event.state == "decoder_gone":
+        raise RuntimeError(f"a serving node died: {event.detail}")
+    request = by_id[event.request_id]
+    request.state = event.state
+    request.token_times.extend(received for _ in event.token_ids)
+    if event.state == "failed":
+        logger.warning("%s failed: %s", event.request_id, event.detail)
+
+
+def run_mode(args: argparse.Namespace, mode: Mode, schedule: list[Arrival]) -> dict[str, Any]:
+    """Start the nodes, wait for a quiet machine, serve the stream, stop; returns the raw
+    observations, the node traces and the CPU accounting."""
+    with tempfile.TemporaryDirectory(prefix=f"disagg-bench-{mode}-") as scratch:
+        trace_dir = scratch if args.trace_dir is None else os.path.join(args.trace_dir, mode)
+        os.makedirs(trace_dir, exist_ok=True)
+        config = cluster_config(args, schedule, trace_dir)
+        with PinnedCluster(config, mode, cores=args.cores) as cluster:
+            quiet = wait_for_quiet(args.quiet_wait_s)
+            router = Router(cluster.decoder_addresses)
+            meter = CpuMeter([p.pid for p in cluster.processes] + [os.getpid()])
+            observed, start, end = serve_stream(router, schedule, args.timeout_s)
+            cpu = meter.read()
+            affinity = cluster.affinity()
+            router.close()
+        traces = {path.stem: json.loads(path.read_text())["traceEvents"]
+                  for path in Path(trace_dir).glob("*.json")}
+    return {"mode": mode, "observed": observed, "start": start, "end": end, "traces": traces,
+            "cpu": cpu, "affinity": affinity, "quiet": quiet}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    """Command-line options (defaults: the ~3 minute SmolLM2 run)."""
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    add = parser.add_argument
+    add("--model", default="smollm2-135m", help="smollm2-135m, tiny, small or a checkpoint dir")
+    add("--modes", default="mixed,disagg", help="comma-separated: mixed, disagg")
+    add("--num-short", type=int, default=4, help="short prompts started first")
+    add("--short-prompt-len", type=int, default=16)
+    add("--short-max-tokens", type=int, default=256)
+    add("--num-long", type=int, default=10, help="long prompts arriving while shorts decode")
+    add("--long-prompt-len", type=int, default=512)
+    add("--long-max-tokens", type=int, default=32)
+    add("--first-long-s", type=float, default=2.0, help="when the first long prompt arrives")
+    add("--interval-s", type=float, default=2.5, help="seconds between long prompts")
+    add("--chunk-size", type=int, default=256, help="prefill chunk (and step token budget)")
+    add("--page-size", type=int, default=16)
+    add("--cores", default="0,1", help="the two cores the nodes are pinned to")
+    add("--seed", type=int, default=0)
+    add("--quiet-wait-s", type=float, default=30.0, help="longest wait for an idle machine")
+    add("--timeout-s", type=float, default=300.0, help="longest a stream may take")
+    add("--trace-dir", help="keep each node's Chrome trace here (<dir>/<mode>/<node>.json)")
+    add("--json", action="store_true", help="print one JSON object instead of tables")
+    args = parser.parse_args(argv)
+    args.cores = [int(c) for c in args.cores.split(",")]
+    args.modes = [m.strip() for m in args.modes.split(",")]
+    if not set(args.modes) <= {"mixed", "disagg"} or not args.modes:
+        parser.error(f"--modes: expected mixed and/or disagg, got {args.modes}")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
+    schedule = make_schedule(args, load_model(args.model).config.vocab_size)
+    runs = {mode: run_mode(args, mode, schedule) for mode in args.modes}
+    result = summarize(args, runs)
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        print_tables(result)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,183 @@
+"""Serving nodes pinned one per CPU core, and a watch on who else uses the CPU (S1).
+
+Glue for `benchmarks/disagg.py`, not a library. `PinnedCluster` is `disagg.cluster.LocalCluster`
+with two changes: each node is bound to its own core (what `taskset -c N` does, applied to every
+thread of the process), and it can start the single-node baseline instead of a prefiller and a
+decoder: `serve mixed` engines behind the same router protocol. `wait_for_quiet` and `CpuMeter`
+read /proc so a result can say whether other work shared the cores while it was measured.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import time
+from dataclasses import dataclass
+from typing import Literal
+
+from disagg.cluster import ClusterConfig, LocalCluster
+from disagg.channel import Channel
+from disagg.errors import ConfigError, DisaggError
+from disagg.messages import Shutdown
+
+logger = logging.getLogger(__name__)
+
+Mode = Literal["mixed", "disagg"]
+
+
+def pin_process(pid: int, core: int) -> None:
+    """Bind every thread of `pid` to `core` (threads started later inherit it)."""
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            os.sched_setaffinity(int(tid), {core})
+        except ProcessLookupError:
+            continue  # that thread ended between the listing and the call
+
+
+def process_cores(pid: int) -> list[int]:
+    """The cores any thread of `pid` may run on (to record what the pinning achieved)."""
+    cores: set[int] = set()
+    for tid in os.listdir(f"/proc/{pid}/task"):
+        try:
+            cores |= os.sched_getaffinity(int(tid))
+        except ProcessLookupError:
+            continue
+    return sorted(cores)
+
+
+class PinnedCluster(LocalCluster):
+    """`mode="disagg"`: one prefiller and one decoder; `mode="mixed"`: `len(cores)` single-node
+    engines. Node i runs on `cores[i]`; the router connects to `decoder_addresses` either way."""
+
+    def __init__(self, config: ClusterConfig, mode: Mode, cores: list[int]) -> None:
+        super().__init__(config)
+        available = os.sched_getaffinity(0)
+        if not set(cores) <= available or len(set(cores)) != len(cores):
+            raise ConfigError(f"cores {cores}: need distinct cores among {sorted(available)}")
+        if mode == "disagg" and (len(cores) != 2 or config.num_decoders != 1):
+            raise ConfigError("disagg mode runs one prefiller and one decoder on two cores")
+        self.mode = mode
+        self.cores = cores
+        self.node_cores: dict[str, int] = {}
+        self._next_core = 0
+
+    def __enter__(self) -> PinnedCluster:
+        if self.mode == "disagg":
+            super().__enter__()
+        else:
+            try:
+                names = [f"mixed-{i}" for i in range(len(self.cores))]
+                nodes = [self._spawn(name, ["serve", "mixed"]) for name in names]
+                self.decoder_addresses = [self._wait_ready(name, node)
+                                          for name, node in zip(names, nodes, strict=True)]
+            except BaseException:
+                self.stop()
+                raise
+        # Pin again now that every thread exists: covers any thread that raced the first pin.
+        for process, core in zip(self.processes, self.node_cores.values(), strict=True):
+            pin_process(process.pid, core)
+        return self
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[str]:
+        process = super()._spawn(name, args)
+        core = self.cores[self._next_core]
+        self._next_core += 1
+        # Popen returns once the child has exec'd, before Python has started its threads.
+        pin_process(process.pid, core)
+        self.node_cores[name] = core
+        return process
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End every node. `LocalCluster.stop()` also messages the prefiller and raises
+        ValueError on an empty address, so a mixed cluster (no prefiller) ends its nodes here:
+        a Shutdown each, then signals."""
+        if self.prefiller_address:
+            super().stop(timeout_s)
+            return
+        for address in self.decoder_addresses:
+            try:
+                channel = Channel.connect(address, timeout_s=2.0)
+                channel.send(Shutdown())
+                channel.close()
+            except DisaggError:
+                logger.info("node at %s is gone already", address)
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("killing pid %d", process.pid)
+                process.kill()
+                process.wait()
+
+    def affinity(self) -> dict[str, list[int]]:
+        """Node name -> the cores its threads may use, read back from the kernel."""
+        return {name: process_cores(process.pid)
+                for name, process in zip(self.node_cores, self.processes, strict=True)}
+
+
+def _cpu_jiffies() -> tuple[int, int]:
+    """(all jiffies, busy jiffies) summed over every CPU, from /proc/stat."""
+    with open("/proc/stat") as stat:
+        values = [int(x) for x in stat.readline().split()[1:9]]
+    idle = values[3] + values[4]  # idle + iowait
+    return sum(values), sum(values) - idle
+
+
+def _process_jiffies(pid: int) -> int:
+    """utime + stime of `pid` (all its threads), 0 once it is gone."""
+    try:
+        with open(f"/proc/{pid}/stat") as stat:
+            fields = stat.read().rpartition(")")[2].split()
+    except FileNotFoundError:
+        return 0
+    return int(fields[11]) + int(fields[12])  # fields 14 and 15 of proc(5)
+
+
+def busy_fraction(window_s: float) -> float:
+    """Share of the machine's CPU time that was busy over the next `window_s` seconds."""
+    total0, busy0 = _cpu_jiffies()
+    time.sleep(window_s)
+    total1, busy1 = _cpu_jiffies()
+    return (busy1 - busy0) / max(total1 - total0, 1)
+
+
+@dataclass(frozen=True, slots=True)
+class QuietCheck:
+    """Result of `wait_for_quiet`: whether the machine got quiet, and after how long."""
+
+    quiet: bool
+    waited_s: float
+    busy: float  # busy share of the last window
+
+
+def wait_for_quiet(max_wait_s: float = 60.0, busy_limit: float = 0.10,
+                   window_s: float = 2.0) -> QuietCheck:
+    """Wait until a `window_s` window shows under `busy_limit` of the CPU busy, at most
+    `max_wait_s` (other engineers' jobs share these cores and would skew every latency)."""
+    start = time.monotonic()
+    while True:
+        busy = busy_fraction(window_s)
+        waited = time.monotonic() - start
+        if busy < busy_limit or waited >= max_wait_s:
+            return QuietCheck(busy < busy_limit, waited, busy)
+
+
+class CpuMeter:
+    """CPU used between `__init__` and `read()`: by the whole machine, by `pids`, by others."""
+
+    def __init__(self, pids: list[int]) -> None:
+        self.pids = pids
+        self._total, self._busy = _cpu_jiffies()
+        self._ours = {pid: _process_jiffies(pid) for pid in pids}
+
+    def read(self) -> dict[str, float]:
+        """Shares of all CPU time (1.0 = every core busy the whole time)."""
+        total, busy = _cpu_jiffies()
+        elapsed = max(total - self._total, 1)
+        ours = sum(max(0, _process_jiffies(pid) - start) for pid, start in self._ours.items())
+        busy_share = (busy - self._busy) / elapsed
+        ours_share = ours / elapsed
+        return {"busy": busy_share, "ours": ours_share,
+                "others": max(0.0, busy_share - ours_share)}
