@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import sys
+from dataclasses import replace
 from typing import Annotated
 
 import typer
@@ -197,11 +198,14 @@ def demo(
     decode_dp: Annotated[int, typer.Option(
         help="Data-parallel decoder ranks: that many independent decoder engines, one process "
              "each (overrides --decoders; S9a's DP deployment)")] = 0,
+    deployment: Annotated[str | None, typer.Option(
+        help="A preset of S9 on the toy model: qwen3-coder (TP 4 -> TP 4, HND, 3 decoders) or "
+             "deepseek-r1 (replicated KV, TP 4 prefiller, 3 DP decoders)")] = None,
 ) -> None:
     """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
     from rich.live import Live
 
-    from disagg.cluster import ClusterConfig
+    from disagg.cluster import DEPLOYMENTS, ClusterConfig
     from disagg.demo import load_prompts, run_demo
     from disagg.demo_view import request_table, totals_table
 
@@ -212,6 +216,11 @@ def demo(
                             kv_layout=check_kv_layout(kv_layout), page_size=page_size,
                             num_pages=num_pages, chunk_size=chunk_size, provider=provider,
                             prefill_tp=prefill_tp, decode_tp=decode_tp, replicated_kv=replicated)
+    if deployment is not None:
+        if deployment not in DEPLOYMENTS:
+            raise ConfigError(f"unknown deployment {deployment!r}: expected one of "
+                              f"{sorted(DEPLOYMENTS)}")
+        cluster = replace(cluster, **DEPLOYMENTS[deployment])  # type: ignore[arg-type]
     specs = load_prompts(prompts_file)
     if as_json:
         result = run_demo(cluster, specs, max_tokens, temperature, trace=trace)
@@ -224,6 +233,50 @@ def demo(
     console.print(totals_table(result))
     if trace:
         err_console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
+
+
+@app.command()
+def plan(
+    prefill_tp: Annotated[int, typer.Option(help="Prefiller TP degree")] = 1,
+    decode_tp: Annotated[int, typer.Option(help="Decoder TP degree")] = 1,
+    kv_layout: LayoutOption = "HND",
+    replicated: Annotated[bool, typer.Option(help="Replicated KV on both sides (MLA)")] = False,
+    model: Annotated[str, typer.Option(help="A preset (tiny, small) or smollm2-135m or an "
+                                            "HF checkpoint; its head counts are used")] = "tiny",
+    page_size: PageSizeOption = 16,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the totals")] = 4096,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Writes and bytes per rank pair for one page, and NHD versus HND totals (S6, S7)."""
+    from rich.table import Table
+
+    from disagg.plan_report import plan_report
+    from disagg.tp import Sharding
+    from disagg.weights import model_config
+
+    config = model_config(model)
+    report = plan_report(config, Sharding(prefill_tp, config.num_kv_heads, replicated),
+                         Sharding(decode_tp, config.num_kv_heads, replicated),
+                         check_kv_layout(kv_layout), page_size, 4, prompt_tokens)
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+        return
+    table = Table(title=f"one page of one layer, {kv_layout}: prefill TP {prefill_tp} -> "
+                        f"decode TP {decode_tp} ({config.num_kv_heads} KV heads)")
+    for column in ("src rank", "dst rank", "writes", "bytes"):
+        table.add_column(column, justify="right")
+    for pair in report["pairs"]:
+        table.add_row(str(pair["src_rank"]), str(pair["dst_rank"]), str(pair["writes"]),
+                      str(pair["bytes"]))
+    console.print(table)
+    layouts = Table(title=f"a {prompt_tokens}-token prompt: {report['pages']} pages x "
+                          f"{report['num_layers']} layers")
+    for column in ("layout", "writes per page", "writes per prompt"):
+        layouts.add_column(column, justify="right")
+    for layout, numbers in report["layouts"].items():
+        layouts.add_row(layout, str(numbers["writes_per_page"]),
+                        str(numbers["writes_per_prompt"]))
+    console.print(layouts)
 
 
 def _print_now(text: str) -> None:

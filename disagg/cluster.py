@@ -43,6 +43,18 @@ class ClusterConfig:
     trace_dir: str | None = None  # each node writes <node_id>.json here (a Chrome trace)
 
 
+# The two deployments of S9, scaled to the toy models (the `tiny` preset has 4 KV heads).
+DEPLOYMENTS: dict[str, dict[str, object]] = {
+    # S9b, Qwen3-Coder: GQA, TP on both sides, HND, rank i -> rank i, 3 decoders per prefiller.
+    "qwen3-coder": {"prefill_tp": 4, "decode_tp": 4, "kv_layout": "HND", "num_decoders": 3,
+                    "replicated_kv": False},
+    # S9a, DeepSeek-R1 with DP decoders: the latent cache is the same on every rank, so any
+    # prefiller rank may send (chosen at random per request); each decoder rank is its own engine.
+    "deepseek-r1": {"prefill_tp": 4, "decode_tp": 1, "kv_layout": "HND", "num_decoders": 3,
+                    "replicated_kv": True},
+}
+
+
 class LocalCluster:
     """Context manager: one prefiller and `num_decoders` decoders as child processes."""
 

@@ -60,6 +60,13 @@ def load_model(spec: str) -> LoadedModel:
                          "a Hugging Face Llama checkpoint directory")
 
 
+def model_config(spec: str) -> ModelConfig:
+    """Only the shape of `spec` (cheap for presets; loads the checkpoint otherwise)."""
+    if spec in PRESETS:
+        return ModelConfig.from_name(spec)
+    return load_model(spec).config
+
+
 def init_random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
     """Deterministic random fp32 weights: N(0, 0.02) matrices, RMSNorm weights of one.
 

@@ -63,3 +63,20 @@ def test_malformed_checkpoint_exits_2(tmp_path: Path, capsys: pytest.CaptureFixt
     assert code == 2
     assert "config.json" in err
     assert "Traceback" not in err
+
+
+def test_plan_json_counts_nhd_and_hnd(capsys: pytest.CaptureFixture[str]) -> None:
+    """`disagg plan --json` reports the write counts of both layouts for the pair."""
+    code, out, _ = run_cli(["plan", "--prefill-tp", "1", "--decode-tp", "4", "--model", "tiny",
+                            "--page-size", "4", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0
+    assert report["layouts"]["HND"]["writes_per_page"] == 8  # 4 ranks x (K, V)
+    assert report["layouts"]["NHD"]["writes_per_page"] == 32  # 4 ranks x 2 x 4 tokens
+    assert [p["dst_rank"] for p in report["pairs"]] == [0, 1, 2, 3]
+
+
+def test_unknown_deployment_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """A deployment preset that does not exist is named in the error."""
+    code, _, err = run_cli(["demo", "--model", "tiny", "--deployment", "gpt-5"], capsys)
+    assert code == 2 and "unknown deployment 'gpt-5'" in err
