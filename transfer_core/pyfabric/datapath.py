@@ -53,6 +53,8 @@ class WriteOp:
         dst_idx: Any = None,
         deadline_ns: int = 0,
     ) -> None:
+        if n < 1 or (length == 0 and imm is None):
+            raise ValueError(f"an op needs n >= 1 writes of data or an imm (n={n}, len={length})")
         c = ffi.new("struct fabp_op *")
         c.dest = dest
         c.n = n
