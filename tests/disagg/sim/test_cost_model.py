@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from dataclasses import replace
+
 import pytest
 
 from disagg.sim.cost_model import (
@@ -78,9 +80,10 @@ def test_r1_single_decode_streams_eight_experts_per_layer() -> None:
 def test_mla_cache_is_not_split_by_tp_but_gqa_is() -> None:
     """S9a: every TP rank reads the whole MLA latent cache; GQA ranks read 1/8 each."""
     shape = decode_shape(64, 32_000)
+    bytes_only = replace(H200, bf16_flops=1e30)  # so the attention term is its KV bytes
     for model, ratio in ((R1, 1.0), (QWEN, 8.0)):
-        one = step_cost(model, H200, ONE, shape).terms["attention"]
-        eight = step_cost(model, H200, TP8, shape).terms["attention"]
+        one = step_cost(model, bytes_only, ONE, shape).terms["attention"]
+        eight = step_cost(model, bytes_only, TP8, shape).terms["attention"]
         assert one / eight == pytest.approx(ratio, rel=0.01)
 
 
