@@ -278,6 +278,8 @@ class TransferEngine:
         close threads, registrations and endpoints. Idempotent."""
         if self._closed:
             return
+        if threading.current_thread() in self._threads:
+            raise RuntimeError("TransferEngine.close() called from its own callback thread")
         self._closed = True
         for worker in self._domains:
             worker.stop(drain_s)
