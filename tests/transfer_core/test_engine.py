@@ -160,3 +160,22 @@ def test_close_leaves_no_shm_files() -> None:
         a.register_memory(np.zeros(PAGE, np.uint8))
         assert len({f for f in os.listdir("/dev/shm") if f.startswith(mine)} - before) == 2
     assert {f for f in os.listdir("/dev/shm") if f.startswith(mine)} == before
+
+
+def test_close_from_callback_is_refused(engines: Engines) -> None:
+    """close() inside an engine callback would join its own thread: it raises instead."""
+    a, b = engines
+    _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
+    errors: list[RuntimeError] = []
+    ran = threading.Event()
+
+    def close_inside() -> None:
+        try:
+            a.close()
+        except RuntimeError as exc:
+            errors.append(exc)
+        ran.set()
+
+    a.submit_imm(1, desc, close_inside)
+    _wait(ran)
+    assert "callback thread" in str(errors[0])
