@@ -2,24 +2,44 @@
 
 Sending is thread-safe (a lock per channel); receiving belongs to one reader thread. A broken
 or closed connection is a `PeerClosedError`; a bad frame is a `ProtocolError`, after which the
-stream cannot be trusted and the channel is closed.
+stream cannot be trusted and the channel is closed. With a cluster secret (the environment
+variable DISAGG_CLUSTER_SECRET, or passed in), every frame carries an HMAC-SHA256 tag over its
+header and payload, so a process without the secret can neither make a prefiller write nor a
+decoder accept anything.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
+import os
 import socket
 import threading
+import time
 
 from disagg.errors import PeerClosedError, ProtocolError
 from disagg.messages import HEADER, Message, decode_header, decode_payload, encode
 
 
+SECRET_ENV = "DISAGG_CLUSTER_SECRET"
+TAG_SIZE = 32
+
+
+def cluster_secret() -> bytes | None:
+    """The shared cluster secret from the environment, if any."""
+    value = os.environ.get(SECRET_ENV)
+    return value.encode() if value else None
+
+
 class Channel:
     """One end of a control connection."""
 
-    def __init__(self, sock: socket.socket, peer: str = "peer") -> None:
+    def __init__(self, sock: socket.socket, peer: str = "peer",
+                 secret: bytes | None = None) -> None:
         self.sock = sock
         self.peer = peer
+        self.secret = cluster_secret() if secret is None else (secret or None)
+        self.last_received = time.monotonic()  # for liveness checks
         self._send_lock = threading.Lock()
         self._closed = False
         if sock.family in (socket.AF_INET, socket.AF_INET6):
@@ -27,7 +47,7 @@ class Channel:
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
 
     @staticmethod
-    def connect(address: str, timeout_s: float = 10.0) -> Channel:
+    def connect(address: str, timeout_s: float = 10.0, secret: bytes | None = None) -> Channel:
         """Connect to `host:port`."""
         host, port = parse_address(address)
         try:
@@ -35,11 +55,13 @@ class Channel:
         except OSError as error:
             raise PeerClosedError(f"cannot connect to {address}: {error}") from None
         sock.settimeout(None)
-        return Channel(sock, address)
+        return Channel(sock, address, secret)
 
     def send(self, message: Message) -> None:
         """Send one message; raises `PeerClosedError` if the connection is gone."""
         frame = encode(message)
+        if self.secret is not None:
+            frame += hmac.new(self.secret, frame, hashlib.sha256).digest()
         with self._send_lock:
             if self._closed:
                 raise PeerClosedError(f"channel to {self.peer} is closed")
@@ -53,6 +75,13 @@ class Channel:
         header = self._read_exactly(HEADER.size)
         cls, length = decode_header(header)
         body = self._read_exactly(length)
+        if self.secret is not None:
+            tag = self._read_exactly(TAG_SIZE)
+            expected = hmac.new(self.secret, header + body, hashlib.sha256).digest()
+            if not hmac.compare_digest(tag, expected):
+                raise ProtocolError(f"{self.peer}: bad authentication tag on "
+                                    f"{cls.__name__} (wrong or missing cluster secret)")
+        self.last_received = time.monotonic()
         return decode_payload(cls, body)
 
     def close(self) -> None:

@@ -87,11 +87,18 @@ class KVRequest(Message):
 
 @dataclass(frozen=True, slots=True)
 class KVFailed(Message):
-    """Prefiller -> decoder: this request's KV will not arrive."""
+    """Prefiller -> decoder: this request's KV will not (all) arrive.
+
+    Sent only once the prefiller has no write of the request in flight. `writes_posted` is how
+    many of its writes completed at the sender: once the decoder has counted that many arrivals,
+    no write of the request can still land, and its pages may be reused (the counted fence).
+    -1 means the prefiller does not know the request.
+    """
 
     TYPE: ClassVar[int] = 5
     request_id: str
     reason: str
+    writes_posted: int = -1
 
 
 @dataclass(frozen=True, slots=True)
@@ -100,6 +107,13 @@ class Cancel(Message):
 
     TYPE: ClassVar[int] = 6
     request_id: str
+
+
+@dataclass(frozen=True, slots=True)
+class Heartbeat(Message):
+    """Either direction, every second or so: "I am alive" (peer liveness, issue 8)."""
+
+    TYPE: ClassVar[int] = 7
 
 
 # Router <-> decoder.
@@ -134,6 +148,14 @@ class RequestEvent(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Abort(Message):
+    """Router -> decoder: the client gave up on this request."""
+
+    TYPE: ClassVar[int] = 13
+    request_id: str
+
+
+@dataclass(frozen=True, slots=True)
 class Shutdown(Message):
     """Ask a node to finish and exit."""
 
@@ -141,8 +163,8 @@ class Shutdown(Message):
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, HelloAck, Reject, KVRequest, KVFailed, Cancel, Submit,
-                              RequestEvent, Shutdown)
+    cls.TYPE: cls for cls in (Hello, HelloAck, Reject, KVRequest, KVFailed, Cancel, Heartbeat,
+                              Submit, RequestEvent, Abort, Shutdown)
 }
 _JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str, "bool": bool,
                "list[int]": list, "list[bytes]": list}
