@@ -22,6 +22,7 @@ from disagg.config import (
     check_kv_layout,
 )
 from disagg.errors import ConfigError, DisaggError, RequestError
+from disagg.figures import register as register_figures
 from disagg.sim.commands import register as register_sim_commands
 
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
@@ -32,6 +33,7 @@ serve_app = typer.Typer(help="Run one node of a disaggregated deployment.",
 app.add_typer(bench_app, name="bench")
 register_sim_commands(app)
 app.add_typer(serve_app, name="serve")
+register_figures(app)
 console = Console()
 err_console = Console(stderr=True)
 
@@ -108,11 +110,18 @@ TraceOption = Annotated[str | None, typer.Option(
 TpOption = Annotated[int, typer.Option(help="Tensor-parallel degree: KV sharded by head (S6)")]
 ReplicatedOption = Annotated[bool, typer.Option(
     help="Every TP rank holds the whole KV cache (MLA-style latent cache, S9a)")]
+FaultsOption = Annotated[str | None, typer.Option(
+    hidden=True, help="Test only: inject fabric faults, e.g. seed=1,drop_imm=0.01")]
+KVTimeoutOption = Annotated[float, typer.Option(
+    help="Decoder: seconds a request may wait for its KV before it is cancelled and retried")]
+LeaseOption = Annotated[float, typer.Option(
+    help="Prefiller: seconds after which a transfer is stopped and its pages freed")]
 
 
 def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chunk_size: int,
                  provider: str, threads: int, mode: str, tp: int = 1,
-                 replicated_kv: bool = False) -> object:
+                 replicated_kv: bool = False, faults: str | None = None,
+                 kv_timeout: float = 120.0, lease: float = 300.0) -> object:
     from disagg.node_setup import NodeConfig
 
     return NodeConfig(model, CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -120,7 +129,8 @@ def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chu
                       SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=chunk_size,
                                       mode=mode),  # type: ignore[arg-type]
                       ParallelConfig(tp, replicated_kv), provider=provider,
-                      threads=threads or None)
+                      threads=threads or None, faults=faults, kv_timeout_s=kv_timeout,
+                      lease_s=lease)
 
 
 @serve_app.command("prefill")
@@ -132,12 +142,14 @@ def serve_prefill(
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
     provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
+    faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
+    lease: LeaseOption = 300.0,
 ) -> None:
     """Run a prefiller: prefill requests from decoders and stream their KV back."""
     from disagg.serve import serve_prefill as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "prefill_only", tp, replicated_kv), listen, node_id, trace)  # type: ignore[arg-type]
+                     "prefill_only", tp, replicated_kv, faults, kv_timeout, lease), listen, node_id, trace)  # type: ignore[arg-type]
 
 
 @serve_app.command("decode")
@@ -150,12 +162,14 @@ def serve_decode(
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
     provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
+    faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
+    lease: LeaseOption = 300.0,
 ) -> None:
     """Run a decoder: take requests, get their KV from prefillers, decode them."""
     from disagg.serve import serve_decode as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "mixed", tp, replicated_kv), listen, prefiller, node_id, trace)  # type: ignore[arg-type]
+                     "mixed", tp, replicated_kv, faults, kv_timeout, lease), listen, prefiller, node_id, trace)  # type: ignore[arg-type]
 
 
 @serve_app.command("mixed")
@@ -167,12 +181,14 @@ def serve_mixed(
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
     provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
+    faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
+    lease: LeaseOption = 300.0,
 ) -> None:
     """Run a single-node engine (prefill and decode mixed, S1) behind the router protocol."""
     from disagg.serve import serve_decode as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "mixed", tp, replicated_kv), listen, [], node_id, trace)  # type: ignore[arg-type]
+                     "mixed", tp, replicated_kv, faults, kv_timeout, lease), listen, [], node_id, trace)  # type: ignore[arg-type]
 
 
 @app.command()

@@ -7,6 +7,11 @@ them. Until the counter fires the request stays out of the decode schedule. When
 messenger unpins the pages, frees the transfer context and hands the request to the engine
 with every prompt token but the last already computed; the engine's next step runs the last
 prompt token as an ordinary decode step (S8). No message says "done": the writes' immediates do.
+
+Failures (issue 8): a request whose KV misses its deadline is cancelled at the prefiller and
+retried once; a client abort cancels it; a dead prefiller's requests are retried elsewhere or
+failed. Abandoned pages go to the `PageQuarantine` until no write can still land in them.
+Every request leaves through exactly one of: released to the engine, retried, failed, aborted.
 """
 
 from __future__ import annotations
@@ -14,7 +19,6 @@ from __future__ import annotations
 import itertools
 import logging
 import queue
-import threading
 import time
 from collections import deque
 from dataclasses import dataclass
@@ -23,7 +27,8 @@ from disagg.channel import Channel
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError
 from disagg.handoff import allocate_context_buffer, context_slot_nbytes, unpack_context
-from disagg.messages import Hello, HelloAck, KVRequest
+from disagg.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest
+from disagg.quarantine import PageQuarantine
 from disagg.request import Request, RequestStatus
 from disagg.tp import Sharding
 from disagg.transfer_plan import PageGeometry, expected_write_count, num_pages, writes_per_page
@@ -42,6 +47,31 @@ class PendingKV:
     expected_writes: int
     prefiller: int  # index into the messenger's prefiller list
     started_at: float = 0.0  # time.monotonic() when the prefiller was asked
+    deadline: float = float("inf")  # time.monotonic() by which the KV must have arrived
+    cancel: tuple[str, str] | None = None  # (then, reason) once a Cancel was sent
+    cancel_deadline: float = float("inf")  # by when the prefiller must have answered it
+
+
+@dataclass(frozen=True, slots=True)
+class ReliabilityConfig:
+    """Deadlines and retry policy of the decoder side."""
+
+    kv_timeout_s: float = 120.0  # from asking a prefiller to the counter firing
+    quarantine_timeout_s: float = 10.0  # longest wait for a fence or a cancel answer
+    death_grace_s: float = 1.0  # pages of a dead prefiller's requests are held this long
+    max_attempts: int = 2  # a timed-out or orphaned request is retried this many times in all
+    retry_on_prefiller_failure: bool = True
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to a request this poll: released (with its receipt), retried, failed or
+    aborted."""
+
+    request: Request
+    kind: str  # "released", "retry", "failed", "aborted"
+    detail: str = ""
+    receipt: KVReceipt | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -57,8 +87,12 @@ class DecodeMessenger:
     """Gets KV for new requests from prefillers and releases them to the engine."""
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine, node_id: str,
-                 model_fingerprint: str, num_context_slots: int = 16) -> None:
+                 model_fingerprint: str, num_context_slots: int = 16,
+                 reliability: ReliabilityConfig | None = None) -> None:
         self.engine = engine
+        self.reliability = reliability or ReliabilityConfig()
+        self.quarantine = PageQuarantine(transfer, engine.allocator,
+                                         self.reliability.quarantine_timeout_s)
         self.transfer = transfer
         self.node_id = node_id
         self.model_fingerprint = model_fingerprint
@@ -74,12 +108,13 @@ class DecodeMessenger:
         self._free_slots = list(range(num_context_slots))
         self._imms = itertools.count(1)
         self.prefillers: list[Channel] = []
+        self.alive: list[bool] = []
         self._page_writes: list[int] = []  # writes per page per layer, per prefiller
         self._load: list[int] = []  # requests in flight per prefiller
         self.waiting: deque[Request] = deque()  # no pages (or no context slot) yet
         self.pending: dict[str, PendingKV] = {}
         self._ready: queue.SimpleQueue[str] = queue.SimpleQueue()
-        self._lock = threading.Lock()
+        self._outcomes: list[Outcome] = []  # decided outside poll(), reported by the next one
 
     def hello(self) -> Hello:
         """This decoder's handshake: model, cache geometry, fabric address, descriptors."""
@@ -104,6 +139,7 @@ class DecodeMessenger:
         # The prefiller plans with the same function: both sides agree on the count (S6b).
         self._page_writes.append(writes_per_page(theirs, cache.sharding, geometry))
         self.prefillers.append(channel)
+        self.alive.append(True)
         self._load.append(0)
         return len(self.prefillers) - 1
 
@@ -138,13 +174,18 @@ class DecodeMessenger:
 
     def _request_kv(self, request: Request) -> None:
         config, page_size = self.engine.model.config, self.engine.kv_cache.page_size
+        live = [i for i, alive in enumerate(self.alive) if alive]
+        if not live:
+            self._outcomes.append(self._drop(request, "failed", "no prefiller is alive"))
+            return
         imm = next(self._imms) % 2**32
         slot = self._free_slots.pop()
-        index = min(range(len(self.prefillers)), key=self._load.__getitem__)
+        index = min(live, key=self._load.__getitem__)
         expected = expected_write_count(request.num_prompt_tokens, page_size, config.num_layers,
                                         self._page_writes[index])
-        self.pending[request.request_id] = PendingKV(request, imm, slot, expected, index,
-                                                     time.monotonic())
+        now = time.monotonic()
+        self.pending[request.request_id] = PendingKV(
+            request, imm, slot, expected, index, now, now + self.reliability.kv_timeout_s)
         self._load[index] += 1
         # Arm the counter before asking: writes may land before this line would otherwise run.
         self.transfer.expect_imm_count(imm, expected, lambda: self._ready.put(request.request_id))
@@ -152,27 +193,120 @@ class DecodeMessenger:
                             request.page_ids, slot)
         try:
             self.prefillers[index].send(message)
-        except PeerClosedError as error:
-            self.fail(request.request_id, f"prefiller unreachable: {error}")
+        except PeerClosedError:
+            self.prefiller_gone(index, "unreachable")
 
-    def poll(self) -> list[tuple[Request, KVReceipt]]:
-        """Hand every request whose counter fired to the engine (S2c); returns them with what
-        their KV took."""
-        released = []
+    def poll(self) -> list[Outcome]:
+        """Release requests whose counter fired to the engine (S2c), enforce deadlines, free
+        quarantined pages and retry or end their requests. Returns what happened."""
+        outcomes, self._outcomes = self._outcomes, []
         while True:
             try:
                 request_id = self._ready.get_nowait()
             except queue.Empty:
                 break
-            pending = self.pending.pop(request_id, None)
-            if pending is None:
-                continue  # failed or cancelled meanwhile
-            self._load[pending.prefiller] -= 1
-            self._free_slots.append(pending.context_slot)
+            pending = self.pending.get(request_id)
+            if pending is None or pending.cancel is not None:
+                continue  # abandoned meanwhile: the quarantine fence takes it from here
+            self._forget(pending)
             self._release(pending.request)
-            released.append((pending.request, self._receipt(pending)))
+            outcomes.append(Outcome(pending.request, "released", receipt=self._receipt(pending)))
+        self._check_deadlines()
+        for entry in self.quarantine.release_due():
+            outcomes.append(self._after_quarantine(entry.request, entry.then, entry.reason))
+        outcomes += self._outcomes
+        self._outcomes = []
         self._start_waiting()
-        return released
+        return outcomes
+
+    def _check_deadlines(self) -> None:
+        now = time.monotonic()
+        for pending in list(self.pending.values()):
+            if pending.cancel is None and now >= pending.deadline:
+                retry = pending.request.kv_attempts < self.reliability.max_attempts
+                self._cancel(pending, "retry" if retry else "fail",
+                             f"KV did not arrive within {self.reliability.kv_timeout_s:g} s")
+            elif pending.cancel is not None and now >= pending.cancel_deadline:
+                # The prefiller never answered the cancel: hold the pages for a last grace.
+                self._quarantine(pending, None, *pending.cancel,
+                                 grace_s=self.reliability.quarantine_timeout_s)
+
+    def _cancel(self, pending: PendingKV, then: str, reason: str) -> None:
+        """Ask the prefiller to stop; its KVFailed answer carries the fence."""
+        pending.cancel = (then, reason)
+        pending.cancel_deadline = time.monotonic() + self.reliability.quarantine_timeout_s
+        try:
+            self.prefillers[pending.prefiller].send(Cancel(pending.request.request_id))
+        except PeerClosedError:
+            self.prefiller_gone(pending.prefiller, "unreachable")
+
+    def on_kv_failed(self, message: KVFailed) -> None:
+        """The prefiller gave up on (or was told to drop) a request; nothing of it is in flight
+        there, and `writes_posted` of its writes were sent: that count is the fence."""
+        pending = self.pending.get(message.request_id)
+        if pending is None:
+            return  # already handled (e.g. the counter fired first)
+        then, reason = pending.cancel or ("fail", f"prefiller: {message.reason}")
+        posted = message.writes_posted if message.writes_posted >= 0 else None
+        self._quarantine(pending, posted, then, reason,
+                         grace_s=self.reliability.quarantine_timeout_s)
+
+    def prefiller_gone(self, index: int, reason: str) -> None:
+        """A prefiller died or stopped answering: hold its requests' pages for a grace period,
+        then retry them on another prefiller or fail them."""
+        if not self.alive[index]:
+            return
+        self.alive[index] = False
+        logger.error("prefiller %d is gone (%s)", index, reason)
+        for pending in [p for p in self.pending.values() if p.prefiller == index]:
+            retry = (self.reliability.retry_on_prefiller_failure and any(self.alive)
+                     and pending.request.kv_attempts < self.reliability.max_attempts)
+            then, why = pending.cancel or ("retry" if retry else "fail",
+                                           f"prefiller died: {reason}")
+            if then == "retry" and not any(self.alive):
+                then = "fail"
+            self._quarantine(pending, None, then, why, grace_s=self.reliability.death_grace_s)
+
+    def abort(self, request_id: str) -> bool:
+        """A client abort of a request still waiting for KV; False if it is not here."""
+        for request in self.waiting:
+            if request.request_id == request_id:
+                self.waiting.remove(request)
+                self._outcomes.append(self._drop(request, "aborted", "aborted by the client"))
+                return True
+        pending = self.pending.get(request_id)
+        if pending is None:
+            return False
+        if pending.cancel is None:
+            self._cancel(pending, "abort", "aborted by the client")
+        else:
+            pending.cancel = ("abort", "aborted by the client")
+        return True
+
+    def _quarantine(self, pending: PendingKV, writes_posted: int | None, then: str,
+                    reason: str, grace_s: float) -> None:
+        self._forget(pending)
+        self.quarantine.hold(pending.request, pending.imm, writes_posted, then, reason, grace_s)
+
+    def _forget(self, pending: PendingKV) -> None:
+        del self.pending[pending.request.request_id]
+        self._load[pending.prefiller] -= 1
+        self._free_slots.append(pending.context_slot)
+
+    def _after_quarantine(self, request: Request, then: str, reason: str) -> Outcome:
+        if then == "retry":
+            logger.warning("retrying %s: %s", request.request_id, reason)
+            request.kv_attempts += 1
+            self.waiting.appendleft(request)
+            return Outcome(request, "retry", reason)
+        return self._drop(request, "aborted" if then == "abort" else "failed", reason)
+
+    def _drop(self, request: Request, kind: str, reason: str) -> Outcome:
+        request.status = (RequestStatus.FINISHED_ABORTED if kind == "aborted"
+                          else RequestStatus.FINISHED_FAILED)
+        if kind == "failed":
+            logger.warning("request %s failed: %s", request.request_id, reason)
+        return Outcome(request, kind, reason)
 
     def _receipt(self, pending: PendingKV) -> KVReceipt:
         cache, model = self.engine.kv_cache, self.engine.model.config
@@ -187,23 +321,6 @@ class DecodeMessenger:
         request.num_computed_tokens = request.num_prompt_tokens - 1
         self.engine.scheduler.add_prefilled(request)
 
-    def fail(self, request_id: str, reason: str) -> Request | None:
-        """The prefiller could not serve `request_id` (it has no write in flight for it)."""
-        pending = self.pending.pop(request_id, None)
-        if pending is None:
-            return None
-        self.transfer.remove_imm_count(pending.imm)
-        self._load[pending.prefiller] -= 1
-        self._free_slots.append(pending.context_slot)
-        request = pending.request
-        self.engine.allocator.unpin(request.page_ids)
-        self.engine.allocator.free(request.page_ids)
-        request.page_ids = []
-        request.status = RequestStatus.FINISHED_FAILED
-        logger.warning("request %s failed: %s", request_id, reason)
-        self._start_waiting()
-        return request
-
     def context_of(self, request_id: str) -> tuple | None:
         """The shipped (hidden state, logits) of a pending request, for tests and S4a users."""
         pending = self.pending.get(request_id)
@@ -217,6 +334,10 @@ class DecodeMessenger:
         if pending is None:
             return 0, 0
         return self.transfer.imm_counted(pending.imm), pending.expected_writes
+
+    def idle(self) -> bool:
+        """Nothing waiting, in flight or quarantined."""
+        return not (self.waiting or self.pending or len(self.quarantine) or self._outcomes)
 
     def close(self) -> None:
         """Unregister memory (after the transfer engine drained)."""

@@ -17,16 +17,27 @@ import time
 from typing import Any
 
 from disagg.channel import Channel, listen
-from disagg.decode_messenger import DecodeMessenger
+from disagg.decode_messenger import DecodeMessenger, Outcome, ReliabilityConfig
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
-from disagg.messages import HelloAck, KVFailed, Reject, RequestEvent, Shutdown, Submit
+from disagg.messages import (
+    Abort,
+    Heartbeat,
+    HelloAck,
+    KVFailed,
+    Reject,
+    RequestEvent,
+    Shutdown,
+    Submit,
+)
 from disagg.request import Request, SamplingParams
 from disagg.trace import Tracer
 from transfer_core.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.05
+HEARTBEAT_INTERVAL_S = 1.0
+PEER_TIMEOUT_S = 5.0  # a peer silent this long is declared dead
 
 
 class DecodeNode:
@@ -34,15 +45,18 @@ class DecodeNode:
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
                  prefillers: list[str], listen_address: str = "127.0.0.1:0",
-                 node_id: str = "decode-0", tracer: Tracer | None = None) -> None:
+                 node_id: str = "decode-0", tracer: Tracer | None = None,
+                 reliability: ReliabilityConfig | None = None) -> None:
         self.engine = engine
         self.tracer = tracer or Tracer()
         self.transfer = transfer
         self.node_id = node_id
-        self.messenger = DecodeMessenger(engine, transfer, node_id, fingerprint)
+        self.messenger = DecodeMessenger(engine, transfer, node_id, fingerprint,
+                                         reliability=reliability)
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
         self.shutdown_requested = False
+        self._last_heartbeat = 0.0
         self._channels: list[Channel] = []
         self._clients: dict[str, Channel] = {}  # request id -> the router that sent it
         self._last_progress = 0.0
@@ -77,6 +91,8 @@ class DecodeNode:
                 return
             if isinstance(message, KVFailed):
                 self.inbox.put(("KVFailed", message))
+            elif isinstance(message, Heartbeat):
+                continue  # recv() already noted that the prefiller is alive
             elif isinstance(message, Reject):
                 logger.warning("prefiller %s rejected a message: %s", channel.peer,
                                message.reason)
@@ -101,7 +117,7 @@ class DecodeNode:
                 return
             except PeerClosedError:
                 return
-            if isinstance(message, Submit | Shutdown):
+            if isinstance(message, Submit | Abort | Shutdown):
                 self.inbox.put((type(message).__name__, (channel, message)))
             else:
                 self._send(channel, Reject(f"unexpected {type(message).__name__}"))
@@ -109,17 +125,48 @@ class DecodeNode:
     def run(self) -> None:
         """The engine loop, until `stop()` or a Shutdown message."""
         while not self._stop.is_set():
-            idle = not self.engine.has_unfinished() and not self.messenger.pending
-            self._drain_inbox(block=idle and not self.messenger.waiting)
-            for request, receipt in self.messenger.poll():
-                now = time.time()
-                self.tracer.complete("kv_wait", now - receipt.wait_ms / 1e3, now,
-                                     request_id=request.request_id)
-                self._report(request, "decoding", kv_writes=receipt.writes,
-                             kv_bytes=receipt.nbytes, kv_wait_ms=receipt.wait_ms)
+            idle = not self.engine.has_unfinished() and self.messenger.idle()
+            self._drain_inbox(block=idle)
+            for outcome in self.messenger.poll():
+                self._report_outcome(outcome)
             if self.engine.has_unfinished():
                 self._step()
             self._report_progress()
+            self._keep_alive()
+
+    def _report_outcome(self, outcome: Outcome) -> None:
+        request = outcome.request
+        if outcome.kind == "released":
+            receipt = outcome.receipt
+            assert receipt is not None
+            now = time.time()
+            self.tracer.complete("kv_wait", now - receipt.wait_ms / 1e3, now,
+                                 request_id=request.request_id)
+            self._report(request, "decoding", kv_writes=receipt.writes,
+                         kv_bytes=receipt.nbytes, kv_wait_ms=receipt.wait_ms)
+        elif outcome.kind == "retry":
+            self._report(request, "waiting_for_kv", detail=f"retrying: {outcome.detail}")
+        else:
+            state = "finished_aborted" if outcome.kind == "aborted" else "failed"
+            self._report(request, state, detail=outcome.detail)
+
+    def _keep_alive(self) -> None:
+        """Heartbeat every prefiller; declare one gone when it has been silent too long."""
+        now = time.monotonic()
+        if now - self._last_heartbeat < HEARTBEAT_INTERVAL_S:
+            return
+        self._last_heartbeat = now
+        for index, channel in enumerate(self.messenger.prefillers):
+            if not self.messenger.alive[index]:
+                continue
+            if now - channel.last_received > PEER_TIMEOUT_S:
+                channel.close()  # its reader thread then reports it gone
+                self.messenger.prefiller_gone(index, f"silent for {PEER_TIMEOUT_S:g} s")
+                continue
+            try:
+                channel.send(Heartbeat())
+            except PeerClosedError:
+                self.messenger.prefiller_gone(index, "connection lost")
 
     def _step(self) -> None:
         start, num_steps = time.time(), self.engine.num_steps
@@ -141,14 +188,22 @@ class DecodeNode:
             if kind == "Submit":
                 self._submit(*item)
             elif kind == "KVFailed":
-                request = self.messenger.fail(item.request_id, item.reason)
-                if request is not None:
-                    self._report(request, "failed", detail=item.reason)
+                self.messenger.on_kv_failed(item)
             elif kind == "prefiller_gone":
-                logger.error("prefiller %d gone: %s", *item)
+                self.messenger.prefiller_gone(*item)
+            elif kind == "Abort":
+                self._abort(item[1].request_id)
             elif kind == "Shutdown":
                 self.shutdown_requested = True
                 self._stop.set()
+
+    def _abort(self, request_id: str) -> None:
+        """A client abort: cancel the KV transfer, or stop decoding, whichever applies."""
+        if self.messenger.abort(request_id):
+            return  # reported once its pages are safe (poll -> outcome)
+        request = self.engine.scheduler.abort_request(request_id)
+        if request is not None:
+            self._report(request, "finished_aborted", detail="aborted by the client")
 
     def _submit(self, channel: Channel, message: Submit) -> None:
         params = SamplingParams(max_tokens=message.max_tokens, temperature=message.temperature,
@@ -193,7 +248,7 @@ class DecodeNode:
     def check_clean(self) -> None:
         """Assert nothing is left behind: no request, transfer context, page or counter."""
         assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"
-        assert not self.messenger.pending and not self.messenger.waiting, "KV still awaited"
+        assert self.messenger.idle(), "KV still awaited or pages still quarantined"
         assert not self.transfer.pending_imm_counts(), "immediate counters still armed"
         self.engine.allocator.check_invariants(expect_all_free=True)
 

@@ -14,6 +14,7 @@ from disagg.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerCo
 from disagg.engine import LLMEngine, build_engine
 from disagg.weights import LoadedModel, load_model
 from transfer_core.engine import TransferEngine
+from transfer_core.faults import FaultPlan, FaultyTransferEngine
 
 
 @dataclass(frozen=True, slots=True)
@@ -27,6 +28,9 @@ class NodeConfig:
     provider: str = "tcp"  # an alias (tcp, shm, efa, verbs) or a libfabric provider name
     fabric_node: str | None = "127.0.0.1"  # interface address for the fabric endpoints
     threads: int | None = None  # torch intra-op threads for this node
+    faults: str | None = None  # a FaultPlan spec: test-only fault injection (issue 8)
+    kv_timeout_s: float = 120.0  # decoder: deadline for a request's KV to arrive
+    lease_s: float = 300.0  # prefiller: a transfer older than this is stopped
 
 
 def model_fingerprint(loaded: LoadedModel) -> str:
@@ -50,5 +54,9 @@ def build_node(config: NodeConfig) -> tuple[LLMEngine, TransferEngine, str, Load
     loaded = load_model(config.model)
     engine = build_engine(EngineConfig(loaded.config, config.cache, config.scheduler,
                                        config.parallel), loaded.state_dict)
-    transfer = TransferEngine(config.provider, node=config.fabric_node)
+    if config.faults:
+        transfer: TransferEngine = FaultyTransferEngine(
+            config.provider, node=config.fabric_node, faults=FaultPlan.parse(config.faults))
+    else:
+        transfer = TransferEngine(config.provider, node=config.fabric_node)
     return engine, transfer, model_fingerprint(loaded), loaded

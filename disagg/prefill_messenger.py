@@ -18,7 +18,7 @@ import queue
 import random
 import threading
 import time
-from collections import deque
+from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
 from disagg.batch import Batch
@@ -79,6 +79,8 @@ class Transfer:
     pending_writes: int = 0
     all_submitted: bool = False
     error: str | None = None
+    writes_ok: int = 0  # writes completed at the sender (the fence a decoder waits for)
+    writes_unknown: bool = False  # a failed call may have placed some of its writes
     layer_post_times: list[tuple[int, float]] = field(default_factory=list)
     # Wall-clock milestones (time.time()) for traces: the TTFT split of S1.
     received_at: float = 0.0
@@ -101,8 +103,9 @@ class PrefillMessenger:
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine,
                  num_context_slots: int = 16, wait_timeout_s: float = 60.0,
-                 tracer: Tracer | None = None) -> None:
+                 tracer: Tracer | None = None, lease_s: float = 300.0) -> None:
         self.engine = engine
+        self.lease_s = lease_s  # a transfer older than this is stopped (issue 8)
         self.tracer = tracer or Tracer()
         self.transfer = transfer
         self.kv_cache = engine.kv_cache
@@ -125,7 +128,10 @@ class PrefillMessenger:
         self._handled_value = 0  # counter value whose writes have all been posted
         self._finished: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
         self.recent: deque[Transfer] = deque(maxlen=64)  # ended transfers, for tests and tools
-        self.stats = {"pages": 0, "writes": 0, "bytes": 0, "requests": 0}
+        self.stats = {"pages": 0, "writes": 0, "bytes": 0, "requests": 0, "failed": 0,
+                      "expired_leases": 0}
+        # Writes completed by recently finished transfers: the answer to a late Cancel.
+        self._finished_writes: OrderedDict[str, int] = OrderedDict()
         # The model bumps this after each layer; the poller thread turns bumps into writes.
         self.counter = LayerCounter()
         engine.model.layer_counter = self.counter
@@ -201,18 +207,40 @@ class PrefillMessenger:
                                         self._plan(peer), received_at=time.time())
 
     def fail_peer(self, peer: DecoderPeer, reason: str) -> None:
-        """The decoder is gone: nothing more is written to it; its requests end as failed."""
-        with self._lock:
-            for transfer in self._transfers.values():
-                if transfer.peer is peer and transfer.error is None:
-                    transfer.error = reason
+        """The decoder is gone: nothing more is written to it; its requests end as failed
+        once no write reads their pages any more."""
+        for transfer in [t for t in self._transfers.values() if t.peer is peer]:
+            self._stop(transfer, reason)
 
     def cancel(self, peer: DecoderPeer, request_id: str) -> None:
-        """The decoder dropped `request_id`: write nothing more; it ends as failed."""
-        transfer = self._transfers.get(f"{peer.peer_id}/{request_id}")
+        """The decoder dropped `request_id`: write nothing more. It is answered with KVFailed
+        carrying the writes posted, now or once the writes in flight have completed."""
+        key = f"{peer.peer_id}/{request_id}"
+        transfer = self._transfers.get(key)
         if transfer is not None:
-            with self._lock:
-                transfer.error = transfer.error or "cancelled by the decoder"
+            self._stop(transfer, "cancelled by the decoder")
+            return
+        # Finished already (its counter should have fired: a lost immediate?) or unknown.
+        self._tell(peer, KVFailed(request_id, "not in flight at the prefiller",
+                                  self._finished_writes.get(key, -1)))
+
+    def expire_leases(self) -> None:
+        """Stop transfers older than their lease: the decoder has given up on them by now."""
+        now = time.time()
+        for transfer in list(self._transfers.values()):
+            if transfer.error is None and now - transfer.received_at > self.lease_s:
+                self.stats["expired_leases"] += 1
+                self._stop(transfer, f"lease of {self.lease_s:g} s expired")
+
+    def _stop(self, transfer: Transfer, reason: str) -> None:
+        """Engine thread, between forwards: post nothing more for `transfer`; it ends when its
+        last write in flight completes (its pages are read until then)."""
+        self.engine.scheduler.detach(transfer.key)
+        with self._lock:
+            transfer.error = transfer.error or reason
+            transfer.all_submitted = True
+            if transfer.pending_writes == 0:
+                self._finished.put(transfer)
 
     def has_work(self) -> bool:
         """Whether any request is still being prefilled or transferred."""
@@ -225,7 +253,7 @@ class PrefillMessenger:
         plan = []
         for chunk in batch.chunks:
             transfer = self._transfers.get(chunk.request.request_id)
-            if transfer is None:
+            if transfer is None or transfer.error is not None:
                 continue
             request = chunk.request
             transfer.first_scheduled_at = transfer.first_scheduled_at or time.time()
@@ -275,7 +303,7 @@ class PrefillMessenger:
                     src_page_nbytes, layer * src_layer_nbytes + plan.src_offset,
                     peer.kv[plan.dst_rank], write.dst_page_ids, peer.page_nbytes,
                     layer * peer.layer_nbytes + plan.dst_offset, transfer.imm,
-                    on_done=lambda: self._write_done(transfer, None),
+                    on_done=lambda n=num_pages: self._write_done(transfer, None, n),
                     on_error=lambda error: self._write_done(transfer, error))
             except (TransferError, ValueError) as error:
                 self._write_done(transfer, error)
@@ -314,7 +342,7 @@ class PrefillMessenger:
 
         def done(error: TransferError | None) -> None:
             self._free_slots.put(slot)
-            self._write_done(transfer, error)
+            self._write_done(transfer, error, 1)
 
         try:
             self.transfer.submit_write(
@@ -332,13 +360,18 @@ class PrefillMessenger:
             self.stats["writes"] += writes
             self.stats["bytes"] += nbytes
 
-    def _write_done(self, transfer: Transfer, error: BaseException | None) -> None:
-        """Transfer-engine thread: count a finished write; the last one finishes the request."""
+    def _write_done(self, transfer: Transfer, error: BaseException | None,
+                    writes: int = 0) -> None:
+        """Transfer-engine thread: count a finished write call (`writes` writes when it
+        succeeded); the last one finishes the request."""
         with self._lock:
             transfer.pending_writes -= 1
             transfer.done_at = time.time()
-            if error is not None and transfer.error is None:
-                transfer.error = f"write failed: {error}"
+            if error is None:
+                transfer.writes_ok += writes
+            else:
+                transfer.writes_unknown = True
+                transfer.error = transfer.error or f"write failed: {error}"
             if transfer.pending_writes == 0 and transfer.all_submitted:
                 self._finished.put(transfer)
 
@@ -357,14 +390,19 @@ class PrefillMessenger:
             self.engine.allocator.free(request.page_ids)
             request.page_ids = []
             del self._transfers[transfer.key]
+            self._finished_writes[transfer.key] = transfer.writes_ok
+            while len(self._finished_writes) > 4096:
+                self._finished_writes.popitem(last=False)
             self.stats["requests"] += 1
             self._trace(transfer)
             if transfer.error is None:
                 request.status = RequestStatus.FINISHED_TRANSFERRED
             else:
                 request.status = RequestStatus.FINISHED_FAILED
+                self.stats["failed"] += 1
                 logger.warning("request %s failed: %s", transfer.key, transfer.error)
-                self._tell(transfer.peer, KVFailed(transfer.request_id, transfer.error))
+                posted = -1 if transfer.writes_unknown else transfer.writes_ok
+                self._tell(transfer.peer, KVFailed(transfer.request_id, transfer.error, posted))
             ended.append(transfer)
             self.recent.append(transfer)
         return ended

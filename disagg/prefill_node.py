@@ -18,13 +18,24 @@ from disagg.channel import Channel, listen
 from disagg.engine import LLMEngine
 from disagg.handoff import context_slot_nbytes
 from disagg.errors import PeerClosedError, ProtocolError, RequestError
-from disagg.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest, Reject, Shutdown
+from disagg.messages import (
+    Cancel,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    KVFailed,
+    KVRequest,
+    Reject,
+    Shutdown,
+)
 from disagg.prefill_messenger import DecoderPeer, PrefillMessenger
 from disagg.trace import Tracer
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 
 logger = logging.getLogger(__name__)
+HEARTBEAT_INTERVAL_S = 1.0
+PEER_TIMEOUT_S = 5.0  # a decoder silent this long is declared dead
 
 
 def hello_mismatches(hello: Hello, expected: Hello) -> list[str]:
@@ -55,6 +66,8 @@ class PrefillNode:
         self._stop = threading.Event()
         self.shutdown_requested = False
         self._channels: list[Channel] = []
+        self._peers: list[DecoderPeer] = []
+        self._last_heartbeat = 0.0
         threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True).start()
 
     def expected_hello(self) -> Hello:
@@ -93,6 +106,7 @@ class PrefillNode:
                 channel.close()
                 return
             peer = self.messenger.add_peer(hello, channel)
+            self.inbox.put(("peer_joined", peer))
             sharding = self.engine.kv_cache.sharding
             channel.send(HelloAck(self.node_id, self.transfer.address, sharding.tp,
                                   sharding.replicated))
@@ -112,6 +126,8 @@ class PrefillNode:
             except PeerClosedError as error:
                 self.inbox.put(("peer_gone", (peer, str(error))))
                 return
+            if isinstance(message, Heartbeat):
+                continue  # recv() already noted that the decoder is alive
             if isinstance(message, KVRequest | Cancel | Shutdown):
                 self.inbox.put((type(message).__name__, (peer, message)))
             else:
@@ -141,6 +157,25 @@ class PrefillNode:
                     self.tracer.complete("step", start, time.time(), num_tokens=batch.num_tokens,
                                          num_seqs=len(batch.chunks))
             self.messenger.poll()
+            self.messenger.expire_leases()
+            self._keep_alive()
+
+    def _keep_alive(self) -> None:
+        """Heartbeat every decoder; one silent for too long is treated as dead."""
+        now = time.monotonic()
+        if now - self._last_heartbeat < HEARTBEAT_INTERVAL_S:
+            return
+        self._last_heartbeat = now
+        for peer in list(self._peers):
+            silent = now - peer.channel.last_received > PEER_TIMEOUT_S
+            try:
+                if silent:
+                    raise PeerClosedError(f"silent for {PEER_TIMEOUT_S:g} s")
+                peer.channel.send(Heartbeat())
+            except PeerClosedError as error:
+                self._peers.remove(peer)
+                peer.channel.close()
+                self.messenger.fail_peer(peer, f"decoder gone: {error}")
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
@@ -152,9 +187,13 @@ class PrefillNode:
             self._handle(kind, item)
 
     def _handle(self, kind: str, item: Any) -> None:
-        if kind == "peer_gone":
+        if kind == "peer_joined":
+            self._peers.append(item)
+        elif kind == "peer_gone":
             peer, reason = item
             logger.info("decoder %s left: %s", peer.peer_id, reason)
+            if peer in self._peers:
+                self._peers.remove(peer)
             self.messenger.fail_peer(peer, f"decoder gone: {reason}")
         elif kind == "KVRequest":
             peer, message = item

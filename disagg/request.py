@@ -70,6 +70,7 @@ class Request:
     page_ids: list[int] = field(default_factory=list)
     status: RequestStatus = RequestStatus.WAITING
     generator: torch.Generator | None = None
+    kv_attempts: int = 1  # decoder: times the KV was asked for (a retry after a failure adds one)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

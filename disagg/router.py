@@ -11,7 +11,7 @@ import threading
 
 from disagg.channel import Channel
 from disagg.errors import PeerClosedError, ProtocolError
-from disagg.messages import RequestEvent, Shutdown, Submit
+from disagg.messages import Abort, RequestEvent, Shutdown, Submit
 
 
 class Router:
@@ -36,6 +36,15 @@ class Router:
         self.decoders[index].send(message)
         return index
 
+    def abort(self, request_id: str) -> bool:
+        """Tell the request's decoder that the client gave up; False if it is not in flight."""
+        with self._lock:
+            index = self._owner.get(request_id)
+        if index is None:
+            return False
+        self.decoders[index].send(Abort(request_id))
+        return True
+
     def _read(self, index: int, channel: Channel) -> None:
         while True:
             try:
@@ -45,6 +54,8 @@ class Router:
                                              f"{error}"))
                 return
             if not isinstance(event, RequestEvent):
+                continue
+            if isinstance(event, RequestEvent) and event.state == "decoder_gone":
                 continue
             if event.state.startswith("finished") or event.state == "failed":
                 with self._lock:

@@ -126,6 +126,16 @@ class Scheduler:
                     return request
         return None
 
+    def detach(self, request_id: str) -> Request | None:
+        """Take a request out of the schedule but leave its pages allocated (a prefiller
+        whose writes may still read them frees them later, S4b)."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    return request
+        return None
+
     # Helpers.
 
     def _chunk_len(self, request: Request, budget: int) -> int:

@@ -11,6 +11,7 @@ import logging
 import signal
 import sys
 
+from disagg.decode_messenger import ReliabilityConfig
 from disagg.decode_node import DecodeNode
 from disagg.node_setup import NodeConfig, build_node
 from disagg.prefill_node import PrefillNode
@@ -37,7 +38,9 @@ def serve_prefill(config: NodeConfig, listen: str, node_id: str,
     logging.basicConfig(level=logging.INFO, format=f"{node_id} %(levelname)s %(message)s")
     engine, transfer, fingerprint, _ = build_node(config)
     tracer = Tracer(trace_path(trace, node_id), node_id)
-    _serve(PrefillNode(engine, transfer, fingerprint, listen, node_id, tracer))
+    node = PrefillNode(engine, transfer, fingerprint, listen, node_id, tracer)
+    node.messenger.lease_s = config.lease_s
+    _serve(node)
 
 
 def serve_decode(config: NodeConfig, listen: str, prefillers: list[str], node_id: str,
@@ -47,7 +50,9 @@ def serve_decode(config: NodeConfig, listen: str, prefillers: list[str], node_id
     engine, transfer, fingerprint, _ = build_node(config)
     tracer = Tracer(trace_path(trace, node_id), node_id)
     try:
-        node = DecodeNode(engine, transfer, fingerprint, prefillers, listen, node_id, tracer)
+        reliability = ReliabilityConfig(kv_timeout_s=config.kv_timeout_s)
+        node = DecodeNode(engine, transfer, fingerprint, prefillers, listen, node_id, tracer,
+                          reliability)
     except BaseException:
         transfer.close()
         raise
