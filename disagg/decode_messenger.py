@@ -26,7 +26,13 @@ from dataclasses import dataclass
 from disagg.channel import Channel
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError
-from disagg.handoff import allocate_context_buffer, context_slot_nbytes, unpack_context
+from disagg.handoff import (
+    allocate_context_buffer,
+    context_checksum,
+    context_slot_nbytes,
+    kv_checksum,
+    unpack_context,
+)
 from disagg.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest
 from disagg.quarantine import PageQuarantine
 from disagg.request import Request, RequestStatus
@@ -61,6 +67,7 @@ class ReliabilityConfig:
     death_grace_s: float = 1.0  # pages of a dead prefiller's requests are held this long
     max_attempts: int = 2  # a timed-out or orphaned request is retried this many times in all
     retry_on_prefiller_failure: bool = True
+    verify_kv: bool = True  # compare a checksum of the received KV with the prefiller's
 
 
 @dataclass(frozen=True, slots=True)
@@ -208,6 +215,13 @@ class DecodeMessenger:
             pending = self.pending.get(request_id)
             if pending is None or pending.cancel is not None:
                 continue  # abandoned meanwhile: the quarantine fence takes it from here
+            if self.reliability.verify_kv and not self._checksum_matches(pending):
+                # Fired early (a duplicated immediate) or over corrupted pages: writes may
+                # still be landing, so hold the pages and ask again.
+                retry = pending.request.kv_attempts < self.reliability.max_attempts
+                self._quarantine(pending, None, "retry" if retry else "fail",
+                                 "KV checksum mismatch", self.reliability.quarantine_timeout_s)
+                continue
             self._forget(pending)
             self._release(pending.request)
             outcomes.append(Outcome(pending.request, "released", receipt=self._receipt(pending)))
@@ -218,6 +232,16 @@ class DecodeMessenger:
         self._outcomes = []
         self._start_waiting()
         return outcomes
+
+    def _checksum_matches(self, pending: PendingKV) -> bool:
+        config = self.engine.model.config
+        expected = context_checksum(self.context[pending.context_slot], config)
+        request = pending.request
+        got = kv_checksum(self.engine.kv_cache, request.page_ids, request.num_prompt_tokens - 1)
+        if got != expected:
+            logger.warning("request %s: KV checksum %r, prefiller sent %r", request.request_id,
+                           got, expected)
+        return got == expected
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

@@ -11,6 +11,7 @@ from __future__ import annotations
 import torch
 
 from disagg.config import ModelConfig
+from disagg.kv_cache import KVCache
 
 CONTEXT_DTYPE = torch.float32
 
@@ -20,9 +21,12 @@ def prefill_token_ids(prompt_token_ids: list[int]) -> list[int]:
     return prompt_token_ids[:-1]
 
 
+CHECKSUM_NUMEL = 2  # a float64 KV checksum, stored as the bits of two float32 values
+
+
 def context_slot_numel(model: ModelConfig) -> int:
-    """Values in one context slot: the hidden state, then the logits."""
-    return model.hidden_size + model.vocab_size
+    """Values in one context slot: the hidden state, the logits, then the KV checksum."""
+    return model.hidden_size + model.vocab_size + CHECKSUM_NUMEL
 
 
 def context_slot_nbytes(model: ModelConfig) -> int:
@@ -31,16 +35,42 @@ def context_slot_nbytes(model: ModelConfig) -> int:
 
 
 def allocate_context_buffer(model: ModelConfig, num_slots: int) -> torch.Tensor:
-    """``[num_slots, hidden_size + vocab_size]`` zeros, to be registered for RDMA."""
+    """``[num_slots, hidden_size + vocab_size + 2]`` zeros, to be registered for RDMA."""
     return torch.zeros((num_slots, context_slot_numel(model)), dtype=CONTEXT_DTYPE)
 
 
-def pack_context(slot: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor) -> None:
-    """Write ``[hidden_size]`` hidden state and ``[vocab_size]`` logits into one slot."""
+def pack_context(slot: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
+                 checksum: float = 0.0) -> None:
+    """Write ``[hidden_size]`` hidden state, ``[vocab_size]`` logits and the KV checksum."""
+    end = hidden.numel() + logits.numel()
     slot[: hidden.numel()] = hidden.to(CONTEXT_DTYPE)
-    slot[hidden.numel():] = logits.to(CONTEXT_DTYPE)
+    slot[hidden.numel():end] = logits.to(CONTEXT_DTYPE)
+    bits = torch.tensor([checksum], dtype=torch.float64).view(torch.int32)
+    slot[end:end + CHECKSUM_NUMEL].view(torch.int32).copy_(bits)
 
 
 def unpack_context(slot: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
     """(hidden state, logits) views of one slot."""
-    return slot[: model.hidden_size], slot[model.hidden_size:]
+    return slot[: model.hidden_size], slot[model.hidden_size:model.hidden_size + model.vocab_size]
+
+
+def context_checksum(slot: torch.Tensor, model: ModelConfig) -> float:
+    """The KV checksum the prefiller packed into `slot`."""
+    start = model.hidden_size + model.vocab_size
+    bits = slot[start:start + CHECKSUM_NUMEL].view(torch.int32).clone()
+    return float(bits.view(torch.float64)[0])
+
+
+def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int) -> float:
+    """A float64 sum of every K/V value of the first `num_tokens` tokens, all layers and heads.
+
+    It depends only on the logical values, not on the layout or the sharding, so a prefiller
+    and a decoder holding the same KV compute the same number: the decoder's check that the
+    counter did not fire early (a duplicated immediate) or over corrupted pages (issue 8).
+    """
+    pages = torch.tensor(page_ids, dtype=torch.int64, device=kv_cache.device)
+    total = torch.zeros((), dtype=torch.float64)
+    for layer in range(kv_cache.num_layers):
+        k, v = kv_cache.gather(layer, pages, num_tokens)
+        total += k.contiguous().double().sum() + v.contiguous().double().sum()
+    return float(total)

@@ -25,7 +25,12 @@ from disagg.batch import Batch
 from disagg.channel import Channel
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError, RequestError
-from disagg.handoff import allocate_context_buffer, context_slot_nbytes, pack_context
+from disagg.handoff import (
+    allocate_context_buffer,
+    context_slot_nbytes,
+    kv_checksum,
+    pack_context,
+)
 from disagg.handoff import prefill_token_ids
 from disagg.layer_counter import LayerCounter
 from disagg.messages import Hello, KVFailed, KVRequest
@@ -338,7 +343,10 @@ class PrefillMessenger:
                 return
             transfer.pending_writes += 1
         slot = self._free_slots.get(timeout=self.wait_timeout_s)
-        pack_context(self._context[slot], output.hidden_states[row], output.logits[row])
+        request = transfer.request
+        checksum = kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens)
+        pack_context(self._context[slot], output.hidden_states[row], output.logits[row],
+                     checksum)
 
         def done(error: TransferError | None) -> None:
             self._free_slots.put(slot)
