@@ -59,7 +59,7 @@ class Channel:
 
     def send(self, message: Message) -> None:
         """Send one message; raises `PeerClosedError` if the connection is gone."""
-        frame = encode(message)
+        frame = encode(message, tagged=self.secret is not None)
         if self.secret is not None:
             frame += hmac.new(self.secret, frame, hashlib.sha256).digest()
         with self._send_lock:
@@ -73,7 +73,11 @@ class Channel:
     def recv(self) -> Message:
         """Block for the next message."""
         header = self._read_exactly(HEADER.size)
-        cls, length = decode_header(header)
+        cls, length, tagged = decode_header(header)
+        if tagged != (self.secret is not None):
+            raise ProtocolError(f"{self.peer}: " + (
+                "unauthenticated frame: this node requires the cluster secret" if self.secret
+                else "signed frame: the peer uses a cluster secret this node does not have"))
         body = self._read_exactly(length)
         if self.secret is not None:
             tag = self._read_exactly(TAG_SIZE)

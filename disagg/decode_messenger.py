@@ -21,6 +21,7 @@ import logging
 import queue
 import time
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from disagg.channel import Channel
@@ -122,6 +123,7 @@ class DecodeMessenger:
         self.pending: dict[str, PendingKV] = {}
         self._ready: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._outcomes: list[Outcome] = []  # decided outside poll(), reported by the next one
+        self.wake: Callable[[], None] = lambda: None  # the node's "something happened" bell
 
     def hello(self) -> Hello:
         """This decoder's handshake: model, cache geometry, fabric address, descriptors."""
@@ -195,13 +197,18 @@ class DecodeMessenger:
             request, imm, slot, expected, index, now, now + self.reliability.kv_timeout_s)
         self._load[index] += 1
         # Arm the counter before asking: writes may land before this line would otherwise run.
-        self.transfer.expect_imm_count(imm, expected, lambda: self._ready.put(request.request_id))
+        self.transfer.expect_imm_count(imm, expected, lambda: self._on_ready(request.request_id))
         message = KVRequest(request.request_id, imm, request.prompt_token_ids,
                             request.page_ids, slot)
         try:
             self.prefillers[index].send(message)
         except PeerClosedError:
             self.prefiller_gone(index, "unreachable")
+
+    def _on_ready(self, request_id: str) -> None:
+        """Transfer-engine thread: a counter fired; the engine thread takes it from here."""
+        self._ready.put(request_id)
+        self.wake()
 
     def poll(self) -> list[Outcome]:
         """Release requests whose counter fired to the engine (S2c), enforce deadlines, free

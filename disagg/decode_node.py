@@ -53,6 +53,7 @@ class DecodeNode:
         self.node_id = node_id
         self.messenger = DecodeMessenger(engine, transfer, node_id, fingerprint,
                                          reliability=reliability)
+        self.messenger.wake = lambda: self.inbox.put(("wake", None))
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
         self.shutdown_requested = False
@@ -125,8 +126,9 @@ class DecodeNode:
     def run(self) -> None:
         """The engine loop, until `stop()` or a Shutdown message."""
         while not self._stop.is_set():
-            idle = not self.engine.has_unfinished() and self.messenger.idle()
-            self._drain_inbox(block=idle)
+            # Block (briefly: deadlines and heartbeats) unless the engine has work; counters
+            # firing and messages arriving ring the inbox.
+            self._drain_inbox(block=not self.engine.has_unfinished())
             for outcome in self.messenger.poll():
                 self._report_outcome(outcome)
             if self.engine.has_unfinished():
@@ -181,7 +183,7 @@ class DecodeNode:
     def _drain_inbox(self, block: bool) -> None:
         while True:
             try:
-                kind, item = self.inbox.get(timeout=0.005) if block else self.inbox.get_nowait()
+                kind, item = self.inbox.get(timeout=0.01) if block else self.inbox.get_nowait()
             except queue.Empty:
                 return
             block = False

@@ -18,7 +18,8 @@ from disagg.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
 MAGIC = b"DG"
-HEADER = struct.Struct("!2sBBI")  # magic, version, type, payload length
+HEADER = struct.Struct("!2sBBI")  # magic, version, type (| TAGGED), payload length
+TAGGED = 0x80  # set in the type byte when an HMAC tag follows the payload
 MAX_PAYLOAD = 64 << 20
 
 
@@ -170,8 +171,9 @@ _JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str, "boo
                "list[int]": list, "list[bytes]": list}
 
 
-def encode(message: Message) -> bytes:
-    """A whole frame: header plus JSON payload (bytes fields in base64)."""
+def encode(message: Message, tagged: bool = False) -> bytes:
+    """A whole frame: header plus JSON payload (bytes fields in base64). With `tagged`, the
+    header announces an authentication tag, which the caller appends."""
     payload = {}
     for f in fields(message):
         value = getattr(message, f.name)
@@ -181,14 +183,16 @@ def encode(message: Message) -> bytes:
             value = [base64.b64encode(item).decode() for item in value]
         payload[f.name] = value
     body = json.dumps(payload, separators=(",", ":")).encode()
-    return HEADER.pack(MAGIC, PROTOCOL_VERSION, message.TYPE, len(body)) + body
+    type_byte = message.TYPE | (TAGGED if tagged else 0)
+    return HEADER.pack(MAGIC, PROTOCOL_VERSION, type_byte, len(body)) + body
 
 
-def decode_header(header: bytes) -> tuple[type[Message], int]:
-    """Message class and payload length from a frame header; refuses foreign frames."""
+def decode_header(header: bytes) -> tuple[type[Message], int, bool]:
+    """Message class, payload length and whether a tag follows; refuses foreign frames."""
     if len(header) != HEADER.size:
         raise ProtocolError(f"truncated header: {len(header)} of {HEADER.size} bytes")
-    magic, version, type_id, length = HEADER.unpack(header)
+    magic, version, type_byte, length = HEADER.unpack(header)
+    type_id, tagged = type_byte & ~TAGGED, bool(type_byte & TAGGED)
     if magic != MAGIC:
         raise ProtocolError(f"bad magic {magic!r}: not a disagg control frame")
     if version != PROTOCOL_VERSION:
@@ -197,7 +201,7 @@ def decode_header(header: bytes) -> tuple[type[Message], int]:
         raise ProtocolError(f"unknown message type {type_id}")
     if length > MAX_PAYLOAD:
         raise ProtocolError(f"payload of {length} bytes exceeds the {MAX_PAYLOAD} byte limit")
-    return MESSAGE_TYPES[type_id], length
+    return MESSAGE_TYPES[type_id], length, tagged
 
 
 def decode_payload(cls: type[Message], body: bytes) -> Message:
@@ -227,7 +231,7 @@ def decode_payload(cls: type[Message], body: bytes) -> Message:
 
 def decode(frame: bytes) -> Message:
     """Decode one whole frame (header and payload)."""
-    cls, length = decode_header(frame[:HEADER.size])
+    cls, length, _ = decode_header(frame[:HEADER.size])
     body = frame[HEADER.size:]
     if len(body) != length:
         raise ProtocolError(f"{cls.__name__}: payload of {len(body)} bytes, header says {length}")

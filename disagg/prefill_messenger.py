@@ -19,6 +19,7 @@ import random
 import threading
 import time
 from collections import OrderedDict, deque
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from disagg.batch import Batch
@@ -133,6 +134,7 @@ class PrefillMessenger:
         self._handled_value = 0  # counter value whose writes have all been posted
         self._finished: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
         self.recent: deque[Transfer] = deque(maxlen=64)  # ended transfers, for tests and tools
+        self.wake: Callable[[], None] = lambda: None  # the node's "something happened" bell
         self.stats = {"pages": 0, "writes": 0, "bytes": 0, "requests": 0, "failed": 0,
                       "expired_leases": 0}
         # Writes completed by recently finished transfers: the answer to a late Cancel.
@@ -245,7 +247,7 @@ class PrefillMessenger:
             transfer.error = transfer.error or reason
             transfer.all_submitted = True
             if transfer.pending_writes == 0:
-                self._finished.put(transfer)
+                self._finish(transfer)
 
     def has_work(self) -> bool:
         """Whether any request is still being prefilled or transferred."""
@@ -335,7 +337,7 @@ class PrefillMessenger:
             with self._lock:
                 transfer.all_submitted = True
                 if transfer.pending_writes == 0:
-                    self._finished.put(transfer)
+                    self._finish(transfer)
 
     def _submit_context(self, transfer: Transfer, output: ForwardOutput, row: int) -> None:
         with self._lock:
@@ -362,6 +364,11 @@ class PrefillMessenger:
             return
         self._count(writes=1, nbytes=self._slot_nbytes)
 
+    def _finish(self, transfer: Transfer) -> None:
+        """Any thread: the transfer has nothing in flight; the engine thread frees it."""
+        self._finished.put(transfer)
+        self.wake()
+
     def _count(self, pages: int = 0, writes: int = 0, nbytes: int = 0) -> None:
         with self._lock:  # the poller thread and the engine thread both post writes
             self.stats["pages"] += pages
@@ -381,7 +388,7 @@ class PrefillMessenger:
                 transfer.writes_unknown = True
                 transfer.error = transfer.error or f"write failed: {error}"
             if transfer.pending_writes == 0 and transfer.all_submitted:
-                self._finished.put(transfer)
+                self._finish(transfer)
 
     # Completion (engine thread).
 

@@ -59,6 +59,7 @@ class PrefillNode:
         self.fingerprint = fingerprint
         self.tracer = tracer or Tracer()
         self.messenger = PrefillMessenger(engine, transfer, tracer=self.tracer)
+        self.messenger.wake = lambda: self.inbox.put(("wake", None))
         self._server = listen(listen_address)
         host, port = self._server.getsockname()[:2]
         self.address = f"{host}:{port}"
@@ -146,8 +147,9 @@ class PrefillNode:
     def run(self) -> None:
         """The engine loop, until `stop()` or a Shutdown message."""
         while not self._stop.is_set():
-            busy = self.engine.has_unfinished()
-            self._drain_inbox(block=not busy and not self.messenger.has_work())
+            # Block (briefly: leases and heartbeats) unless the engine has work; finished
+            # transfers and messages ring the inbox.
+            self._drain_inbox(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
                 start = time.time()
                 num_steps = self.engine.num_steps
@@ -180,7 +182,7 @@ class PrefillNode:
     def _drain_inbox(self, block: bool) -> None:
         while True:
             try:
-                kind, item = self.inbox.get(timeout=0.005) if block else self.inbox.get_nowait()
+                kind, item = self.inbox.get(timeout=0.01) if block else self.inbox.get_nowait()
             except queue.Empty:
                 return
             block = False
