@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import logging
+import os
 import tempfile
 import time
 from dataclasses import dataclass, field
@@ -136,8 +137,9 @@ def timeline_from_trace(trace: dict[str, Any]) -> Timeline:
             start = (event["ts"] - origin) / 1e3
             lanes[lane].append(Step(start, start + event["dur"] / 1e3,
                                     event["args"]["num_tokens"] - decodes, decodes))
-    return Timeline("disaggregated: one prefiller process feeds one decoder process",
-                    list(requests.values()), lanes)
+    cores = os.cpu_count()
+    return Timeline("disaggregated: one prefiller process feeds one decoder process (here both "
+                    f"share this machine's {cores} CPU cores)", list(requests.values()), lanes)
 
 
 def make_figures(out_dir: Path, model: str = "small") -> list[Path]:

@@ -189,6 +189,8 @@ def draw_layer_timeline(trace: dict[str, Any], request_id: str, path: Path) -> P
                marker="v", color="black", s=18, zorder=3, label="that layer's page writes posted")
     landed = (kv_wait["ts"] + kv_wait["dur"] - start) / 1e3
     ax.axvline(landed, color=DECODE_COLOR, linestyle="--", linewidth=1.2)
+    last = max((e["ts"] + e["dur"] - start) / 1e3 for e in layers)
+    ax.set_xlim(-0.02 * max(landed, last), 1.03 * max(landed, last))
     ax.text(landed, -0.5, "decoder's counter full: request ready to decode ",
             color=DECODE_COLOR, fontsize=8, va="bottom", ha="right")
     ax.set_yticks(range(num_layers), [f"layer {i}" for i in range(num_layers)])
