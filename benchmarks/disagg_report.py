@@ -13,8 +13,6 @@ import os
 from collections import defaultdict
 from typing import Any
 
-import torch
-
 ITL_GOAL = 1.3  # issue 4: disaggregated decode ITL p99 within 1.3x of its median
 
 
@@ -76,6 +74,7 @@ def step_stats(traces: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     """Engine step times of the nodes that decode, split by whether a prefill chunk rode
     along (a step with more tokens than sequences holds part of a prompt)."""
     decode_only, with_prefill = [], []
+    by_seqs: dict[int, list[float]] = defaultdict(list)  # decode-only steps by batch size
     for node, events in traces.items():
         if node.startswith("prefill"):
             continue
@@ -84,9 +83,13 @@ def step_stats(traces: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
                 args = e.get("args", {})
                 prefill = args.get("num_tokens", 0) > args.get("num_seqs", 0)
                 (with_prefill if prefill else decode_only).append(e["dur"] / 1e3)
+                if not prefill:
+                    by_seqs[args.get("num_seqs", 0)].append(e["dur"] / 1e3)
     return {"decode_only_ms": spread(decode_only, with_max=True),
             "with_prefill_ms": spread(with_prefill, with_max=True),
-            "num_decode_only": len(decode_only), "num_with_prefill": len(with_prefill)}
+            "num_decode_only": len(decode_only), "num_with_prefill": len(with_prefill),
+            "decode_only_by_num_seqs": {n: {"steps": len(v)} | spread(v)
+                                        for n, v in sorted(by_seqs.items())}}
 
 
 def ttft_split(run: dict[str, Any], rows: list[dict[str, Any]]) -> dict[str, Any] | None:
@@ -153,6 +156,8 @@ def mode_summary(run: dict[str, Any]) -> dict[str, Any]:
 
 def summarize(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
     """The `--json` object: workload, machine, each mode, and the issue's ITL goal."""
+    import torch
+
     modes = {mode: mode_summary(run) for mode, run in runs.items()}
     workload = {k: v for k, v in vars(args).items() if k not in ("json", "modes")}
     result: dict[str, Any] = {"model": args.model, "workload": workload,
@@ -214,6 +219,21 @@ def print_tables(result: dict[str, Any]) -> None:
         + parts(m["steps"]["with_prefill_ms"], ("p50",)))
     console = Console()
     console.print(table)
+    by_seqs = Table(title="decode-only steps by batch size: count, ms p50 / p99")
+    by_seqs.add_column("requests in step")
+    for mode in modes:
+        by_seqs.add_column(mode, justify="right")
+    sizes = sorted({int(n) for m in modes.values()
+                    for n in m["steps"]["decode_only_by_num_seqs"]})
+    for size in sizes:
+        cells = []
+        for m in modes.values():
+            stats = m["steps"]["decode_only_by_num_seqs"]
+            stats = stats.get(size, stats.get(str(size)))  # int keys become str in JSON
+            cells.append("-" if stats is None else
+                         f"{stats['steps']}, {parts(stats, ('p50', 'p99'), 1)}")
+        by_seqs.add_row(str(size), *cells)
+    console.print(by_seqs)
     split = modes.get("disagg", {}).get("ttft_split_ms")
     if split:
         parts = Table(title="disagg TTFT of the long prompts, split (ms)")

@@ -39,8 +39,8 @@ def describe_trace(node: str, event: dict) -> str | None:
     if name == "layer_writes_posted":
         return f"forward {args['forward']}: layer {args['layer']}'s page writes posted"
     if name == "step":
-        kind = "prefill chunk" if node.startswith("prefill") else "engine step"
-        return f"{kind} starts: {args['num_tokens']} tokens of {args['num_seqs']} requests"
+        kind = "prefill chunk" if node.startswith("prefill") else "decode step"
+        return f"{kind} starts: {args['num_tokens']} tokens, {args['num_seqs']} request(s)"
     if name in ("queue", "prefill", "transfer_tail", "kv_wait"):
         return f"{name} starts ({event['dur'] / 1e3:.1f} ms)"
     return None
