@@ -116,12 +116,15 @@ KVTimeoutOption = Annotated[float, typer.Option(
     help="Decoder: seconds a request may wait for its KV before it is cancelled and retried")]
 LeaseOption = Annotated[float, typer.Option(
     help="Prefiller: seconds after which a transfer is stopped and its pages freed")]
+MetricsPortOption = Annotated[int | None, typer.Option(
+    help="Serve Prometheus metrics at http://host:PORT/metrics (0: any free port)")]
 
 
 def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chunk_size: int,
                  provider: str, threads: int, mode: str, tp: int = 1,
                  replicated_kv: bool = False, faults: str | None = None,
-                 kv_timeout: float = 120.0, lease: float = 300.0) -> object:
+                 kv_timeout: float = 120.0, lease: float = 300.0,
+                 metrics_port: int | None = None) -> object:
     from disagg.node_setup import NodeConfig
 
     return NodeConfig(model, CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -130,7 +133,7 @@ def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chu
                                       mode=mode),  # type: ignore[arg-type]
                       ParallelConfig(tp, replicated_kv), provider=provider,
                       threads=threads or None, faults=faults, kv_timeout_s=kv_timeout,
-                      lease_s=lease)
+                      lease_s=lease, metrics_port=metrics_port)
 
 
 @serve_app.command("prefill")
@@ -143,13 +146,13 @@ def serve_prefill(
     provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
     faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
-    lease: LeaseOption = 300.0,
+    lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
 ) -> None:
     """Run a prefiller: prefill requests from decoders and stream their KV back."""
     from disagg.serve import serve_prefill as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "prefill_only", tp, replicated_kv, faults, kv_timeout, lease), listen, node_id, trace)  # type: ignore[arg-type]
+                     "prefill_only", tp, replicated_kv, faults, kv_timeout, lease, metrics_port), listen, node_id, trace)  # type: ignore[arg-type]
 
 
 @serve_app.command("decode")
@@ -163,13 +166,13 @@ def serve_decode(
     provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
     faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
-    lease: LeaseOption = 300.0,
+    lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
 ) -> None:
     """Run a decoder: take requests, get their KV from prefillers, decode them."""
     from disagg.serve import serve_decode as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "mixed", tp, replicated_kv, faults, kv_timeout, lease), listen, prefiller, node_id, trace)  # type: ignore[arg-type]
+                     "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port), listen, prefiller, node_id, trace)  # type: ignore[arg-type]
 
 
 @serve_app.command("mixed")
@@ -182,13 +185,13 @@ def serve_mixed(
     provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
     faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
-    lease: LeaseOption = 300.0,
+    lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
 ) -> None:
     """Run a single-node engine (prefill and decode mixed, S1) behind the router protocol."""
     from disagg.serve import serve_decode as run
 
     run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "mixed", tp, replicated_kv, faults, kv_timeout, lease), listen, [], node_id, trace)  # type: ignore[arg-type]
+                     "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port), listen, [], node_id, trace)  # type: ignore[arg-type]
 
 
 @app.command()
@@ -223,7 +226,7 @@ def demo(
 
     from disagg.cluster import DEPLOYMENTS, ClusterConfig
     from disagg.demo import load_prompts, run_demo
-    from disagg.demo_view import request_table, totals_table
+    from disagg.demo_view import metrics_table, request_table, totals_table
 
     decoders = decode_dp or decoders
     if decoders < 1:
@@ -247,6 +250,7 @@ def demo(
         result = run_demo(cluster, specs, max_tokens, temperature, trace=trace,
                           view=lambda requests: live.update(request_table(requests)))
     console.print(totals_table(result))
+    console.print(metrics_table(result["metrics"]))
     if trace:
         err_console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
 

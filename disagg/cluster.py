@@ -14,11 +14,13 @@ import subprocess
 import sys
 import threading
 import time
+import urllib.request
 from dataclasses import dataclass, field
 
 from disagg.channel import Channel
 from disagg.errors import DisaggError
 from disagg.messages import Shutdown
+from disagg.metrics import parse_metrics
 
 logger = logging.getLogger(__name__)
 
@@ -64,6 +66,7 @@ class LocalCluster:
         self.prefiller_address = ""
         self.decoder_addresses: list[str] = []
         self.logs: dict[str, list[str]] = {}
+        self.metrics_addresses: dict[str, str] = {}  # node name -> host:port of /metrics
 
     def __enter__(self) -> LocalCluster:
         try:
@@ -91,7 +94,8 @@ class LocalCluster:
                 "--num-pages", str(c.num_pages), "--chunk-size", str(c.chunk_size),
                 "--provider", c.provider, "--threads", str(c.threads_per_node),
                 *(["--trace", c.trace_dir] if c.trace_dir else []),
-                *(["--replicated-kv"] if c.replicated_kv else []), *c.extra_args]
+                *(["--replicated-kv"] if c.replicated_kv else []), "--metrics-port", "0",
+                *c.extra_args]
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[str]:
         command = [sys.executable, "-m", "disagg.cli", *args, "--node-id", name,
@@ -111,7 +115,11 @@ class LocalCluster:
         for line in process.stdout:
             if line.startswith("READY "):
                 threading.Thread(target=_collect, args=(process.stdout, log), daemon=True).start()
-                return line.split()[1]
+                words = line.split()
+                for word in words[2:]:
+                    if word.startswith("metrics="):
+                        self.metrics_addresses[name] = word.removeprefix("metrics=")
+                return words[1]
             log.append(line.rstrip())
             if time.monotonic() > deadline:
                 break
@@ -144,6 +152,17 @@ class LocalCluster:
                 logger.warning("killing pid %d", process.pid)
                 process.kill()
                 process.wait()
+
+    def scrape_metrics(self) -> dict[str, dict[str, float]]:
+        """Every node's metrics, read from its /metrics endpoint."""
+        result = {}
+        for name, address in self.metrics_addresses.items():
+            try:
+                with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+                    result[name] = parse_metrics(response.read().decode())
+            except OSError as error:
+                logger.warning("could not read the metrics of %s: %s", name, error)
+        return result
 
     def exit_codes(self) -> list[int | None]:
         """Each process's exit code (None while running)."""

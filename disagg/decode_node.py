@@ -20,6 +20,7 @@ from disagg.channel import Channel, listen
 from disagg.decode_messenger import DecodeMessenger, Outcome, ReliabilityConfig
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
+from disagg.metrics import Metrics
 from disagg.messages import (
     Abort,
     Heartbeat,
@@ -40,6 +41,30 @@ HEARTBEAT_INTERVAL_S = 1.0
 PEER_TIMEOUT_S = 5.0  # a peer silent this long is declared dead
 
 
+def failure_cause(detail: str) -> str:
+    """A short class for a failure's reason, the label of `failures_total`."""
+    for cause, words in (("deadline", "did not arrive"), ("checksum", "checksum"),
+                         ("prefiller_died", "prefiller died"), ("no_prefiller", "no prefiller"),
+                         ("aborted", "aborted"), ("write_failed", "write failed")):
+        if words in detail:
+            return cause
+    return "prefiller_refused"
+
+
+def decode_metrics(node: DecodeNode) -> Metrics:
+    """The decoder's metrics: transfers, failures by cause, pages in use, quarantine."""
+    metrics = Metrics()
+    metrics.describe("kv_transfer_seconds", "from asking a prefiller to the KV counter firing")
+    metrics.describe("failures_total", "KV transfers that failed, by cause")
+    allocator, messenger = node.engine.allocator, node.messenger
+    metrics.gauge("pages_in_use", lambda: allocator.num_pages - allocator.num_free)
+    metrics.gauge("requests_waiting_for_kv", lambda: len(messenger.pending))
+    metrics.gauge("quarantined_requests", lambda: len(messenger.quarantine))
+    metrics.counter_from("quarantine_forced_releases_total",
+                         lambda: messenger.quarantine.forced_releases)
+    return metrics
+
+
 class DecodeNode:
     """One decoder, fed by one or more prefillers."""
 
@@ -54,6 +79,7 @@ class DecodeNode:
         self.messenger = DecodeMessenger(engine, transfer, node_id, fingerprint,
                                          reliability=reliability)
         self.messenger.wake = lambda: self.inbox.put(("wake", None))
+        self.metrics = decode_metrics(self)
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
         self.shutdown_requested = False
@@ -141,14 +167,20 @@ class DecodeNode:
         if outcome.kind == "released":
             receipt = outcome.receipt
             assert receipt is not None
+            self.metrics.observe("kv_transfer_seconds", receipt.wait_ms / 1e3)
+            self.metrics.inc("kv_bytes_total", receipt.nbytes)
+            self.metrics.inc("kv_writes_total", receipt.writes)
             now = time.time()
             self.tracer.complete("kv_wait", now - receipt.wait_ms / 1e3, now,
                                  request_id=request.request_id)
             self._report(request, "decoding", kv_writes=receipt.writes,
                          kv_bytes=receipt.nbytes, kv_wait_ms=receipt.wait_ms)
         elif outcome.kind == "retry":
+            self.metrics.inc("failures_total", cause=failure_cause(outcome.detail))
             self._report(request, "waiting_for_kv", detail=f"retrying: {outcome.detail}")
         else:
+            if outcome.kind == "failed":
+                self.metrics.inc("failures_total", cause=failure_cause(outcome.detail))
             state = "finished_aborted" if outcome.kind == "aborted" else "failed"
             self._report(request, state, detail=outcome.detail)
 
@@ -232,6 +264,7 @@ class DecodeNode:
                                          kv_writes_received=received, detail=detail, **kv))
         if state.startswith("finished") or state == "failed":
             del self._clients[request.request_id]
+            self.metrics.inc("requests_total", state=state)
 
     def _report_progress(self) -> None:
         now = time.monotonic()

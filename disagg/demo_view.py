@@ -43,3 +43,21 @@ def totals_table(result: dict[str, Any]) -> Table:
                   f"{t['tokens_per_s']:.1f}", ttft, str(t["kv_writes"]),
                   f"{t['kv_bytes'] / 2**20:.1f}")
     return table
+
+
+def metrics_table(metrics: dict[str, dict[str, float]]) -> Table:
+    """A few of each node's metrics: transfers, failures, leases, pages still in use."""
+    table = Table(title="node metrics")
+    for column in ("node", "KV writes", "KV MiB", "failures", "expired leases",
+                   "pages in use"):
+        table.add_column(column, justify="right")
+    for node, values in sorted(metrics.items()):
+        def total(prefix: str, values: dict[str, float] = values) -> float:
+            return sum(v for k, v in values.items() if k.startswith(prefix))
+        writes = total("disagg_kv_writes_total") or total("disagg_writes_total")
+        nbytes = total("disagg_kv_bytes_total") or total("disagg_bytes_total")
+        failures = total("disagg_failures_total") + total("disagg_failed_total")
+        table.add_row(node, f"{writes:.0f}", f"{nbytes / 2**20:.2f}", f"{failures:.0f}",
+                      f"{total('disagg_expired_leases_total'):.0f}",
+                      f"{total('disagg_pages_in_use'):.0f}")
+    return table

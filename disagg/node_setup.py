@@ -31,6 +31,7 @@ class NodeConfig:
     faults: str | None = None  # a FaultPlan spec: test-only fault injection (issue 8)
     kv_timeout_s: float = 120.0  # decoder: deadline for a request's KV to arrive
     lease_s: float = 300.0  # prefiller: a transfer older than this is stopped
+    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
 
 
 def model_fingerprint(loaded: LoadedModel) -> str:

@@ -28,6 +28,7 @@ from disagg.messages import (
     Reject,
     Shutdown,
 )
+from disagg.metrics import Metrics
 from disagg.prefill_messenger import DecoderPeer, PrefillMessenger
 from disagg.trace import Tracer
 from transfer_core.engine import TransferEngine
@@ -60,6 +61,13 @@ class PrefillNode:
         self.tracer = tracer or Tracer()
         self.messenger = PrefillMessenger(engine, transfer, tracer=self.tracer)
         self.messenger.wake = lambda: self.inbox.put(("wake", None))
+        self.metrics = Metrics()
+        for name in self.messenger.stats:
+            self.metrics.counter_from(f"{name}_total",
+                                      lambda name=name: self.messenger.stats[name])
+        allocator = engine.allocator
+        self.metrics.gauge("pages_in_use", lambda: allocator.num_pages - allocator.num_free)
+        self.metrics.gauge("transfers_in_flight", lambda: len(self.messenger._transfers))
         self._server = listen(listen_address)
         host, port = self._server.getsockname()[:2]
         self.address = f"{host}:{port}"

@@ -13,15 +13,21 @@ import sys
 
 from disagg.decode_messenger import ReliabilityConfig
 from disagg.decode_node import DecodeNode
+from disagg.metrics import serve_metrics
 from disagg.node_setup import NodeConfig, build_node
 from disagg.prefill_node import PrefillNode
 from disagg.trace import Tracer, trace_path
 
 
-def _serve(node: PrefillNode | DecodeNode) -> None:
+def _serve(node: PrefillNode | DecodeNode, metrics_port: int | None = None) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: node.stop())
-    sys.stdout.write(f"READY {node.address}\n")
+    ready = f"READY {node.address}"
+    if metrics_port is not None:
+        host = node.address.rpartition(":")[0]
+        server = serve_metrics(node.metrics, (host, metrics_port))
+        ready += f" metrics={host}:{server.server_address[1]}"
+    sys.stdout.write(ready + "\n")
     sys.stdout.flush()
     try:
         node.run()
@@ -40,7 +46,7 @@ def serve_prefill(config: NodeConfig, listen: str, node_id: str,
     tracer = Tracer(trace_path(trace, node_id), node_id)
     node = PrefillNode(engine, transfer, fingerprint, listen, node_id, tracer)
     node.messenger.lease_s = config.lease_s
-    _serve(node)
+    _serve(node, config.metrics_port)
 
 
 def serve_decode(config: NodeConfig, listen: str, prefillers: list[str], node_id: str,
@@ -56,4 +62,4 @@ def serve_decode(config: NodeConfig, listen: str, prefillers: list[str], node_id
     except BaseException:
         transfer.close()
         raise
-    _serve(node)
+    _serve(node, config.metrics_port)

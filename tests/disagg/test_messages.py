@@ -6,6 +6,8 @@ import json
 import re
 
 import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from disagg.errors import ProtocolError
 from disagg.messages import (
@@ -78,3 +80,35 @@ def test_defaults_may_be_omitted() -> None:
     """Optional fields (sampling parameters) take their defaults when absent."""
     submit = decode(frame(10, {"request_id": "r", "prompt_token_ids": [1], "max_tokens": 3}))
     assert submit == Submit("r", [1], 3)
+
+
+VALID_FRAMES = [
+    encode(Hello("d0", "m", "float32", 16, "HND", 2, 4, 8, b"addr", [b"kv"], b"ctx", 64, 2)),
+    encode(KVRequest("r1", 7, [1, 2, 3], [9, 4], 2)),
+    encode(Submit("r", [5, 6], 3, 0.5, 0.9, 4, 1)),
+]
+
+
+@settings(max_examples=600, deadline=None)
+@given(data=st.binary(max_size=300))
+def test_fuzz_random_bytes_only_raise_protocol_errors(data: bytes) -> None:
+    """Arbitrary bytes never crash the decoder: a message or a ProtocolError, nothing else."""
+    try:
+        decode(data)
+    except ProtocolError:
+        pass
+
+
+@settings(max_examples=600, deadline=None)
+@given(frame=st.sampled_from(VALID_FRAMES), position=st.integers(0, 10_000),
+       byte=st.integers(0, 255), cut=st.integers(0, 10_000))
+def test_fuzz_mutated_frames_only_raise_protocol_errors(frame: bytes, position: int, byte: int,
+                                                        cut: int) -> None:
+    """A valid frame with one byte changed, or cut short, decodes or fails cleanly."""
+    mutated = bytearray(frame)
+    mutated[position % len(mutated)] = byte
+    for candidate in (bytes(mutated), frame[: cut % len(frame)]):
+        try:
+            decode(candidate)
+        except ProtocolError:
+            pass
