@@ -37,6 +37,7 @@ class ClusterConfig:
     chunk_size: int = 256
     provider: str = "tcp"
     threads_per_node: int = 1
+    num_prefillers: int = 1
     prefill_tp: int = 1
     decode_tp: int = 1
     replicated_kv: bool = False  # every TP rank holds all KV heads (MLA-style, S9a)
@@ -64,19 +65,26 @@ class LocalCluster:
         self.config = config
         self.processes: list[subprocess.Popen[str]] = []
         self.prefiller_address = ""
+        self.prefiller_addresses: list[str] = []
+        self.names: list[str] = []  # node names in process order
         self.decoder_addresses: list[str] = []
         self.logs: dict[str, list[str]] = {}
         self.metrics_addresses: dict[str, str] = {}  # node name -> host:port of /metrics
 
     def __enter__(self) -> LocalCluster:
         try:
-            prefiller = self._spawn("prefill-0", ["serve", "prefill", "--tp",
-                                                  str(self.config.prefill_tp)])
-            self.prefiller_address = self._wait_ready("prefill-0", prefiller)
+            prefill_names = [f"prefill-{i}" for i in range(self.config.num_prefillers)]
+            prefillers = [self._spawn(name, ["serve", "prefill", "--tp",
+                                             str(self.config.prefill_tp)])
+                          for name in prefill_names]
+            self.prefiller_addresses = [self._wait_ready(name, process) for name, process
+                                        in zip(prefill_names, prefillers, strict=True)]
+            self.prefiller_address = self.prefiller_addresses[0]
+            prefiller_args = [arg for address in self.prefiller_addresses
+                              for arg in ("--prefiller", address)]
             # Decoders start side by side: each loads the model on its own.
             names = [f"decode-{i}" for i in range(self.config.num_decoders)]
-            decoders = [self._spawn(name, ["serve", "decode", "--prefiller",
-                                           self.prefiller_address, "--tp",
+            decoders = [self._spawn(name, ["serve", "decode", *prefiller_args, "--tp",
                                            str(self.config.decode_tp)]) for name in names]
             self.decoder_addresses = [self._wait_ready(name, process)
                                       for name, process in zip(names, decoders, strict=True)]
@@ -104,6 +112,7 @@ class LocalCluster:
         process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
                                    text=True, env=env)
         self.processes.append(process)
+        self.names.append(name)
         log = self.logs.setdefault(name, [])
         threading.Thread(target=_collect, args=(process.stderr, log), daemon=True).start()
         return process
@@ -131,7 +140,7 @@ class LocalCluster:
     def stop(self, timeout_s: float = 10.0) -> None:
         """End every process: a Shutdown message (after which each node checks that it
         leaked nothing), then SIGTERM, then SIGKILL."""
-        for address in [*self.decoder_addresses, self.prefiller_address]:
+        for address in [*self.decoder_addresses, *self.prefiller_addresses]:
             try:
                 channel = Channel.connect(address, timeout_s=2.0)
                 channel.send(Shutdown())
@@ -152,6 +161,13 @@ class LocalCluster:
                 logger.warning("killing pid %d", process.pid)
                 process.kill()
                 process.wait()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one node (a crash: no shutdown, no cleanup, issue 8)."""
+        process = self.processes[self.names.index(name)]
+        process.kill()
+        process.wait()
+        self.metrics_addresses.pop(name, None)
 
     def scrape_metrics(self) -> dict[str, dict[str, float]]:
         """Every node's metrics, read from its /metrics endpoint."""
