@@ -11,6 +11,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 
@@ -37,6 +38,12 @@ class TokenEvent:
     finished: bool
 
 
+class StepFinisher(Protocol):
+    """What replaces sampling and postprocessing when the engine speculates."""
+
+    def finish_step(self, batch: Batch, output: ForwardOutput) -> list[TokenEvent]: ...
+
+
 class LLMEngine:
     """Serves many requests at once on one node with continuous batching."""
 
@@ -56,6 +63,8 @@ class LLMEngine:
         self._ids = itertools.count()
         self.num_steps = 0  # batches run so far
         self.last_batch: Batch | None = None
+        # Set by `spec_engine.enable_speculation`: it then verifies, samples and drafts (issue 6).
+        self.speculator: StepFinisher | None = None
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
@@ -81,6 +90,8 @@ class LLMEngine:
         self.num_steps += 1
         for forward_listener in self.forward_listeners:
             forward_listener(batch, output)
+        if self.speculator is not None:
+            return self.speculator.finish_step(batch, output)
         sampled: dict[str, int] = {}
         if self.config.scheduler.mode == "prefill_only":
             self.scheduler.postprocess(batch, sampled)  # a prefiller never samples (S8)

@@ -125,11 +125,13 @@ class Transformer(nn.Module):
         self.layer_counter: LayerCounter = NullLayerCounter()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
-                kv_cache: KVCache, meta: AttentionMetadata) -> torch.Tensor:
+                kv_cache: KVCache, meta: AttentionMetadata,
+                num_layers: int | None = None) -> torch.Tensor:
         """Run `input_ids` ``[num_tokens]`` through every layer; returns the final-norm hidden
-        states ``[num_tokens, hidden_size]`` and leaves each layer's K/V in `kv_cache`."""
+        states ``[num_tokens, hidden_size]`` and leaves each layer's K/V in `kv_cache`. With
+        `num_layers`, only the first ones run: an early-exit draft (decoders only, issue 6)."""
         h = self.embed_tokens(input_ids)
-        for layer_idx, layer in enumerate(self.layers):
+        for layer_idx, layer in enumerate(self.layers[:num_layers]):
             attn_out = layer.self_attn(layer.input_layernorm(h), positions, self.rope,
                                        kv_cache, layer_idx, meta)
             # This layer's K/V are in the cache now: let the messenger ship them (S3b).

@@ -24,6 +24,9 @@ class ForwardOutput:
     sample_chunk_indices: list[int]  # index into batch.chunks of each row below
     hidden_states: torch.Tensor  # [num_sampling_chunks, hidden_size], after the final norm
     logits: torch.Tensor  # [num_sampling_chunks, vocab_size]
+    # Every row of the batch, packed as its chunks: what a prefiller ships for a draft head and
+    # what a speculative decoder verifies drafts with (issue 6). [num_tokens, hidden_size]
+    all_hidden_states: torch.Tensor | None = None
 
 
 class ModelRunner:
@@ -44,7 +47,8 @@ class ModelRunner:
             sequences.append(SequenceSlice(
                 query_start=len(token_ids), query_len=chunk.num_tokens, context_len=chunk.start,
                 page_ids=torch.tensor(request.page_ids, dtype=torch.int64, device=self.device)))
-            token_ids.extend(request.all_token_ids[chunk.start:chunk.end])
+            tokens = request.all_token_ids + request.spec_token_ids  # drafts follow (issue 6)
+            token_ids.extend(tokens[chunk.start:chunk.end])
         positions = torch.cat([torch.arange(c.start, c.end) for c in batch.chunks]).to(self.device)
         page_index = positions // page_size  # which of the request's pages, per token
         slot_pages = torch.cat([seq.page_ids[page_index[seq.query_start:seq.query_start
@@ -68,7 +72,7 @@ class ModelRunner:
                                  device=self.device)
         sample_hidden = hidden.index_select(0, last_rows)
         return ForwardOutput(sample_chunk_indices, sample_hidden,
-                             self.model.compute_logits(sample_hidden))
+                             self.model.compute_logits(sample_hidden), hidden)
 
     def _padded_page_table(self, sequences: list[SequenceSlice]) -> torch.Tensor:
         max_pages = max(-(-s.kv_len // self.kv_cache.page_size) for s in sequences)

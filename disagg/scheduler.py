@@ -126,6 +126,24 @@ class Scheduler:
                     return request
         return None
 
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> None:
+        """After a speculative chunk (issue 6): append the verified tokens (up to a stop), roll
+        `num_computed_tokens` back over the rejected drafts, whose K/V are now scratch, and free
+        the pages only they used. The request then holds the pages up to its next position."""
+        request.spec_token_ids = []
+        for token_id in token_ids:
+            request.append_token(token_id)
+            if request.is_finished:
+                break
+        request.num_computed_tokens = request.num_tokens - 1
+        if request.is_finished:
+            self._release(request)
+            return
+        keep = self._pages_for(request.num_tokens)
+        if len(request.page_ids) > keep:
+            self.allocator.free(request.page_ids[keep:])
+            del request.page_ids[keep:]
+
     def detach(self, request_id: str) -> Request | None:
         """Take a request out of the schedule but leave its pages allocated (a prefiller
         whose writes may still read them frees them later, S4b)."""
@@ -139,7 +157,8 @@ class Scheduler:
     # Helpers.
 
     def _chunk_len(self, request: Request, budget: int) -> int:
-        remaining = request.num_tokens - request.num_computed_tokens
+        # Draft tokens ride along after the real ones: one forward verifies them (issue 6).
+        remaining = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
         return min(remaining, self.config.chunk_size, budget)
 
     def _pages_for(self, num_tokens: int) -> int:
