@@ -284,6 +284,7 @@ class PrefillMessenger:
             for write in plan:
                 write.transfer.layer_post_times.append((layer, now))
                 self._submit_layer(write, layer)
+            self.tracer.instant("layer", forward=forward, layer=layer)  # every counter bump
             if plan:
                 self.tracer.instant("layer_writes_posted", forward=forward, layer=layer,
                                     requests=len(plan))
@@ -310,7 +311,7 @@ class PrefillMessenger:
                     src_page_nbytes, layer * src_layer_nbytes + plan.src_offset,
                     peer.kv[plan.dst_rank], write.dst_page_ids, peer.page_nbytes,
                     layer * peer.layer_nbytes + plan.dst_offset, transfer.imm,
-                    on_done=lambda n=num_pages: self._write_done(transfer, None, n),
+                    on_done=lambda n=num_pages, layer=layer: self._layer_done(transfer, n, layer),
                     on_error=lambda error: self._write_done(transfer, error))
             except (TransferError, ValueError) as error:
                 self._write_done(transfer, error)
@@ -374,6 +375,10 @@ class PrefillMessenger:
             self.stats["pages"] += pages
             self.stats["writes"] += writes
             self.stats["bytes"] += nbytes
+
+    def _layer_done(self, transfer: Transfer, writes: int, layer: int) -> None:
+        self.tracer.instant("layer_writes_done", layer=layer, request_id=transfer.request_id)
+        self._write_done(transfer, None, writes)
 
     def _write_done(self, transfer: Transfer, error: BaseException | None,
                     writes: int = 0) -> None:
