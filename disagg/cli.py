@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import typer
 from rich.console import Console
@@ -24,6 +24,9 @@ from disagg.config import (
 from disagg.errors import ConfigError, DisaggError, RequestError
 from disagg.figures import register as register_figures
 from disagg.sim.commands import register as register_sim_commands
+
+if TYPE_CHECKING:
+    from disagg.node_setup import NodeConfig
 
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -116,6 +119,8 @@ KVTimeoutOption = Annotated[float, typer.Option(
     help="Decoder: seconds a request may wait for its KV before it is cancelled and retried")]
 LeaseOption = Annotated[float, typer.Option(
     help="Prefiller: seconds after which a transfer is stopped and its pages freed")]
+ListenOption = Annotated[str, typer.Option(
+    help="host:port for control connections (port 0: any free port)")]
 MetricsPortOption = Annotated[int | None, typer.Option(
     help="Serve Prometheus metrics at http://host:PORT/metrics (0: any free port)")]
 
@@ -124,7 +129,7 @@ def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chu
                  provider: str, threads: int, mode: str, tp: int = 1,
                  replicated_kv: bool = False, faults: str | None = None,
                  kv_timeout: float = 120.0, lease: float = 300.0,
-                 metrics_port: int | None = None) -> object:
+                 metrics_port: int | None = None) -> NodeConfig:
     from disagg.node_setup import NodeConfig
 
     return NodeConfig(model, CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -139,7 +144,7 @@ def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chu
 @serve_app.command("prefill")
 def serve_prefill(
     model: ModelOption,
-    listen: Annotated[str, typer.Option(help="host:port for decoders (port 0: any)")] = "127.0.0.1:0",
+    listen: ListenOption = "127.0.0.1:0",
     node_id: Annotated[str, typer.Option(help="Name in logs and handshakes")] = "prefill-0",
     kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
@@ -151,15 +156,17 @@ def serve_prefill(
     """Run a prefiller: prefill requests from decoders and stream their KV back."""
     from disagg.serve import serve_prefill as run
 
-    run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "prefill_only", tp, replicated_kv, faults, kv_timeout, lease, metrics_port), listen, node_id, trace)  # type: ignore[arg-type]
+    config = _node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
+                          "prefill_only", tp, replicated_kv, faults, kv_timeout, lease,
+                          metrics_port)
+    run(config, listen, node_id, trace)
 
 
 @serve_app.command("decode")
 def serve_decode(
     model: ModelOption,
     prefiller: Annotated[list[str], typer.Option(help="A prefiller's host:port (repeatable)")],
-    listen: Annotated[str, typer.Option(help="host:port for routers (port 0: any)")] = "127.0.0.1:0",
+    listen: ListenOption = "127.0.0.1:0",
     node_id: Annotated[str, typer.Option(help="Name in logs and handshakes")] = "decode-0",
     kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
@@ -167,18 +174,21 @@ def serve_decode(
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
     faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
     lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
+    retry: Annotated[bool, typer.Option(
+        help="Retry a dead prefiller's requests on another prefiller (else they fail)")] = True,
 ) -> None:
     """Run a decoder: take requests, get their KV from prefillers, decode them."""
     from disagg.serve import serve_decode as run
 
-    run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port), listen, prefiller, node_id, trace)  # type: ignore[arg-type]
+    config = _node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
+                          "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port)
+    run(replace(config, retry_on_prefiller_failure=retry), listen, prefiller, node_id, trace)
 
 
 @serve_app.command("mixed")
 def serve_mixed(
     model: ModelOption,
-    listen: Annotated[str, typer.Option(help="host:port for routers (port 0: any)")] = "127.0.0.1:0",
+    listen: ListenOption = "127.0.0.1:0",
     node_id: Annotated[str, typer.Option(help="Name in logs and traces")] = "mixed-0",
     kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
     num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
@@ -190,8 +200,9 @@ def serve_mixed(
     """Run a single-node engine (prefill and decode mixed, S1) behind the router protocol."""
     from disagg.serve import serve_decode as run
 
-    run(_node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                     "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port), listen, [], node_id, trace)  # type: ignore[arg-type]
+    config = _node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
+                          "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port)
+    run(config, listen, [], node_id, trace)
 
 
 @app.command()

@@ -30,6 +30,7 @@ class NodeConfig:
     threads: int | None = None  # torch intra-op threads for this node
     faults: str | None = None  # a FaultPlan spec: test-only fault injection (issue 8)
     kv_timeout_s: float = 120.0  # decoder: deadline for a request's KV to arrive
+    retry_on_prefiller_failure: bool = True  # decoder: else a dead prefiller's requests fail
     lease_s: float = 300.0  # prefiller: a transfer older than this is stopped
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
 

@@ -56,7 +56,9 @@ def serve_decode(config: NodeConfig, listen: str, prefillers: list[str], node_id
     engine, transfer, fingerprint, _ = build_node(config)
     tracer = Tracer(trace_path(trace, node_id), node_id)
     try:
-        reliability = ReliabilityConfig(kv_timeout_s=config.kv_timeout_s)
+        reliability = ReliabilityConfig(
+            kv_timeout_s=config.kv_timeout_s,
+            retry_on_prefiller_failure=config.retry_on_prefiller_failure)
         node = DecodeNode(engine, transfer, fingerprint, prefillers, listen, node_id, tracer,
                           reliability)
     except BaseException:
