@@ -52,6 +52,24 @@ def parse_token_ids(text: str) -> list[int]:
     return ids
 
 
+SpeculativeOption = Annotated[str | None, typer.Option(
+    help="Speculative decoding with this draft: mtp (an MTP head, random-init) or early-exit "
+         "(the model's first layers)")]
+DraftTokensOption = Annotated[int, typer.Option(
+    help="Draft tokens proposed per step, verified by one forward (with --speculative)")]
+DraftLayersOption = Annotated[int, typer.Option(
+    help="Layers of the early-exit draft (0: a quarter of the model)")]
+
+
+def speculative_config(kind: str | None, num_draft_tokens: int, draft_layers: int) -> object:
+    """The `SpeculativeConfig` the options describe, or None without --speculative."""
+    from disagg.draft import SpeculativeConfig
+
+    if kind is None:
+        return None
+    return SpeculativeConfig(kind, num_draft_tokens, draft_layers)  # type: ignore[arg-type]
+
+
 @app.command()
 def generate(
     model: Annotated[str, typer.Option(help="smollm2-135m, a preset (tiny, small) or a "
@@ -70,6 +88,8 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     trace: Annotated[str | None, typer.Option(
         help="Write a Chrome/Perfetto trace of the engine steps to this JSON file")] = None,
+    speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
+    draft_layers: DraftLayersOption = 0,
 ) -> None:
     """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
     from disagg.generate import generate_one
@@ -89,7 +109,8 @@ def generate(
         model, config, prompt=prompt,
         prompt_token_ids=None if prompt_token_ids is None else parse_token_ids(prompt_token_ids),
         max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        on_text=stream, tracer=tracer)
+        on_text=stream, tracer=tracer,
+        speculative=speculative_config(speculative, num_draft_tokens, draft_layers))
     tracer.close()
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
@@ -176,13 +197,17 @@ def serve_decode(
     lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
     retry: Annotated[bool, typer.Option(
         help="Retry a dead prefiller's requests on another prefiller (else they fail)")] = True,
+    speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
+    draft_layers: DraftLayersOption = 0,
 ) -> None:
     """Run a decoder: take requests, get their KV from prefillers, decode them."""
     from disagg.serve import serve_decode as run
 
     config = _node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
                           "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port)
-    run(replace(config, retry_on_prefiller_failure=retry), listen, prefiller, node_id, trace)
+    spec = speculative_config(speculative, num_draft_tokens, draft_layers)
+    run(replace(config, retry_on_prefiller_failure=retry, speculative=spec), listen,  # type: ignore[arg-type]
+        prefiller, node_id, trace)
 
 
 @serve_app.command("mixed")
@@ -231,6 +256,8 @@ def demo(
     deployment: Annotated[str | None, typer.Option(
         help="A preset of S9 on the toy model: qwen3-coder (TP 4 -> TP 4, HND, 3 decoders) or "
              "deepseek-r1 (replicated KV, TP 4 prefiller, 3 DP decoders)")] = None,
+    speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
+    draft_layers: DraftLayersOption = 0,
 ) -> None:
     """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
     from rich.live import Live
@@ -246,6 +273,10 @@ def demo(
                             kv_layout=check_kv_layout(kv_layout), page_size=page_size,
                             num_pages=num_pages, chunk_size=chunk_size, provider=provider,
                             prefill_tp=prefill_tp, decode_tp=decode_tp, replicated_kv=replicated)
+    if speculative is not None:
+        speculative_config(speculative, num_draft_tokens, draft_layers)  # fail here, not there
+        cluster.decode_args = ["--speculative", speculative, "--num-draft-tokens",
+                               str(num_draft_tokens), "--draft-layers", str(draft_layers)]
     if deployment is not None:
         if deployment not in DEPLOYMENTS:
             raise ConfigError(f"unknown deployment {deployment!r}: expected one of "
@@ -262,6 +293,11 @@ def demo(
                           view=lambda requests: live.update(request_table(requests)))
     console.print(totals_table(result))
     console.print(metrics_table(result["metrics"]))
+    if result["totals"].get("acceptance_rate") is not None:
+        t = result["totals"]
+        console.print(f"speculative ({speculative}, k={num_draft_tokens}): "
+                      f"{t['accepted_tokens']} of {t['draft_tokens']} drafts accepted "
+                      f"({t['acceptance_rate']:.0%})")
     if trace:
         err_console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
 

@@ -42,6 +42,7 @@ class ClusterConfig:
     decode_tp: int = 1
     replicated_kv: bool = False  # every TP rank holds all KV heads (MLA-style, S9a)
     extra_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)  # decoders only (e.g. --speculative)
     startup_timeout_s: float = 120.0
     trace_dir: str | None = None  # each node writes <node_id>.json here (a Chrome trace)
 
@@ -85,7 +86,8 @@ class LocalCluster:
             # Decoders start side by side: each loads the model on its own.
             names = [f"decode-{i}" for i in range(self.config.num_decoders)]
             decoders = [self._spawn(name, ["serve", "decode", *prefiller_args, "--tp",
-                                           str(self.config.decode_tp)]) for name in names]
+                                           str(self.config.decode_tp), *self.config.decode_args])
+                        for name in names]
             self.decoder_addresses = [self._wait_ready(name, process)
                                       for name, process in zip(names, decoders, strict=True)]
         except BaseException:

@@ -25,6 +25,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from disagg.channel import Channel
+from disagg.draft_kv import DraftKVSink
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError
 from disagg.handoff import (
@@ -113,6 +114,7 @@ class DecodeMessenger:
         self.context = allocate_context_buffer(config, num_context_slots)
         self._context_region, self._context_descriptor = transfer.register_memory(
             self.context, name="decode-ctx")
+        self.draft_kv = DraftKVSink(engine, transfer)  # an MTP head's cache, if any (issue 6)
         self._free_slots = list(range(num_context_slots))
         self._imms = itertools.count(1)
         self.prefillers: list[Channel] = []
@@ -137,7 +139,7 @@ class DecodeMessenger:
             kv_descriptors=[d.to_bytes() for d in self._kv_descriptors],
             context_descriptor=self._context_descriptor.to_bytes(),
             context_slot_nbytes=context_slot_nbytes(config), tp=cache.sharding.tp,
-            replicated_kv=cache.sharding.replicated)
+            replicated_kv=cache.sharding.replicated, draft_kv_descriptor=self.draft_kv.descriptor)
 
     def add_prefiller(self, channel: Channel, ack: HelloAck) -> int:
         """Use a prefiller whose handshake succeeded; returns its index."""
@@ -190,8 +192,9 @@ class DecodeMessenger:
         imm = next(self._imms) % 2**32
         slot = self._free_slots.pop()
         index = min(live, key=self._load.__getitem__)
-        expected = expected_write_count(request.num_prompt_tokens, page_size, config.num_layers,
-                                        self._page_writes[index])
+        expected = (expected_write_count(request.num_prompt_tokens, page_size, config.num_layers,
+                                         self._page_writes[index])
+                    + self.draft_kv.expected_writes(request.num_prompt_tokens))
         now = time.monotonic()
         self.pending[request.request_id] = PendingKV(
             request, imm, slot, expected, index, now, now + self.reliability.kv_timeout_s)
@@ -229,6 +232,7 @@ class DecodeMessenger:
                 self._quarantine(pending, None, "retry" if retry else "fail",
                                  "KV checksum mismatch", self.reliability.quarantine_timeout_s)
                 continue
+            self.draft_kv.keep_context(pending.request, self.context[pending.context_slot])
             self._forget(pending)
             self._release(pending.request)
             outcomes.append(Outcome(pending.request, "released", receipt=self._receipt(pending)))
@@ -244,7 +248,8 @@ class DecodeMessenger:
         config = self.engine.model.config
         expected = context_checksum(self.context[pending.context_slot], config)
         request = pending.request
-        got = kv_checksum(self.engine.kv_cache, request.page_ids, request.num_prompt_tokens - 1)
+        got = (kv_checksum(self.engine.kv_cache, request.page_ids, request.num_prompt_tokens - 1)
+               + self.draft_kv.checksum(request))
         if got != expected:
             logger.warning("request %s: KV checksum %r, prefiller sent %r", request.request_id,
                            got, expected)
@@ -375,3 +380,4 @@ class DecodeMessenger:
         for region in self._kv_regions:
             self.transfer.unregister_memory(region)
         self.transfer.unregister_memory(self._context_region)
+        self.draft_kv.close()

@@ -205,8 +205,11 @@ class DecodeNode:
     def _step(self) -> None:
         start, num_steps = time.time(), self.engine.num_steps
         for event in self.engine.step():
-            state = event.request.status.value if event.finished else "decoding"
-            self._report(event.request, state, [event.token_id])
+            request = event.request
+            state = request.status.value if event.finished else "decoding"
+            self._report(request, state, [event.token_id],
+                         num_draft_tokens=request.num_draft_tokens,
+                         num_accepted_tokens=request.num_accepted_tokens)
         batch = self.engine.last_batch
         if self.engine.num_steps != num_steps and batch is not None:
             self.tracer.complete("step", start, time.time(), num_tokens=batch.num_tokens,

@@ -66,6 +66,8 @@ class DemoRequest:
     kv_wait_ms: float = 0.0
     detail: str = ""
     stream: StreamDecoder | None = None
+    draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted (issue 6)
+    accepted_tokens: int = 0
 
     @property
     def done(self) -> bool:
@@ -90,7 +92,8 @@ class DemoRequest:
                 "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
                 "text": self.text, "state": self.state, "decoder": self.decoder,
                 "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "kv_writes": self.kv_writes,
-                "kv_bytes": self.kv_bytes, "kv_wait_ms": self.kv_wait_ms, "detail": self.detail}
+                "kv_bytes": self.kv_bytes, "kv_wait_ms": self.kv_wait_ms, "detail": self.detail,
+                "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
 
 
 def load_prompts(path: str | None) -> list[PromptSpec]:
@@ -151,6 +154,9 @@ def apply_event(request: DemoRequest, event: RequestEvent, now: float) -> None:
         request.kv_writes, request.kv_bytes = event.kv_writes, event.kv_bytes
         request.kv_wait_ms = event.kv_wait_ms
     request.detail = event.detail or request.detail
+    if event.num_draft_tokens:
+        request.draft_tokens = event.num_draft_tokens
+        request.accepted_tokens = event.num_accepted_tokens
     for token_id in event.token_ids:
         request.token_ids.append(token_id)
         request.token_times.append(now)
@@ -165,11 +171,15 @@ def totals(requests: list[DemoRequest], wall_s: float) -> dict[str, Any]:
     tokens = sum(len(r.token_ids) for r in requests)
     kv_bytes = sum(r.kv_bytes for r in requests)
     ttfts = sorted(r.ttft_ms for r in requests if r.ttft_ms is not None)
+    drafts = sum(r.draft_tokens for r in requests)
+    accepted = sum(r.accepted_tokens for r in requests)
     return {"requests": len(requests), "failed": sum(r.state == "failed" for r in requests),
             "output_tokens": tokens, "wall_s": wall_s,
             "tokens_per_s": tokens / wall_s if wall_s else 0.0,
             "ttft_ms_p50": ttfts[len(ttfts) // 2] if ttfts else None,
-            "kv_writes": sum(r.kv_writes for r in requests), "kv_bytes": kv_bytes}
+            "kv_writes": sum(r.kv_writes for r in requests), "kv_bytes": kv_bytes,
+            "draft_tokens": drafts, "accepted_tokens": accepted,
+            "acceptance_rate": accepted / drafts if drafts else None}
 
 
 def trace_request(tracer: Tracer, request: DemoRequest, tokens_before: int,

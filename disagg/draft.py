@@ -26,6 +26,7 @@ from disagg.model import DecoderLayer, RMSNorm, Transformer
 DraftKind = Literal["mtp", "early-exit"]
 DRAFT_KINDS: tuple[DraftKind, ...] = ("mtp", "early-exit")
 MTP_INIT_STD = 0.02
+MTP_SEED = 0  # every node builds the same random head from it: nothing to ship or agree on
 
 
 @dataclass(frozen=True, slots=True)
@@ -35,7 +36,6 @@ class SpeculativeConfig:
     kind: DraftKind
     num_draft_tokens: int = 3
     draft_layers: int = 0  # early exit: target layers the draft runs (0: a quarter of them)
-    mtp_seed: int = 0  # the MTP head is random-init from this seed, the same on every node
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
@@ -119,7 +119,7 @@ class MTPHead(nn.Module):
         return x, self.norm(x)
 
 
-def build_mtp_head(config: ModelConfig, seed: int = 0) -> MTPHead:
+def build_mtp_head(config: ModelConfig, seed: int = MTP_SEED) -> MTPHead:
     """A random-init MTP head, bit-identical for the same `(config, seed)` on every machine
     (so a prefiller and its decoders agree without shipping weights). Untrained: it shows the
     mechanism; load trained weights with `load_state_dict` to make it accept tokens."""

@@ -13,9 +13,11 @@ from dataclasses import replace
 from typing import Any
 
 from disagg.config import EngineConfig
+from disagg.draft import SpeculativeConfig
 from disagg.engine import build_engine
 from disagg.errors import RequestError
 from disagg.request import SamplingParams
+from disagg.spec_engine import enable_speculation
 from disagg.tokenizer import StreamDecoder
 from disagg.trace import Tracer
 from disagg.weights import load_model
@@ -25,9 +27,10 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
                  prompt_token_ids: list[int] | None, max_tokens: int, temperature: float = 0.0,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  on_text: Callable[[str], None] | None = None,
-                 tracer: Tracer | None = None) -> dict[str, Any]:
+                 tracer: Tracer | None = None,
+                 speculative: SpeculativeConfig | None = None) -> dict[str, Any]:
     """Generate for one prompt (text or ids); `on_text` receives text as it decodes; `tracer`
-    records each step."""
+    records each step; `speculative` drafts and verifies (issue 6)."""
     loaded = load_model(model_spec)
     tokenizer = loaded.tokenizer
     if prompt is not None:
@@ -41,6 +44,8 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
         raise RequestError(f"token id {max(prompt_token_ids)} is outside the vocabulary of "
                            f"{loaded.config.vocab_size}")
     engine = build_engine(replace(config, model=loaded.config), loaded.state_dict)
+    if speculative is not None:
+        enable_speculation(engine, speculative)
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed)
     request = engine.add_request(prompt_token_ids, params)
@@ -66,4 +71,7 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
     }
     if tokenizer is not None:
         result["text"] = tokenizer.decode(request.output_token_ids, skip_special_tokens=True)
+    if speculative is not None:
+        result |= {"draft_tokens": request.num_draft_tokens,
+                   "accepted_tokens": request.num_accepted_tokens, "steps": engine.num_steps}
     return result

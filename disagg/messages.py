@@ -51,6 +51,7 @@ class Hello(Message):
     context_slot_nbytes: int
     tp: int = 1
     replicated_kv: bool = False
+    draft_kv_descriptor: bytes = b""  # the MTP head's cache, if the decoder drafts with one
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +147,8 @@ class RequestEvent(Message):
     kv_bytes: int = 0  # ... and their bytes
     kv_wait_ms: float = 0.0  # ... and the time from asking a prefiller to the counter firing
     detail: str = ""
+    num_draft_tokens: int = 0  # speculative decoding so far: drafts verified (issue 6)
+    num_accepted_tokens: int = 0  # ... and accepted
 
 
 @dataclass(frozen=True, slots=True)

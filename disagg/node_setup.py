@@ -11,7 +11,9 @@ from dataclasses import dataclass, field, fields
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from disagg.draft import SpeculativeConfig
 from disagg.engine import LLMEngine, build_engine
+from disagg.spec_engine import enable_speculation
 from disagg.weights import LoadedModel, load_model
 from transfer_core.engine import TransferEngine
 from transfer_core.faults import FaultPlan, FaultyTransferEngine
@@ -33,6 +35,7 @@ class NodeConfig:
     retry_on_prefiller_failure: bool = True  # decoder: else a dead prefiller's requests fail
     lease_s: float = 300.0  # prefiller: a transfer older than this is stopped
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
+    speculative: SpeculativeConfig | None = None  # decoder: draft and verify (issue 6)
 
 
 def model_fingerprint(loaded: LoadedModel) -> str:
@@ -56,6 +59,8 @@ def build_node(config: NodeConfig) -> tuple[LLMEngine, TransferEngine, str, Load
     loaded = load_model(config.model)
     engine = build_engine(EngineConfig(loaded.config, config.cache, config.scheduler,
                                        config.parallel), loaded.state_dict)
+    if config.speculative is not None:
+        enable_speculation(engine, config.speculative)
     if config.faults:
         transfer: TransferEngine = FaultyTransferEngine(
             config.provider, node=config.fabric_node, faults=FaultPlan.parse(config.faults))

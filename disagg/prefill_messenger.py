@@ -24,6 +24,7 @@ from dataclasses import dataclass, field
 
 from disagg.batch import Batch
 from disagg.channel import Channel
+from disagg.draft_kv import DraftKVSource
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError, RequestError
 from disagg.handoff import (
@@ -129,6 +130,7 @@ class PrefillMessenger:
             self._free_slots.put(slot)
         self._lock = threading.Condition()
         self._transfers: dict[str, Transfer] = {}
+        self.draft = DraftKVSource(engine, transfer, self._transfers)  # MTP pages (issue 6)
         self._plans: dict[int, list[PlannedWrite]] = {}
         self._forwards_planned = 0
         self._handled_value = 0  # counter value whose writes have all been posted
@@ -165,6 +167,7 @@ class PrefillMessenger:
             raise RequestError(f"decoder {hello.node_id}: KV regions of {kv[0].length} bytes "
                                f"are not {self.num_layers} layers of whole {page_nbytes}-byte "
                                "pages")
+        self.draft.add_peer(hello, peer_pages)
         return DecoderPeer(hello.node_id, channel, kv, context, sharding, peer_pages,
                            context.length // self._slot_nbytes, page_nbytes, layer_nbytes)
 
@@ -345,9 +348,14 @@ class PrefillMessenger:
             if transfer.error is not None:
                 return
             transfer.pending_writes += 1
+        if self.draft.wants(transfer):  # the MTP head's pages, before the slot (issue 6)
+            with self._lock:
+                transfer.pending_writes += 1
+            self.draft.submit(transfer, lambda err=None, n=0: self._write_done(transfer, err, n))
         slot = self._free_slots.get(timeout=self.wait_timeout_s)
         request = transfer.request
-        checksum = kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens)
+        checksum = (kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens)
+                    + self.draft.checksum(transfer))
         pack_context(self._context[slot], output.hidden_states[row], output.logits[row],
                      checksum)
 
@@ -447,3 +455,4 @@ class PrefillMessenger:
         for region in self._kv_regions:
             self.transfer.unregister_memory(region)
         self.transfer.unregister_memory(self._context_region)
+        self.draft.close()

@@ -60,7 +60,7 @@ class Speculator:
         model, device = engine.model, engine.config.device
         self.kv_cache: PagedKVCache | None = None  # the draft's own pages, if it has any
         if config.kind == "mtp":
-            head = build_mtp_head(model.config, config.mtp_seed).to(device)
+            head = build_mtp_head(model.config).to(device)
             self.kv_cache = mtp_kv_cache(model.config, engine.config.cache, device)
             self.proposer: EarlyExitProposer | MTPProposer = MTPProposer(model, head,
                                                                          self.kv_cache)
