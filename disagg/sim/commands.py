@@ -150,19 +150,24 @@ def calibrate(
                                                 "predictions (about a minute)")] = True,
     against: Annotated[Path | None, typer.Option(help="benchmarks/disagg.py runs (JSON) to "
                                                       "predict and compare")] = None,
+    quiet_wait: Annotated[float, typer.Option(help="Seconds to wait for an idle CPU before "
+                                                    "each measurement")] = 30.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Measure this CPU's constants, then predict our engine's step times and compare."""
-    from disagg.sim.calibrate import calibrate_cpu, validate_steps
+    from disagg.sim.calibrate import busy_share, calibrate_cpu, validate_steps
     from disagg.sim.hardware import save_cpu_calibration
     from disagg.sim.validate import compare_runs, load_runs
 
-    hw = calibrate_cpu(threads=threads)
+    busy_before = busy_share()
+    hw = calibrate_cpu(threads=threads, quiet_wait_s=quiet_wait)
     path = save_cpu_calibration(hw) if save else None
-    steps = validate_steps(hw, threads=threads) if validate else []
+    steps = validate_steps(hw, threads=threads, quiet_wait_s=quiet_wait) if validate else []
     runs = compare_runs(load_runs(against), hw) if against else []
+    busy = max(busy_before, busy_share())
     if as_json:
         _print_json({"hardware": hw.to_dict(), "saved_to": str(path) if path else None,
+                     "cpu_busy_share": busy,
                      "steps": [{"case": s.case, "predicted_ms": s.predicted_s * 1e3,
                                 "measured_ms": s.measured_s * 1e3, "error": s.error}
                                for s in steps],
@@ -191,6 +196,9 @@ def calibrate(
         for case, predicted, measured, error in rows:
             table.add_row(case, f"{predicted:.1f}", f"{measured:.1f}", f"{error:+.0%}")
         console.print(table)
+    if busy > 0.3:
+        console.print(f"[yellow]other work used {busy:.0%} of the CPU around the measurement: "
+                      "numbers are noisy, run again on a quiet machine[/yellow]")
 
 
 def register(app: typer.Typer) -> None:

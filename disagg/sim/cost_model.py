@@ -1,15 +1,17 @@
 """Time of one forward step from first principles: a roofline per term, plus fixed costs (S1).
 
-NOTE on the model. A step runs the same layer `num_layers` times. Within a layer each GEMM
-family (attention projections and dense MLPs; routed experts) and the attention kernel cost
-`max(FLOPs / (peak * efficiency), bytes / (bandwidth * efficiency))` on one device (the sum
-instead of the max on hardware that cannot overlap the two, such as one CPU thread). Bytes are
-the weights a step must stream once, so a decode batch (a few tokens per weight) is memory
-bound and a prefill chunk (thousands) compute bound: the S1 asymmetry in one formula. To that
-we add communication (TP all-reduce over NVLink, EP all-to-all), a per-kernel launch cost and
-host overhead. Attention grows with the query-key pairs (`qo_len * kv_len`) and with the KV
-bytes read; MoE weights grow with the experts a batch actually touches.
+Attention projections, MLPs and routed experts, attention over the KV cache, the LM head,
+TP all-reduce, EP all-to-all, kernel launches and host work, each a separate term so that a
+caller can say which one binds. Also the KV transfer over NICs (S3) and cache capacity.
 """
+
+# NOTE on the model. A step runs the same layer `num_layers` times. Within a layer each GEMM
+# family and the attention kernel cost max(FLOPs / (peak x efficiency), bytes / (bandwidth x
+# efficiency)) on one device (the sum instead of the max on hardware that cannot overlap the
+# two, such as one CPU thread). Bytes are what a step must stream once: weights, and the KV
+# it reads. So a decode batch (a few tokens per weight) is memory bound and a prefill chunk
+# (thousands) compute bound: the S1 asymmetry in one formula. MoE weights grow with the
+# experts a batch touches; attention FLOPs with the query-key pairs (qo_len x kv_len).
 
 from __future__ import annotations
 

@@ -10,7 +10,7 @@ the chosen plan through the simulator (`verify`) for percentiles.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from disagg.errors import ConfigError
 from disagg.sim.cost_model import (
@@ -100,9 +100,7 @@ def decode_capacity(model: SimModel, hw: Hardware, parallel: Parallel, prompt_le
         qps = batch * tps / output_len * parallel.dp
         found = PoolCapacity("decode", parallel, qps, batch, tps, cost.total * 1e3, cost,
                              "TPS target")
-    return None if found is None else PoolCapacity(
-        *[getattr(found, f) for f in ("role", "parallel", "qps_per_node", "batch", "tps",
-                                      "step_ms", "cost")], "KV capacity or batch cap")
+    return None if found is None else replace(found, limit="KV capacity or batch cap")
 
 
 def prefill_capacity(model: SimModel, hw: Hardware, parallel: Parallel, prompt_len: int,
@@ -168,8 +166,8 @@ def plan_cluster(model: SimModel, hw: Hardware, prompt_len: int, output_len: int
     options = []
     if mixed is not None:
         pools["mixed"] = mixed
-        options.append(PlanOption(f"mixed x{max_nodes}", 0, max_nodes, tp,
-                                  mixed.qps_per_node * max_nodes, "mixed nodes"))
+        options.append(PlanOption(f"mixed {tp.label} (any node count)", 0, 1, tp,
+                                  mixed.qps_per_node, "prefill stalls"))
     pre = pools["prefill"].qps_per_node
     for name in ("decode TP", "decode DP"):
         if name not in pools or pre <= 0:

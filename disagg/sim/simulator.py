@@ -1,19 +1,21 @@
 """Discrete-event simulator of a serving cluster: mixed nodes, or prefillers feeding decoders.
 
-Mixed (S1): every node runs continuous batching with chunked prefill, decodes first and
-prefill chunks filling the rest of the token budget, the policy of `disagg.scheduler`. A step
-that carries a chunk is slow, and every decode in it waits. Disaggregated (S2, S3, S8, S9):
-a request starts at a decoder, which reserves its KV pages and sends it to the least loaded
-prefiller; the prefiller computes every prompt token but the last and streams KV layer by
-layer, so only the tail after the last layer adds to TTFT; the decoder then runs the last
-prompt token as an ordinary decode step, which yields the first token.
-
-NOTE on the event loop. Each instance (a TP group or one DP rank) is idle or running exactly
-one step; a step's length comes from `cost_model.step_time` for the batch it holds, decided
-when it starts. Events (arrival, step end, KV ready) are ordered by time, then by insertion,
-so one seed gives one history. DP ranks are simulated independently and assumed to carry
-equal batches when they meet in the expert all-to-all.
+Mixed (S1): every node batches decodes with prefill chunks, so a chunk stalls the decodes it
+rides with. Disaggregated (S2, S3, S8, S9): decoders reserve pages and hand prompts to
+prefillers, which stream KV layer by layer. Per request it records TTFT, tokens/s and every
+inter-token gap; per instance, utilisation.
 """
+
+# NOTE on the model. Each instance (a TP group or one DP rank) is idle or running exactly one
+# step, whose length `cost_model.step_time` fixes from the batch it holds when it starts.
+# Mixed nodes follow `disagg.scheduler`: decodes first, prefill chunks fill the rest of the
+# token budget, the last prompt chunk samples the first token. Disaggregated requests start
+# at the least loaded decoder (pages reserved, S2a), go to the least loaded prefiller, which
+# computes every prompt token but the last (S8) and streams KV so only the last layer's tail
+# adds to TTFT (S3); the decoder runs the last prompt token as a decode step, which yields
+# the first token. Events (arrival, step end, KV ready) are ordered by time, then insertion,
+# so one seed gives one history. DP ranks are simulated independently and assumed to carry
+# equal batches when they meet in the expert all-to-all.
 
 from __future__ import annotations
 
@@ -42,10 +44,10 @@ Kind = Literal["mixed", "prefill", "decode"]
 class ClusterConfig:
     """The deployment: a policy, node counts, layouts and scheduler limits.
 
-    `chunk_size` is the prefill token budget of one step (SGLang's `chunked_prefill_size`,
-    8,192 by default on H100/H200-class GPUs). `spec_tokens` is the number of draft tokens per
-    decode step (None: one per MTP module the model ships), each accepted with
-    `spec_acceptance` (DeepSeek-V3 report: 85-90% for its MTP module; we take 85%).
+    `chunk_size` is the prefill token budget of one step (SGLang's `chunked_prefill_size`;
+    8,192 is its order of magnitude on 80 GB-class GPUs). `spec_tokens` is the number of
+    draft tokens per decode step (None: one per MTP module the model ships), each accepted
+    with `spec_acceptance` (DeepSeek-V3 report: 85-90% for its MTP module; we take 85%).
     """
 
     mode: Mode = "disagg"
