@@ -131,7 +131,8 @@ def mode_summary(run: dict[str, Any]) -> dict[str, Any]:
     steady_spread = spread(steady, with_max=True)
     quiet = run["quiet"]
     summary = {
-        "quiet_machine": quiet.quiet, "busy_before": quiet.busy, "quiet_wait_s": quiet.waited_s,
+        "quiet_machine": quiet.quiet, "others_busy_before": quiet.others,
+        "ours_idle_before": quiet.ours, "quiet_wait_s": quiet.waited_s,
         "cpu_during_run": run["cpu"], "affinity": run["affinity"],
         "requests": len(rows),
         "failed": sum(row["state"] in ("failed", "finished_failed") for row in rows),
@@ -196,7 +197,8 @@ def print_tables(result: dict[str, Any]) -> None:
     def parts(values: dict[str, Any], keys: tuple[str, ...], digits: int = 0) -> str:
         return " / ".join(_ms(values[key], digits) for key in keys)
 
-    row("quiet before (busy)", lambda m: f"{m['quiet_machine']} ({m['busy_before']:.0%})")
+    row("quiet before (others' CPU)",
+        lambda m: f"{m['quiet_machine']} ({m['others_busy_before']:.0%})")
     row("CPU: ours / others", lambda m: f"{m['cpu_during_run']['ours']:.0%} / "
                                          f"{m['cpu_during_run']['others']:.0%}")
     row("requests (failed)", lambda m: f"{m['requests']} ({m['failed']})")
