@@ -164,6 +164,8 @@ class Speculator:
         allocator, page_size = self.engine.allocator, self.engine.kv_cache.page_size
         held = len(request.page_ids) + allocator.num_free
         num_drafts = max(0, min(num_drafts, held * page_size - request.num_tokens))
+        if num_drafts == 0:
+            return 0  # a plain decode: the scheduler finds its page (or preempts for it)
         needed = -(-(request.num_tokens + num_drafts) // page_size) - len(request.page_ids)
         if needed > 0:
             request.page_ids.extend(allocator.allocate(needed))
