@@ -18,10 +18,11 @@ from disagg.messages import RequestEvent, Submit
 from disagg.router import Router
 
 PROMPT = list(range(100, 140))  # 40 token ids: the tiny preset has no tokenizer
+Timeline = list[tuple[float, str, str]]  # (time.time(), where, what)
 
 
-def describe_event(event: RequestEvent) -> str | None:
-    """One line for a router event (None for progress reports that add nothing)."""
+def describe_event(event: RequestEvent) -> str:
+    """One line for a router event."""
     if event.state == "waiting_for_kv":
         return f"waiting for KV, {event.kv_writes_received} writes landed so far"
     if event.state == "decoding" and event.kv_writes:
@@ -33,11 +34,13 @@ def describe_event(event: RequestEvent) -> str | None:
 
 
 def describe_trace(node: str, event: dict) -> str | None:
-    """One line for a trace event of the prefiller or the decoder."""
+    """One line for a trace event of the prefiller or the decoder (None: not shown)."""
     args = event.get("args", {})
     name = event["name"]
-    if name == "layer_writes_posted":
-        return f"forward {args['forward']}: layer {args['layer']}'s page writes posted"
+    if name == "layer":  # the poller saw the counter bump; this layer's writes go out now
+        return f"forward {args['forward']}: layer {args['layer']} done, its page writes posted"
+    if name == "layer_writes_done":
+        return f"layer {args['layer']}'s writes completed"
     if name == "step":
         kind = "prefill chunk" if node.startswith("prefill") else "decode step"
         return f"{kind} starts: {args['num_tokens']} tokens, {args['num_seqs']} request(s)"
@@ -46,29 +49,36 @@ def describe_trace(node: str, event: dict) -> str | None:
     return None
 
 
+def serve(router: Router, request_id: str, timeline: Timeline) -> None:
+    """Send the prompt and record the router's events until the request ends."""
+    router.submit(Submit(request_id, PROMPT, max_tokens=4))
+    timeline.append((time.time(), "router", f"submit {request_id}: {len(PROMPT)} tokens"))
+    while True:
+        event = router.events.get(timeout=60)
+        timeline.append((time.time(), "router", describe_event(event)))
+        if event.state.startswith("finished") or event.state == "failed":
+            return
+
+
 def main() -> None:
     with tempfile.TemporaryDirectory() as trace_dir:
         # Every node writes its Chrome trace into trace_dir when it exits.
         config = ClusterConfig(model="tiny", num_decoders=1, page_size=16, num_pages=64,
                                chunk_size=16, extra_args=["--trace", trace_dir])
-        timeline: list[tuple[float, str, str]] = []
+        timeline: Timeline = []
         with LocalCluster(config) as cluster:
             router = Router(cluster.decoder_addresses)
+            # A warm-up request first: the first write to a decoder also opens the
+            # connection to it, tens of milliseconds that are not part of a request's life.
+            serve(router, "warm-up", [])
+            time.sleep(0.1)
             start = time.time()
-            router.submit(Submit("req-0", PROMPT, max_tokens=4))
-            timeline.append((start, "router", f"submit req-0: {len(PROMPT)} prompt tokens"))
-            while True:
-                event = router.events.get(timeout=60)
-                line = describe_event(event)
-                if line:
-                    timeline.append((time.time(), "router", line))
-                if event.state.startswith("finished") or event.state == "failed":
-                    break
+            serve(router, "req-1", timeline)
             router.close()
         for path in sorted(Path(trace_dir).glob("*.json")):
             for event in json.loads(path.read_text())["traceEvents"]:
                 line = describe_trace(path.stem, event) if event["ph"] in "Xi" else None
-                if line:
+                if line and event["ts"] / 1e6 >= start:
                     timeline.append((event["ts"] / 1e6, path.stem, line))
 
     print(f"one request through a prefiller and a decoder ({config.model}, page size "
