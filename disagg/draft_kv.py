@@ -62,7 +62,7 @@ class DraftKVSource:
         self.head = build_mtp_head(model.config).to(engine.config.device)
         self.kv_cache = mtp_kv_cache(model.config, engine.config.cache, engine.config.device)
         self.transfer = transfer
-        self._region, _ = transfer.register_memory(self.kv_cache.buffer, name="prefill-mtp")
+        self.region, _ = transfer.register_memory(self.kv_cache.buffer, name="prefill-mtp")
         self._transfers = transfers
         self._peers: dict[str, MemoryRegionDescriptor] = {}  # decoders that draft with MTP
         # First listener: the head's pages must exist before the messenger ships the context.
@@ -121,7 +121,7 @@ class DraftKVSource:
         nbytes = self.kv_cache.page_nbytes
         try:
             self.transfer.submit_paged_writes(
-                nbytes, self._region, transfer.request.page_ids[:count], nbytes, 0,
+                nbytes, self.region, transfer.request.page_ids[:count], nbytes, 0,
                 self._peers[transfer.peer.peer_id], transfer.dst_page_ids[:count], nbytes, 0,
                 transfer.imm, on_done=lambda: done(None, count), on_error=done)
         except (TransferError, ValueError) as error:
@@ -129,7 +129,7 @@ class DraftKVSource:
 
     def close(self) -> None:
         """Unregister the MTP cache (after the transfer engine drained)."""
-        self.transfer.unregister_memory(self._region)
+        self.transfer.unregister_memory(self.region)
 
 
 class DraftKVSink:

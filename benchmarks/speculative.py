@@ -1,0 +1,125 @@
+"""Speculative decoding on this machine: acceptance, tokens per target forward, decode tokens/s.
+
+One request at a time (batch 1, where speculation pays off), greedy, the built-in demo prompts
+on SmolLM2-135M (fp32, CPU). For each configuration, no speculation first, then early-exit
+drafts of several depths and the (random-init) MTP head, it measures: the acceptance rate
+(accepted / verified drafts), tokens per target forward during decode, and decode tokens/s
+(tokens after the first, over the time after the first). Greedy outputs must equal the
+non-speculative run's; the `same` column says so. Waits for a quiet machine first.
+Run: `python benchmarks/speculative.py [--model smollm2-135m] [--max-tokens 48] [--json]`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# `benchmarks/disagg.py` shares the package's name: the repository root goes first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import time  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from pinned_cluster import wait_for_quiet  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from disagg.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from disagg.demo import BUILTIN_PROMPTS  # noqa: E402
+from disagg.draft import SpeculativeConfig  # noqa: E402
+from disagg.engine import build_engine  # noqa: E402
+from disagg.request import SamplingParams  # noqa: E402
+from disagg.spec_engine import enable_speculation  # noqa: E402
+from disagg.weights import LoadedModel, load_model  # noqa: E402
+
+
+def configurations(num_layers: int) -> list[tuple[str, SpeculativeConfig | None]]:
+    """No speculation, early exits (`exit@L`: the first L layers) at a sixth, a quarter and
+    half the depth, and the random-init MTP head."""
+    configs: list[tuple[str, SpeculativeConfig | None]] = [("none", None)]
+    for layers in sorted({max(1, num_layers // 6), max(1, num_layers // 4), num_layers // 2}):
+        for k in (2, 4):
+            configs.append((f"exit@{layers}",
+                            SpeculativeConfig("early-exit", k, draft_layers=layers)))
+    configs.append(("mtp", SpeculativeConfig("mtp", 2)))
+    return configs
+
+
+def measure(loaded: LoadedModel, spec: SpeculativeConfig | None, prompts: list[list[int]],
+            max_tokens: int) -> dict[str, Any]:
+    """Serve each prompt alone; totals of decode tokens, decode forwards, time and drafts."""
+    config = EngineConfig(loaded.config, CacheConfig(page_size=16, num_pages=256),
+                          SchedulerConfig(chunk_size=512, max_num_batched_tokens=512))
+    engine = build_engine(config, loaded.state_dict)
+    speculator = enable_speculation(engine, spec) if spec is not None else None
+    tokens, forwards, seconds, outputs = 0, 0, 0.0, []
+    params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
+    for prompt in prompts:
+        request = engine.add_request(prompt, params)
+        steps = engine.num_steps
+        engine.step()  # the prompt in one chunk: the first token (and the first drafts)
+        start, first_step = time.perf_counter(), engine.num_steps
+        while engine.has_unfinished():
+            engine.step()
+        seconds += time.perf_counter() - start
+        tokens += len(request.output_token_ids) - 1
+        forwards += engine.num_steps - first_step
+        outputs.append(request.output_token_ids)
+        assert first_step == steps + 1
+    stats = speculator.stats if speculator is not None else None
+    return {"decode_tokens": tokens, "target_forwards": forwards, "decode_s": seconds,
+            "decode_tokens_per_s": tokens / seconds,
+            "tokens_per_forward": tokens / forwards,
+            "drafted": stats.drafted if stats else 0, "accepted": stats.accepted if stats else 0,
+            "acceptance_rate": stats.acceptance_rate if stats else None, "outputs": outputs}
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="smollm2-135m")
+    parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--threads", type=int, default=2)
+    parser.add_argument("--quiet-wait-s", type=float, default=120.0)
+    parser.add_argument("--json", action="store_true")
+    args = parser.parse_args(argv)
+    torch.set_num_threads(args.threads)
+    loaded = load_model(args.model)
+    vocab = loaded.config.vocab_size
+    prompts = [loaded.tokenizer.encode(text) if loaded.tokenizer else
+               [b % vocab for b in text.encode()] for text in BUILTIN_PROMPTS]
+    quiet = wait_for_quiet([], args.quiet_wait_s)
+    rows = []
+    baseline: list[list[int]] | None = None
+    for name, spec in configurations(loaded.config.num_layers):
+        row = measure(loaded, spec, prompts, args.max_tokens)
+        outputs = row.pop("outputs")
+        baseline = baseline or outputs
+        rows.append({"draft": name, "k": spec.num_draft_tokens if spec else 0,
+                     "same_tokens": outputs == baseline, **row})
+    base_speed = rows[0]["decode_tokens_per_s"]
+    for row in rows:
+        row["speedup"] = row["decode_tokens_per_s"] / base_speed
+    result = {"model": args.model, "threads": args.threads, "max_tokens": args.max_tokens,
+              "prompts": len(prompts), "quiet": quiet.quiet,
+              "others_cpu_share": quiet.others, "rows": rows}
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    table = Table(title=f"speculative decoding, {args.model}, batch 1, {args.threads} threads "
+                        f"({'quiet' if quiet.quiet else 'NOT quiet'} machine)")
+    for column in ("draft", "k", "acceptance", "tokens/forward", "decode tok/s", "speedup",
+                   "same"):
+        table.add_column(column, justify="left" if column == "draft" else "right")
+    for r in rows:
+        rate = "-" if r["acceptance_rate"] is None else f"{r['acceptance_rate']:.0%}"
+        table.add_row(r["draft"], str(r["k"]), rate, f"{r['tokens_per_forward']:.2f}",
+                      f"{r['decode_tokens_per_s']:.1f}", f"{r['speedup']:.2f}x",
+                      str(r["same_tokens"]))
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
