@@ -44,7 +44,13 @@ from disagg.messages import RequestEvent, Submit  # noqa: E402
 from disagg.router import Router  # noqa: E402
 from disagg.weights import load_model  # noqa: E402
 from disagg_report import print_tables, summarize  # noqa: E402
-from pinned_cluster import CpuMeter, Mode, PinnedCluster, wait_for_quiet  # noqa: E402
+from pinned_cluster import (  # noqa: E402
+    CpuMeter,
+    CpuSampler,
+    Mode,
+    PinnedCluster,
+    wait_for_quiet,
+)
 
 logger = logging.getLogger("benchmarks.disagg")
 
@@ -163,15 +169,15 @@ def run_mode(args: argparse.Namespace, mode: Mode, schedule: list[Arrival]) -> d
             ours = [process.pid for process in cluster.processes] + [os.getpid()]
             quiet = wait_for_quiet(ours, args.quiet_wait_s)
             router = Router(cluster.decoder_addresses)
-            meter = CpuMeter(ours)
+            meter, sampler = CpuMeter(ours), CpuSampler(ours)
             observed, start, end = serve_stream(router, schedule, args.timeout_s)
-            cpu = meter.read()
+            cpu, others = meter.read(), sampler.stop()
             affinity = cluster.affinity()
             router.close()
         traces = {path.stem: json.loads(path.read_text())["traceEvents"]
                   for path in Path(trace_dir).glob("*.json")}
     return {"mode": mode, "observed": observed, "start": start, "end": end, "traces": traces,
-            "cpu": cpu, "affinity": affinity, "quiet": quiet}
+            "cpu": cpu, "others_cpu": others, "affinity": affinity, "quiet": quiet}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -182,8 +188,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--modes", default="mixed,disagg", help="comma-separated: mixed, disagg")
     add("--num-short", type=int, default=4, help="short prompts started first")
     add("--short-prompt-len", type=int, default=16)
-    add("--short-max-tokens", type=int, default=256)
-    add("--num-long", type=int, default=10, help="long prompts arriving while shorts decode")
+    add("--short-max-tokens", type=int, default=320)
+    add("--num-long", type=int, default=14, help="long prompts arriving while shorts decode")
     add("--long-prompt-len", type=int, default=512)
     add("--long-max-tokens", type=int, default=32)
     add("--first-long-s", type=float, default=2.0, help="when the first long prompt arrives")

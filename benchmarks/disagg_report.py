@@ -14,6 +14,7 @@ from collections import defaultdict
 from typing import Any
 
 ITL_GOAL = 1.3  # issue 4: disaggregated decode ITL p99 within 1.3x of its median
+DISTURBED = 0.05  # other processes above this share of the machine (a tenth of a core) count
 
 
 def percentile(values: list[float], q: float) -> float | None:
@@ -54,17 +55,20 @@ def request_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
     tokens/s (ms and tokens/s)."""
     rows = []
     low, high = steady_window(run)
+    busy = [(s, e) for s, e, share in run.get("others_cpu", []) if share > DISTURBED]
     for o in run["observed"]:
         times = o.token_times
         pairs = list(zip(times, times[1:], strict=False))
         gaps = [(b - a) * 1e3 for a, b in pairs]
         steady = [(b - a) * 1e3 for a, b in pairs if a >= low and b <= high]
+        undisturbed = [(b - a) * 1e3 for a, b in pairs if a >= low and b <= high
+                       and not any(s < b and a < e for s, e in busy)]
         rows.append({
             "request_id": o.arrival.request_id, "kind": o.arrival.kind, "node": o.node,
             "state": o.state, "prompt_tokens": len(o.arrival.prompt_token_ids),
             "output_tokens": len(times),
             "ttft_ms": (times[0] - o.submitted_at) * 1e3 if times else None,
-            "itl_ms": gaps, "steady_itl_ms": steady,
+            "itl_ms": gaps, "steady_itl_ms": steady, "undisturbed_itl_ms": undisturbed,
             "tokens_per_s": (len(times) - 1) / (times[-1] - times[0])
             if len(times) > 1 and times[-1] > times[0] else None})
     return rows
@@ -124,6 +128,8 @@ def mode_summary(run: dict[str, Any]) -> dict[str, Any]:
     rows = request_rows(run)
     itl = [gap for row in rows for gap in row["itl_ms"]]
     steady = [gap for row in rows for gap in row["steady_itl_ms"]]
+    undisturbed = [gap for row in rows for gap in row["undisturbed_itl_ms"]]
+    calm = spread(undisturbed)
     low, high = steady_window(run)
     tokens = sum(row["output_tokens"] for row in rows)
     wall = run["end"] - run["start"]
@@ -145,12 +151,18 @@ def mode_summary(run: dict[str, Any]) -> dict[str, Any]:
         "steady_window_s": [low - run["start"], high - run["start"]],
         "steady_itl_ms": steady_spread,
         "steady_itl_p99_over_p50": _ratio(steady_spread["p99"], steady_spread["p50"]),
+        # The same, leaving out gaps during which other processes used the cores.
+        "undisturbed_itl_ms": calm, "undisturbed_itl_p99_over_p50": _ratio(calm["p99"],
+                                                                           calm["p50"]),
+        "disturbed_gap_share": 1 - len(undisturbed) / len(steady) if steady else None,
+        "others_cpu_max": max((share for *_, share in run.get("others_cpu", [])), default=None),
         "request_tokens_per_s": {
             "p50": percentile([r["tokens_per_s"] for r in rows if r["tokens_per_s"]], 50),
             "min": min((r["tokens_per_s"] for r in rows if r["tokens_per_s"]), default=None)},
         "steps": step_stats(run["traces"]),
         "ttft_split_ms": ttft_split(run, rows),
-        "per_request": [{k: v for k, v in row.items() if k not in ("itl_ms", "steady_itl_ms")}
+        "per_request": [{k: v for k, v in row.items()
+                         if k not in ("itl_ms", "steady_itl_ms", "undisturbed_itl_ms")}
                         | {"itl_ms_max": max(row["itl_ms"], default=None)} for row in rows]}
     return summary
 
@@ -175,6 +187,10 @@ def summarize(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict
 
 def _ms(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def _pct(value: float | None) -> float | None:
+    return None if value is None else value * 100
 
 
 def print_tables(result: dict[str, Any]) -> None:
@@ -215,6 +231,11 @@ def print_tables(result: dict[str, Any]) -> None:
     row("steady ITL ms p50 / p99 / max",
         lambda m: parts(m["steady_itl_ms"], ("p50", "p99", "max"), 1))
     row("steady ITL p99 / p50", lambda m: _ms(m["steady_itl_p99_over_p50"], 2))
+    row("  undisturbed: p50 / p99 ms, ratio",
+        lambda m: parts(m["undisturbed_itl_ms"], ("p50", "p99"), 1)
+        + f", {_ms(m['undisturbed_itl_p99_over_p50'], 2)}")
+    row("  gaps left out (others' CPU max)",
+        lambda m: f"{_ms(_pct(m['disturbed_gap_share']))}% ({_ms(_pct(m['others_cpu_max']))}%)")
     row("decode-only steps: n, ms p50 / p99", lambda m: f"{m['steps']['num_decode_only']}, "
         + parts(m["steps"]["decode_only_ms"], ("p50", "p99"), 1))
     row("steps with a prefill chunk: n, ms p50", lambda m: f"{m['steps']['num_with_prefill']}, "

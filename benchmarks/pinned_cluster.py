@@ -12,6 +12,7 @@ from __future__ import annotations
 import logging
 import os
 import subprocess
+import threading
 import time
 from dataclasses import dataclass
 from typing import Literal
@@ -179,3 +180,29 @@ class CpuMeter:
         ours_share = ours / elapsed
         return {"busy": busy_share, "ours": ours_share,
                 "others": max(0.0, busy_share - ours_share)}
+
+
+class CpuSampler:
+    """A thread that records, every `interval_s`, the share of the machine's CPU used by
+    processes other than `pids`: `(start, end, share)` with `time.time()` bounds, so latency
+    samples can be matched with the moments other work shared the cores."""
+
+    def __init__(self, pids: list[int], interval_s: float = 0.5) -> None:
+        self.pids = pids
+        self.interval_s = interval_s
+        self.samples: list[tuple[float, float, float]] = []
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="cpu-sampler", daemon=True)
+        self._thread.start()
+
+    def _run(self) -> None:
+        while not self._stop.is_set():
+            start, meter = time.time(), CpuMeter(self.pids)
+            self._stop.wait(self.interval_s)
+            self.samples.append((start, time.time(), meter.read()["others"]))
+
+    def stop(self) -> list[tuple[float, float, float]]:
+        """Stop sampling; returns the samples."""
+        self._stop.set()
+        self._thread.join()
+        return self.samples

@@ -84,6 +84,17 @@ def test_steady_window_spans_the_long_prompts_first_tokens() -> None:
     assert short["steady_itl_ms"] == pytest.approx([100.0, 1900.0])
 
 
+def test_gaps_while_others_used_the_cpu_are_left_out_of_undisturbed_itl() -> None:
+    """A gap overlapping a sample where other processes were busy is not 'undisturbed'."""
+    run = {"observed": [_observed("short-0", "short", 0.0, [1.0, 1.1, 1.2, 1.3]),
+                        _observed("long-0", "long", 0.5, [1.0, 1.05]),
+                        _observed("long-1", "long", 0.6, [1.3, 1.35])],
+           "others_cpu": [(1.0, 1.15, 0.01), (1.15, 1.5, 0.4)], "start": 0.0, "end": 1.4}
+    short = report.request_rows(run)[0]
+    assert short["steady_itl_ms"] == pytest.approx([100.0, 100.0, 100.0])
+    assert short["undisturbed_itl_ms"] == pytest.approx([100.0])
+
+
 @pytest.mark.slow
 @pytest.mark.fabric
 def test_benchmark_runs_both_modes_and_reports_every_key(tmp_path: Path) -> None:
