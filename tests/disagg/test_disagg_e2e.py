@@ -8,6 +8,7 @@ its shutdown check: no page, request, transfer context or armed counter left beh
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -43,9 +44,13 @@ def single_node_tokens(model: str, prompts: list[list[int]], max_tokens: int) ->
 def disaggregated_tokens(config: ClusterConfig, prompts: list[list[int]],
                          max_tokens: int) -> tuple[list[list[int]], dict[str, Any]]:
     specs = [PromptSpec(token_ids=p) for p in prompts]
+    # A loaded CI machine can be slow; these tests are about tokens, not deadlines.
+    config = replace(config, extra_args=[*config.extra_args, "--kv-timeout", "900"])
     result = run_demo(config, specs, max_tokens, exit_codes=True)
     assert result["exit_codes"] == [0] * (1 + config.num_decoders), result.get("logs")
-    assert all(r["state"].startswith("finished") for r in result["requests"])
+    unfinished = [(r["request_id"], r["state"], r["detail"]) for r in result["requests"]
+                  if not r["state"].startswith("finished")]
+    assert not unfinished, unfinished
     return [r["token_ids"] for r in result["requests"]], result
 
 
@@ -96,7 +101,7 @@ def test_hf_checkpoint_matches_transformers(make_hf_llama_checkpoint: Any) -> No
 
 @pytest.mark.slow
 def test_smollm2_matches_transformers(hf_smollm2_model: Any, hf_smollm2_tokenizer: Any) -> None:
-    """SmolLM2 served by 1 prefiller + 3 decoders (HND, chunk 7) decodes transformers' tokens."""
+    """SmolLM2 served by 1 prefiller + 2 decoders (HND, chunk 7) decodes transformers' tokens."""
     texts = ["The three primary colors are", "def fibonacci(n):", "Paris is the capital of",
              "Once upon a time"]
     prompts = [hf_smollm2_tokenizer.encode(t, add_special_tokens=False) for t in texts]
@@ -106,7 +111,7 @@ def test_smollm2_matches_transformers(hf_smollm2_model: Any, hf_smollm2_tokenize
             out = hf_smollm2_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
                                             do_sample=False, eos_token_id=None, pad_token_id=0)
         expected.append(out[0, len(prompt):].tolist())
-    config = ClusterConfig(model="smollm2-135m", num_decoders=3, kv_layout="HND", page_size=16,
+    config = ClusterConfig(model="smollm2-135m", num_decoders=2, kv_layout="HND", page_size=16,
                            chunk_size=7)
     ours, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert all(o == e[:len(o)] and (len(o) == MAX_TOKENS or o[-1] in (2,))
