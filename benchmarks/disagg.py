@@ -11,33 +11,27 @@ Run: `python benchmarks/disagg.py [--model smollm2-135m|tiny|small] [--json]` (a
 
 from __future__ import annotations
 
+import argparse
+import importlib
+import json
+import logging
+import os
+import queue
+import random
 import sys
+import tempfile
+import time
+from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any
 
-# This file shares its name with the package it measures: put the repository root first so
-# `import disagg` finds the package, never this script.
-_ROOT = str(Path(__file__).resolve().parent.parent)
+# This file shares its name with the package it measures: the repository root goes first on the
+# path so that `import disagg` finds the package. And when a sibling script in benchmarks/
+# imports `disagg` and finds this file instead, it steps aside for the real package.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 if __name__ == "disagg":
-    # A sibling script (benchmarks/*.py) imported `disagg` and found this file first on its
-    # path: step aside and load the real package under that name.
-    sys.path.insert(0, _ROOT)
     del sys.modules["disagg"]
-    import importlib
-
     sys.modules["disagg"] = importlib.import_module("disagg")
-else:
-    sys.path.insert(0, _ROOT)
-
-import argparse  # noqa: E402
-import json  # noqa: E402
-import logging  # noqa: E402
-import os  # noqa: E402
-import queue  # noqa: E402
-import random  # noqa: E402
-import tempfile  # noqa: E402
-import time  # noqa: E402
-from dataclasses import dataclass, field  # noqa: E402
-from typing import Any  # noqa: E402
 
 from disagg.cluster import ClusterConfig  # noqa: E402
 from disagg.messages import RequestEvent, Submit  # noqa: E402
@@ -57,9 +51,9 @@ logger = logging.getLogger("benchmarks.disagg")
 # glibc hands every allocation above its mmap threshold (128 KiB until a large free raises it)
 # back to the kernel when freed, so a decoder whose padded attention gathers megabytes per layer
 # page-faults and zeroes that memory again on every step: 2-2.5x slower steps once a long
-# context joins the batch. A single-node engine escapes it by accident (its prefill chunks raise
-# the threshold). Fixing the threshold for every node keeps this allocator effect out of the
-# comparison; `--malloc-defaults` measures with it.
+# context joins the batch. A single-node engine mostly escapes it by accident (its prefill
+# chunks raise the threshold). Fixing the threshold for every node keeps this allocator effect
+# out of the comparison; `--malloc-defaults` measures with it.
 MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
 
 
@@ -213,6 +207,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
+    """Run every mode on the same stream; print the tables or the JSON."""
     args = parse_args(argv)
     logging.basicConfig(level=logging.WARNING, format="%(name)s %(levelname)s %(message)s")
     if not args.malloc_defaults:
