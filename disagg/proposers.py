@@ -140,9 +140,11 @@ class MTPProposer:
                 continue
             pieces = []
             if state.done < chunk.start:
-                assert state.carry is not None and state.carry[0] == state.done == chunk.start - 1, (
-                    f"MTP state of {request.request_id} has a gap before {chunk.start}")
-                pieces.append(state.carry[1][None].to(rows.dtype))
+                # Only the shipped row may precede a chunk: anything else is a lost position.
+                carry = state.carry
+                assert carry is not None, f"MTP of {request.request_id}: gap at {state.done}"
+                assert carry[0] == state.done == chunk.start - 1
+                pieces.append(carry[1][None].to(rows.dtype))
                 state.carry = None
             pieces.append(rows[max(state.done - chunk.start, 0):end - chunk.start])
             tokens = request.all_token_ids

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from disagg.draft import SpeculativeConfig, Span, build_mtp_head, mtp_kv_cache, span_metadata
+from disagg.draft import Span, SpeculativeConfig, build_mtp_head, mtp_kv_cache, span_metadata
 from disagg.engine import LLMEngine, build_engine
 from disagg.proposers import CatchUp, MTPProposer, mtp_catch_up
 from disagg.request import Request, SamplingParams
@@ -94,7 +94,8 @@ def test_early_exit_accepts_some_drafts_and_saves_forwards() -> None:
     engine = make_engine(spec=SpeculativeConfig("early-exit", 3, draft_layers=1))
     run(engine, prompts())
     stats = speculator(engine).stats
-    assert stats.accepted > 0 and stats.tokens_per_forward > 1.0
+    assert stats.accepted > 0
+    assert stats.tokens_per_forward > 1.0
 
 
 def speculator(engine: LLMEngine) -> Speculator:
@@ -157,7 +158,8 @@ def test_a_stop_token_inside_accepted_drafts_ends_the_request_there(
     engine = make_engine(spec=SpeculativeConfig("early-exit", 4, draft_layers=1))
     Oracle(engine, {tuple(batch[0]): full})
     assert run(engine, batch, params) == expected
-    assert expected[0][-1] == full[5] and len(expected[0]) < MAX_TOKENS
+    assert expected[0][-1] == full[5]
+    assert len(expected[0]) < MAX_TOKENS
 
 
 def test_few_free_pages_shrink_drafts_and_preempt_without_leaks() -> None:
@@ -197,7 +199,8 @@ def test_mtp_cache_matches_a_fresh_catch_up_over_the_final_tokens() -> None:
     mtp_catch_up(build_mtp_head(CONFIG), fresh.model, cache,
                  [CatchUp(page_ids, 0, hidden, tokens[1:done + 1])])
     ours_cache = speculator(engine).kv_cache
-    assert ours_cache is not None and done > 12  # several verify steps have rolled back
+    assert ours_cache is not None
+    assert done > 12
     ours = ours_cache.gather(0, torch.tensor(request.page_ids), done)
     theirs = cache.gather(0, torch.tensor(page_ids), done)
     torch.testing.assert_close(ours, theirs, atol=1e-5, rtol=1e-4)
@@ -207,6 +210,8 @@ def test_span_metadata_packs_like_the_runner() -> None:
     """Single-token spans of several requests get the padded decode table the runner builds."""
     positions, meta = span_metadata([Span([3, 1], 5, 1), Span([2], 0, 1)], 4, torch.device("cpu"))
     assert positions.tolist() == [5, 0]
-    assert meta.slot_page_ids.tolist() == [1, 2] and meta.slot_offsets.tolist() == [1, 0]
-    assert meta.decode_page_table is not None and meta.decode_page_table.tolist() == [[3, 1],
+    assert meta.slot_page_ids.tolist() == [1, 2]
+    assert meta.slot_offsets.tolist() == [1, 0]
+    assert meta.decode_page_table is not None
+    assert meta.decode_page_table.tolist() == [[3, 1],
                                                                                       [2, 0]]
