@@ -28,6 +28,7 @@ from disagg.messages import Hello
 from disagg.model_runner import ForwardOutput
 from disagg.proposers import CatchUp, mtp_catch_up
 from disagg.request import Request
+from disagg.spec_engine import Speculator
 from disagg.transfer_plan import num_pages
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
@@ -140,7 +141,9 @@ class DraftKVSink:
         self.transfer = transfer
         self._model = engine.model.config
         self.page_size = engine.kv_cache.page_size
-        self.kv_cache: PagedKVCache | None = getattr(engine.speculator, "kv_cache", None)
+        speculator = engine.speculator
+        self.kv_cache: PagedKVCache | None = (
+            speculator.kv_cache if isinstance(speculator, Speculator) else None)
         self.descriptor = b""
         if self.kv_cache is not None:
             self._region, descriptor = transfer.register_memory(self.kv_cache.buffer,

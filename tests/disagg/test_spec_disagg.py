@@ -145,8 +145,9 @@ def patch(transfer: Any, name: str, wrapper: Callable[..., None]) -> None:
 def test_a_missing_context_write_is_caught_by_the_deadline(
         make_pair: Callable[..., Pair]) -> None:
     """The prefiller 'forgets' the context write: the decoder's counter stays one short, the
-    KV deadline fires, and the request fails (retried once first) instead of hanging."""
-    pair = make_pair("mtp", FAST)
+    KV deadline fires, and the request fails instead of hanging."""
+    pair = make_pair("mtp", ReliabilityConfig(kv_timeout_s=0.5, quarantine_timeout_s=0.5,
+                                              max_attempts=1))
     patch(pair.prefill.transfer, "submit_write",
           lambda original, *args, on_done, on_error, **kw: on_done())  # reported, never sent
     start = time.monotonic()
