@@ -76,7 +76,7 @@ def main() -> int:
         payload = results[0] if len(results) == 1 else dict(zip(providers, results, strict=True))
         print(json.dumps(payload))
     else:
-        Console().print(_table(results))
+        Console(width=max(Console().width, 120)).print(_table(results))
     return 0 if all(r["verified"] for r in results) else 1
 
 
