@@ -273,5 +273,5 @@ def print_tables(result: dict[str, Any]) -> None:
     if goal:
         verdict = "met" if goal["met"] else "NOT met"
         console.print(f"goal (disagg steady ITL p99 <= {goal['target']}x p50): {verdict} "
-                      f"({_ms(goal['disagg_itl_p99_over_p50'], 2)}x; mixed "
+                      f"({_ms(goal['disagg_itl_p99_over_p50'], 3)}x; mixed "
                       f"{_ms(goal['mixed_itl_p99_over_p50'], 2)}x)")

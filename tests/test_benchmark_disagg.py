@@ -95,6 +95,32 @@ def test_gaps_while_others_used_the_cpu_are_left_out_of_undisturbed_itl() -> Non
     assert short["undisturbed_itl_ms"] == pytest.approx([100.0])
 
 
+def test_tables_print_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    """summarize + print_tables on a synthetic two-mode result name both modes and the goal."""
+    def run(mode: str) -> dict:
+        observed = [_observed("short-0", "short", 0.0, [0.2, 0.3, 0.4, 1.5, 1.6, 1.7]),
+                    _observed("long-0", "long", 0.5, [1.0, 1.1]),
+                    _observed("long-1", "long", 0.6, [1.6, 1.7])]
+        prefill = [_span("queue", 500, 1, request_id="long-0"),
+                   _span("prefill", 501, 400, request_id="long-0"),
+                   _span("transfer_tail", 901, 2, request_id="long-0")]
+        traces = {f"{mode}-0": [_span("step", 200, 100, num_tokens=1, num_seqs=1)]}
+        if mode == "disagg":
+            traces["prefill-0"] = prefill
+        quiet = SimpleNamespace(quiet=True, others=0.0, ours=0.1, waited_s=2.0)
+        return {"observed": observed, "traces": traces, "start": 0.0, "end": 2.0,
+                "cpu": {"busy": 0.9, "ours": 0.9, "others": 0.0}, "others_cpu": [],
+                "affinity": {}, "quiet": quiet}
+
+    args = SimpleNamespace(model="tiny", num_short=1, short_max_tokens=6, num_long=2,
+                           long_prompt_len=8, interval_s=0.5, json=False, modes=[])
+    result = report.summarize(args, {"mixed": run("mixed"), "disagg": run("disagg")})
+    report.print_tables(result)
+    out = capsys.readouterr().out
+    assert "mixed" in out and "disagg" in out and "goal" in out
+    assert result["modes"]["disagg"]["ttft_split_ms"]["prefill"]["p50"] == pytest.approx(400.0)
+
+
 @pytest.mark.slow
 @pytest.mark.fabric
 def test_benchmark_runs_both_modes_and_reports_every_key(tmp_path: Path) -> None:
