@@ -5,7 +5,8 @@ on SmolLM2-135M (fp32, CPU). For each configuration, no speculation first, then 
 drafts of several depths and the (random-init) MTP head, it measures: the acceptance rate
 (accepted / verified drafts), tokens per target forward during decode, and decode tokens/s
 (tokens after the first, over the time after the first). Greedy outputs must equal the
-non-speculative run's; the `same` column says so. Waits for a quiet machine first.
+non-speculative run's; the `same` column says so. Waits for a quiet machine first, and keeps
+the fastest of `--reps` runs of each configuration (the least disturbed by other processes).
 Run: `python benchmarks/speculative.py [--model smollm2-135m] [--max-tokens 48] [--json]`.
 """
 
@@ -37,13 +38,14 @@ from disagg.weights import LoadedModel, load_model  # noqa: E402
 
 
 def configurations(num_layers: int) -> list[tuple[str, SpeculativeConfig | None]]:
-    """No speculation, early exits (`exit@L`: the first L layers) at a sixth, a quarter and
-    half the depth, and the random-init MTP head."""
+    """No speculation; early exits (`exit@L`: the first L layers) at half the depth, at 5/6 of
+    it and one layer short of the default (all but the last two), several k; the MTP head."""
+    deep = max(1, num_layers - 2)
     configs: list[tuple[str, SpeculativeConfig | None]] = [("none", None)]
-    for layers in sorted({max(1, num_layers // 6), max(1, num_layers // 4), num_layers // 2}):
-        for k in (2, 4):
-            configs.append((f"exit@{layers}",
-                            SpeculativeConfig("early-exit", k, draft_layers=layers)))
+    plan = {(max(1, num_layers // 2), 2), (max(1, num_layers * 5 // 6), 2), (deep, 1),
+            (deep, 2), (deep, 4)}
+    configs += [(f"exit@{layers}", SpeculativeConfig("early-exit", k, draft_layers=layers))
+                for layers, k in sorted(plan)]
     configs.append(("mtp", SpeculativeConfig("mtp", 2)))
     return configs
 
@@ -83,6 +85,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--max-tokens", type=int, default=48)
     parser.add_argument("--threads", type=int, default=2)
     parser.add_argument("--quiet-wait-s", type=float, default=120.0)
+    parser.add_argument("--reps", type=int, default=2, help="best of: the least disturbed run")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
@@ -94,7 +97,8 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     baseline: list[list[int]] | None = None
     for name, spec in configurations(loaded.config.num_layers):
-        row = measure(loaded, spec, prompts, args.max_tokens)
+        row = max((measure(loaded, spec, prompts, args.max_tokens) for _ in range(args.reps)),
+                  key=lambda r: r["decode_tokens_per_s"])
         outputs = row.pop("outputs")
         baseline = baseline or outputs
         rows.append({"draft": name, "k": spec.num_draft_tokens if spec else 0,

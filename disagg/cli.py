@@ -58,7 +58,7 @@ SpeculativeOption = Annotated[str | None, typer.Option(
 DraftTokensOption = Annotated[int, typer.Option(
     help="Draft tokens proposed per step, verified by one forward (with --speculative)")]
 DraftLayersOption = Annotated[int, typer.Option(
-    help="Layers of the early-exit draft (0: a quarter of the model)")]
+    help="Layers of the early-exit draft (0: all but the last two)")]
 
 
 def speculative_config(kind: str | None, num_draft_tokens: int, draft_layers: int) -> object:

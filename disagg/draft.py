@@ -35,7 +35,7 @@ class SpeculativeConfig:
 
     kind: DraftKind
     num_draft_tokens: int = 3
-    draft_layers: int = 0  # early exit: target layers the draft runs (0: a quarter of them)
+    draft_layers: int = 0  # early exit: target layers the draft runs (0: all but the last 2)
 
     def __post_init__(self) -> None:
         if self.kind not in DRAFT_KINDS:
@@ -46,8 +46,10 @@ class SpeculativeConfig:
             raise ConfigError(f"draft_layers must be >= 0, got {self.draft_layers}")
 
     def exit_layer(self, model: ModelConfig) -> int:
-        """Layers the early-exit draft runs: `draft_layers`, or a quarter of the model."""
-        layers = self.draft_layers or max(1, model.num_layers // 4)
+        """Layers the early-exit draft runs: `draft_layers`, or all but the last two (an
+        untrained model's middle layers rarely agree with its output: on SmolLM2, 2% of
+        drafts after 10 of 30 layers, 23% after 25, 44% after 28)."""
+        layers = self.draft_layers or max(1, model.num_layers - 2)
         if layers >= model.num_layers:
             raise ConfigError(f"draft_layers={layers}: the draft must be shallower than the "
                               f"{model.num_layers}-layer target")

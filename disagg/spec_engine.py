@@ -29,7 +29,7 @@ from disagg.model_runner import ForwardOutput
 from disagg.proposers import EarlyExitProposer, MTPProposer
 from disagg.request import Request
 from disagg.sampling import sample_token
-from disagg.speculative import propose_token, verify
+from disagg.speculative import propose_token, verify, verify_greedy_lazily
 
 
 @dataclass
@@ -117,11 +117,16 @@ class Speculator:
     def _verify(self, request: Request, hidden: torch.Tensor, end: int) -> list[int]:
         """Tokens to append for a speculative chunk whose rows end at `end`."""
         drafts = list(request.spec_token_ids)
-        logits = self.engine.model.compute_logits(hidden[end - len(drafts) - 1:end])
+        rows = hidden[end - len(drafts) - 1:end]  # the last real token's row, then the drafts'
+        model, params = self.engine.model, request.sampling_params
         probs = self._draft_probs.pop(request, None)
-        draft_probs = torch.stack(probs[:len(drafts)]) if probs else None
-        token_ids = verify(drafts, draft_probs, logits, request.sampling_params,
-                           request.generator)
+        if params.temperature == 0.0:
+            token_ids = verify_greedy_lazily(
+                drafts, lambda row: int(model.compute_logits(rows[row]).argmax()))
+        else:
+            assert probs is not None, "sampled drafts keep the distribution they came from"
+            token_ids = verify(drafts, torch.stack(probs[:len(drafts)]),
+                               model.compute_logits(rows), params, request.generator)
         self.stats.verify_steps += 1
         self.stats.drafted += len(drafts)
         self.stats.accepted += len(token_ids) - 1

@@ -11,6 +11,8 @@ draft is accepted with probability min(1, p / q) and a rejection resamples from 
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from disagg.request import SamplingParams
@@ -44,13 +46,21 @@ def verify_greedy(draft_token_ids: list[int], target_logits: torch.Tensor) -> li
     >>> verify_greedy([2, 3], logits)  # both agree: both, plus a bonus token
     [2, 3, 1]
     """
-    best = target_logits.argmax(-1).tolist()
+    return verify_greedy_lazily(draft_token_ids, lambda row: int(target_logits[row].argmax()))
+
+
+def verify_greedy_lazily(draft_token_ids: list[int], target_token: Callable[[int], int]
+                         ) -> list[int]:
+    """`verify_greedy` asking `target_token(j)` (the target's argmax at row j) only for the
+    rows it needs: a decoder computes the LM head for accepted rows plus one, not for all
+    k + 1 (the LM head is a fifth of SmolLM2's decode step)."""
     accepted = []
-    for draft, target in zip(draft_token_ids, best, strict=False):
-        if draft != target:
-            break
+    for row, draft in enumerate(draft_token_ids):
+        token = target_token(row)
+        if token != draft:
+            return [*accepted, token]
         accepted.append(draft)
-    return [*accepted, best[len(accepted)]]
+    return [*accepted, target_token(len(draft_token_ids))]
 
 
 def verify_sampled(draft_token_ids: list[int], draft_probs: torch.Tensor,
