@@ -108,7 +108,7 @@ def cluster_config(args: argparse.Namespace, schedule: list[Arrival], trace_dir:
                 for a in schedule)
     return ClusterConfig(model=args.model, num_decoders=1, page_size=args.page_size,
                          num_pages=pages + 16, chunk_size=args.chunk_size,
-                         threads_per_node=1, extra_args=["--trace", trace_dir])
+                         threads_per_node=1, trace_dir=trace_dir)
 
 
 def serve_stream(router: Router, schedule: list[Arrival], timeout_s: float
@@ -192,7 +192,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--page-size", type=int, default=16)
     add("--cores", default="0,1", help="the two cores the nodes are pinned to")
     add("--seed", type=int, default=0)
-    add("--quiet-wait-s", type=float, default=30.0, help="longest wait for an idle machine")
+    add("--quiet-wait-s", type=float, default=20.0, help="longest wait for an idle machine")
     add("--timeout-s", type=float, default=300.0, help="longest a stream may take")
     add("--malloc-defaults", action="store_true",
         help="leave glibc's malloc thresholds alone in the nodes (see MALLOC_TUNING)")

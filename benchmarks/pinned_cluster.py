@@ -9,7 +9,6 @@ read /proc so a result can say whether other work shared the cores while it was 
 
 from __future__ import annotations
 
-import logging
 import os
 import subprocess
 import threading
@@ -18,11 +17,7 @@ from dataclasses import dataclass
 from typing import Literal
 
 from disagg.cluster import ClusterConfig, LocalCluster
-from disagg.channel import Channel
-from disagg.errors import ConfigError, DisaggError
-from disagg.messages import Shutdown
-
-logger = logging.getLogger(__name__)
+from disagg.errors import ConfigError
 
 Mode = Literal["mixed", "disagg"]
 
@@ -88,29 +83,6 @@ class PinnedCluster(LocalCluster):
         pin_process(process.pid, core)
         self.node_cores[name] = core
         return process
-
-    def stop(self, timeout_s: float = 10.0) -> None:
-        """End every node. `LocalCluster.stop()` also messages the prefiller and raises
-        ValueError on an empty address, so a mixed cluster (no prefiller) ends its nodes here:
-        a Shutdown each, then signals."""
-        if self.prefiller_address:
-            super().stop(timeout_s)
-            return
-        for address in self.decoder_addresses:
-            try:
-                channel = Channel.connect(address, timeout_s=2.0)
-                channel.send(Shutdown())
-                channel.close()
-            except DisaggError:
-                logger.info("node at %s is gone already", address)
-        deadline = time.monotonic() + timeout_s
-        for process in self.processes:
-            try:
-                process.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                logger.warning("killing pid %d", process.pid)
-                process.kill()
-                process.wait()
 
     def affinity(self) -> dict[str, list[int]]:
         """Node name -> the cores its threads may use, read back from the kernel."""
