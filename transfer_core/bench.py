@@ -5,7 +5,9 @@ with `submit_paged_writes`, one immediate value per request. A rep is timed from
 the receiver's counter fires and its acknowledging immediate is back at the sender (the
 target's count is the truth of placement). Every rep is verified by a checksum of the
 receiver's pages read in the shuffled order. Then `latency_iters` single 4 KiB writes are
-timed one at a time, submit to sender completion. Waits for an idle machine first and reports
+timed one at a time, submit to sender completion; each carries an immediate like every KV
+write does (on shm a write without one takes the sender-side copy path, whose tail depends on
+the idle target's naps). Waits for an idle machine first and reports
 medians; `run_transfer_benchmark` is what `benchmarks/transfer.py` and `disagg bench transfer`
 call.
 """
@@ -24,6 +26,8 @@ import numpy as np
 
 from transfer_core.engine import TransferEngine
 from transfer_core.memory import MemoryRegionDescriptor
+
+LATENCY_IMM = 0xFFFF_FFFF  # counted (and ignored) by the receiver
 
 
 def cpu_busy_fraction(interval_s: float) -> float:
@@ -140,7 +144,7 @@ class _Sender:
             done.clear()
             start = time.perf_counter_ns()
             self.engine.submit_write(
-                self.src_mr, 0, nbytes, None, dst, 0, on_done, self.errors.append
+                self.src_mr, 0, nbytes, LATENCY_IMM, dst, 0, on_done, self.errors.append
             )
             if not done.wait(10.0):
                 raise TimeoutError(f"latency write did not complete ({self.errors})")
