@@ -152,6 +152,8 @@ def calibrate(
                                                       "predict and compare")] = None,
     quiet_wait: Annotated[float, typer.Option(help="Seconds to wait for an idle CPU before "
                                                     "each measurement")] = 30.0,
+    use_saved: Annotated[bool, typer.Option(help="Measure nothing: use the saved preset "
+                                                 "(with --against)")] = False,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Measure this CPU's constants, then predict our engine's step times and compare."""
@@ -159,12 +161,16 @@ def calibrate(
     from disagg.sim.hardware import save_cpu_calibration
     from disagg.sim.validate import compare_runs, load_runs
 
-    busy_before = busy_share()
-    hw = calibrate_cpu(threads=threads, quiet_wait_s=quiet_wait)
-    path = save_cpu_calibration(hw) if save else None
+    measuring = validate or not use_saved
+    busy_before = busy_share() if measuring else 0.0
+    if use_saved:
+        hw, path = hardware_from_name("cpu"), None
+    else:
+        hw = calibrate_cpu(threads=threads, quiet_wait_s=quiet_wait)
+        path = save_cpu_calibration(hw) if save else None
     steps = validate_steps(hw, threads=threads, quiet_wait_s=quiet_wait) if validate else []
     runs = compare_runs(load_runs(against), hw) if against else []
-    busy = max(busy_before, busy_share())
+    busy = max(busy_before, busy_share()) if measuring else 0.0
     if as_json:
         _print_json({"hardware": hw.to_dict(), "saved_to": str(path) if path else None,
                      "cpu_busy_share": busy,

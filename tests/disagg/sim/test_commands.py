@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 
 from disagg.cli import main
-from disagg.sim.hardware import CPU_CALIBRATION_ENV
+from disagg.sim.hardware import CPU_CALIBRATION_ENV, Hardware, save_cpu_calibration
+from tests.disagg.sim.conftest import BenchmarkRun
 
 FAST = ["--duration", "20", "--qps", "2", "--output-len", "128", "--prompt-len", "2048"]
 
@@ -64,6 +65,22 @@ def test_plan_cluster_json(capsys: pytest.CaptureFixture[str]) -> None:
     assert "P:" in result["best"]
     assert result["options"][0]["label"] == result["best"]
     assert any("binding" in line for line in result["reasoning"])
+
+
+def test_calibrate_against_benchmark_runs(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                          capsys: pytest.CaptureFixture[str], cpu_hw: Hardware,
+                                          benchmark_run: BenchmarkRun) -> None:
+    """With a saved preset, --against replays benchmark runs and prints each metric."""
+    monkeypatch.setenv(CPU_CALIBRATION_ENV, str(tmp_path / "cpu.json"))
+    save_cpu_calibration(cpu_hw)
+    runs = tmp_path / "runs.json"
+    runs.write_text(json.dumps([benchmark_run("mixed"), benchmark_run("disagg")]))
+    code, out, _ = run_cli(["calibrate", "--use-saved", "--no-validate", "--against", str(runs),
+                            "--json"], capsys)
+    result = json.loads(out)
+    assert code == 0
+    assert {(c["mode"], c["metric"]) for c in result["benchmark"]} == {
+        (mode, metric) for mode in ("mixed", "disagg") for metric in ("itl_ms_p99", "ttft_ms_p50")}
 
 
 @pytest.mark.slow
