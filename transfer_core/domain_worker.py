@@ -23,6 +23,7 @@ from transfer_core.pyfabric import (
     FabricStack,
     Info,
     MemoryRegistration,
+    Stats,
     Worker,
     WriteOp,
     check_peer_alive,
@@ -176,7 +177,7 @@ class DomainWorker:
     def pending(self) -> int:
         return len(self._ops)
 
-    def stats(self) -> object:
+    def stats(self) -> Stats:
         return self._worker.stats()
 
     def _run(self) -> None:

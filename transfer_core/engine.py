@@ -31,7 +31,7 @@ from transfer_core.memory import (
     check_range,
     resolve_buffer,
 )
-from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, WriteOp, find_infos, lib
+from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, WriteOp, find_infos, lib
 
 logger = logging.getLogger(__name__)
 
@@ -267,7 +267,7 @@ class TransferEngine:
         """Arrivals of `imm` counted here and not yet consumed by a fired expectation."""
         return self._counters.counted(imm)
 
-    def stats(self) -> list[Any]:
+    def stats(self) -> list[Stats]:
         """Per-domain counters of the C worker (writes, EAGAIN returns, immediates, ...)."""
         return [w.stats() for w in self._domains]
 
