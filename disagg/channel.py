@@ -16,6 +16,7 @@ import os
 import socket
 import threading
 import time
+from collections.abc import Callable
 
 from disagg.errors import PeerClosedError, ProtocolError
 from disagg.messages import HEADER, Message, decode_header, decode_payload, encode
@@ -135,3 +136,24 @@ def listen(address: str) -> socket.socket:
     host, port = parse_address(address)
     server = socket.create_server((host, port), reuse_port=False)
     return server
+
+
+def start_heartbeats(channels: Callable[[], list[Channel]], stop: threading.Event,
+                     interval_s: float = 1.0) -> threading.Thread:
+    """A thread that sends a Heartbeat on every channel each `interval_s` until `stop`.
+
+    Its own thread, not the engine loop: a long forward step must not look like a dead node.
+    """
+    from disagg.messages import Heartbeat
+
+    def beat() -> None:
+        while not stop.wait(interval_s):
+            for channel in channels():
+                try:
+                    channel.send(Heartbeat())
+                except PeerClosedError:
+                    pass  # its reader thread reports the loss
+
+    thread = threading.Thread(target=beat, daemon=True, name="heartbeats")
+    thread.start()
+    return thread

@@ -16,7 +16,7 @@ import threading
 import time
 from typing import Any
 
-from disagg.channel import Channel, listen
+from disagg.channel import Channel, listen, start_heartbeats
 from disagg.decode_messenger import DecodeMessenger, Outcome, ReliabilityConfig
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
@@ -38,7 +38,7 @@ from transfer_core.engine import TransferEngine
 logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.05
 HEARTBEAT_INTERVAL_S = 1.0
-PEER_TIMEOUT_S = 5.0  # a peer silent this long is declared dead
+PEER_TIMEOUT_S = 10.0  # a peer silent this long is declared dead
 
 
 def failure_cause(detail: str) -> str:
@@ -83,12 +83,15 @@ class DecodeNode:
         self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
         self.shutdown_requested = False
-        self._last_heartbeat = 0.0
         self._channels: list[Channel] = []
         self._clients: dict[str, Channel] = {}  # request id -> the router that sent it
         self._last_progress = 0.0
         for address in prefillers:
             self._connect_prefiller(address)
+        messenger = self.messenger
+        start_heartbeats(lambda: [c for c, alive in zip(messenger.prefillers, messenger.alive,
+                                                        strict=True) if alive],
+                         self._stop, HEARTBEAT_INTERVAL_S)
         self._server = listen(listen_address)
         host, port = self._server.getsockname()[:2]
         self.address = f"{host}:{port}"
@@ -185,22 +188,13 @@ class DecodeNode:
             self._report(request, state, detail=outcome.detail)
 
     def _keep_alive(self) -> None:
-        """Heartbeat every prefiller; declare one gone when it has been silent too long."""
+        """Declare a prefiller gone when it has been silent too long (heartbeats go from
+        their own thread, `start_heartbeats`)."""
         now = time.monotonic()
-        if now - self._last_heartbeat < HEARTBEAT_INTERVAL_S:
-            return
-        self._last_heartbeat = now
         for index, channel in enumerate(self.messenger.prefillers):
-            if not self.messenger.alive[index]:
-                continue
-            if now - channel.last_received > PEER_TIMEOUT_S:
+            if self.messenger.alive[index] and now - channel.last_received > PEER_TIMEOUT_S:
                 channel.close()  # its reader thread then reports it gone
                 self.messenger.prefiller_gone(index, f"silent for {PEER_TIMEOUT_S:g} s")
-                continue
-            try:
-                channel.send(Heartbeat())
-            except PeerClosedError:
-                self.messenger.prefiller_gone(index, "connection lost")
 
     def _step(self) -> None:
         start, num_steps = time.time(), self.engine.num_steps

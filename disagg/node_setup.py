@@ -5,6 +5,7 @@ Kept apart from the node loops so the demo, the tests and `disagg serve` build n
 
 from __future__ import annotations
 
+import ctypes
 import hashlib
 from dataclasses import dataclass, field, fields
 
@@ -52,8 +53,25 @@ def model_fingerprint(loaded: LoadedModel) -> str:
     return f"{loaded.config.name}-{digest.hexdigest()[:16]}"
 
 
+def keep_freed_memory() -> None:
+    """Ask glibc to keep freed memory instead of returning it to the kernel at every free.
+
+    Each decode step gathers megabytes of KV per layer; with glibc's default thresholds that
+    memory is unmapped on free and faulted back in (and zeroed) by the next layer, which made a
+    decoder node's steps 2-2.5 times slower than the same batch in a long-lived process.
+    """
+    try:
+        libc = ctypes.CDLL("libc.so.6")
+    except OSError:
+        return  # not glibc: nothing to tune
+    m_trim_threshold, m_mmap_threshold = -1, -3  # from <malloc.h>
+    libc.mallopt(m_mmap_threshold, 32 << 20)
+    libc.mallopt(m_trim_threshold, 1 << 30)
+
+
 def build_node(config: NodeConfig) -> tuple[LLMEngine, TransferEngine, str, LoadedModel]:
     """Load the model, build the engine and open the fabric; returns them and the fingerprint."""
+    keep_freed_memory()
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = load_model(config.model)

@@ -14,7 +14,7 @@ import threading
 import time
 from typing import Any
 
-from disagg.channel import Channel, listen
+from disagg.channel import Channel, listen, start_heartbeats
 from disagg.engine import LLMEngine
 from disagg.handoff import context_slot_nbytes
 from disagg.errors import PeerClosedError, ProtocolError, RequestError
@@ -36,7 +36,7 @@ from transfer_core.errors import TransferError
 
 logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
-PEER_TIMEOUT_S = 5.0  # a decoder silent this long is declared dead
+PEER_TIMEOUT_S = 10.0  # a decoder silent this long is declared dead
 
 
 def hello_mismatches(hello: Hello, expected: Hello) -> list[str]:
@@ -76,7 +76,8 @@ class PrefillNode:
         self.shutdown_requested = False
         self._channels: list[Channel] = []
         self._peers: list[DecoderPeer] = []
-        self._last_heartbeat = 0.0
+        start_heartbeats(lambda: [peer.channel for peer in list(self._peers)], self._stop,
+                         HEARTBEAT_INTERVAL_S)
         threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True).start()
 
     def expected_hello(self) -> Hello:
@@ -171,21 +172,14 @@ class PrefillNode:
             self._keep_alive()
 
     def _keep_alive(self) -> None:
-        """Heartbeat every decoder; one silent for too long is treated as dead."""
+        """A decoder silent for too long is treated as dead (heartbeats go from their own
+        thread, `start_heartbeats`)."""
         now = time.monotonic()
-        if now - self._last_heartbeat < HEARTBEAT_INTERVAL_S:
-            return
-        self._last_heartbeat = now
         for peer in list(self._peers):
-            silent = now - peer.channel.last_received > PEER_TIMEOUT_S
-            try:
-                if silent:
-                    raise PeerClosedError(f"silent for {PEER_TIMEOUT_S:g} s")
-                peer.channel.send(Heartbeat())
-            except PeerClosedError as error:
+            if now - peer.channel.last_received > PEER_TIMEOUT_S:
                 self._peers.remove(peer)
                 peer.channel.close()
-                self.messenger.fail_peer(peer, f"decoder gone: {error}")
+                self.messenger.fail_peer(peer, f"decoder gone: silent for {PEER_TIMEOUT_S:g} s")
 
     def _drain_inbox(self, block: bool) -> None:
         while True:
