@@ -29,7 +29,7 @@ class NodeConfig:
     scheduler: SchedulerConfig
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     provider: str = "tcp"  # an alias (tcp, shm, efa, verbs) or a libfabric provider name
-    fabric_node: str | None = "127.0.0.1"  # interface address for the fabric endpoints
+    fabric_node: str | None = "auto"  # fabric interface: "auto" = loopback for socket providers
     threads: int | None = None  # torch intra-op threads for this node
     faults: str | None = None  # a FaultPlan spec: test-only fault injection (issue 8)
     kv_timeout_s: float = 120.0  # decoder: deadline for a request's KV to arrive
