@@ -1,9 +1,10 @@
 """Speculative decoding on this machine: acceptance, tokens per target forward, decode tokens/s.
 
 One request at a time (batch 1, where speculation pays off), greedy, the built-in demo prompts
-on SmolLM2-135M (fp32, CPU). For each configuration, no speculation first, then early-exit
-drafts of several depths and the (random-init) MTP head, it measures: the acceptance rate
-(accepted / verified drafts), tokens per target forward during decode, and decode tokens/s
+on SmolLM2-135M (fp32, CPU). Configurations: no speculation, early-exit drafts of several
+depths, the (random-init) MTP head, and that head with its drafts replaced by the right tokens
+(`mtp+oracle`: what a well-trained head of the same cost would give). Measured: the acceptance
+rate (accepted / verified drafts), tokens per target forward during decode, and decode tokens/s
 (tokens after the first, over the time after the first). Greedy outputs must equal the
 non-speculative run's; the `same` column says so. Waits for a quiet machine first, and keeps
 the fastest of `--reps` round-robin runs of each configuration (the least disturbed by other
@@ -48,17 +49,41 @@ def configurations(num_layers: int) -> list[tuple[str, SpeculativeConfig | None]
             (deep, 2), (deep, 4)}
     configs += [(f"exit@{layers}", SpeculativeConfig("early-exit", k, draft_layers=layers))
                 for layers, k in sorted(plan)]
-    configs.append(("mtp", SpeculativeConfig("mtp", 2)))
+    configs += [("mtp", SpeculativeConfig("mtp", 2)), ("mtp+oracle", SpeculativeConfig("mtp", 2)),
+                ("mtp+oracle", SpeculativeConfig("mtp", 4))]
     return configs
 
 
+class OracleDrafts:
+    """The MTP head runs and costs what it costs, but its drafts are replaced by the target's
+    own greedy continuation: the speed a perfectly trained head of this size would give."""
+
+    def __init__(self, proposer: Any, truth: dict[tuple[int, ...], list[int]]) -> None:
+        self.proposer, self.truth = proposer, truth
+
+    def observe(self, *args: Any) -> None:
+        self.proposer.observe(*args)
+
+    def propose(self, requests: list[Any], num_drafts: list[int], choose: Any
+                ) -> list[list[int]]:
+        drafts = self.proposer.propose(requests, num_drafts, choose)
+        for request, tokens in zip(requests, drafts, strict=True):
+            done = len(request.output_token_ids)
+            tokens[:] = self.truth[tuple(request.prompt_token_ids)][done:done + len(tokens)]
+        return drafts
+
+
 def measure(loaded: LoadedModel, spec: SpeculativeConfig | None, prompts: list[list[int]],
-            max_tokens: int) -> dict[str, Any]:
-    """Serve each prompt alone; totals of decode tokens, decode forwards, time and drafts."""
+            max_tokens: int, truth: dict[tuple[int, ...], list[int]] | None = None
+            ) -> dict[str, Any]:
+    """Serve each prompt alone; totals of decode tokens, decode forwards, time and drafts.
+    With `truth`, the drafts are the reference tokens (see `OracleDrafts`)."""
     config = EngineConfig(loaded.config, CacheConfig(page_size=16, num_pages=256),
                           SchedulerConfig(chunk_size=512, max_num_batched_tokens=512))
     engine = build_engine(config, loaded.state_dict)
     speculator = enable_speculation(engine, spec) if spec is not None else None
+    if speculator is not None and truth is not None:
+        speculator.proposer = OracleDrafts(speculator.proposer, truth)  # type: ignore[assignment]
     tokens, forwards, seconds, outputs = 0, 0, 0.0, []
     params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
     meter = CpuMeter([os.getpid()])
@@ -101,9 +126,13 @@ def main(argv: list[str] | None = None) -> None:
     configs = configurations(loaded.config.num_layers)
     # Round-robin over the configurations, so a burst of other work hits them all alike.
     best: list[dict[str, Any]] = [{} for _ in configs]
-    for _ in range(args.reps):
-        for i, (_, spec) in enumerate(configs):
-            row = measure(loaded, spec, prompts, args.max_tokens)
+    truth: dict[tuple[int, ...], list[int]] = {}
+    for rep in range(args.reps):
+        for i, (name, spec) in enumerate(configs):
+            row = measure(loaded, spec, prompts, args.max_tokens,
+                          truth if name.endswith("oracle") else None)
+            if rep == 0 and spec is None:
+                truth = dict(zip(map(tuple, prompts), row["outputs"], strict=True))
             if row["decode_tokens_per_s"] > best[i].get("decode_tokens_per_s", 0.0):
                 best[i] = row
     rows = []
