@@ -33,10 +33,6 @@ if __name__ == "disagg":
     del sys.modules["disagg"]
     sys.modules["disagg"] = importlib.import_module("disagg")
 
-from disagg.cluster import ClusterConfig  # noqa: E402
-from disagg.messages import RequestEvent, Submit  # noqa: E402
-from disagg.router import Router  # noqa: E402
-from disagg.weights import load_model  # noqa: E402
 from disagg_report import print_tables, summarize  # noqa: E402
 from pinned_cluster import (  # noqa: E402
     CpuMeter,
@@ -45,6 +41,11 @@ from pinned_cluster import (  # noqa: E402
     PinnedCluster,
     wait_for_quiet,
 )
+
+from disagg.cluster import ClusterConfig  # noqa: E402
+from disagg.messages import RequestEvent, Submit  # noqa: E402
+from disagg.router import Router  # noqa: E402
+from disagg.weights import load_model  # noqa: E402
 
 logger = logging.getLogger("benchmarks.disagg")
 

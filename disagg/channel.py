@@ -21,7 +21,6 @@ from collections.abc import Callable
 from disagg.errors import PeerClosedError, ProtocolError
 from disagg.messages import HEADER, Message, decode_header, decode_payload, encode
 
-
 SECRET_ENV = "DISAGG_CLUSTER_SECRET"
 TAG_SIZE = 32
 

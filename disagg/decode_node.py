@@ -20,7 +20,6 @@ from disagg.channel import Channel, listen, start_heartbeats
 from disagg.decode_messenger import DecodeMessenger, Outcome, ReliabilityConfig
 from disagg.engine import LLMEngine
 from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
-from disagg.metrics import Metrics
 from disagg.messages import (
     Abort,
     Heartbeat,
@@ -31,6 +30,7 @@ from disagg.messages import (
     Shutdown,
     Submit,
 )
+from disagg.metrics import Metrics
 from disagg.request import Request, SamplingParams
 from disagg.trace import Tracer
 from transfer_core.engine import TransferEngine

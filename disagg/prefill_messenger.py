@@ -20,7 +20,6 @@ import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
-from dataclasses import dataclass, field
 
 from disagg.batch import Batch
 from disagg.channel import Channel
@@ -32,77 +31,32 @@ from disagg.handoff import (
     context_slot_nbytes,
     kv_checksum,
     pack_context,
+    prefill_token_ids,
 )
-from disagg.handoff import prefill_token_ids
 from disagg.layer_counter import LayerCounter
 from disagg.messages import Hello, KVFailed, KVRequest
 from disagg.model_runner import ForwardOutput
+from disagg.prefill_transfer import (
+    DecoderPeer,
+    PlannedWrite,
+    Transfer,
+    check_kv_request,
+    parse_peer,
+)
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.trace import Tracer
-from disagg.tp import Sharding
 from disagg.transfer_plan import (
     PageGeometry,
     PageWrite,
     assign_source_sets,
-    num_pages,
     pages_completed_by_chunk,
     plan_page_writes,
 )
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
-from transfer_core.memory import MemoryRegionDescriptor
 from transfer_core.poller import CounterPoller
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class DecoderPeer:
-    """A connected decoder: where its KV pages (one region per TP rank) and context slots are."""
-
-    peer_id: str
-    channel: Channel
-    kv: list[MemoryRegionDescriptor]
-    context: MemoryRegionDescriptor
-    sharding: Sharding
-    num_pages: int
-    num_context_slots: int
-    page_nbytes: int  # of one rank's page
-    layer_nbytes: int  # of one rank's layer
-
-
-@dataclass
-class Transfer:
-    """One request's outgoing KV: the prefiller-side transfer context."""
-
-    key: str  # "<peer_id>/<request_id>", unique on this prefiller
-    request_id: str  # as the decoder named it
-    request: Request
-    peer: DecoderPeer
-    imm: int
-    dst_page_ids: list[int]
-    context_slot: int
-    page_writes: list[PageWrite]  # the plan for every page and layer (S6)
-    pending_writes: int = 0
-    all_submitted: bool = False
-    error: str | None = None
-    writes_ok: int = 0  # writes completed at the sender (the fence a decoder waits for)
-    writes_unknown: bool = False  # a failed call may have placed some of its writes
-    layer_post_times: list[tuple[int, float]] = field(default_factory=list)
-    # Wall-clock milestones (time.time()) for traces: the TTFT split of S1.
-    received_at: float = 0.0
-    first_scheduled_at: float = 0.0
-    last_layer_at: float = 0.0
-    done_at: float = 0.0
-
-
-@dataclass(frozen=True, slots=True)
-class PlannedWrite:
-    """Pages of one request completed by one forward, to be written layer by layer."""
-
-    transfer: Transfer
-    src_page_ids: list[int]
-    dst_page_ids: list[int]
 
 
 class PrefillMessenger:
@@ -154,22 +108,9 @@ class PrefillMessenger:
 
     def add_peer(self, hello: Hello, channel: Channel) -> DecoderPeer:
         """Accept a decoder whose handshake was validated; parse its descriptors."""
-        sharding = Sharding(hello.tp, hello.num_kv_heads, hello.replicated_kv)
-        if len(hello.kv_descriptors) != sharding.tp:
-            raise RequestError(f"decoder {hello.node_id}: {len(hello.kv_descriptors)} KV "
-                               f"regions for tp={sharding.tp}")
-        kv = [MemoryRegionDescriptor.from_bytes(d) for d in hello.kv_descriptors]
-        context = MemoryRegionDescriptor.from_bytes(hello.context_descriptor)
-        page_nbytes = self._geometry.page_nbytes(sharding.heads_per_rank)
-        layer_nbytes, rest = divmod(kv[0].length, self.num_layers)
-        peer_pages, rest2 = divmod(layer_nbytes, page_nbytes)
-        if rest or rest2 or peer_pages == 0 or any(d.length != kv[0].length for d in kv):
-            raise RequestError(f"decoder {hello.node_id}: KV regions of {kv[0].length} bytes "
-                               f"are not {self.num_layers} layers of whole {page_nbytes}-byte "
-                               "pages")
-        self.draft.add_peer(hello, peer_pages)
-        return DecoderPeer(hello.node_id, channel, kv, context, sharding, peer_pages,
-                           context.length // self._slot_nbytes, page_nbytes, layer_nbytes)
+        peer = parse_peer(hello, channel, self.num_layers, self._geometry, self._slot_nbytes)
+        self.draft.add_peer(hello, peer.num_pages)
+        return peer
 
     @property
     def _geometry(self) -> PageGeometry:
@@ -192,24 +133,8 @@ class PrefillMessenger:
         prompt = message.prompt_token_ids
         if key in self._transfers:
             raise RequestError(f"request {message.request_id} is already in flight")
-        if len(prompt) < 2:
-            raise RequestError(f"request {message.request_id}: a prompt of {len(prompt)} "
-                               "tokens needs no prefill (the decoder runs its last token)")
-        if len(message.dst_page_ids) < num_pages(len(prompt) - 1, self.kv_cache.page_size):
-            raise RequestError(f"request {message.request_id}: {len(message.dst_page_ids)} "
-                               f"destination pages for {len(prompt) - 1} tokens")
-        bad = [p for p in message.dst_page_ids if not 0 <= p < peer.num_pages]
-        if bad:
-            raise RequestError(f"request {message.request_id}: page ids {bad[:4]} are outside "
-                               f"the decoder's region of {peer.num_pages} pages")
-        if not 0 <= message.context_slot < peer.num_context_slots:
-            raise RequestError(f"request {message.request_id}: context slot "
-                               f"{message.context_slot} outside [0, {peer.num_context_slots})")
-        vocab = self.engine.model.config.vocab_size
-        if any(not 0 <= t < vocab for t in prompt):
-            raise RequestError(f"request {message.request_id}: token ids outside [0, {vocab})")
-        if not 0 <= message.imm < 2**32:
-            raise RequestError(f"request {message.request_id}: imm {message.imm} not 32-bit")
+        check_kv_request(message, peer, self.kv_cache.page_size,
+                         self.engine.model.config.vocab_size)
         request = Request(key, prefill_token_ids(prompt), SamplingParams(max_tokens=1))
         self.engine.scheduler.add_request(request)
         self._transfers[key] = Transfer(key, message.request_id, request, peer, message.imm,

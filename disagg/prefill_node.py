@@ -16,8 +16,8 @@ from typing import Any
 
 from disagg.channel import Channel, listen, start_heartbeats
 from disagg.engine import LLMEngine
-from disagg.handoff import context_slot_nbytes
 from disagg.errors import PeerClosedError, ProtocolError, RequestError
+from disagg.handoff import context_slot_nbytes
 from disagg.messages import (
     Cancel,
     Heartbeat,
@@ -29,7 +29,8 @@ from disagg.messages import (
     Shutdown,
 )
 from disagg.metrics import Metrics
-from disagg.prefill_messenger import DecoderPeer, PrefillMessenger
+from disagg.prefill_messenger import PrefillMessenger
+from disagg.prefill_transfer import DecoderPeer
 from disagg.trace import Tracer
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError

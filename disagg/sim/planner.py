@@ -14,8 +14,16 @@ from dataclasses import dataclass, field, replace
 
 from disagg.errors import ConfigError
 from disagg.sim.cost_model import (
-    BatchShape, Parallel, StepCost, decode_shape, kv_capacity_tokens, kv_transfer, prefill_time,
-    step_cost, tokens_per_step)
+    BatchShape,
+    Parallel,
+    StepCost,
+    decode_shape,
+    kv_capacity_tokens,
+    kv_transfer,
+    prefill_time,
+    step_cost,
+    tokens_per_step,
+)
 from disagg.sim.hardware import Hardware
 from disagg.sim.models import SimModel
 

@@ -29,8 +29,7 @@ from typing import Literal
 import numpy as np
 
 from disagg.errors import ConfigError
-from disagg.sim.cost_model import (
-    BatchShape, Parallel, kv_capacity_tokens, kv_transfer, step_time)
+from disagg.sim.cost_model import BatchShape, Parallel, kv_capacity_tokens, kv_transfer, step_time
 from disagg.sim.hardware import Hardware
 from disagg.sim.models import SimModel
 from disagg.sim.results import SimRequest, SimResult

@@ -19,8 +19,17 @@ from disagg.channel import Channel
 from disagg.config import CacheConfig, SchedulerConfig
 from disagg.decode_node import DecodeNode
 from disagg.errors import PeerMismatchError
-from disagg.messages import HEADER, MAGIC, PROTOCOL_VERSION, Cancel, HelloAck, KVFailed
-from disagg.messages import KVRequest, Reject, Submit
+from disagg.messages import (
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Cancel,
+    HelloAck,
+    KVFailed,
+    KVRequest,
+    Reject,
+    Submit,
+)
 from disagg.node_setup import NodeConfig, build_node
 from disagg.prefill_node import PrefillNode
 from disagg.router import Router

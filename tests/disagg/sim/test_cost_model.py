@@ -7,8 +7,15 @@ from dataclasses import replace
 import pytest
 
 from disagg.sim.cost_model import (
-    BatchShape, Parallel, decode_shape, kv_transfer, roofline, step_cost, step_time,
-    tokens_per_step)
+    BatchShape,
+    Parallel,
+    decode_shape,
+    kv_transfer,
+    roofline,
+    step_cost,
+    step_time,
+    tokens_per_step,
+)
 from disagg.sim.hardware import PRESETS as HW
 from disagg.sim.hardware import Hardware
 from disagg.sim.models import PRESETS, SimModel

@@ -9,7 +9,11 @@ import pytest
 
 from disagg.errors import ConfigError
 from disagg.sim.hardware import (
-    CPU_CALIBRATION_ENV, PRESETS, hardware_from_name, save_cpu_calibration)
+    CPU_CALIBRATION_ENV,
+    PRESETS,
+    hardware_from_name,
+    save_cpu_calibration,
+)
 
 
 def test_h200_is_an_h100_with_more_and_faster_memory() -> None:

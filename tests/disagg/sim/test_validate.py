@@ -4,12 +4,14 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
+
 import pytest
 
 from disagg.errors import ConfigError
 from disagg.sim.hardware import Hardware
 from disagg.sim.validate import compare_runs, engine_model, load_runs, predict_run
 from tests.disagg.sim.conftest import BenchmarkRun
+
 
 def test_disagg_removes_the_stalls_the_mixed_nodes_see(cpu_hw: Hardware,
                                                        benchmark_run: BenchmarkRun) -> None:
