@@ -209,5 +209,7 @@ def model_from_name(name: str) -> SimModel:
 
 
 def with_dtype(model: SimModel, weight_bytes: float, kv_bytes: float) -> SimModel:
-    """The same shape stored at other precisions."""
-    return replace(model, weight_bytes=weight_bytes, kv_bytes=kv_bytes)
+    """The same shape stored at other precisions (the LM head too: our engine keeps it in the
+    weights' dtype)."""
+    return replace(model, weight_bytes=weight_bytes, kv_bytes=kv_bytes,
+                   lm_head_bytes=weight_bytes)
