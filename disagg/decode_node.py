@@ -31,6 +31,7 @@ from disagg.messages import (
     Submit,
 )
 from disagg.metrics import Metrics
+from disagg.node_base import NodeBase
 from disagg.request import Request, SamplingParams
 from disagg.trace import Tracer
 from transfer_core.engine import TransferEngine
@@ -65,7 +66,7 @@ def decode_metrics(node: DecodeNode) -> Metrics:
     return metrics
 
 
-class DecodeNode:
+class DecodeNode(NodeBase):
     """One decoder, fed by one or more prefillers."""
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
@@ -268,7 +269,7 @@ class DecodeNode:
         if now - self._last_progress < PROGRESS_INTERVAL_S:
             return
         self._last_progress = now
-        for request_id, pending in self.messenger.pending.items():
+        for pending in self.messenger.pending.values():
             self._report(pending.request, "waiting_for_kv")
 
     def _send(self, channel: Channel, message: Any) -> None:
@@ -283,17 +284,3 @@ class DecodeNode:
         assert self.messenger.idle(), "KV still awaited or pages still quarantined"
         assert not self.transfer.pending_imm_counts(), "immediate counters still armed"
         self.engine.allocator.check_invariants(expect_all_free=True)
-
-    def stop(self) -> None:
-        """Ask `run` to return."""
-        self._stop.set()
-
-    def close(self) -> None:
-        """Close connections, the messenger and the fabric."""
-        self._stop.set()
-        self._server.close()
-        for channel in self._channels:
-            channel.close()
-        self.messenger.close()
-        self.transfer.close()
-        self.tracer.close()

@@ -29,6 +29,7 @@ from disagg.messages import (
     Shutdown,
 )
 from disagg.metrics import Metrics
+from disagg.node_base import NodeBase
 from disagg.prefill_messenger import PrefillMessenger
 from disagg.prefill_transfer import DecoderPeer
 from disagg.trace import Tracer
@@ -49,7 +50,7 @@ def hello_mismatches(hello: Hello, expected: Hello) -> list[str]:
             if getattr(hello, name) != getattr(expected, name)]
 
 
-class PrefillNode:
+class PrefillNode(NodeBase):
     """One prefiller serving any number of decoders."""
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
@@ -227,19 +228,6 @@ class PrefillNode:
         assert not self.messenger.has_work(), "transfers still in flight"
         self.engine.allocator.check_invariants(expect_all_free=True)
 
-    def stop(self) -> None:
-        """Ask `run` to return."""
-        self._stop.set()
-
-    def close(self) -> None:
-        """Close connections, the messenger and the fabric."""
-        self._stop.set()
-        self._server.close()
-        for channel in self._channels:
-            channel.close()
-        self.messenger.close()
-        self.transfer.close()
-        self.tracer.close()
 
 
 def serve_forever(node: PrefillNode) -> None:
@@ -248,4 +236,3 @@ def serve_forever(node: PrefillNode) -> None:
         node.run()
     finally:
         node.close()
-
