@@ -198,36 +198,25 @@ class DecodeNode(NodeBase):
                 self.messenger.prefiller_gone(index, f"silent for {PEER_TIMEOUT_S:g} s")
 
     def _step(self) -> None:
-        start, num_steps = time.time(), self.engine.num_steps
-        for event in self.engine.step():
+        for event in self._traced_step():
             request = event.request
             state = request.status.value if event.finished else "decoding"
             self._report(request, state, [event.token_id],
                          num_draft_tokens=request.num_draft_tokens,
                          num_accepted_tokens=request.num_accepted_tokens)
-        batch = self.engine.last_batch
-        if self.engine.num_steps != num_steps and batch is not None:
-            self.tracer.complete("step", start, time.time(), num_tokens=batch.num_tokens,
-                                 num_seqs=len(batch.chunks))
 
-    def _drain_inbox(self, block: bool) -> None:
-        while True:
-            try:
-                kind, item = self.inbox.get(timeout=0.01) if block else self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            block = False
-            if kind == "Submit":
-                self._submit(*item)
-            elif kind == "KVFailed":
-                self.messenger.on_kv_failed(item)
-            elif kind == "prefiller_gone":
-                self.messenger.prefiller_gone(*item)
-            elif kind == "Abort":
-                self._abort(item[1].request_id)
-            elif kind == "Shutdown":
-                self.shutdown_requested = True
-                self._stop.set()
+    def _handle(self, kind: str, item: Any) -> None:
+        if kind == "Submit":
+            self._submit(*item)
+        elif kind == "KVFailed":
+            self.messenger.on_kv_failed(item)
+        elif kind == "prefiller_gone":
+            self.messenger.prefiller_gone(*item)
+        elif kind == "Abort":
+            self._abort(item[1].request_id)
+        elif kind == "Shutdown":
+            self.shutdown_requested = True
+            self._stop.set()
 
     def _abort(self, request_id: str) -> None:
         """A client abort: cancel the KV transfer, or stop decoding, whichever applies."""

@@ -7,11 +7,14 @@ arrives while the fabric drains).
 
 from __future__ import annotations
 
+import queue
 import socket
 import threading
+import time
 from typing import Any
 
 from disagg.channel import Channel
+from disagg.engine import LLMEngine, TokenEvent
 from disagg.trace import Tracer
 from transfer_core.engine import TransferEngine
 
@@ -25,6 +28,32 @@ class NodeBase:
     messenger: Any
     transfer: TransferEngine
     tracer: Tracer
+    engine: LLMEngine
+    inbox: queue.Queue[tuple[str, Any]]
+
+    def _handle(self, kind: str, item: Any) -> None:
+        """Act on one inbox entry (subclasses)."""
+        raise NotImplementedError
+
+    def _drain_inbox(self, block: bool) -> None:
+        """Handle everything queued; with `block`, wait briefly (10 ms) for the first entry."""
+        while True:
+            try:
+                kind, item = self.inbox.get(timeout=0.01) if block else self.inbox.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            self._handle(kind, item)
+
+    def _traced_step(self) -> list[TokenEvent]:
+        """One engine step, recorded as a `step` span when a batch ran."""
+        start, num_steps = time.time(), self.engine.num_steps
+        events = self.engine.step()
+        batch = self.engine.last_batch
+        if self.engine.num_steps != num_steps and batch is not None:
+            self.tracer.complete("step", start, time.time(), num_tokens=batch.num_tokens,
+                                 num_seqs=len(batch.chunks))
+        return events
 
     def stop(self) -> None:
         """Ask `run` to return."""

@@ -162,13 +162,7 @@ class PrefillNode(NodeBase):
             # transfers and messages ring the inbox.
             self._drain_inbox(block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
-                start = time.time()
-                num_steps = self.engine.num_steps
-                self.engine.step()
-                batch = self.engine.last_batch
-                if self.engine.num_steps != num_steps and batch is not None:
-                    self.tracer.complete("step", start, time.time(), num_tokens=batch.num_tokens,
-                                         num_seqs=len(batch.chunks))
+                self._traced_step()
             self.messenger.poll()
             self.messenger.expire_leases()
             self._keep_alive()
@@ -182,15 +176,6 @@ class PrefillNode(NodeBase):
                 self._peers.remove(peer)
                 peer.channel.close()
                 self.messenger.fail_peer(peer, f"decoder gone: silent for {PEER_TIMEOUT_S:g} s")
-
-    def _drain_inbox(self, block: bool) -> None:
-        while True:
-            try:
-                kind, item = self.inbox.get(timeout=0.01) if block else self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            block = False
-            self._handle(kind, item)
 
     def _handle(self, kind: str, item: Any) -> None:
         if kind == "peer_joined":
