@@ -19,11 +19,30 @@ class LayerCounter:
     host memory, so the host sees each bump without a copy.
     """
 
-    def __init__(self, value: torch.Tensor | None = None) -> None:
+    def __init__(self, value: torch.Tensor | None = None, poll_target: object = None) -> None:
         self.value = torch.zeros(1, dtype=torch.int64) if value is None else value
         if self.value.dtype != torch.int64 or self.value.numel() != 1:
             raise ValueError(f"a layer counter needs one int64 element, got "
                              f"{self.value.dtype} x {self.value.numel()}")
+        # What a `CounterPoller` watches: the tensor itself on CPU, the host side of the
+        # mapped word on a GPU (the poller cannot read device memory).
+        self.poll_target = self.value if poll_target is None else poll_target
+
+    @classmethod
+    def for_device(cls, device: str | torch.device) -> LayerCounter:
+        """A counter the model on `device` can bump in stream order and a poller can watch.
+
+        On CPU an ordinary tensor. On CUDA a word of mapped pinned host memory: a CPU tensor
+        bumped from Python would run as soon as the op is *issued*, long before the GPU has
+        written the layer's KV, and could not be captured in a graph.
+        """
+        device = torch.device(device)
+        if device.type == "cpu":
+            return cls()
+        from transfer_core.cuda_host import MappedCounter  # GPU only; imports cuda-python
+
+        mapped = MappedCounter(device.index or 0)
+        return cls(mapped.device_tensor, poll_target=mapped)
 
     def bump(self) -> None:
         """Record one more finished layer (a tensor op, so it is captured in a graph)."""

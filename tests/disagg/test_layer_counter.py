@@ -42,3 +42,23 @@ def test_counter_rejects_wrong_tensor() -> None:
     """A counter must be one int64 word, so a poller can read it atomically."""
     with pytest.raises(ValueError, match="int64"):
         LayerCounter(torch.zeros(1, dtype=torch.int32))
+
+
+def test_cpu_counter_is_polled_through_its_own_tensor() -> None:
+    """On CPU the poller watches the very tensor the model bumps."""
+    counter = LayerCounter.for_device("cpu")
+    counter.bump()
+    assert counter.poll_target is counter.value
+    assert counter.read() == 1
+
+
+@pytest.mark.gpu_only
+def test_cuda_counter_lives_in_mapped_host_memory() -> None:
+    """On CUDA the model bumps a device alias and the host reads the same word."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: mapped host counters need one")
+    counter = LayerCounter.for_device("cuda")
+    counter.bump()
+    torch.cuda.synchronize()
+    assert counter.value.device.type == "cuda"
+    assert counter.poll_target.value == 1
