@@ -36,6 +36,8 @@ from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, WriteOp,
 logger = logging.getLogger(__name__)
 
 MAX_IMM = 2**32 - 1
+# How `staging.register_kv` places a tensor's memory: "auto" picks host, hmem or staged.
+MEMORY_PATHS = ("auto", "host", "hmem", "staged")
 
 
 def _as_indices(pages: Any, what: str) -> np.ndarray:
@@ -55,6 +57,8 @@ class TransferEngine:
     the progress threads are pinned to, round robin. hmem: ask for FI_HMEM (CUDA memory).
     delivery_complete: sender completion means "placed" (costs tcp ~40%). timeout_s: default
     deadline of every op. max_inflight: writes in flight per domain (default: min(64, tx/2)).
+    memory_path: the default of `staging.register_kv` for tensors registered with this engine
+    (auto, host, hmem or staged; see `transfer_core.staging`).
     """
 
     def __init__(
@@ -68,9 +72,13 @@ class TransferEngine:
         delivery_complete: bool = False,
         timeout_s: float = 30.0,
         max_inflight: int | None = None,
+        memory_path: str = "auto",
     ) -> None:
         if num_domains < 1:
             raise ValueError(f"num_domains must be >= 1, got {num_domains}")
+        if memory_path not in MEMORY_PATHS:
+            raise ValueError(f"unknown memory_path {memory_path!r}: expected one of {MEMORY_PATHS}")
+        self.memory_path = memory_path
         self.timeout_s = timeout_s
         self._errors: list[BaseException] = []
         self._errors_lock = threading.Lock()
@@ -108,6 +116,12 @@ class TransferEngine:
         return len(self._domains)
 
     @property
+    def supports_hmem(self) -> bool:
+        """Whether CUDA memory can be registered: opened with `hmem=True` on a provider with
+        FI_HMEM (a libfabric built with CUDA)."""
+        return self._info.hmem
+
+    @property
     def address(self) -> bytes:
         """This engine's endpoints, for peers (an `EngineAddress` as bytes)."""
         return self._address.to_bytes()
@@ -122,7 +136,7 @@ class TransferEngine:
         and a provider with FI_HMEM (Debian's libfabric has none)."""
         self._check_open()
         buf = resolve_buffer(buffer)
-        if buf.cuda_device is not None and not self._info.hmem:
+        if buf.cuda_device is not None and not self.supports_hmem:
             raise ValueError(
                 f"provider {self.provider!r} was opened without FI_HMEM: cannot register CUDA "
                 "memory (use TransferEngine(hmem=True) with a CUDA-enabled libfabric)"

@@ -1,0 +1,188 @@
+"""Where KV memory meets the fabric: registered directly, through FI_HMEM, or staged (S5, S5a).
+
+`choose_memory_path` decides per tensor: CPU memory registers as is ("host"); CUDA memory
+registers as is when the engine's provider was opened with FI_HMEM ("hmem"), else it goes
+through a pinned host shadow ("staged"), which a user may also force, CPU tensors included:
+that is how the staging path is tested without a GPU. `register_kv` registers accordingly and
+returns a `RegisteredKV`: the sender calls `stage_out(layer, page_ids)` before posting a layer's
+writes, the receiver `stage_in(page_ids)` once a request's writes have all landed; both are
+no-ops unless the path is "staged". The trade-off: a full-size shadow keeps every byte offset
+identical, so transfer plans and descriptors do not change at all, but it costs host memory
+equal to the KV cache. The production refinement is a bounded ring of bounce slots (pages
+copied into a free slot, written from there, the slot reused once the write completed); it is
+named here, not built.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Literal
+
+import numpy as np
+import torch
+
+from transfer_core.engine import MEMORY_PATHS, TransferEngine
+from transfer_core.errors import BoundsError
+from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+
+logger = logging.getLogger(__name__)
+
+MemoryPathKind = Literal["host", "hmem", "staged"]
+
+
+@dataclass(frozen=True, slots=True)
+class MemoryPath:
+    """How one tensor reaches the NIC, and why that way."""
+
+    kind: MemoryPathKind
+    reason: str
+
+
+def choose_memory_path(tensor: torch.Tensor, engine: TransferEngine,
+                       requested: str = "auto") -> MemoryPath:
+    """The path for `tensor` on `engine`: "auto" picks, "host", "hmem" or "staged" insist.
+
+    ============  ==============  ===================================================
+    requested     CPU tensor      CUDA tensor
+    ============  ==============  ===================================================
+    auto          host            hmem if `engine.supports_hmem`, else staged
+    host          host            ValueError (the NIC cannot read device memory as host)
+    hmem          ValueError      hmem, or ValueError naming the provider
+    staged        staged          staged
+    ============  ==============  ===================================================
+    """
+    if requested not in MEMORY_PATHS:
+        raise ValueError(f"unknown KV memory path {requested!r}: expected one of {MEMORY_PATHS}")
+    device = tensor.device
+    if device.type not in ("cpu", "cuda"):
+        raise ValueError(f"cannot register KV memory on device {device}")
+    if requested == "staged":
+        return MemoryPath("staged", f"{device.type} memory, staging requested")
+    if device.type == "cpu":
+        if requested == "hmem":
+            raise ValueError("KV memory path 'hmem' needs a CUDA tensor, the KV cache is on cpu")
+        return MemoryPath("host", "host memory, registered directly")
+    if requested == "host":
+        raise ValueError(f"KV memory path 'host' cannot register {device} memory: "
+                         "use auto, hmem or staged")
+    if engine.supports_hmem:
+        return MemoryPath("hmem", f"provider {engine.provider!r} has FI_HMEM: "
+                                  f"{device} memory registered directly")
+    why = f"provider {engine.provider!r} was opened without FI_HMEM"
+    if requested == "hmem":
+        raise ValueError(f"KV memory path 'hmem' is unavailable: {why} (open the engine with "
+                         "hmem=True on a libfabric built with CUDA, or use staged)")
+    return MemoryPath("staged", f"{why}: {device} memory staged through pinned host memory")
+
+
+def page_runs(page_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
+    """Distinct page ids as sorted half-open runs of consecutive ids, one copy each.
+
+    >>> page_runs([7, 3, 4, 5, 9, 8])
+    [(3, 6), (7, 10)]
+    """
+    ids = np.unique(np.asarray(page_ids, dtype=np.int64).reshape(-1))
+    if ids.size == 0:
+        return []
+    breaks = np.flatnonzero(np.diff(ids) != 1) + 1
+    starts = np.concatenate(([0], breaks))
+    ends = np.concatenate((breaks, [ids.size]))
+    return [(int(ids[s]), int(ids[e - 1]) + 1) for s, e in zip(starts, ends, strict=True)]
+
+
+@dataclass(eq=False)
+class RegisteredKV:
+    """A KV tensor as the fabric sees it: `region` and `descriptor` cover `shadow` when staged
+    (same shape, host memory), else the tensor itself.
+
+    `tensor` is ``[num_layers, num_pages, ...page dims]``: a layer's page is one contiguous
+    block, which is what makes a run of pages one copy. `staged_bytes` counts bytes copied in
+    either direction, for metrics.
+    """
+
+    tensor: torch.Tensor
+    region: MemoryRegion
+    descriptor: MemoryRegionDescriptor
+    path: MemoryPath
+    shadow: torch.Tensor | None = None
+    staged_bytes: int = 0
+    _stream: torch.cuda.Stream | None = field(default=None, repr=False)
+
+    @property
+    def staged(self) -> bool:
+        """Whether the fabric reads and writes a host shadow rather than the tensor."""
+        return self.shadow is not None
+
+    def stage_out(self, layer: int, page_ids: Sequence[int] | np.ndarray, *,
+                  wait_for_compute: bool = False) -> None:
+        """Sender: copy pages `page_ids` of `layer` into the shadow and wait for the copies.
+
+        On CUDA they run on the copy stream and do not wait for the compute stream: the layer
+        counter is the fence (the host saw layer `layer` finish, see the NOTE in `poller.py`).
+        With no counter to vouch for the data (e.g. pages written after the forward), pass
+        `wait_for_compute=True` to order the copies after the work already queued.
+        """
+        if self.shadow is not None:
+            self._copy([(self.tensor[layer], self.shadow[layer])], page_ids, wait_for_compute)
+
+    def stage_in(self, page_ids: Sequence[int] | np.ndarray) -> None:
+        """Receiver: copy every layer of pages `page_ids` from the shadow into the tensor.
+
+        On CUDA the copy stream first waits for the compute stream, so no kernel queued
+        earlier can still read those pages while they are overwritten.
+        """
+        if self.shadow is not None:
+            layers = range(self.tensor.shape[0])
+            self._copy([(self.shadow[i], self.tensor[i]) for i in layers], page_ids, True)
+
+    def _copy(self, layers: list[tuple[torch.Tensor, torch.Tensor]],
+              page_ids: Sequence[int] | np.ndarray, wait_for_compute: bool) -> None:
+        """Copy each run of pages of each (src, dst) layer pair, then wait once."""
+        runs = page_runs(page_ids)
+        num_pages = self.tensor.shape[1]
+        if runs and (runs[0][0] < 0 or runs[-1][1] > num_pages):
+            raise BoundsError(f"KV region {self.region.name!r}: page ids {runs[0][0]}.."
+                              f"{runs[-1][1] - 1} outside [0, {num_pages})")
+        if self._stream is None:
+            for src, dst in layers:  # [num_pages, ...page dims] each
+                for start, end in runs:
+                    dst[start:end].copy_(src[start:end])
+        else:
+            if wait_for_compute:
+                self._stream.wait_stream(torch.cuda.current_stream(self.tensor.device))
+            with torch.cuda.stream(self._stream):
+                for src, dst in layers:
+                    for start, end in runs:
+                        dst[start:end].copy_(src[start:end], non_blocking=True)
+            self._stream.synchronize()  # one wait per call, after every copy was queued
+        page_nbytes = self.tensor[0, 0].numel() * self.tensor.element_size()
+        self.staged_bytes += len(layers) * sum(end - start for start, end in runs) * page_nbytes
+
+    def close(self, engine: TransferEngine) -> None:
+        """Unregister the region (after the engine drained); the shadow goes with this object."""
+        engine.unregister_memory(self.region)
+
+
+def register_kv(engine: TransferEngine, tensor: torch.Tensor, name: str,
+                path: MemoryPath | str | None = None) -> RegisteredKV:
+    """Register a KV tensor ``[num_layers, num_pages, ...]`` through its memory path.
+
+    `path` is a `MemoryPath`, or what to ask `choose_memory_path` for (None: the engine's
+    `memory_path`). Staged tensors get a zeroed shadow of the same shape and dtype in host
+    memory, pinned when CUDA is present, and a dedicated copy stream on CUDA.
+    """
+    if not isinstance(path, MemoryPath):
+        path = choose_memory_path(tensor, engine, engine.memory_path if path is None else path)
+    if tensor.dim() < 2:
+        raise ValueError(f"a KV tensor is [num_layers, num_pages, ...], got {tuple(tensor.shape)}")
+    shadow, stream = None, None
+    if path.kind == "staged":
+        pin = torch.cuda.is_available()
+        shadow = torch.zeros(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
+        if tensor.device.type == "cuda":
+            stream = torch.cuda.Stream(tensor.device)
+    region, descriptor = engine.register_memory(tensor if shadow is None else shadow, name)
+    logger.info("KV region %s: %s (%s)", name, path.kind, path.reason)
+    return RegisteredKV(tensor, region, descriptor, path, shadow, _stream=stream)
