@@ -1,4 +1,4 @@
-"""Configuration dataclasses: the model shape, the paged KV cache, the scheduler (S1, S3a, S7).
+"""Configuration dataclasses: the model shape, the paged KV cache, the scheduler (S1, S3, S7).
 
 Frozen and validated on construction, so a bad value fails where it is written, not deep
 inside a forward pass. `ModelConfig.from_name` holds small random-init presets for tests.
@@ -7,6 +7,7 @@ inside a forward pass. `ModelConfig.from_name` holds small random-init presets f
 from __future__ import annotations
 
 from dataclasses import dataclass, field, replace
+from itertools import pairwise
 from typing import Literal
 
 import torch
@@ -15,6 +16,8 @@ from disagg.errors import ConfigError
 
 KVLayout = Literal["NHD", "HND"]
 KV_LAYOUTS: tuple[KVLayout, ...] = ("NHD", "HND")
+# Batch-size buckets of the decode graphs (`EngineConfig.graph_batch_sizes`).
+GRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
 
 def check_kv_layout(kv_layout: str) -> KVLayout:
@@ -141,6 +144,19 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
+    # Pure-decode steps through static buffers, replayed as CUDA graphs on a GPU (S3b); one
+    # page of the cache is then kept back for padding rows. Batch buckets, ascending.
+    cuda_graph: bool = False
+    graph_batch_sizes: tuple[int, ...] = GRAPH_BATCH_SIZES
+
+    def __post_init__(self) -> None:
+        sizes = self.graph_batch_sizes
+        if not sizes or sizes[0] < 1 or any(a >= b for a, b in pairwise(sizes)):
+            raise ConfigError(f"graph_batch_sizes must be positive and strictly ascending, "
+                              f"got {sizes}")
+        if self.cuda_graph and self.cache.num_pages < 2:
+            raise ConfigError(f"cuda_graph needs a padding page besides the requests' pages: "
+                              f"num_pages={self.cache.num_pages} is too small")
 
     def with_cache(self, **changes: object) -> EngineConfig:
         """A copy with some cache fields changed."""

@@ -2,7 +2,8 @@
 
 `LLMEngine.step()` is the whole serving loop in four lines: schedule a batch, tell whoever
 listens which chunks it holds (S3a), run it, sample and advance. The prefiller and decoder engines
-of a disaggregated deployment are these same parts rearranged.
+of a disaggregated deployment are these same parts rearranged. With `cuda_graph` the runner
+sends pure-decode steps through static buffers and CUDA graphs (S3b, `graph_runner.py`).
 """
 
 from __future__ import annotations
@@ -18,6 +19,7 @@ import torch
 from disagg.batch import Batch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.errors import ConfigError
+from disagg.graph_runner import DecodeGraphs, useful_batch_sizes
 from disagg.kv_cache import KVCache, PagedKVCache
 from disagg.model import Transformer
 from disagg.model_runner import ForwardOutput, ModelRunner
@@ -52,11 +54,22 @@ class LLMEngine:
         self.model = model.to(config.device).eval()
         check_cache_fits(model.config, config.cache)
         self.kv_cache = make_kv_cache(model.config, config)
-        self.allocator = PageAllocator(config.cache.num_pages)
-        max_model_len = min(model.config.max_position_embeddings, config.cache.num_tokens)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, config.cache.page_size,
+        # With decode graphs the cache's last page is the padding rows' scratch page: the
+        # allocator never manages it, so no request gets it and leak checks stay exact.
+        cache = config.cache
+        num_request_pages = cache.num_pages - 1 if config.cuda_graph else cache.num_pages
+        self.allocator = PageAllocator(num_request_pages)
+        max_model_len = min(model.config.max_position_embeddings,
+                            num_request_pages * cache.page_size)
+        self.scheduler = Scheduler(config.scheduler, self.allocator, cache.page_size,
                                    max_model_len)
-        self.runner = ModelRunner(self.model, self.kv_cache)
+        graphs = None
+        if config.cuda_graph:
+            graphs = DecodeGraphs(self.model, self.kv_cache, padding_page=cache.num_pages - 1,
+                                  max_pages=-(-max_model_len // cache.page_size),
+                                  batch_sizes=useful_batch_sizes(
+                                      config.graph_batch_sizes, config.scheduler.max_num_seqs))
+        self.runner = ModelRunner(self.model, self.kv_cache, graphs)
         # Told which chunks run before each forward (S3a), and what it produced after it.
         self.batch_listeners: list[Callable[[Batch], None]] = []
         self.forward_listeners: list[Callable[[Batch, ForwardOutput], None]] = []

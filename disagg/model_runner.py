@@ -3,11 +3,14 @@
 The runner packs every chunk's tokens on one axis, computes where each token's K/V goes (page
 and slot), and tells attention which rows belong to which request. It returns the hidden states
 and logits of the rows that sample, so a prefiller can ship them (S4a) and an engine can sample.
+Given `DecodeGraphs`, pure-decode batches that fit a bucket take its static-buffer path (CUDA
+graphs on a GPU, `graph_runner.py`); everything else runs here, eagerly.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -15,6 +18,9 @@ from disagg.attention import AttentionMetadata, SequenceSlice
 from disagg.batch import Batch
 from disagg.kv_cache import KVCache
 from disagg.model import Transformer
+
+if TYPE_CHECKING:  # graph_runner builds on this module; the runner only holds one
+    from disagg.graph_runner import DecodeGraphs
 
 
 @dataclass(slots=True)
@@ -32,10 +38,22 @@ class ForwardOutput:
 class ModelRunner:
     """Runs a `Transformer` over a paged `KVCache` one batch at a time."""
 
-    def __init__(self, model: Transformer, kv_cache: KVCache) -> None:
+    def __init__(self, model: Transformer, kv_cache: KVCache,
+                 graphs: DecodeGraphs | None = None) -> None:
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
+        self.graphs = graphs
+        self._num_eager = 0
+
+    @property
+    def graph_stats(self) -> dict[str, int]:
+        """Steps per path: ``static`` (static buffers; ``replays`` of them replayed a CUDA
+        graph), ``captures`` (graphs recorded) and ``eager`` (the packed path below)."""
+        stats = {"static": 0, "replays": 0, "captures": 0}
+        if self.graphs is not None:
+            stats |= self.graphs.stats
+        return stats | {"eager": self._num_eager}
 
     def prepare(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Token ids ``[num_tokens]``, positions ``[num_tokens]`` and attention metadata."""
@@ -64,6 +82,11 @@ class ModelRunner:
     @torch.inference_mode()
     def execute(self, batch: Batch) -> ForwardOutput:
         """Run the batch; K/V land in the cache, sampling rows come back."""
+        if self.graphs is not None:
+            bucket = self.graphs.bucket(batch)
+            if bucket is not None:
+                return self.graphs.run(batch, bucket)
+        self._num_eager += 1
         input_ids, positions, meta = self.prepare(batch)
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sample_chunk_indices = [i for i, chunk in enumerate(batch.chunks) if chunk.samples]
