@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from transfer_core.engine import MEMORY_PATHS, TransferEngine
-from transfer_core.errors import BoundsError
+from transfer_core.errors import BoundsError, FabricError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 
 logger = logging.getLogger(__name__)
@@ -173,10 +173,24 @@ def register_kv(engine: TransferEngine, tensor: torch.Tensor, name: str,
     `memory_path`). Staged tensors get a zeroed shadow of the same shape and dtype in host
     memory, pinned when CUDA is present, and a dedicated copy stream on CUDA.
     """
-    if not isinstance(path, MemoryPath):
-        path = choose_memory_path(tensor, engine, engine.memory_path if path is None else path)
     if tensor.dim() < 2:
         raise ValueError(f"a KV tensor is [num_layers, num_pages, ...], got {tuple(tensor.shape)}")
+    requested = engine.memory_path if path is None else path
+    if isinstance(requested, MemoryPath):
+        chosen = requested
+    else:
+        chosen = choose_memory_path(tensor, engine, requested)
+    if requested == "auto" and chosen.kind == "hmem":
+        try:
+            return _register(engine, tensor, name, chosen)
+        except FabricError as error:
+            # FI_HMEM may cover other device kinds only (Debian's shm: system memory).
+            chosen = MemoryPath("staged", f"registering {tensor.device} memory failed: {error}")
+    return _register(engine, tensor, name, chosen)
+
+
+def _register(engine: TransferEngine, tensor: torch.Tensor, name: str,
+              path: MemoryPath) -> RegisteredKV:
     shadow, stream = None, None
     if path.kind == "staged":
         pin = torch.cuda.is_available()

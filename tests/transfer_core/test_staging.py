@@ -17,8 +17,9 @@ import numpy as np
 import pytest
 import torch
 
+from transfer_core import staging
 from transfer_core.engine import TransferEngine
-from transfer_core.errors import BoundsError
+from transfer_core.errors import BoundsError, FabricError
 from transfer_core.staging import (
     MemoryPath,
     RegisteredKV,
@@ -60,14 +61,16 @@ def test_cuda_tensor_without_hmem_is_staged(engine: TransferEngine, requested: s
     path = choose_memory_path(CUDA_LIKE, engine, requested)  # type: ignore[arg-type]
     assert path.kind == kind
     if requested == "auto":
-        assert "without FI_HMEM" in path.reason and engine.provider in path.reason
+        assert "without FI_HMEM" in path.reason
+        assert engine.provider in path.reason
 
 
 def test_cuda_tensor_with_hmem_registers_directly() -> None:
     """auto picks hmem when the engine's provider was opened with FI_HMEM."""
     hmem_engine = SimpleNamespace(supports_hmem=True, provider="efa")
     path = choose_memory_path(CUDA_LIKE, hmem_engine)  # type: ignore[arg-type]
-    assert path.kind == "hmem" and "efa" in path.reason
+    assert path.kind == "hmem"
+    assert "efa" in path.reason
 
 
 def test_hmem_refused_without_fi_hmem(engine: TransferEngine) -> None:
@@ -95,7 +98,8 @@ def test_engine_validates_its_default_path() -> None:
     with pytest.raises(ValueError, match="unknown memory_path 'pinned'"):
         TransferEngine("tcp", memory_path="pinned")
     with TransferEngine("tcp") as e:
-        assert e.memory_path == "auto" and not e.supports_hmem
+        assert e.memory_path == "auto"
+        assert not e.supports_hmem
 
 
 def test_page_runs_groups_consecutive_ids() -> None:
@@ -109,7 +113,8 @@ def test_host_path_registers_the_tensor_itself(engine: TransferEngine) -> None:
     kv = make_kv()
     registered = register_kv(engine, kv, "host-kv", "host")
     try:
-        assert registered.region.ptr == kv.data_ptr() and registered.shadow is None
+        assert registered.region.ptr == kv.data_ptr()
+        assert registered.shadow is None
         registered.stage_out(0, [1, 2])
         registered.stage_in([1, 2])
         assert registered.staged_bytes == 0
@@ -126,9 +131,11 @@ def staged(engine: TransferEngine) -> Iterator[RegisteredKV]:
 
 def test_staged_region_is_the_shadow(staged: RegisteredKV) -> None:
     """staged: the fabric sees a zeroed host shadow of the tensor's shape, not the tensor."""
-    assert staged.shadow is not None and staged.staged
+    assert staged.shadow is not None
+    assert staged.staged
     assert staged.region.ptr == staged.shadow.data_ptr() != staged.tensor.data_ptr()
-    assert staged.shadow.shape == staged.tensor.shape and not staged.shadow.any()
+    assert staged.shadow.shape == staged.tensor.shape
+    assert not staged.shadow.any()
     assert staged.path == MemoryPath("staged", "cpu memory, staging requested")
 
 
@@ -168,7 +175,8 @@ def staged_transfer(device: str, pages: list[int], dst_pages: list[int]) -> tupl
     with TransferEngine("tcp") as a, TransferEngine("tcp") as b:
         src = register_kv(a, make_kv(device=device), "src", path)
         dst = register_kv(b, make_kv("zeros", device), "dst", path)
-        assert src.staged and dst.staged
+        assert src.staged
+        assert dst.staged
         reached = threading.Event()
         b.expect_imm_count(7, NUM_LAYERS * len(pages), reached.set)
         page_nbytes, layer_nbytes = PAGE_NUMEL * 4, NUM_PAGES * PAGE_NUMEL * 4
@@ -198,3 +206,24 @@ def test_cuda_tensors_auto_stage_on_a_provider_without_hmem() -> None:
     src, dst = staged_transfer("cuda", [1, 2, 6], [0, 4, 5])
     assert torch.equal(dst[:, [0, 4, 5]], src[:, [1, 2, 6]])
     assert not dst[:, [1, 2, 3, 6, 7]].any()
+
+
+def test_auto_falls_back_to_staging_when_hmem_registration_fails(
+        engine: TransferEngine, monkeypatch: pytest.MonkeyPatch) -> None:
+    """auto chose hmem but the provider refuses the device memory: staged, with the error."""
+    kv = make_kv()
+
+    def refuse_the_tensor(buffer: Any, name: str) -> Any:
+        if buffer is kv:
+            raise FabricError("fi_mr_regattr", 95, "Operation not supported")
+        return engine.register_memory(buffer, name)
+
+    hmem_engine = SimpleNamespace(memory_path="auto", register_memory=refuse_the_tensor)
+    monkeypatch.setattr(staging, "choose_memory_path",
+                        lambda *_: MemoryPath("hmem", "stand-in for a CUDA tensor"))
+    registered = register_kv(hmem_engine, kv, "fallback")  # type: ignore[arg-type]
+    try:
+        assert registered.staged
+        assert "fi_mr_regattr" in registered.path.reason
+    finally:
+        registered.close(engine)
