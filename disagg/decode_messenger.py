@@ -7,6 +7,8 @@ them. Until the counter fires the request stays out of the decode schedule. When
 messenger unpins the pages, frees the transfer context and hands the request to the engine
 with every prompt token but the last already computed; the engine's next step runs the last
 prompt token as an ordinary decode step (S8). No message says "done": the writes' immediates do.
+KV memory the NIC cannot reach is staged (S5): writes land in a host shadow, copied into the
+cache when the counter fires, before the checksum and the release (`transfer_core.staging`).
 
 Failures (issue 8): a request whose KV misses its deadline is cancelled at the prefiller and
 retried once; a client abort cancels it; a dead prefiller's requests are retried elsewhere or
@@ -41,6 +43,7 @@ from disagg.request import Request, RequestStatus
 from disagg.tp import Sharding
 from disagg.transfer_plan import PageGeometry, expected_write_count, num_pages, writes_per_page
 from transfer_core.engine import TransferEngine
+from transfer_core.staging import register_kv
 
 logger = logging.getLogger(__name__)
 
@@ -97,7 +100,8 @@ class DecodeMessenger:
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine, node_id: str,
                  model_fingerprint: str, num_context_slots: int = 16,
-                 reliability: ReliabilityConfig | None = None) -> None:
+                 reliability: ReliabilityConfig | None = None,
+                 kv_memory_path: str | None = None) -> None:
         self.engine = engine
         self.reliability = reliability or ReliabilityConfig()
         self.quarantine = PageQuarantine(transfer, engine.allocator,
@@ -106,15 +110,14 @@ class DecodeMessenger:
         self.node_id = node_id
         self.model_fingerprint = model_fingerprint
         config = engine.model.config
-        # One region per TP rank: prefillers write each rank's heads straight into it (S5a).
-        registered = [transfer.register_memory(shard.buffer, name=f"decode-kv{rank}")
-                      for rank, shard in enumerate(engine.kv_cache.shards)]
-        self._kv_regions = [region for region, _ in registered]
-        self._kv_descriptors = [descriptor for _, descriptor in registered]
+        # One region per TP rank: prefillers write each rank's heads into it (S5a), or into its
+        # host shadow when staged (the path defaults to the transfer engine's `memory_path`).
+        self.kv = [register_kv(transfer, shard.buffer, f"decode-kv{rank}", kv_memory_path)
+                   for rank, shard in enumerate(engine.kv_cache.shards)]
         self.context = allocate_context_buffer(config, num_context_slots)
         self._context_region, self._context_descriptor = transfer.register_memory(
             self.context, name="decode-ctx")
-        self.draft_kv = DraftKVSink(engine, transfer)  # an MTP head's cache, if any (issue 6)
+        self.draft_kv = DraftKVSink(engine, transfer, kv_memory_path)  # MTP cache (issue 6)
         self._free_slots = list(range(num_context_slots))
         self._imms = itertools.count(1)
         self.prefillers: list[Channel] = []
@@ -136,10 +139,11 @@ class DecodeMessenger:
             kv_layout=cache.kv_layout, num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
             engine_address=self.transfer.address,
-            kv_descriptors=[d.to_bytes() for d in self._kv_descriptors],
+            kv_descriptors=[kv.descriptor.to_bytes() for kv in self.kv],
             context_descriptor=self._context_descriptor.to_bytes(),
             context_slot_nbytes=context_slot_nbytes(config), tp=cache.sharding.tp,
-            replicated_kv=cache.sharding.replicated, draft_kv_descriptor=self.draft_kv.descriptor)
+            replicated_kv=cache.sharding.replicated, draft_kv_descriptor=self.draft_kv.descriptor,
+            kv_memory_path=self.kv[0].path.kind)
 
     def add_prefiller(self, channel: Channel, ack: HelloAck) -> int:
         """Use a prefiller whose handshake succeeded; returns its index."""
@@ -225,6 +229,7 @@ class DecodeMessenger:
             pending = self.pending.get(request_id)
             if pending is None or pending.cancel is not None:
                 continue  # abandoned meanwhile: the quarantine fence takes it from here
+            self._stage_in(pending.request)  # no-op unless staged; the checksum reads the cache
             if self.reliability.verify_kv and not self._checksum_matches(pending):
                 # Fired early (a duplicated immediate) or over corrupted pages: writes may
                 # still be landing, so hold the pages and ask again.
@@ -243,6 +248,12 @@ class DecodeMessenger:
         self._outcomes = []
         self._start_waiting()
         return outcomes
+
+    def _stage_in(self, request: Request) -> None:
+        pages = num_pages(request.num_prompt_tokens - 1, self.engine.kv_cache.page_size)
+        for kv in self.kv:
+            kv.stage_in(request.page_ids[:pages])
+        self.draft_kv.stage_in(request)
 
     def _checksum_matches(self, pending: PendingKV) -> bool:
         config = self.engine.model.config
@@ -377,7 +388,7 @@ class DecodeMessenger:
 
     def close(self) -> None:
         """Unregister memory (after the transfer engine drained)."""
-        for region in self._kv_regions:
-            self.transfer.unregister_memory(region)
+        for kv in self.kv:
+            kv.close(self.transfer)
         self.transfer.unregister_memory(self._context_region)
         self.draft_kv.close()

@@ -8,7 +8,9 @@ indexed by the request's own page ids. After the last chunk it writes those page
 each: the head is unsharded, on the leader) and then the context slot, whose KV checksum now
 covers them too. The decoder expects `draft_kv_pages` more writes, runs position P - 2 from the
 shipped hidden state, and position P - 1 after the ordinary decode step of the last prompt
-token (S8). The early-exit draft needs none of this: its KV is the target's own.
+token (S8). The early-exit draft needs none of this: its KV is the target's own. The MTP cache
+takes the same memory path as the target's KV (staged: copied out before its write, copied in
+before the checksum; `transfer_core.staging`).
 """
 
 from __future__ import annotations
@@ -32,7 +34,8 @@ from disagg.spec_engine import Speculator
 from disagg.transfer_plan import num_pages
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
-from transfer_core.memory import MemoryRegionDescriptor
+from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+from transfer_core.staging import register_kv
 
 # (error or None, writes that completed) -> None: the prefill messenger's write accounting.
 WriteDone = Callable[..., None]
@@ -57,17 +60,22 @@ class DraftKVSource:
     """
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine,
-                 transfers: Mapping[str, Any]) -> None:
+                 transfers: Mapping[str, Any], kv_memory_path: str | None = None) -> None:
         model = engine.model
         self.target = model
         self.head = build_mtp_head(model.config).to(engine.config.device)
         self.kv_cache = mtp_kv_cache(model.config, engine.config.cache, engine.config.device)
         self.transfer = transfer
-        self.region, _ = transfer.register_memory(self.kv_cache.buffer, name="prefill-mtp")
+        self.kv = register_kv(transfer, self.kv_cache.buffer, "prefill-mtp", kv_memory_path)
         self._transfers = transfers
         self._peers: dict[str, MemoryRegionDescriptor] = {}  # decoders that draft with MTP
         # First listener: the head's pages must exist before the messenger ships the context.
         engine.forward_listeners.insert(0, self.after_forward)
+
+    @property
+    def region(self) -> MemoryRegion:
+        """The registered memory the head's pages are written from (the shadow if staged)."""
+        return self.kv.region
 
     def add_peer(self, hello: Hello, peer_pages: int) -> None:
         """Remember a decoder's MTP cache, if it has one; it must match its page count."""
@@ -120,9 +128,13 @@ class DraftKVSource:
         """Write the request's MTP pages (one paged-write call); `done(error, writes)` once."""
         count = self._num_pages(transfer)
         nbytes = self.kv_cache.page_nbytes
+        page_ids = transfer.request.page_ids[:count]
+        # The head ran after the forward: no layer counter vouches for its pages, so a staged
+        # copy waits for the compute stream.
+        self.kv.stage_out(0, page_ids, wait_for_compute=True)
         try:
             self.transfer.submit_paged_writes(
-                nbytes, self.region, transfer.request.page_ids[:count], nbytes, 0,
+                nbytes, self.kv.region, page_ids, nbytes, 0,
                 self._peers[transfer.peer.peer_id], transfer.dst_page_ids[:count], nbytes, 0,
                 transfer.imm, on_done=lambda: done(None, count), on_error=done)
         except (TransferError, ValueError) as error:
@@ -130,14 +142,15 @@ class DraftKVSource:
 
     def close(self) -> None:
         """Unregister the MTP cache (after the transfer engine drained)."""
-        self.transfer.unregister_memory(self.region)
+        self.kv.close(self.transfer)
 
 
 class DraftKVSink:
     """Decoder side: the speculating engine's MTP cache, registered for prefillers to write,
     and what it adds to a request's expected writes and KV checksum."""
 
-    def __init__(self, engine: LLMEngine, transfer: TransferEngine) -> None:
+    def __init__(self, engine: LLMEngine, transfer: TransferEngine,
+                 kv_memory_path: str | None = None) -> None:
         self.transfer = transfer
         self._model = engine.model.config
         self.page_size = engine.kv_cache.page_size
@@ -146,13 +159,17 @@ class DraftKVSink:
             speculator.kv_cache if isinstance(speculator, Speculator) else None)
         self.descriptor = b""
         if self.kv_cache is not None:
-            self._region, descriptor = transfer.register_memory(self.kv_cache.buffer,
-                                                                name="decode-mtp")
-            self.descriptor = descriptor.to_bytes()
+            self.kv = register_kv(transfer, self.kv_cache.buffer, "decode-mtp", kv_memory_path)
+            self.descriptor = self.kv.descriptor.to_bytes()
 
     def expected_writes(self, num_prompt_tokens: int) -> int:
         """Writes of MTP pages a request's prefiller sends (0 without an MTP head)."""
         return draft_kv_pages(num_prompt_tokens, self.page_size) if self.kv_cache else 0
+
+    def stage_in(self, request: Request) -> None:
+        """Copy the request's received MTP pages from the host shadow (staged path only)."""
+        if self.kv_cache is not None:
+            self.kv.stage_in(request.page_ids[:self.expected_writes(request.num_prompt_tokens)])
 
     def checksum(self, request: Request) -> float:
         """The received MTP pages' part of the KV checksum."""
@@ -170,4 +187,4 @@ class DraftKVSink:
     def close(self) -> None:
         """Unregister the MTP cache (after the transfer engine drained)."""
         if self.kv_cache is not None:
-            self.transfer.unregister_memory(self._region)
+            self.kv.close(self.transfer)

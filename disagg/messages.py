@@ -52,6 +52,7 @@ class Hello(Message):
     tp: int = 1
     replicated_kv: bool = False
     draft_kv_descriptor: bytes = b""  # the MTP head's cache, if the decoder drafts with one
+    kv_memory_path: str = ""  # how the decoder's NIC reaches its KV: host, hmem or staged
 
 
 @dataclass(frozen=True, slots=True)

@@ -7,8 +7,10 @@ layer's attention output projection; a `CounterPoller` thread sees every bump an
 layer's page writes at once, while the forward moves on (S3b). After the request's last chunk
 it writes the context slot (hidden state and logits, S4a), and when every write has completed
 it frees the source pages and finishes the request (S4b). Every write carries the request's
-immediate value; the decoder counts them (S4c). Threads: the engine's (plans, context, frees),
-the poller's (page writes), the transfer engine's (completions, which only count).
+immediate value; the decoder counts them (S4c). KV memory the NIC cannot read is staged: a
+layer's pages are copied to a host shadow just before they are posted (S5, `staging.py`).
+Threads: the engine's (plans, context, frees), the poller's (staging, page writes), the transfer
+engine's (completions, which only count).
 """
 
 from __future__ import annotations
@@ -42,6 +44,8 @@ from disagg.prefill_transfer import (
     Transfer,
     check_kv_request,
     parse_peer,
+    stage_out_layer,
+    trace_transfer,
 )
 from disagg.request import Request, RequestStatus, SamplingParams
 from disagg.trace import Tracer
@@ -55,6 +59,7 @@ from disagg.transfer_plan import (
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.poller import CounterPoller
+from transfer_core.staging import register_kv
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +69,8 @@ class PrefillMessenger:
 
     def __init__(self, engine: LLMEngine, transfer: TransferEngine,
                  num_context_slots: int = 16, wait_timeout_s: float = 60.0,
-                 tracer: Tracer | None = None, lease_s: float = 300.0) -> None:
+                 tracer: Tracer | None = None, lease_s: float = 300.0,
+                 kv_memory_path: str | None = None) -> None:
         self.engine = engine
         self.lease_s = lease_s  # a transfer older than this is stopped (issue 8)
         self.tracer = tracer or Tracer()
@@ -72,9 +78,10 @@ class PrefillMessenger:
         self.kv_cache = engine.kv_cache
         self.num_layers = engine.model.config.num_layers
         self.wait_timeout_s = wait_timeout_s
-        # One region per TP rank, as one process registering every GPU's KV (S5a).
-        self._kv_regions = [transfer.register_memory(shard.buffer, name=f"prefill-kv{rank}")[0]
-                            for rank, shard in enumerate(self.kv_cache.shards)]
+        # One region per TP rank, as one process registering every GPU's KV (S5a); its path
+        # (host, hmem, staged) defaults to the transfer engine's `memory_path`.
+        self._kv = [register_kv(transfer, shard.buffer, f"prefill-kv{rank}", kv_memory_path)
+                    for rank, shard in enumerate(self.kv_cache.shards)]
         self._rng = random.Random(0)
         self._context = allocate_context_buffer(engine.model.config, num_context_slots)
         self._context_region, _ = transfer.register_memory(self._context, name="prefill-ctx")
@@ -84,7 +91,8 @@ class PrefillMessenger:
             self._free_slots.put(slot)
         self._lock = threading.Condition()
         self._transfers: dict[str, Transfer] = {}
-        self.draft = DraftKVSource(engine, transfer, self._transfers)  # MTP pages (issue 6)
+        self.draft = DraftKVSource(engine, transfer, self._transfers,  # MTP pages (issue 6)
+                                   kv_memory_path)
         self._plans: dict[int, list[PlannedWrite]] = {}
         self._forwards_planned = 0
         self._handled_value = 0  # counter value whose writes have all been posted
@@ -92,15 +100,15 @@ class PrefillMessenger:
         self.recent: deque[Transfer] = deque(maxlen=64)  # ended transfers, for tests and tools
         self.wake: Callable[[], None] = lambda: None  # the node's "something happened" bell
         self.stats = {"pages": 0, "writes": 0, "bytes": 0, "requests": 0, "failed": 0,
-                      "expired_leases": 0}
+                      "expired_leases": 0, "staged_bytes": 0}
         # Writes completed by recently finished transfers: the answer to a late Cancel.
         self._finished_writes: OrderedDict[str, int] = OrderedDict()
         # The model bumps this after each layer; the poller thread turns bumps into writes.
-        self.counter = LayerCounter()
+        self.counter = LayerCounter.for_device(engine.config.device)
         engine.model.layer_counter = self.counter
         engine.batch_listeners.append(self.on_batch)
         engine.forward_listeners.append(self.after_forward)
-        self._poller = CounterPoller([self.counter.value], self._on_counter,
+        self._poller = CounterPoller([self.counter.poll_target], self._on_counter,
                                      name="layer-counter-poller")
         self._poller.start()
 
@@ -110,6 +118,8 @@ class PrefillMessenger:
         """Accept a decoder whose handshake was validated; parse its descriptors."""
         peer = parse_peer(hello, channel, self.num_layers, self._geometry, self._slot_nbytes)
         self.draft.add_peer(hello, peer.num_pages)
+        logger.info("decoder %s: its KV memory path is %s; ours is %s", peer.peer_id,
+                    peer.kv_memory_path or "unknown", self._kv[0].path.kind)
         return peer
 
     @property
@@ -208,6 +218,7 @@ class PrefillMessenger:
             forward, layer = LayerCounter.decode(value, self.num_layers)
             with self._lock:
                 plan = self._plans.get(forward, [])
+            self._count(staged=stage_out_layer(self._kv, plan, layer))  # no-op unless staged
             now = time.perf_counter()
             for write in plan:
                 write.transfer.layer_post_times.append((layer, now))
@@ -235,7 +246,7 @@ class PrefillMessenger:
                 transfer.pending_writes += 1
             try:
                 self.transfer.submit_paged_writes(
-                    plan.nbytes, self._kv_regions[plan.src_rank], write.src_page_ids,
+                    plan.nbytes, self._kv[plan.src_rank].region, write.src_page_ids,
                     src_page_nbytes, layer * src_layer_nbytes + plan.src_offset,
                     peer.kv[plan.dst_rank], write.dst_page_ids, peer.page_nbytes,
                     layer * peer.layer_nbytes + plan.dst_offset, transfer.imm,
@@ -303,11 +314,12 @@ class PrefillMessenger:
         self._finished.put(transfer)
         self.wake()
 
-    def _count(self, pages: int = 0, writes: int = 0, nbytes: int = 0) -> None:
+    def _count(self, pages: int = 0, writes: int = 0, nbytes: int = 0, staged: int = 0) -> None:
         with self._lock:  # the poller thread and the engine thread both post writes
             self.stats["pages"] += pages
             self.stats["writes"] += writes
             self.stats["bytes"] += nbytes
+            self.stats["staged_bytes"] += staged
 
     def _layer_done(self, transfer: Transfer, writes: int, layer: int) -> None:
         self.tracer.instant("layer_writes_done", layer=layer, request_id=transfer.request_id)
@@ -347,7 +359,7 @@ class PrefillMessenger:
             while len(self._finished_writes) > 4096:
                 self._finished_writes.popitem(last=False)
             self.stats["requests"] += 1
-            self._trace(transfer)
+            trace_transfer(self.tracer, transfer)
             if transfer.error is None:
                 request.status = RequestStatus.FINISHED_TRANSFERRED
             else:
@@ -360,14 +372,6 @@ class PrefillMessenger:
             self.recent.append(transfer)
         return ended
 
-    def _trace(self, t: Transfer) -> None:
-        ids = {"request_id": t.request_id, "decoder": t.peer.peer_id}
-        scheduled = t.first_scheduled_at or t.done_at
-        last_layer = t.last_layer_at or t.done_at
-        self.tracer.complete("queue", t.received_at, scheduled, **ids)
-        self.tracer.complete("prefill", scheduled, last_layer, **ids)
-        self.tracer.complete("transfer_tail", last_layer, t.done_at, error=t.error, **ids)
-
     def _tell(self, peer: DecoderPeer, message: KVFailed) -> None:
         try:
             peer.channel.send(message)
@@ -377,7 +381,7 @@ class PrefillMessenger:
     def close(self) -> None:
         """Stop the poller and unregister memory (call after the transfer engine drained)."""
         self._poller.stop()
-        for region in self._kv_regions:
-            self.transfer.unregister_memory(region)
+        for kv in self._kv:
+            kv.close(self.transfer)
         self.transfer.unregister_memory(self._context_region)
         self.draft.close()

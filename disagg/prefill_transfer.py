@@ -1,9 +1,10 @@
 """The prefiller's view of a transfer: the decoder it writes to, the request's transfer
 context, and the checks on what a decoder asks for (S2b, S4b, S6; issue 8's bounds checks).
 
-Plain data and pure validation, split from `prefill_messenger.py` so the messenger file holds
-only the streaming logic. Every remote page id and slot is checked against the region the peer
-advertised before anything is posted.
+Plain data, pure validation and the staging step of a layer (S5: pages of a staged KV region
+are copied into its host shadow before the NIC reads them), split from `prefill_messenger.py`
+so the messenger file holds only the streaming logic. Every remote page id and slot is checked
+against the region the peer advertised before anything is posted.
 """
 
 from __future__ import annotations
@@ -15,8 +16,13 @@ from disagg.errors import RequestError
 from disagg.messages import Hello, KVRequest
 from disagg.request import Request
 from disagg.tp import Sharding
+from disagg.trace import Tracer
 from disagg.transfer_plan import PageGeometry, PageWrite, num_pages
 from transfer_core.memory import MemoryRegionDescriptor
+from transfer_core.staging import RegisteredKV
+
+# What a decoder may say its KV memory path is ("": it did not say).
+PEER_MEMORY_PATHS = ("", "host", "hmem", "staged")
 
 
 @dataclass
@@ -32,6 +38,7 @@ class DecoderPeer:
     num_context_slots: int
     page_nbytes: int  # of one rank's page
     layer_nbytes: int  # of one rank's layer
+    kv_memory_path: str = ""  # how the decoder's NIC reaches its KV (host, hmem, staged)
 
 
 @dataclass
@@ -75,6 +82,9 @@ def parse_peer(hello: Hello, channel: Channel, num_layers: int, geometry: PageGe
     if len(hello.kv_descriptors) != sharding.tp:
         raise RequestError(f"decoder {hello.node_id}: {len(hello.kv_descriptors)} KV "
                            f"regions for tp={sharding.tp}")
+    if hello.kv_memory_path not in PEER_MEMORY_PATHS:
+        raise RequestError(f"decoder {hello.node_id}: unknown KV memory path "
+                           f"{hello.kv_memory_path!r}, expected one of {PEER_MEMORY_PATHS[1:]}")
     kv = [MemoryRegionDescriptor.from_bytes(d) for d in hello.kv_descriptors]
     context = MemoryRegionDescriptor.from_bytes(hello.context_descriptor)
     page_nbytes = geometry.page_nbytes(sharding.heads_per_rank)
@@ -84,7 +94,24 @@ def parse_peer(hello: Hello, channel: Channel, num_layers: int, geometry: PageGe
         raise RequestError(f"decoder {hello.node_id}: KV regions of {kv[0].length} bytes "
                            f"are not {num_layers} layers of whole {page_nbytes}-byte pages")
     return DecoderPeer(hello.node_id, channel, kv, context, sharding, peer_pages,
-                       context.length // slot_nbytes, page_nbytes, layer_nbytes)
+                       context.length // slot_nbytes, page_nbytes, layer_nbytes,
+                       hello.kv_memory_path)
+
+
+def stage_out_layer(kv: list[RegisteredKV], plan: list[PlannedWrite], layer: int) -> int:
+    """Copy the pages `plan` sends of `layer` into the host shadow of every staged rank they
+    are read from, one copy call per rank; returns the bytes copied (0 unless staged)."""
+    pages: dict[int, list[int]] = {}
+    for write in plan:
+        for rank in {w.src_rank for w in write.transfer.page_writes}:
+            if kv[rank].staged:
+                pages.setdefault(rank, []).extend(write.src_page_ids)
+    copied = 0
+    for rank, page_ids in pages.items():
+        before = kv[rank].staged_bytes
+        kv[rank].stage_out(layer, page_ids)
+        copied += kv[rank].staged_bytes - before
+    return copied
 
 
 def check_kv_request(message: KVRequest, peer: DecoderPeer, page_size: int,
@@ -108,3 +135,13 @@ def check_kv_request(message: KVRequest, peer: DecoderPeer, page_size: int,
         raise RequestError(f"request {request_id}: token ids outside [0, {vocab_size})")
     if not 0 <= message.imm < 2**32:
         raise RequestError(f"request {request_id}: imm {message.imm} not 32-bit")
+
+
+def trace_transfer(tracer: Tracer, t: Transfer) -> None:
+    """An ended transfer's spans: queued, prefilling, then the writes' tail (the TTFT split)."""
+    ids = {"request_id": t.request_id, "decoder": t.peer.peer_id}
+    scheduled = t.first_scheduled_at or t.done_at
+    last_layer = t.last_layer_at or t.done_at
+    tracer.complete("queue", t.received_at, scheduled, **ids)
+    tracer.complete("prefill", scheduled, last_layer, **ids)
+    tracer.complete("transfer_tail", last_layer, t.done_at, error=t.error, **ids)

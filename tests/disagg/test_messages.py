@@ -76,6 +76,20 @@ def test_bytes_fields_must_be_base64() -> None:
         decode(frame(Hello.TYPE, good))
 
 
+def test_hello_carries_the_kv_memory_path() -> None:
+    """The decoder's KV memory path round trips; an older decoder's Hello, without it, reads
+    as "" (unknown); a non-string path is refused."""
+    hello = Hello("d", "m", "f", 1, "NHD", 1, 1, 2, b"a", [b"b"], b"c", 1,
+                  kv_memory_path="staged")
+    assert decode(encode(hello)).kv_memory_path == "staged"
+    payload = json.loads(encode(hello)[HEADER.size:])
+    del payload["kv_memory_path"]
+    assert decode(frame(Hello.TYPE, payload)).kv_memory_path == ""
+    payload["kv_memory_path"] = 1
+    with pytest.raises(ProtocolError, match="kv_memory_path: expected str"):
+        decode(frame(Hello.TYPE, payload))
+
+
 def test_defaults_may_be_omitted() -> None:
     """Optional fields (sampling parameters) take their defaults when absent."""
     submit = decode(frame(10, {"request_id": "r", "prompt_token_ids": [1], "max_tokens": 3}))
