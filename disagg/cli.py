@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 import sys
 from dataclasses import replace
-from typing import TYPE_CHECKING, Annotated
+from typing import Annotated
 
 import typer
 from rich.console import Console
@@ -17,16 +17,12 @@ from rich.console import Console
 from disagg.config import (
     CacheConfig,
     EngineConfig,
-    ParallelConfig,
     SchedulerConfig,
     check_kv_layout,
 )
 from disagg.errors import ConfigError, DisaggError, RequestError
 from disagg.figures import register as register_figures
 from disagg.sim.commands import register as register_sim_commands
-
-if TYPE_CHECKING:
-    from disagg.node_setup import NodeConfig
 
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
@@ -144,22 +140,9 @@ ListenOption = Annotated[str, typer.Option(
     help="host:port for control connections (port 0: any free port)")]
 MetricsPortOption = Annotated[int | None, typer.Option(
     help="Serve Prometheus metrics at http://host:PORT/metrics (0: any free port)")]
-
-
-def _node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chunk_size: int,
-                 provider: str, threads: int, mode: str, tp: int = 1,
-                 replicated_kv: bool = False, faults: str | None = None,
-                 kv_timeout: float = 120.0, lease: float = 300.0,
-                 metrics_port: int | None = None) -> NodeConfig:
-    from disagg.node_setup import NodeConfig
-
-    return NodeConfig(model, CacheConfig(page_size=page_size, num_pages=num_pages,
-                                         kv_layout=check_kv_layout(kv_layout)),
-                      SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=chunk_size,
-                                      mode=mode),  # type: ignore[arg-type]
-                      ParallelConfig(tp, replicated_kv), provider=provider,
-                      threads=threads or None, faults=faults, kv_timeout_s=kv_timeout,
-                      lease_s=lease, metrics_port=metrics_port)
+DeviceOption = Annotated[str, typer.Option(help="Model and KV cache device: cpu, cuda, cuda:N")]
+MemoryPathOption = Annotated[str, typer.Option(
+    help="How the NIC reaches the KV (S5): auto, host (CPU), hmem (FI_HMEM) or staged")]
 
 
 @serve_app.command("prefill")
@@ -173,13 +156,15 @@ def serve_prefill(
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
     faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
     lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
+    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
 ) -> None:
     """Run a prefiller: prefill requests from decoders and stream their KV back."""
+    from disagg.node_setup import node_config
     from disagg.serve import serve_prefill as run
 
-    config = _node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                          "prefill_only", tp, replicated_kv, faults, kv_timeout, lease,
-                          metrics_port)
+    config = node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
+                         "prefill_only", tp, replicated_kv, faults, kv_timeout, lease,
+                         metrics_port, device, kv_memory_path)
     run(config, listen, node_id, trace)
 
 
@@ -195,16 +180,19 @@ def serve_decode(
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
     faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
     lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
+    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
     retry: Annotated[bool, typer.Option(
         help="Retry a dead prefiller's requests on another prefiller (else they fail)")] = True,
     speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
     draft_layers: DraftLayersOption = 0,
 ) -> None:
     """Run a decoder: take requests, get their KV from prefillers, decode them."""
+    from disagg.node_setup import node_config
     from disagg.serve import serve_decode as run
 
-    config = _node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                          "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port)
+    config = node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
+                         "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port,
+                         device, kv_memory_path)
     spec = speculative_config(speculative, num_draft_tokens, draft_layers)
     run(replace(config, retry_on_prefiller_failure=retry, speculative=spec), listen,  # type: ignore[arg-type]
         prefiller, node_id, trace)
@@ -221,12 +209,15 @@ def serve_mixed(
     tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
     faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
     lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
+    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
 ) -> None:
     """Run a single-node engine (prefill and decode mixed, S1) behind the router protocol."""
+    from disagg.node_setup import node_config
     from disagg.serve import serve_decode as run
 
-    config = _node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                          "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port)
+    config = node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
+                         "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port,
+                         device, kv_memory_path)
     run(config, listen, [], node_id, trace)
 
 
@@ -258,6 +249,7 @@ def demo(
              "deepseek-r1 (replicated KV, TP 4 prefiller, 3 DP decoders)")] = None,
     speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
     draft_layers: DraftLayersOption = 0,
+    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
 ) -> None:
     """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
     from rich.live import Live
@@ -265,14 +257,17 @@ def demo(
     from disagg.cluster import DEPLOYMENTS, ClusterConfig
     from disagg.demo import load_prompts, run_demo
     from disagg.demo_view import metrics_table, request_table, totals_table
+    from disagg.node_setup import check_node_memory
 
+    check_node_memory(device, kv_memory_path)  # fail here, not in every node
     decoders = decode_dp or decoders
     if decoders < 1:
         raise ConfigError(f"--decoders must be at least 1, got {decoders}")
     cluster = ClusterConfig(model=model, num_decoders=decoders,
                             kv_layout=check_kv_layout(kv_layout), page_size=page_size,
                             num_pages=num_pages, chunk_size=chunk_size, provider=provider,
-                            prefill_tp=prefill_tp, decode_tp=decode_tp, replicated_kv=replicated)
+                            prefill_tp=prefill_tp, decode_tp=decode_tp, replicated_kv=replicated,
+                            device=device, kv_memory_path=kv_memory_path)
     if speculative is not None:
         speculative_config(speculative, num_draft_tokens, draft_layers)  # fail here, not there
         cluster.decode_args = ["--speculative", speculative, "--num-draft-tokens",

@@ -45,6 +45,8 @@ class ClusterConfig:
     decode_args: list[str] = field(default_factory=list)  # decoders only (e.g. --speculative)
     startup_timeout_s: float = 120.0
     trace_dir: str | None = None  # each node writes <node_id>.json here (a Chrome trace)
+    device: str = "cpu"  # every node's model and KV cache: cpu, cuda or cuda:N
+    kv_memory_path: str = "auto"  # how each node's NIC reaches its KV: auto, host, hmem, staged
 
 
 # The two deployments of S9, scaled to the toy models (the `tiny` preset has 4 KV heads).
@@ -105,7 +107,7 @@ class LocalCluster:
                 "--provider", c.provider, "--threads", str(c.threads_per_node),
                 *(["--trace", c.trace_dir] if c.trace_dir else []),
                 *(["--replicated-kv"] if c.replicated_kv else []), "--metrics-port", "0",
-                *c.extra_args]
+                "--device", c.device, "--kv-memory-path", c.kv_memory_path, *c.extra_args]
 
     def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[str]:
         command = [sys.executable, "-m", "disagg.cli", *args, "--node-id", name,

@@ -1,23 +1,63 @@
 """What every node builds at start-up: the engine, the transfer engine, a model fingerprint.
 
 Kept apart from the node loops so the demo, the tests and `disagg serve` build nodes the same way.
+It also decides how the KV memory meets the fabric (S5): on CUDA the transfer engine asks for
+FI_HMEM and falls back to host staging when no provider has it; the messengers then register
+their KV through `transfer_core.staging` with the engine's `memory_path`.
 """
 
 from __future__ import annotations
 
 import ctypes
 import hashlib
+import logging
 from dataclasses import dataclass, field, fields
 
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ParallelConfig, SchedulerConfig
+from disagg.config import (
+    CacheConfig,
+    EngineConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    check_kv_layout,
+)
 from disagg.draft import SpeculativeConfig
 from disagg.engine import LLMEngine, build_engine
+from disagg.errors import ConfigError
 from disagg.spec_engine import enable_speculation
 from disagg.weights import LoadedModel, load_model
-from transfer_core.engine import TransferEngine
+from transfer_core.engine import MEMORY_PATHS, TransferEngine
+from transfer_core.errors import ProviderNotFoundError
 from transfer_core.faults import FaultPlan, FaultyTransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+def check_device(device: str, need_hardware: bool = True) -> str:
+    """`device` if it names cpu, cuda or cuda:N (and, with `need_hardware`, this machine has
+    it); else a `ConfigError` naming it."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}: expected cpu, cuda or cuda:N")
+    if need_hardware and parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: torch sees no CUDA device on this machine")
+    return device
+
+
+def check_node_memory(device: str, kv_memory_path: str, need_hardware: bool = True) -> None:
+    """A `ConfigError` unless `device` is valid (see `check_device`) and `kv_memory_path` is
+    one of auto, host, hmem, staged and possible there (host is CPU only, hmem CUDA only)."""
+    on_cuda = torch.device(check_device(device, need_hardware)).type == "cuda"
+    if kv_memory_path not in MEMORY_PATHS:
+        raise ConfigError(f"unknown KV memory path {kv_memory_path!r}: expected "
+                          f"{', '.join(MEMORY_PATHS[:-1])} or {MEMORY_PATHS[-1]}")
+    if kv_memory_path == ("host" if on_cuda else "hmem"):
+        raise ConfigError(f"KV memory path {kv_memory_path!r} is impossible on {device}: use "
+                          "auto or staged")
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +77,28 @@ class NodeConfig:
     lease_s: float = 300.0  # prefiller: a transfer older than this is stopped
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
     speculative: SpeculativeConfig | None = None  # decoder: draft and verify (issue 6)
+    device: str = "cpu"  # where the model and its KV cache live: cpu, cuda, cuda:N
+    kv_memory_path: str = "auto"  # how the NIC reaches the KV: auto, host, hmem, staged (S5)
+
+    def __post_init__(self) -> None:
+        check_node_memory(self.device, self.kv_memory_path, need_hardware=False)
+
+
+def node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chunk_size: int,
+                provider: str, threads: int, mode: str, tp: int = 1,
+                replicated_kv: bool = False, faults: str | None = None,
+                kv_timeout: float = 120.0, lease: float = 300.0,
+                metrics_port: int | None = None, device: str = "cpu",
+                kv_memory_path: str = "auto") -> NodeConfig:
+    """A `NodeConfig` from `disagg serve`'s flat options (threads 0: torch's default)."""
+    return NodeConfig(model, CacheConfig(page_size=page_size, num_pages=num_pages,
+                                         kv_layout=check_kv_layout(kv_layout)),
+                      SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=chunk_size,
+                                      mode=mode),  # type: ignore[arg-type]
+                      ParallelConfig(tp, replicated_kv), provider=provider,
+                      threads=threads or None, faults=faults, kv_timeout_s=kv_timeout,
+                      lease_s=lease, metrics_port=metrics_port, device=device,
+                      kv_memory_path=kv_memory_path)
 
 
 def model_fingerprint(loaded: LoadedModel) -> str:
@@ -71,17 +133,35 @@ def keep_freed_memory() -> None:
 
 def build_node(config: NodeConfig) -> tuple[LLMEngine, TransferEngine, str, LoadedModel]:
     """Load the model, build the engine and open the fabric; returns them and the fingerprint."""
+    check_device(config.device)  # before the model loads: this machine must have it
     keep_freed_memory()
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = load_model(config.model)
     engine = build_engine(EngineConfig(loaded.config, config.cache, config.scheduler,
-                                       config.parallel), loaded.state_dict)
+                                       config.parallel, device=config.device),
+                          loaded.state_dict)
     if config.speculative is not None:
         enable_speculation(engine, config.speculative)
-    if config.faults:
-        transfer: TransferEngine = FaultyTransferEngine(
-            config.provider, node=config.fabric_node, faults=FaultPlan.parse(config.faults))
-    else:
-        transfer = TransferEngine(config.provider, node=config.fabric_node)
-    return engine, transfer, model_fingerprint(loaded), loaded
+    return engine, open_transfer(config), model_fingerprint(loaded), loaded
+
+
+def open_transfer(config: NodeConfig) -> TransferEngine:
+    """The node's transfer engine. KV on CUDA with path auto or hmem asks for FI_HMEM first;
+    without a provider that has it, the engine opens without, so auto stages through host
+    memory and hmem fails at registration with the provider's name (both say why)."""
+    def make(hmem: bool) -> TransferEngine:
+        kwargs = {"node": config.fabric_node, "hmem": hmem,
+                  "memory_path": config.kv_memory_path}
+        if config.faults:
+            return FaultyTransferEngine(config.provider, faults=FaultPlan.parse(config.faults),
+                                        **kwargs)
+        return TransferEngine(config.provider, **kwargs)
+
+    if torch.device(config.device).type == "cuda" and config.kv_memory_path in ("auto", "hmem"):
+        try:
+            return make(hmem=True)
+        except ProviderNotFoundError as error:
+            logger.info("KV on %s: no provider offers FI_HMEM (%s); opening without it",
+                        config.device, error)
+    return make(hmem=False)

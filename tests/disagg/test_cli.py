@@ -6,6 +6,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from disagg.cli import main
 
@@ -79,4 +80,32 @@ def test_plan_json_counts_nhd_and_hnd(capsys: pytest.CaptureFixture[str]) -> Non
 def test_unknown_deployment_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     """A deployment preset that does not exist is named in the error."""
     code, _, err = run_cli(["demo", "--model", "tiny", "--deployment", "gpt-5"], capsys)
-    assert code == 2 and "unknown deployment 'gpt-5'" in err
+    assert code == 2
+    assert "unknown deployment 'gpt-5'" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "prefill", "--model", "tiny", "--kv-memory-path", "rdma"],
+     "unknown KV memory path 'rdma'"),
+    (["serve", "decode", "--model", "tiny", "--prefiller", "127.0.0.1:1", "--device", "tpu"],
+     "unknown device 'tpu'"),
+    (["serve", "mixed", "--model", "tiny", "--kv-memory-path", "hmem"],
+     "'hmem' is impossible on cpu"),
+    (["demo", "--model", "tiny", "--kv-memory-path", "hmem"], "'hmem' is impossible on cpu"),
+])
+def test_bad_memory_options_exit_2_with_one_line(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--device and --kv-memory-path are checked before any node starts."""
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_device_without_cuda_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """--device cuda on a machine without CUDA is refused before any node starts."""
+    code, _, err = run_cli(["demo", "--model", "tiny", "--device", "cuda"], capsys)
+    assert code == 2
+    assert "torch sees no CUDA device" in err
