@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
 
 from disagg.batch import Batch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
@@ -34,11 +35,11 @@ WAVES = [(0, [5], [6]), (4, [2, 9, 4], [4, 12, 7]), (12, [3, 1, 6, 8, 2], [3, 9,
 
 
 def make_engine(cuda_graph: bool, kv_layout: str = "NHD", page_size: int = 4, tp: int = 1,
-                chunk_size: int = 4, graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
-                ) -> LLMEngine:
+                chunk_size: int = 4, graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
+                device: str = "cpu") -> LLMEngine:
     config = EngineConfig(CONFIG, CacheConfig(page_size, 256 // page_size, kv_layout),
                           SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=16),
-                          ParallelConfig(tp=tp), cuda_graph=cuda_graph,
+                          ParallelConfig(tp=tp), device, cuda_graph=cuda_graph,
                           graph_batch_sizes=graph_batch_sizes)
     return build_engine(config, WEIGHTS)
 
@@ -259,3 +260,41 @@ def test_cuda_graph_needs_a_spare_page() -> None:
     """A one-page cache has no room for the padding page."""
     with pytest.raises(ConfigError, match="padding page"):
         EngineConfig(CONFIG, CacheConfig(page_size=4, num_pages=1), cuda_graph=True)
+
+
+
+class OpRecorder(TorchDispatchMode):
+    """Records every aten op (and its arguments) run while it is active."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.calls: list[tuple[str, tuple]] = []
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):  # noqa: ANN001, ANN204
+        self.calls.append((func.overloadpacket.__name__, args))
+        return func(*args, **(kwargs or {}))
+
+
+# Ops that read a tensor value on the host (`.item()`, `if t:`), size an output by values, or
+# build a tensor from Python data: none may run in a captured forward.
+HOST_OPS = {"_local_scalar_dense", "item", "nonzero", "masked_select", "unique", "_unique",
+            "_unique2", "lift_fresh", "lift_fresh_copy"}
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_static_forward_is_capturable(kv_layout: str) -> None:
+    """The forward a CUDA graph captures reads no tensor value on the host, indexes with no
+    bool mask and builds no tensor from Python data; it bumps the counter once per layer."""
+    engine = decoding_engine(kv_layout)
+    counter = engine.model.layer_counter = LayerCounter()
+    graphs = engine.runner.graphs
+    graphs._fill_padding((4, 2))
+    with torch.inference_mode(), OpRecorder() as recorder:
+        graphs._forward((4, 2))
+    names = [name for name, _ in recorder.calls]
+    assert not HOST_OPS & set(names)
+    for name, args in recorder.calls:
+        if name in ("index", "index_put_", "index_put"):
+            assert all(i is None or i.dtype != torch.bool for i in args[1]), name
+    assert names.count("add_") == CONFIG.num_layers
+    assert counter.read() == CONFIG.num_layers

@@ -1,0 +1,124 @@
+"""Decode step time, eager path against the static-buffer path, per batch bucket (S3b).
+
+For each batch size, `batch` requests of `--context` prompt tokens are prefilled, then the same
+pure-decode batch runs `--steps` times through each path of one engine: the packed eager path
+(`ModelRunner` without graphs) and the static path (`DecodeGraphs`). On CUDA the static path
+is a graph replay (captured before timing), so the ratio is what graphs save; on CPU it is the
+same forward run eagerly over padded static buffers, so the ratio is what padding costs.
+Reported: median milliseconds per step of each path and the largest logit difference.
+Random-init preset weights. Prints a rich table; `--json` prints one object instead.
+Run: `python benchmarks/graph_decode.py [--model small] [--context 256] [--batch-sizes 1,8,32]`.
+"""
+
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+# `benchmarks/disagg.py` shares the package's name: the repository root goes first.
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+import argparse  # noqa: E402
+import json  # noqa: E402
+import statistics  # noqa: E402
+import time  # noqa: E402
+from collections.abc import Callable  # noqa: E402
+from typing import Any  # noqa: E402
+
+import torch  # noqa: E402
+from rich.console import Console  # noqa: E402
+from rich.table import Table  # noqa: E402
+
+from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
+from disagg.engine import LLMEngine, build_engine  # noqa: E402
+from disagg.request import SamplingParams  # noqa: E402
+from disagg.weights import init_random_weights  # noqa: E402
+
+
+def timed_ms(run: Callable[[], Any], device: torch.device, steps: int) -> float:
+    """Median wall time of `run` in milliseconds, the device drained around each call."""
+    times = []
+    for _ in range(steps):
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        start = time.perf_counter()
+        run()
+        if device.type == "cuda":
+            torch.cuda.synchronize(device)
+        times.append((time.perf_counter() - start) * 1e3)
+    return statistics.median(times)
+
+
+def decoding_engine(model: ModelConfig, batch: int, context: int, device: str,
+                    batch_sizes: tuple[int, ...]) -> LLMEngine:
+    """A `cuda_graph` engine whose `batch` requests have all finished prefill."""
+    page_size = 16
+    num_pages = batch * (-(-(context + 8) // page_size)) + 2
+    config = EngineConfig(model, CacheConfig(page_size, num_pages),
+                          SchedulerConfig(max_num_seqs=max(batch_sizes),
+                                          max_num_batched_tokens=max(context, 64) * 2),
+                          device=device, cuda_graph=True, graph_batch_sizes=batch_sizes)
+    engine = build_engine(config, init_random_weights(model, seed=0))
+    generator = torch.Generator().manual_seed(batch)
+    for _ in range(batch):
+        prompt = torch.randint(3, model.vocab_size, (context,), generator=generator).tolist()
+        engine.add_request(prompt, SamplingParams(max_tokens=4, ignore_eos=True))
+    while any(r.num_computed_tokens < r.num_prompt_tokens for r in engine.scheduler.running) \
+            or engine.scheduler.waiting:
+        engine.step()
+    return engine
+
+
+def measure(model: ModelConfig, batch: int, context: int, device: str, steps: int,
+            batch_sizes: tuple[int, ...]) -> dict[str, Any]:
+    """One row: both paths over the same decode batch (it rewrites the same slots each run)."""
+    engine = decoding_engine(model, batch, context, device, batch_sizes)
+    runner, graphs = engine.runner, engine.runner.graphs
+    decode = engine.scheduler.schedule()
+    bucket = graphs.bucket(decode)
+    assert bucket is not None, f"batch of {batch} does not fit a bucket of {batch_sizes}"
+    static_out = runner.execute(decode)  # captures on CUDA
+    runner.graphs = None
+    eager_out = runner.execute(decode)
+    eager_ms = timed_ms(lambda: runner.execute(decode), engine.kv_cache.device, steps)
+    runner.graphs = graphs
+    static_ms = timed_ms(lambda: runner.execute(decode), engine.kv_cache.device, steps)
+    return {"batch": batch, "batch_bucket": bucket[0], "pages_bucket": bucket[1],
+            "eager_ms": eager_ms, "static_ms": static_ms, "speedup": eager_ms / static_ms,
+            "max_abs_logit_diff": float((static_out.logits - eager_out.logits).abs().max()),
+            "graph_stats": runner.graph_stats}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--model", default="small", help="ModelConfig preset")
+    parser.add_argument("--context", type=int, default=256, help="prompt tokens per request")
+    parser.add_argument("--batch-sizes", default="1,2,4,8,16,32")
+    parser.add_argument("--steps", type=int, default=30, help="timed steps per path")
+    parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args()
+    sizes = tuple(int(size) for size in args.batch_sizes.split(","))
+    model = ModelConfig.from_name(args.model)
+    rows = [measure(model, size, args.context, args.device, args.steps, sizes)
+            for size in sizes]
+    result = {"device": args.device, "model": args.model, "context": args.context,
+              "steps": args.steps, "threads": torch.get_num_threads(), "rows": rows}
+    if args.json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    path = "graph replay" if args.device.startswith("cuda") else "static, eager on CPU"
+    table = Table(title=f"decode step, {args.model}, {args.context}-token contexts, "
+                        f"{args.device} ({path})")
+    for column in ("batch", "bucket (batch x pages)", "eager ms", "static ms", "eager/static",
+                   "max |Δ logit|"):
+        table.add_column(column, justify="right")
+    for row in rows:
+        table.add_row(str(row["batch"]), f"{row['batch_bucket']} x {row['pages_bucket']}",
+                      f"{row['eager_ms']:.3f}", f"{row['static_ms']:.3f}",
+                      f"{row['speedup']:.2f}", f"{row['max_abs_logit_diff']:.1e}")
+    Console().print(table)
+
+
+if __name__ == "__main__":
+    main()
