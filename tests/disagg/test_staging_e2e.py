@@ -8,6 +8,7 @@ skipped the KV checksum must fail, which proves staging is really in the data pa
 
 from __future__ import annotations
 
+import logging
 import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
@@ -19,15 +20,18 @@ from disagg.cluster import ClusterConfig
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
 from disagg.decode_messenger import ReliabilityConfig
 from disagg.decode_node import DecodeNode
+from disagg.draft import SpeculativeConfig
 from disagg.engine import build_engine
 from disagg.handoff import context_slot_nbytes
 from disagg.messages import Reject, Submit
-from disagg.node_setup import NodeConfig, build_node
+from disagg.node_setup import NodeConfig, build_node, open_transfer
 from disagg.prefill_node import PrefillNode
 from disagg.request import SamplingParams
 from disagg.router import Router
 from disagg.weights import load_model
 from tests.disagg.test_disagg_e2e import disaggregated_tokens, random_prompts, single_node_tokens
+from transfer_core.errors import ProviderNotFoundError
+from transfer_core.pyfabric import find_infos
 from transfer_core.staging import RegisteredKV
 
 pytestmark = pytest.mark.fabric
@@ -55,33 +59,46 @@ class Pair:
                 return event.state, event.detail, tokens
 
 
-def node_config(mode: str) -> NodeConfig:
+def node_config(mode: str, speculative: SpeculativeConfig | None = None) -> NodeConfig:
     return NodeConfig("tiny", CACHE, SchedulerConfig(chunk_size=5, max_num_batched_tokens=5,
                                                      mode=mode),  # type: ignore[arg-type]
-                      kv_memory_path="staged")
+                      kv_memory_path="staged", speculative=speculative)
 
 
 @pytest.fixture
-def staged_pair() -> Iterator[Pair]:
-    """A staged prefiller and a staged decoder in threads; both must end clean."""
-    engine, transfer, fingerprint, _ = build_node(node_config("prefill_only"))
-    prefill = PrefillNode(engine, transfer, fingerprint)
-    engine, transfer, fingerprint, _ = build_node(node_config("mixed"))
-    decode = DecodeNode(engine, transfer, fingerprint, [prefill.address], reliability=FAST)
-    threads = [threading.Thread(target=node.run, daemon=True) for node in (prefill, decode)]
-    for thread in threads:
-        thread.start()
-    router = Router([decode.address])
-    yield Pair(prefill, decode, router)
-    router.close()
-    for node in (decode, prefill):
-        node.stop()
-    for thread in threads:
-        thread.join(timeout=10)
-    prefill.check_clean()
-    decode.check_clean()
-    decode.close()
-    prefill.close()
+def make_staged_pair() -> Iterator[Callable[..., Pair]]:
+    """Factory: a staged prefiller and a staged decoder (speculating if asked) in threads;
+    after the test both are stopped and must end clean."""
+    made: list[tuple[Pair, list[threading.Thread]]] = []
+
+    def make(speculative: SpeculativeConfig | None = None) -> Pair:
+        engine, transfer, fingerprint, _ = build_node(node_config("prefill_only"))
+        prefill = PrefillNode(engine, transfer, fingerprint)
+        engine, transfer, fingerprint, _ = build_node(node_config("mixed", speculative))
+        decode = DecodeNode(engine, transfer, fingerprint, [prefill.address], reliability=FAST)
+        threads = [threading.Thread(target=node.run, daemon=True) for node in (prefill, decode)]
+        for thread in threads:
+            thread.start()
+        made.append((Pair(prefill, decode, Router([decode.address])), threads))
+        return made[-1][0]
+
+    yield make
+    for pair, threads in made:
+        pair.router.close()
+        for node in (pair.decode, pair.prefill):
+            node.stop()
+        for thread in threads:
+            thread.join(timeout=10)
+        pair.prefill.check_clean()
+        pair.decode.check_clean()
+        pair.decode.close()
+        pair.prefill.close()
+
+
+@pytest.fixture
+def staged_pair(make_staged_pair: Callable[..., Pair]) -> Pair:
+    """A staged pair without speculation."""
+    return make_staged_pair()
 
 
 def reference(prompts: list[list[int]]) -> list[list[int]]:
@@ -101,6 +118,16 @@ def test_staged_nodes_decode_the_single_node_tokens(staged_pair: Pair) -> None:
     # Every KV byte written was staged out; the context slots are host memory anyway.
     assert prefill.stats["staged_bytes"] == prefill.stats["bytes"] - len(PROMPTS) * slot_nbytes
     assert decode.kv[0].staged_bytes >= prefill.stats["staged_bytes"]
+
+
+def test_staged_mtp_pages_cross_the_split(make_staged_pair: Callable[..., Pair]) -> None:
+    """With an MTP head the head's pages are staged too (the checksum covers them): tokens
+    still equal the single-node engine's, and both MTP caches moved bytes."""
+    pair = make_staged_pair(SpeculativeConfig("mtp", 3))
+    results = [pair.serve(p, f"r{i}") for i, p in enumerate(PROMPTS)]
+    assert [tokens for _, _, tokens in results] == reference(PROMPTS)
+    assert pair.prefill.messenger.draft.kv.staged_bytes > 0
+    assert pair.decode.messenger.draft_kv.kv.staged_bytes > 0
 
 
 def test_decoder_tells_the_prefiller_its_memory_path(staged_pair: Pair) -> None:
@@ -125,6 +152,22 @@ def test_skipping_a_staging_copy_fails_the_kv_checksum(
     state, detail, tokens = staged_pair.serve(PROMPTS[2], "broken")
     assert (state, tokens) == ("failed", [])
     assert "KV checksum mismatch" in detail
+
+
+def test_cuda_node_without_fi_hmem_opens_for_staging(caplog: pytest.LogCaptureFixture) -> None:
+    """A CUDA node on a libfabric without FI_HMEM (Debian's) opens the fabric without it and
+    says why; its "auto" KV then stages (the choice itself is tested in transfer_core)."""
+    try:
+        find_infos("tcp", hmem=True)
+        pytest.skip("this libfabric has an FI_HMEM tcp provider")
+    except ProviderNotFoundError:
+        pass
+    config = replace(node_config("mixed"), device="cuda", kv_memory_path="auto")
+    with caplog.at_level(logging.INFO, logger="disagg.node_setup"), \
+            open_transfer(config) as transfer:
+        assert not transfer.supports_hmem
+        assert transfer.memory_path == "auto"
+    assert "no provider offers FI_HMEM" in caplog.text
 
 
 @pytest.mark.slow
