@@ -100,7 +100,9 @@ class DecodeGraphs:
         self._inputs = torch.zeros(_NUM_ROW_FIELDS * max_batch + max_batch * max_pages,
                                    dtype=torch.int64, device=self.device)
         self._graphs: dict[tuple[int, int], torch.cuda.CUDAGraph] = {}
-        self._outputs: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+        # Every graph copies its hidden states and logits into the first rows of these, so
+        # outputs cost one buffer pair, not one per graph. Allocated at the first capture.
+        self._static_outputs: tuple[torch.Tensor, torch.Tensor] | None = None
         self._pool: tuple[int, int] | None = None
         self._captured_counter: LayerCounter | None = None
         self._warned_counter = False
@@ -129,7 +131,7 @@ class DecodeGraphs:
             self._fill(batch, bucket)
             self._graphs[bucket].replay()
             self.stats["replays"] += 1
-            hidden, logits = self._outputs[bucket]
+            hidden, logits = (out[:bucket[0]] for out in self._static_outputs)
         else:
             self._fill(batch, bucket)
             hidden, logits = self._forward(bucket)
@@ -229,15 +231,19 @@ class DecodeGraphs:
             side.wait_stream(torch.cuda.current_stream(self.device))
             with torch.cuda.stream(side):
                 for _ in range(_NUM_WARMUP_RUNS):
-                    self._forward(bucket)
+                    hidden, logits = self._forward(bucket)
             torch.cuda.current_stream(self.device).wait_stream(side)
         finally:
             self.model.layer_counter = counter
+        if self._static_outputs is None:
+            rows = self.batch_sizes[-1]
+            self._static_outputs = (hidden.new_empty((rows, hidden.shape[1])),
+                                    logits.new_empty((rows, logits.shape[1])))
         graph = torch.cuda.CUDAGraph()
         with torch.cuda.graph(graph, pool=self._pool):
-            outputs = self._forward(bucket)
+            for out, value in zip(self._static_outputs, self._forward(bucket), strict=True):
+                out[:bucket[0]].copy_(value)
         self._graphs[bucket] = graph
-        self._outputs[bucket] = outputs
         self._captured_counter = counter
         self.stats["captures"] += 1
         logger.debug("captured decode graph for batch %d x pages %d", *bucket)
@@ -247,7 +253,6 @@ class DecodeGraphs:
             logger.info("layer counter changed: dropping %d decode graphs for recapture",
                         len(self._graphs))
         self._graphs.clear()
-        self._outputs.clear()
         self._pool = None
         self._captured_counter = self.model.layer_counter
 
