@@ -1,20 +1,27 @@
-"""Exercise every GPU path of `transfer_core` on this machine and print a summary (S3b, S5a).
+"""Exercise every GPU path of `disagg` and `transfer_core` here and print a summary (S3b, S5).
 
 1. A mapped pinned counter bumped by a captured CUDA graph after each layer, watched by the
-   `CounterPoller`: every layer's bump must be reported, and a copy-engine read of the
-   layer's KV issued from the callback must already see that forward's data.
-2. Graph replay time per forward with and without the counter bump, and the time from
-   `graph.replay()` to the poller's callback for a one-bump graph.
+   `CounterPoller`: every bump reported, and a copy-engine read of the layer's KV issued from
+   the callback already sees that forward's data; replay time with and without the bump, and
+   `graph.replay()` to callback (`gpu_check_counter.py`).
+2. The engine's decode steps as captured graphs: logits equal eager, step time eager vs graph
+   vs graph with the counter, bumps observed / expected through the poller (`gpu_check_model.py`).
 3. cuMem KV memory allocated in a spawned "rank" process, passed by fd over a Unix socket,
-   imported here, checked both ways, with import and copy timings.
-Runs in well under five minutes. Without a GPU it says so and exits 0. Usage:
-`python scripts/gpu_check.py`.
+   imported here, checked both ways, with timings (`gpu_check_cumem.py`).
+4. KV pages from GPU memory through the fabric on the path chosen automatically (FI_HMEM or
+   host staging), byte-exact, GB/s; counter bump to write posted (`gpu_check_fabric.py`).
+Runs in well under five minutes. Without a GPU it says so and exits 0; `--dry-run` then runs
+parts 2 and 4 on CPU at toy sizes (what CI can check of this script). `--json PATH` also
+writes the rows. Usage: `python scripts/gpu_check.py [--dry-run] [--json PATH]`.
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -26,48 +33,91 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 
-def main() -> int:
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--dry-run", action="store_true",
+                        help="without a GPU: run the model and fabric parts on CPU, toy sizes")
+    parser.add_argument("--json", type=Path, help="also write the rows here")
+    args = parser.parse_args(argv)
     console = Console()
-    if not torch.cuda.is_available():
+    _ensure_built(console)
+    if args.dry_run:
+        rows = _run(_dry_run_checks(), console)
+    elif not torch.cuda.is_available():
         console.print("gpu_check: no CUDA GPU on this machine (torch sees none); nothing to check.")
         return 0
-    _ensure_poller_built()
-    from transfer_core.cuda_host import cuda_available
+    else:
+        from transfer_core.cuda_host import cuda_available
 
-    if not cuda_available():
-        console.print("gpu_check: torch sees a GPU but cuda-python cannot reach it; skipping.")
-        return 0
-    rows: list[Row] = [*_environment()]
-    for check in _checks():
-        started = time.perf_counter()
-        try:
-            rows.extend(check())
-        except Exception as exc:  # reported in the table and in the exit code
-            rows.append((check.__name__.strip("_"), False, "error", f"{type(exc).__name__}: {exc}"))
-        console.log(f"{check.__name__} took {time.perf_counter() - started:.1f} s")
-    table = Table(title="transfer_core GPU check")
+        if not cuda_available():
+            console.print("gpu_check: torch sees a GPU but cuda-python cannot reach it; skipping.")
+            return 0
+        rows = [*_environment(), *_run(_checks(), console)]
+    table = Table(title="GPU check" + (" (CPU dry run)" if args.dry_run else ""))
     for column in ("check", "ok", "value", "detail"):
         table.add_column(column)
     for name, ok, value, detail in rows:
         table.add_row(name, "[green]yes" if ok else "[red]NO", value, detail)
     console.print(table)
+    if args.json:
+        keys = ("check", "ok", "value", "detail")
+        args.json.write_text(json.dumps([dict(zip(keys, row, strict=True)) for row in rows],
+                                        indent=1))
     return 0 if all(ok for _, ok, _, _ in rows) else 1
 
 
-def _checks() -> list:
+def _run(checks: list[Callable[[], list[Row]]], console: Console) -> list[Row]:
+    rows: list[Row] = []
+    for check in checks:
+        name = getattr(check, "__name__", None) or check.func.__name__  # a partial
+        started = time.perf_counter()
+        try:
+            rows.extend(check())
+        except Exception as exc:  # reported in the table and in the exit code
+            rows.append((name, False, "error", f"{type(exc).__name__}: {exc}"))
+        console.log(f"{name} took {time.perf_counter() - started:.1f} s")
+    return rows
+
+
+def _checks() -> list[Callable[[], list[Row]]]:
     from gpu_check_counter import graph_counter_check, latency_check
     from gpu_check_cumem import cumem_check
+    from gpu_check_fabric import posting_latency_check, transfer_check
+    from gpu_check_model import model_graph_check
 
-    return [graph_counter_check, latency_check, cumem_check]
+    return [graph_counter_check, latency_check, model_graph_check, cumem_check,
+            transfer_check, posting_latency_check]
 
 
-def _ensure_poller_built() -> None:
-    try:
-        import transfer_core._poller  # noqa: F401
-    except ImportError:
-        from transfer_core._poller_build import ffibuilder
+def _dry_run_checks() -> list[Callable[[], list[Row]]]:
+    from functools import partial
 
-        ffibuilder.compile(tmpdir=str(ROOT))
+    from gpu_check_fabric import posting_latency_check, transfer_check
+    from gpu_check_model import model_graph_check
+
+    from disagg.config import ModelConfig
+
+    small = ModelConfig.from_name("small")
+    return [partial(model_graph_check, "cpu", small, steps=3),
+            partial(transfer_check, "cpu", num_pages=16),
+            partial(posting_latency_check, "cpu", samples=20)]
+
+
+def _ensure_built(console: Console) -> None:
+    """Build the two cffi modules in place if this checkout was not installed (a bare GPU
+    machine); a fabric that cannot build shows up as failed rows, not as a crash."""
+    from transfer_core._poller_build import ffibuilder as poller
+    from transfer_core.pyfabric._build import ffibuilder as fabric
+
+    for module, builder in (("transfer_core._poller", poller), ("transfer_core.pyfabric._pyfabric",
+                                                                fabric)):
+        try:
+            __import__(module)
+        except ImportError:
+            try:
+                builder.compile(tmpdir=str(ROOT))
+            except Exception as exc:  # noqa: BLE001 - reported, the other parts still run
+                console.print(f"gpu_check: could not build {module}: {exc}")
 
 
 def _environment() -> list[Row]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -30,3 +31,17 @@ def test_every_part_imports_without_a_gpu() -> None:
         cwd=ROOT / "scripts", capture_output=True, text=True, timeout=120, check=False)
     assert done.returncode == 0, done.stderr
     assert int(done.stdout) >= 3
+
+
+@pytest.mark.fabric
+def test_dry_run_exercises_the_model_and_fabric_parts_on_cpu(tmp_path: Path) -> None:
+    """`--dry-run` runs the graph-runner and staged-transfer checks at toy sizes, all pass."""
+    rows_path = tmp_path / "rows.json"
+    done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
+                           "--json", str(rows_path)],
+                          capture_output=True, text=True, timeout=300, check=False)
+    assert done.returncode == 0, done.stdout + done.stderr
+    rows = {row["check"]: row for row in json.loads(rows_path.read_text())}
+    assert rows["engine bumps observed"]["ok"]
+    assert rows["GPU KV over tcp"]["ok"]
+    assert all(row["ok"] for row in rows.values())
