@@ -8,7 +8,7 @@ same forward run eagerly over padded static buffers, so the ratio is what paddin
 The paths alternate step by step; reported: median and best milliseconds per step of each
 path, and the largest logit difference between them.
 Random-init preset weights. Prints a rich table; `--json` prints one object instead.
-Run: `python benchmarks/graph_decode.py [--model small] [--context 256] [--batch-sizes 1,8,32]`.
+Run: `python benchmarks/graph_decode.py [--model small] [--context 256] [--threads 1] [--json]`.
 """
 
 from __future__ import annotations
@@ -101,8 +101,11 @@ def main() -> None:
     parser.add_argument("--batch-sizes", default="1,2,4,8,16,32")
     parser.add_argument("--steps", type=int, default=30, help="timed steps per path")
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu")
+    parser.add_argument("--threads", type=int, default=0, help="torch CPU threads (0: default)")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     args = parser.parse_args()
+    if args.threads:
+        torch.set_num_threads(args.threads)
     sizes = tuple(int(size) for size in args.batch_sizes.split(","))
     model = ModelConfig.from_name(args.model)
     rows = [measure(model, size, args.context, args.device, args.steps, sizes)
