@@ -69,7 +69,7 @@ def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int) -> floa
     counter did not fire early (a duplicated immediate) or over corrupted pages (issue 8).
     """
     pages = torch.tensor(page_ids, dtype=torch.int64, device=kv_cache.device)
-    total = torch.zeros((), dtype=torch.float64)
+    total = torch.zeros((), dtype=torch.float64, device=kv_cache.device)  # one sync, at the end
     for layer in range(kv_cache.num_layers):
         k, v = kv_cache.gather(layer, pages, num_tokens)
         total += k.contiguous().double().sum() + v.contiguous().double().sum()
