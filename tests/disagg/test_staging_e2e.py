@@ -178,6 +178,7 @@ def test_staged_processes_match_single_node() -> None:
                            kv_memory_path="staged")
     ours, result = disaggregated_tokens(config, prompts, 12)
     assert ours == single_node_tokens("tiny", prompts, 12)
-    staged = [v for k, v in result["metrics"]["prefill-0"].items() if "staged_bytes" in k]
-    assert staged, "the prefiller's metrics have no staged bytes counter"
-    assert staged[0] > 0
+    for node in ("prefill-0", "decode-0"):
+        staged = [v for k, v in result["metrics"][node].items() if "staged_bytes" in k]
+        assert staged, f"{node}'s metrics have no staged bytes counter"
+        assert staged[0] > 0
