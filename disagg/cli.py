@@ -14,6 +14,22 @@ from typing import Annotated
 import typer
 from rich.console import Console
 
+from disagg.cli_options import (
+    ChunkOption,
+    CudaGraphOption,
+    DeviceOption,
+    DraftLayersOption,
+    DraftTokensOption,
+    LayoutOption,
+    MemoryPathOption,
+    ModelOption,
+    NumPagesOption,
+    PageSizeOption,
+    ProviderOption,
+    SpeculativeOption,
+    speculative_config,
+)
+from disagg.cli_serve import serve_app
 from disagg.config import (
     CacheConfig,
     EngineConfig,
@@ -27,8 +43,6 @@ from disagg.sim.commands import register as register_sim_commands
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
 bench_app = typer.Typer(help="Benchmarks (JSON with --json, else a table).", no_args_is_help=True)
-serve_app = typer.Typer(help="Run one node of a disaggregated deployment.",
-                        no_args_is_help=True)
 app.add_typer(bench_app, name="bench")
 register_sim_commands(app)
 app.add_typer(serve_app, name="serve")
@@ -46,24 +60,6 @@ def parse_token_ids(text: str) -> list[int]:
             raise RequestError(f"--prompt-token-ids: {item!r} is not a token id")
         ids.append(int(item))
     return ids
-
-
-SpeculativeOption = Annotated[str | None, typer.Option(
-    help="Speculative decoding with this draft: mtp (an MTP head, random-init) or early-exit "
-         "(the model's first layers)")]
-DraftTokensOption = Annotated[int, typer.Option(
-    help="Draft tokens proposed per step, verified by one forward (with --speculative)")]
-DraftLayersOption = Annotated[int, typer.Option(
-    help="Layers of the early-exit draft (0: all but the last two)")]
-
-
-def speculative_config(kind: str | None, num_draft_tokens: int, draft_layers: int) -> object:
-    """The `SpeculativeConfig` the options describe, or None without --speculative."""
-    from disagg.draft import SpeculativeConfig
-
-    if kind is None:
-        return None
-    return SpeculativeConfig(kind, num_draft_tokens, draft_layers)  # type: ignore[arg-type]
 
 
 @app.command()
@@ -86,9 +82,11 @@ def generate(
         help="Write a Chrome/Perfetto trace of the engine steps to this JSON file")] = None,
     speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
     draft_layers: DraftLayersOption = 0,
+    device: DeviceOption = "cpu", cuda_graph: CudaGraphOption = False,
 ) -> None:
     """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
     from disagg.generate import generate_one
+    from disagg.node_setup import check_device
     from disagg.trace import Tracer
 
     if (prompt is None) == (prompt_token_ids is None):
@@ -98,7 +96,8 @@ def generate(
         cache=CacheConfig(page_size=page_size, num_pages=num_pages,
                           kv_layout=check_kv_layout(kv_layout)),
         scheduler=SchedulerConfig(chunk_size=chunk_size,
-                                  max_num_batched_tokens=max(chunk_size, 1)))
+                                  max_num_batched_tokens=max(chunk_size, 1)),
+        device=check_device(device), cuda_graph=cuda_graph)
     stream = None if as_json else _print_now
     tracer = Tracer(trace, "generate")
     result = generate_one(
@@ -114,111 +113,6 @@ def generate(
         _print_now("\n")
         err_console.print(f"[dim]{len(result['token_ids'])} tokens, finish: "
                           f"{result['finish_reason']}[/dim]")
-
-
-ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a preset (tiny, small) or a "
-                                                "Hugging Face Llama checkpoint directory")]
-LayoutOption = Annotated[str, typer.Option(help="KV page layout: NHD or HND")]
-PageSizeOption = Annotated[int, typer.Option(help="Tokens per KV page")]
-NumPagesOption = Annotated[int, typer.Option(help="KV pages in the cache")]
-ChunkOption = Annotated[int, typer.Option(help="Prefill chunk size in tokens")]
-ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm, efa, verbs, or "
-                                                   "a provider name")]
-ThreadsOption = Annotated[int, typer.Option(help="torch threads for this node (0: default)")]
-TraceOption = Annotated[str | None, typer.Option(
-    help="Write a Chrome trace: a file path ({node_id} is filled in) or a directory")]
-TpOption = Annotated[int, typer.Option(help="Tensor-parallel degree: KV sharded by head (S6)")]
-ReplicatedOption = Annotated[bool, typer.Option(
-    help="Every TP rank holds the whole KV cache (MLA-style latent cache, S9a)")]
-FaultsOption = Annotated[str | None, typer.Option(
-    hidden=True, help="Test only: inject fabric faults, e.g. seed=1,drop_imm=0.01")]
-KVTimeoutOption = Annotated[float, typer.Option(
-    help="Decoder: seconds a request may wait for its KV before it is cancelled and retried")]
-LeaseOption = Annotated[float, typer.Option(
-    help="Prefiller: seconds after which a transfer is stopped and its pages freed")]
-ListenOption = Annotated[str, typer.Option(
-    help="host:port for control connections (port 0: any free port)")]
-MetricsPortOption = Annotated[int | None, typer.Option(
-    help="Serve Prometheus metrics at http://host:PORT/metrics (0: any free port)")]
-DeviceOption = Annotated[str, typer.Option(help="Model and KV cache device: cpu, cuda, cuda:N")]
-MemoryPathOption = Annotated[str, typer.Option(
-    help="How the NIC reaches the KV (S5): auto, host (CPU), hmem (FI_HMEM) or staged")]
-
-
-@serve_app.command("prefill")
-def serve_prefill(
-    model: ModelOption,
-    listen: ListenOption = "127.0.0.1:0",
-    node_id: Annotated[str, typer.Option(help="Name in logs and handshakes")] = "prefill-0",
-    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
-    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
-    provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
-    tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
-    faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
-    lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
-    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
-) -> None:
-    """Run a prefiller: prefill requests from decoders and stream their KV back."""
-    from disagg.node_setup import node_config
-    from disagg.serve import serve_prefill as run
-
-    config = node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                         "prefill_only", tp, replicated_kv, faults, kv_timeout, lease,
-                         metrics_port, device, kv_memory_path)
-    run(config, listen, node_id, trace)
-
-
-@serve_app.command("decode")
-def serve_decode(
-    model: ModelOption,
-    prefiller: Annotated[list[str], typer.Option(help="A prefiller's host:port (repeatable)")],
-    listen: ListenOption = "127.0.0.1:0",
-    node_id: Annotated[str, typer.Option(help="Name in logs and handshakes")] = "decode-0",
-    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
-    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
-    provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
-    tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
-    faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
-    lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
-    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
-    retry: Annotated[bool, typer.Option(
-        help="Retry a dead prefiller's requests on another prefiller (else they fail)")] = True,
-    speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
-    draft_layers: DraftLayersOption = 0,
-) -> None:
-    """Run a decoder: take requests, get their KV from prefillers, decode them."""
-    from disagg.node_setup import node_config
-    from disagg.serve import serve_decode as run
-
-    config = node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                         "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port,
-                         device, kv_memory_path)
-    spec = speculative_config(speculative, num_draft_tokens, draft_layers)
-    run(replace(config, retry_on_prefiller_failure=retry, speculative=spec), listen,  # type: ignore[arg-type]
-        prefiller, node_id, trace)
-
-
-@serve_app.command("mixed")
-def serve_mixed(
-    model: ModelOption,
-    listen: ListenOption = "127.0.0.1:0",
-    node_id: Annotated[str, typer.Option(help="Name in logs and traces")] = "mixed-0",
-    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
-    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
-    provider: ProviderOption = "tcp", threads: ThreadsOption = 0, trace: TraceOption = None,
-    tp: TpOption = 1, replicated_kv: ReplicatedOption = False,
-    faults: FaultsOption = None, kv_timeout: KVTimeoutOption = 120.0,
-    lease: LeaseOption = 300.0, metrics_port: MetricsPortOption = None,
-    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
-) -> None:
-    """Run a single-node engine (prefill and decode mixed, S1) behind the router protocol."""
-    from disagg.node_setup import node_config
-    from disagg.serve import serve_decode as run
-
-    config = node_config(model, kv_layout, page_size, num_pages, chunk_size, provider, threads,
-                         "mixed", tp, replicated_kv, faults, kv_timeout, lease, metrics_port,
-                         device, kv_memory_path)
-    run(config, listen, [], node_id, trace)
 
 
 @app.command()
@@ -250,6 +144,7 @@ def demo(
     speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
     draft_layers: DraftLayersOption = 0,
     device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
+    cuda_graph: CudaGraphOption = False,
 ) -> None:
     """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
     from rich.live import Live
@@ -272,6 +167,8 @@ def demo(
         speculative_config(speculative, num_draft_tokens, draft_layers)  # fail here, not there
         cluster.decode_args = ["--speculative", speculative, "--num-draft-tokens",
                                str(num_draft_tokens), "--draft-layers", str(draft_layers)]
+    if cuda_graph:
+        cluster.decode_args.append("--cuda-graph")
     if deployment is not None:
         if deployment not in DEPLOYMENTS:
             raise ConfigError(f"unknown deployment {deployment!r}: expected one of "

@@ -79,6 +79,7 @@ class NodeConfig:
     speculative: SpeculativeConfig | None = None  # decoder: draft and verify (issue 6)
     device: str = "cpu"  # where the model and its KV cache live: cpu, cuda, cuda:N
     kv_memory_path: str = "auto"  # how the NIC reaches the KV: auto, host, hmem, staged (S5)
+    cuda_graph: bool = False  # decode steps through static buffers / CUDA graphs (S3b)
 
     def __post_init__(self) -> None:
         check_node_memory(self.device, self.kv_memory_path, need_hardware=False)
@@ -89,7 +90,7 @@ def node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chun
                 replicated_kv: bool = False, faults: str | None = None,
                 kv_timeout: float = 120.0, lease: float = 300.0,
                 metrics_port: int | None = None, device: str = "cpu",
-                kv_memory_path: str = "auto") -> NodeConfig:
+                kv_memory_path: str = "auto", cuda_graph: bool = False) -> NodeConfig:
     """A `NodeConfig` from `disagg serve`'s flat options (threads 0: torch's default)."""
     return NodeConfig(model, CacheConfig(page_size=page_size, num_pages=num_pages,
                                          kv_layout=check_kv_layout(kv_layout)),
@@ -98,7 +99,7 @@ def node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chun
                       ParallelConfig(tp, replicated_kv), provider=provider,
                       threads=threads or None, faults=faults, kv_timeout_s=kv_timeout,
                       lease_s=lease, metrics_port=metrics_port, device=device,
-                      kv_memory_path=kv_memory_path)
+                      kv_memory_path=kv_memory_path, cuda_graph=cuda_graph)
 
 
 def model_fingerprint(loaded: LoadedModel) -> str:
@@ -139,10 +140,15 @@ def build_node(config: NodeConfig) -> tuple[LLMEngine, TransferEngine, str, Load
         torch.set_num_threads(config.threads)
     loaded = load_model(config.model)
     engine = build_engine(EngineConfig(loaded.config, config.cache, config.scheduler,
-                                       config.parallel, device=config.device),
+                                       config.parallel, device=config.device,
+                                       cuda_graph=config.cuda_graph),
                           loaded.state_dict)
     if config.speculative is not None:
         enable_speculation(engine, config.speculative)
+    if engine.runner.graphs is not None:
+        # Capture before serving, not during a request's first decode. A prefiller swaps in
+        # its layer counter later, which drops these for recapture on first use.
+        engine.runner.graphs.capture_all()
     return engine, open_transfer(config), model_fingerprint(loaded), loaded
 
 

@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from disagg.cli import main
+from disagg.graph_runner import DecodeGraphs
 
 
 def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
@@ -36,6 +37,22 @@ def test_generate_json_is_one_object(capsys: pytest.CaptureFixture[str]) -> None
     assert len(result["token_ids"]) == 5
 
 
+def test_generate_with_cuda_graph_gives_the_same_tokens(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cuda-graph sends decode steps through the static buffers (eagerly on CPU): same ids."""
+    argv = ["generate", "--model", "tiny", "--prompt-token-ids", "5,9,2,7,1", "--max-tokens",
+            "12", "--json", "--page-size", "2"]
+    _, plain, _ = run_cli(argv, capsys)
+    static_steps = []
+    run = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run",
+                        lambda self, *args: static_steps.append(1) or run(self, *args))
+    code, graphed, _ = run_cli([*argv, "--cuda-graph"], capsys)
+    assert code == 0
+    assert json.loads(graphed)["token_ids"] == json.loads(plain)["token_ids"]
+    assert len(static_steps) == 11  # every decode step after the prefill
+
+
 @pytest.mark.parametrize(("argv", "message"), [
     (["--model", "no-such-model", "--prompt-token-ids", "1"], "unknown model 'no-such-model'"),
     (["--model", "tiny", "--prompt-token-ids", ""], "is not a token id"),
@@ -46,6 +63,7 @@ def test_generate_json_is_one_object(capsys: pytest.CaptureFixture[str]) -> None
     (["--model", "tiny", "--prompt-token-ids", "1", "--page-size", "8192"], "does not fit"),
     (["--model", "tiny", "--prompt-token-ids", "1", "--kv-layout", "NDH"], "unknown kv_layout"),
     (["--model", "tiny", "--prompt-token-ids", "99999"], "outside the vocabulary"),
+    (["--model", "tiny", "--prompt-token-ids", "1", "--device", "tpu"], "unknown device"),
 ])
 def test_bad_input_exits_2_with_one_line(argv: list[str], message: str,
                                          capsys: pytest.CaptureFixture[str]) -> None:

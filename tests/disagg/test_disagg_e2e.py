@@ -66,6 +66,19 @@ def test_tiny_one_decoder_matches_single_node() -> None:
 
 
 @pytest.mark.slow
+def test_decoder_with_cuda_graph_matches_single_node() -> None:
+    """`serve decode --cuda-graph`: decode steps take the static-buffer path, same tokens."""
+    prompts = random_prompts([1, 2, 5, 17, 40, 9], vocab_size=512, seed=3)
+    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
+                           decode_args=["--cuda-graph"])
+    ours, result = disaggregated_tokens(config, prompts, MAX_TOKENS)
+    assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)
+    static = [v for k, v in result["metrics"]["decode-0"].items() if "static_decode_steps" in k]
+    assert static, "the decoder's metrics have no static decode steps counter"
+    assert static[0] > 0
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("chunk_size", [3, 64])
 def test_tiny_three_decoders_many_requests(kv_layout: str, chunk_size: int) -> None:
