@@ -16,6 +16,8 @@ from disagg.errors import ConfigError
 
 KVLayout = Literal["NHD", "HND"]
 KV_LAYOUTS: tuple[KVLayout, ...] = ("NHD", "HND")
+KVMemory = Literal["torch", "cumem"]
+KV_MEMORIES: tuple[KVMemory, ...] = ("torch", "cumem")
 # Batch-size buckets of the decode graphs (`EngineConfig.graph_batch_sizes`).
 GRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
@@ -90,9 +92,14 @@ class CacheConfig:
     num_pages: int = 256
     kv_layout: KVLayout = "NHD"
     dtype: torch.dtype = torch.float32
+    # Who allocates the cache: torch's allocator, or cuMem (CUDA only: exportable to another
+    # process by fd and GPUDirect-RDMA capable where the GPU supports it, S5a).
+    memory: KVMemory = "torch"
 
     def __post_init__(self) -> None:
         check_kv_layout(self.kv_layout)
+        if self.memory not in KV_MEMORIES:
+            raise ConfigError(f"unknown KV memory {self.memory!r}: expected one of {KV_MEMORIES}")
         if self.page_size <= 0:
             raise ConfigError(f"page_size must be positive, got {self.page_size}")
         if self.num_pages <= 0:

@@ -8,12 +8,14 @@ so one RDMA write moves both. This module only stores and locates; attention rea
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from disagg.config import CacheConfig, ModelConfig
+from disagg.errors import ConfigError
 from disagg.tp import Sharding
 
 
@@ -23,6 +25,28 @@ class Segment:
 
     offset: int
     nbytes: int
+
+
+def allocate_kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
+                       memory: str = "torch") -> torch.Tensor:
+    """A zeroed cache buffer from torch's allocator, or from cuMem (`CacheConfig.memory`).
+
+    cuMem memory can be exported by fd to the one process that registers every rank's KV
+    (S5a) and is GPUDirect-RDMA capable where the GPU supports it; the tensor keeps the
+    allocation alive, and it is unmapped when the last view of it is gone.
+    """
+    device = torch.device(device)
+    if memory == "torch":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if memory != "cumem":
+        raise ConfigError(f"unknown KV memory {memory!r}: expected torch or cumem")
+    if device.type != "cuda":
+        raise ConfigError(f"KV memory 'cumem' is CUDA memory: the cache is on {device}")
+    from transfer_core import cumem  # cuda-python, imported only when asked for
+
+    nbytes = dtype.itemsize * math.prod(shape)
+    buffer = cumem.allocate(nbytes, device.index or 0).as_tensor(dtype, shape)
+    return buffer.zero_()
 
 
 class PagedKVCache:
@@ -50,9 +74,8 @@ class PagedKVCache:
             page_shape = (2, self.page_size, self.num_kv_heads, self.head_dim)
         else:
             page_shape = (2, self.num_kv_heads, self.page_size, self.head_dim)
-        self.buffer = torch.zeros(
-            (self.num_layers, self.num_pages, *page_shape), dtype=cache.dtype, device=device
-        )
+        self.buffer = allocate_kv_buffer((self.num_layers, self.num_pages, *page_shape),
+                                         cache.dtype, device, cache.memory)
 
     def layer(self, layer_idx: int) -> torch.Tensor:
         """One layer's cache, ``[num_pages, 2, ...page dims]`` (a view, no copy)."""

@@ -1,7 +1,8 @@
 """GPU check, part 2: the engine's decode steps as captured CUDA graphs, counter inside (S3b).
 
 A 1B-class random Llama runs the same decode batch three ways: eager, graph replay without a
-layer counter, graph replay bumping a mapped pinned counter that a `CounterPoller` watches.
+layer counter, graph replay bumping a mapped pinned counter that a `CounterPoller` watches;
+the graphed engine's KV cache is cuMem memory (`CacheConfig.memory`).
 Checks: the static path's logits match eager, every replay's bumps reach the poller (num_layers
 per step), and the step times side by side. Run by `gpu_check.py`.
 """
@@ -29,7 +30,9 @@ STEPS = 100
 
 
 def _engine(model: Transformer, cuda_graph: bool, device: str) -> LLMEngine:
-    cache = CacheConfig(page_size=16, num_pages=BATCH * 32 + 1)
+    # The graphed engine's KV comes from cuMem (S5a): graphs must replay over it unchanged.
+    memory = "cumem" if cuda_graph and device == "cuda" else "torch"
+    cache = CacheConfig(page_size=16, num_pages=BATCH * 32 + 1, memory=memory)
     config = EngineConfig(model.config, cache, SchedulerConfig(max_num_seqs=BATCH),
                           device=device, cuda_graph=cuda_graph, graph_batch_sizes=(1, 2, 4, 8))
     return LLMEngine(config, model)
@@ -99,7 +102,8 @@ def model_graph_check(device: str = "cuda", config: ModelConfig = GPU_MODEL,
     model.layer_counter = NullLayerCounter()
     return [
         ("graph logits = eager", diff < 1e-2 and same_argmax, f"max |diff| {diff:.2e}",
-         f"batch {BATCH}, context {PROMPT_LEN}, argmax equal: {same_argmax}"),
+         f"batch {BATCH}, context {PROMPT_LEN}, argmax equal: {same_argmax}, graphed KV "
+         f"from {graphed.config.cache.memory}"),
         ("decode step eager", True, f"{eager_ms:.3f} ms", f"{config.name}, batch {BATCH}"),
         ("decode step graph", True, f"{plain_ms:.3f} ms", f"{eager_ms / plain_ms:.1f}x eager"),
         ("graph + counter", True, f"{bumped_ms:.3f} ms",

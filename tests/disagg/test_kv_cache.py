@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from disagg.config import CacheConfig, ModelConfig
+from disagg.errors import ConfigError
 from disagg.kv_cache import PagedKVCache
 
 MODEL = ModelConfig.from_name("tiny")  # 4 kv heads, head_dim 8, 2 layers
@@ -84,3 +85,37 @@ def test_page_offset_rejects_bad_ids() -> None:
         cache.page_offset(2, 0)
     with pytest.raises(ValueError, match="head range"):
         cache.page_segments(0, 0, 3, 3)
+
+
+def test_cumem_memory_is_refused_off_cuda() -> None:
+    """cuMem is CUDA memory: asking for it on a CPU cache is a clear ConfigError."""
+    with pytest.raises(ConfigError, match="'cumem' is CUDA memory"):
+        PagedKVCache(MODEL, CacheConfig(page_size=4, num_pages=8, memory="cumem"))
+
+
+def test_unknown_kv_memory_is_refused() -> None:
+    """A typo in the allocator's name fails where it is written."""
+    with pytest.raises(ConfigError, match="unknown KV memory 'cumme'"):
+        CacheConfig(memory="cumme")  # type: ignore[arg-type]
+
+
+@pytest.mark.gpu_only
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_cumem_cache_round_trips(kv_layout: str) -> None:
+    """A cuMem-backed cache stores and gathers like any other."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA GPU: cuMem needs one")
+    from transfer_core.cuda_host import cuda_available
+
+    if not cuda_available():
+        pytest.skip("cuda-python cannot reach the GPU")
+    cache = PagedKVCache(MODEL, CacheConfig(page_size=4, num_pages=8, kv_layout=kv_layout,
+                                            memory="cumem"), "cuda")
+    assert not cache.buffer.any()
+    k = torch.randn(6, MODEL.num_kv_heads, MODEL.head_dim, device="cuda")
+    pages = torch.tensor([3, 3, 3, 3, 5, 5], device="cuda")
+    offsets = torch.tensor([0, 1, 2, 3, 0, 1], device="cuda")
+    cache.write(1, k, -k, pages, offsets)
+    got_k, got_v = cache.gather(1, torch.tensor([3, 5], device="cuda"), 6)
+    assert torch.equal(got_k, k.transpose(0, 1))
+    assert torch.equal(got_v, -k.transpose(0, 1))
