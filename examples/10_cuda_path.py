@@ -1,4 +1,4 @@
-"""Step 10: the CUDA path - decode graphs with the counter inside, KV memory on the fabric (S3b, S5).
+"""Step 10: the CUDA path - decode graphs with the counter inside, device KV on the fabric (S3b).
 
 Runs on a GPU if there is one, else on the CPU, with the same code: on CPU the decode steps
 take the static-buffer path eagerly (nothing to capture), and the KV goes through the staged
