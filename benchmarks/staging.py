@@ -28,21 +28,22 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
-from transfer_core.engine import TransferEngine  # noqa: E402
-from transfer_core.staging import register_kv  # noqa: E402
+from transfer_core.staging import open_engine, register_kv  # noqa: E402
 
 PAGE_SHAPE = (2, 16, 8, 128)  # K/V x tokens x heads x dim, bf16: 64 KiB pages
 IMM = 5
 
 
 def one_run(provider: str, device: str, path: str, layers: int, pages: int,
-            seed: int) -> dict[str, float | bool | str]:
-    """Move half the pages of every layer once; seconds, copy seconds, exactness, path."""
+            seed: int) -> dict[str, float | bool | str | int]:
+    """Move half the pages of every layer once: GB/s, the share spent copying, whether the
+    pages arrived exactly and nothing else changed, the path taken and why."""
     generator = torch.Generator().manual_seed(seed)
     kv = torch.randn((layers, pages, *PAGE_SHAPE), generator=generator).to(torch.bfloat16)
     src_pages = torch.randperm(pages, generator=generator)[:pages // 2].tolist()
     dst_pages = torch.randperm(pages, generator=generator)[:pages // 2].tolist()
-    with TransferEngine(provider) as sender, TransferEngine(provider) as receiver:
+    want_hmem = device == "cuda" and path == "auto"
+    with open_engine(provider, want_hmem) as sender, open_engine(provider, want_hmem) as receiver:
         src = register_kv(sender, kv.to(device), "bench-src", path)
         dst = register_kv(receiver, torch.zeros_like(src.tensor), "bench-dst", path)
         page_nbytes = kv[0, 0].numel() * kv.element_size()
@@ -64,13 +65,15 @@ def one_run(provider: str, device: str, path: str, layers: int, pages: int,
         dst.stage_in(dst_pages)
         copying += time.perf_counter() - copy_started
         seconds = time.perf_counter() - started
-        exact = torch.equal(dst.tensor[:, dst_pages].cpu(), kv[:, src_pages])
-        kind = src.path.kind
+        untouched = sorted(set(range(pages)) - set(dst_pages))
+        exact = (torch.equal(dst.tensor[:, dst_pages].cpu(), kv[:, src_pages])
+                 and not dst.tensor[:, untouched].any().item())
+        chosen = src.path
         src.close(sender)
         dst.close(receiver)
     nbytes = layers * len(src_pages) * page_nbytes
     return {"gbps": nbytes / seconds / 1e9, "copy_share": copying / seconds, "exact": exact,
-            "path": kind}
+            "path": chosen.kind, "reason": chosen.reason, "nbytes": nbytes}
 
 
 def main() -> None:

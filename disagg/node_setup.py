@@ -28,8 +28,8 @@ from disagg.errors import ConfigError
 from disagg.spec_engine import enable_speculation
 from disagg.weights import LoadedModel, load_model
 from transfer_core.engine import MEMORY_PATHS, TransferEngine
-from transfer_core.errors import ProviderNotFoundError
 from transfer_core.faults import FaultPlan, FaultyTransferEngine
+from transfer_core.staging import open_engine
 
 logger = logging.getLogger(__name__)
 
@@ -156,18 +156,10 @@ def open_transfer(config: NodeConfig) -> TransferEngine:
     """The node's transfer engine. KV on CUDA with path auto or hmem asks for FI_HMEM first;
     without a provider that has it, the engine opens without, so auto stages through host
     memory and hmem fails at registration with the provider's name (both say why)."""
-    def make(hmem: bool) -> TransferEngine:
-        kwargs = {"node": config.fabric_node, "hmem": hmem,
-                  "memory_path": config.kv_memory_path}
-        if config.faults:
-            return FaultyTransferEngine(config.provider, faults=FaultPlan.parse(config.faults),
-                                        **kwargs)
-        return TransferEngine(config.provider, **kwargs)
-
-    if torch.device(config.device).type == "cuda" and config.kv_memory_path in ("auto", "hmem"):
-        try:
-            return make(hmem=True)
-        except ProviderNotFoundError as error:
-            logger.info("KV on %s: no provider offers FI_HMEM (%s); opening without it",
-                        config.device, error)
-    return make(hmem=False)
+    want_hmem = (torch.device(config.device).type == "cuda"
+                 and config.kv_memory_path in ("auto", "hmem"))
+    kwargs: dict[str, object] = {"node": config.fabric_node, "memory_path": config.kv_memory_path}
+    if config.faults:
+        return open_engine(config.provider, want_hmem, FaultyTransferEngine,
+                           faults=FaultPlan.parse(config.faults), **kwargs)
+    return open_engine(config.provider, want_hmem, **kwargs)

@@ -15,90 +15,40 @@ import threading
 import time
 
 import torch
-from gpu_check_common import SEED, Row, synchronize
+from gpu_check_common import SEED, Row
 
 # A 16-layer KV cache of 16-token pages x 8 heads x 128 dims, bf16: 64 KiB pages.
 NUM_LAYERS, PAGE_SHAPE = 16, (2, 16, 8, 128)
-IMM = 11
 
 
-def _kv(device: str, fill: bool, num_pages: int) -> torch.Tensor:
-    shape = (NUM_LAYERS, num_pages, *PAGE_SHAPE)
-    if not fill:
-        return torch.zeros(shape, dtype=torch.bfloat16, device=device)
+def _kv(device: str, num_pages: int) -> torch.Tensor:
     generator = torch.Generator(device=device).manual_seed(SEED)
+    shape = (NUM_LAYERS, num_pages, *PAGE_SHAPE)
     return torch.randn(shape, generator=generator, device=device).to(torch.bfloat16)
 
 
 def transfer_check(device: str = "cuda", providers: tuple[str, ...] = ("tcp", "shm"),
                    num_pages: int = 512) -> list[Row]:
-    """Half of `num_pages` pages of every layer, scattered to other page ids."""
+    """Half of `num_pages` pages of every layer, scattered to other page ids: the run of
+    `benchmarks/staging.py`, on the path "auto" picks on CUDA (staged forced on CPU)."""
+    from benchmarks.staging import one_run
+
+    path = "auto" if device == "cuda" else "staged"
     rows: list[Row] = []
     for provider in providers:
         try:
-            rows += _transfer(device, provider, num_pages)
+            run = one_run(provider, device, path, NUM_LAYERS, num_pages, SEED)
         except Exception as exc:  # one provider's failure must not hide the other's result
             rows.append((f"GPU KV over {provider}", False, "error", f"{type(exc).__name__}: {exc}"))
+            continue
+        rows += [
+            (f"GPU KV over {provider}", bool(run["exact"]), f"{run['gbps']:.2f} GB/s",
+             f"{run['nbytes'] >> 20} MiB in 64 KiB pages, {run['path']} path, copying "
+             f"{run['copy_share']:.0%} of the time; byte-exact, nothing else touched: "
+             f"{run['exact']}"),
+            (f"memory path ({provider})", True, str(run["path"]), str(run["reason"])),
+        ]  # fmt: skip
     return rows
-
-
-def _transfer(device: str, provider: str, num_pages: int) -> list[Row]:
-    from transfer_core.engine import TransferEngine
-    from transfer_core.staging import register_kv
-
-    path = "auto" if device == "cuda" else "staged"
-    generator = torch.Generator().manual_seed(SEED)
-    pages_sent = num_pages // 2
-    src_pages = torch.randperm(num_pages, generator=generator)[:pages_sent].tolist()
-    dst_pages = torch.randperm(num_pages, generator=generator)[:pages_sent].tolist()
-    hmem = device == "cuda"
-    with _engine(TransferEngine, provider, hmem) as a, _engine(TransferEngine, provider, hmem) as b:
-        src = register_kv(a, _kv(device, True, num_pages), "gpu-src", path)
-        dst = register_kv(b, _kv(device, False, num_pages), "gpu-dst", path)
-        page_nbytes = src.tensor[0, 0].numel() * src.tensor.element_size()
-        layer_nbytes = num_pages * page_nbytes
-        reached = threading.Event()
-        b.expect_imm_count(IMM, NUM_LAYERS * pages_sent, reached.set)
-        synchronize(device)
-        started = time.perf_counter()
-        staging_s = 0.0
-        for layer in range(NUM_LAYERS):
-            staged_at = time.perf_counter()
-            src.stage_out(layer, src_pages)
-            staging_s += time.perf_counter() - staged_at
-            a.submit_paged_writes(page_nbytes, src.region, src_pages, page_nbytes,
-                                  layer * layer_nbytes, dst.descriptor, dst_pages, page_nbytes,
-                                  layer * layer_nbytes, IMM)
-        if not reached.wait(120):
-            raise TimeoutError(f"{b.imm_counted(IMM)} of {NUM_LAYERS * pages_sent} writes landed")
-        staged_at = time.perf_counter()
-        dst.stage_in(dst_pages)
-        staging_s += time.perf_counter() - staged_at
-        seconds = time.perf_counter() - started
-        exact = torch.equal(dst.tensor[:, dst_pages], src.tensor[:, src_pages])
-        untouched = sorted(set(range(num_pages)) - set(dst_pages))
-        clean = not dst.tensor[:, untouched].any().item()
-        nbytes = NUM_LAYERS * pages_sent * page_nbytes
-        paths = f"src {src.path.kind}, dst {dst.path.kind}"
-        src.close(a)
-        dst.close(b)
-    return [
-        (f"GPU KV over {provider}", exact and clean, f"{nbytes / seconds / 1e9:.2f} GB/s",
-         f"{NUM_LAYERS * pages_sent} x {page_nbytes >> 10} KiB pages, {paths}, "
-         f"staging {staging_s / seconds:.0%} of the time; byte-exact {exact}, "
-         f"others clean {clean}"),
-        (f"memory path ({provider})", True, src.path.kind, src.path.reason),
-    ]  # fmt: skip
-
-
-def _engine(engine_class: type, provider: str, hmem: bool) -> object:
-    """An engine asking for FI_HMEM where it may help, falling back as the nodes do."""
-    if hmem:
-        try:
-            return engine_class(provider, hmem=True)
-        except Exception:  # noqa: BLE001 - no FI_HMEM provider here: staging it is
-            pass
-    return engine_class(provider)
 
 
 def posting_latency_check(device: str = "cuda", samples: int = 300, num_pages: int = 64
@@ -108,15 +58,15 @@ def posting_latency_check(device: str = "cuda", samples: int = 300, num_pages: i
     from disagg.layer_counter import LayerCounter
     from transfer_core.engine import TransferEngine
     from transfer_core.poller import CounterPoller
-    from transfer_core.staging import register_kv
+    from transfer_core.staging import open_engine, register_kv
 
     counter = LayerCounter.for_device(device)
     bump = _one_bump(counter, device)
     arrived, posted, done = [0], [0], threading.Event()
     written = threading.Semaphore(0)
-    with _engine(TransferEngine, "tcp", device == "cuda") as a, TransferEngine("tcp") as b:
+    with open_engine("tcp", device == "cuda") as a, TransferEngine("tcp") as b:
         path = "auto" if device == "cuda" else "staged"
-        src = register_kv(a, _kv(device, True, num_pages), "lat-src", path)
+        src = register_kv(a, _kv(device, num_pages), "lat-src", path)
         dst_buffer = bytearray(src.tensor[0, 0].numel() * src.tensor.element_size())
         _, dst = b.register_memory(dst_buffer, "lat-dst")
 

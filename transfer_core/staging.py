@@ -24,7 +24,7 @@ import numpy as np
 import torch
 
 from transfer_core.engine import MEMORY_PATHS, TransferEngine
-from transfer_core.errors import BoundsError, FabricError
+from transfer_core.errors import BoundsError, FabricError, ProviderNotFoundError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 
 logger = logging.getLogger(__name__)
@@ -75,6 +75,19 @@ def choose_memory_path(tensor: torch.Tensor, engine: TransferEngine,
         raise ValueError(f"KV memory path 'hmem' is unavailable: {why} (open the engine with "
                          "hmem=True on a libfabric built with CUDA, or use staged)")
     return MemoryPath("staged", f"{why}: {device} memory staged through pinned host memory")
+
+
+def open_engine(provider: str, want_hmem: bool, engine_class: type[TransferEngine] = TransferEngine,
+                **kwargs: object) -> TransferEngine:
+    """An engine for KV memory: with `want_hmem` (device KV, path auto or hmem) it asks the
+    provider for FI_HMEM first and, where none offers it, opens without and says why; then
+    `register_kv` stages (auto) or names the provider (hmem). `kwargs` go to `engine_class`."""
+    if want_hmem:
+        try:
+            return engine_class(provider, hmem=True, **kwargs)
+        except ProviderNotFoundError as error:
+            logger.info("no provider offers FI_HMEM (%s): opening without it", error)
+    return engine_class(provider, **kwargs)
 
 
 def page_runs(page_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:

@@ -163,7 +163,7 @@ def test_cuda_node_without_fi_hmem_opens_for_staging(caplog: pytest.LogCaptureFi
     except ProviderNotFoundError:
         pass
     config = replace(node_config("mixed"), device="cuda", kv_memory_path="auto")
-    with caplog.at_level(logging.INFO, logger="disagg.node_setup"), \
+    with caplog.at_level(logging.INFO, logger="transfer_core.staging"), \
             open_transfer(config) as transfer:
         assert not transfer.supports_hmem
         assert transfer.memory_path == "auto"
