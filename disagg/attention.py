@@ -85,10 +85,10 @@ def _batched_decode(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
     page_table, kv_lens = meta.decode_page_table, meta.decode_kv_lens
     assert page_table is not None
     assert kv_lens is not None
-    kv = kv_cache.gather_batch(layer_idx, page_table)  # [2, seqs, kv_heads, max_kv, dim]
-    key_pos = torch.arange(kv.shape[3], device=q.device)
+    k, v = kv_cache.gather_batch(layer_idx, page_table)  # [seqs, kv_heads, max_kv, dim] each
+    key_pos = torch.arange(k.shape[2], device=q.device)
     mask = (key_pos[None, :] < kv_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, max_kv]
-    o = F.scaled_dot_product_attention(q[:, :, None, :], kv[0], kv[1], attn_mask=mask,
+    o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,
                                        scale=scale, enable_gqa=True)
     return o[:, :, 0, :]
 

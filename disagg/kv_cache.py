@@ -115,29 +115,38 @@ class PagedKVCache:
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `num_tokens` cached tokens held by `page_ids`, in order.
 
-        Returns K and V as ``[num_kv_heads, num_tokens, head_dim]`` (the shape attention wants).
+        Returns K and V as ``[num_kv_heads, num_tokens, head_dim]`` (the shape attention wants),
+        each a view of one gathered copy.
         """
-        pages = self.buffer[layer_idx].index_select(0, page_ids)
-        if self.kv_layout == "NHD":
-            # [n, 2, page_size, heads, dim] -> [2, heads, n * page_size, dim]
-            kv = pages.permute(1, 3, 0, 2, 4)
-        else:
-            # [n, 2, heads, page_size, dim] -> [2, heads, n * page_size, dim]
-            kv = pages.permute(1, 2, 0, 3, 4)
-        kv = kv.reshape(2, self.num_kv_heads, -1, self.head_dim)[:, :, :num_tokens]
-        return kv[0], kv[1]
+        k, v = (self._gather_half(layer_idx, half, page_ids) for half in (0, 1))
+        return k[0, :, :num_tokens], v[0, :, :num_tokens]
 
-    def gather_batch(self, layer_idx: int, page_table: torch.Tensor) -> torch.Tensor:
-        """Every request's pages at once: `page_table` is ``[num_seqs, max_pages]``; returns
-        ``[2, num_seqs, num_kv_heads, max_pages * page_size, head_dim]`` (K then V)."""
-        num_seqs, max_pages = page_table.shape
-        pages = self.buffer[layer_idx].index_select(0, page_table.reshape(-1))
-        pages = pages.view(num_seqs, max_pages, *pages.shape[1:])
-        if self.kv_layout == "NHD":
-            kv = pages.permute(2, 0, 4, 1, 3, 5)  # [2, seqs, heads, pages, page_size, dim]
-        else:
-            kv = pages.permute(2, 0, 3, 1, 4, 5)
-        return kv.reshape(2, num_seqs, self.num_kv_heads, -1, self.head_dim)
+    def gather_batch(self, layer_idx: int, page_table: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's pages at once: `page_table` is ``[num_seqs, max_pages]``; returns K
+        and V, each ``[num_seqs, num_kv_heads, max_pages * page_size, head_dim]``."""
+        return (self._gather_half(layer_idx, 0, page_table),
+                self._gather_half(layer_idx, 1, page_table))
+
+    def _gather_half(self, layer_idx: int, half: int, page_table: torch.Tensor) -> torch.Tensor:
+        """K (`half` 0) or V (1) of the pages in `page_table` (``[max_pages]`` is one request,
+        ``[num_seqs, max_pages]`` several): ``[num_seqs, heads, max_pages * page_size, dim]``.
+
+        Whole pages are copied with one `index_select` per half. In NHD a request's pages are
+        then already its tokens in order, each token's heads together, and moving heads forward
+        is a view. In HND a page holds each head's tokens in turn, so putting a head's tokens of
+        every page side by side takes a second copy. (Selecting along the page axis of a
+        heads-first view would do it in one, but strided index_select ran 4x slower here.)
+        """
+        num_seqs, max_pages = (1, page_table.numel()) if page_table.dim() == 1 else page_table.shape
+        heads, dim = self.num_kv_heads, self.head_dim
+        pages = self.buffer[layer_idx][:, half].index_select(0, page_table.reshape(-1))
+        tokens = max_pages * self.page_size
+        if self.kv_layout == "NHD":  # [pages, page_size, heads, dim]
+            return pages.view(num_seqs, tokens, heads, dim).transpose(1, 2)
+        # HND: [pages, heads, page_size, dim]
+        pages = pages.view(num_seqs, max_pages, heads, self.page_size, dim).transpose(1, 2)
+        return pages.reshape(num_seqs, heads, tokens, dim)
 
     @property
     def shards(self) -> list[PagedKVCache]:
@@ -243,4 +252,5 @@ class KVCache(Protocol):
     def gather(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
                ) -> tuple[torch.Tensor, torch.Tensor]: ...
 
-    def gather_batch(self, layer_idx: int, page_table: torch.Tensor) -> torch.Tensor: ...
+    def gather_batch(self, layer_idx: int, page_table: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...

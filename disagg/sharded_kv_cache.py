@@ -69,7 +69,10 @@ class ShardedKVCache:
         v = torch.stack([parts[rank][1][index] for rank, index in self._owners])
         return k, v
 
-    def gather_batch(self, layer_idx: int, page_table: torch.Tensor) -> torch.Tensor:
-        """``[2, num_seqs, num_kv_heads, max_kv, dim]`` assembled from every rank's heads."""
+    def gather_batch(self, layer_idx: int, page_table: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V, each ``[num_seqs, num_kv_heads, max_kv, dim]``, from every rank's heads."""
         parts = [shard.gather_batch(layer_idx, page_table) for shard in self._shards]
-        return torch.stack([parts[rank][:, :, index] for rank, index in self._owners], dim=2)
+        k = torch.stack([parts[rank][0][:, index] for rank, index in self._owners], dim=1)
+        v = torch.stack([parts[rank][1][:, index] for rank, index in self._owners], dim=1)
+        return k, v
