@@ -10,7 +10,13 @@ import pytest
 EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("[0-9][0-9]_*.py"))
 
 
-@pytest.mark.parametrize("path", EXAMPLES, ids=[p.stem for p in EXAMPLES])
+# Examples that take several seconds (they run real processes) stay out of the inner loop.
+SLOW = {"05_request_lifecycle", "08_failure_handling"}
+
+
+@pytest.mark.parametrize("path", [
+    pytest.param(p, marks=pytest.mark.slow) if p.stem in SLOW else p for p in EXAMPLES
+], ids=[p.stem for p in EXAMPLES])
 def test_example_runs(path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     """The example exits cleanly and prints something."""
     runpy.run_path(str(path), run_name="__main__")

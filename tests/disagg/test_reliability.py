@@ -130,6 +130,7 @@ def assert_outcomes(final: dict[str, tuple[str, list[int]]]) -> None:
             assert tokens == REFERENCE[i], f"r{i} decoded garbage"
 
 
+@pytest.mark.slow  # about 4 s: deadlines have to expire
 def test_lost_immediates_are_caught_by_deadline_and_retried(make_cluster: object) -> None:
     """Dropped immediates leave a counter short; the deadline cancels and retries."""
     cluster = make_cluster(decode_faults="seed=4,drop_imm=0.1")
