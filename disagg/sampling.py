@@ -33,5 +33,16 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
     if params.temperature == 0.0:
         return int(torch.argmax(logits))
     logits = apply_top_k_top_p(logits.float() / params.temperature, params.top_k, params.top_p)
-    probs = logits.softmax(-1)
+    return draw_token(logits.softmax(-1), generator)
+
+
+def draw_token(probs: torch.Tensor, generator: torch.Generator | None) -> int:
+    """One token id drawn from ``[vocab_size]`` probabilities, with the request's generator.
+
+    A seeded request's generator lives on the CPU (`Request`), and `multinomial` refuses a
+    generator of another device: GPU probabilities are drawn on the CPU, which also keeps a
+    seed's tokens the same whichever device the engine runs on.
+    """
+    if generator is not None and probs.device != generator.device:
+        probs = probs.to(generator.device)
     return int(torch.multinomial(probs, 1, generator=generator))

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from disagg.request import SamplingParams
-from disagg.sampling import apply_top_k_top_p
+from disagg.sampling import apply_top_k_top_p, draw_token
 
 
 def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
@@ -27,11 +27,6 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     scaled = logits.float() / params.temperature
     rows = [apply_top_k_top_p(row, params.top_k, params.top_p) for row in scaled]
     return torch.stack(rows).softmax(-1)
-
-
-def draw(probs: torch.Tensor, generator: torch.Generator | None) -> int:
-    """One token id from a ``[vocab_size]`` distribution."""
-    return int(torch.multinomial(probs, 1, generator=generator))
 
 
 def verify_greedy(draft_token_ids: list[int], target_logits: torch.Tensor) -> list[int]:
@@ -82,8 +77,8 @@ def verify_sampled(draft_token_ids: list[int], draft_probs: torch.Tensor,
         residual = (p - q).clamp_min(0)
         total = float(residual.sum())
         # p == q leaves no residual mass; then p itself is the right distribution.
-        return [*accepted, draw(residual / total if total > 0 else p, generator)]
-    return [*accepted, draw(target_probs[len(draft_token_ids)], generator)]
+        return [*accepted, draw_token(residual / total if total > 0 else p, generator)]
+    return [*accepted, draw_token(target_probs[len(draft_token_ids)], generator)]
 
 
 def verify(draft_token_ids: list[int], draft_probs: torch.Tensor | None,
@@ -104,4 +99,4 @@ def propose_token(logits: torch.Tensor, params: SamplingParams,
     probs = token_probs(logits[None], params)[0]
     if params.temperature == 0.0:
         return int(logits.argmax()), probs
-    return draw(probs, generator), probs
+    return draw_token(probs, generator), probs
