@@ -32,11 +32,12 @@ def random_prompts(lengths: list[int], vocab_size: int, seed: int = 0) -> list[l
     return [torch.randint(3, vocab_size, (n,), generator=generator).tolist() for n in lengths]
 
 
-def single_node_tokens(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:
+def single_node_tokens(model: str, prompts: list[list[int]], max_tokens: int,
+                       device: str = "cpu") -> list[list[int]]:
     """The reference: the same model on one node, greedy."""
     loaded = load_model(model)
     engine = build_engine(EngineConfig(loaded.config, CacheConfig(page_size=16, num_pages=512),
-                                       SchedulerConfig()), loaded.state_dict)
+                                       SchedulerConfig(), device=device), loaded.state_dict)
     requests = engine.generate(prompts, SamplingParams(max_tokens=max_tokens))
     return [r.output_token_ids for r in requests]
 
@@ -63,6 +64,21 @@ def test_tiny_one_decoder_matches_single_node() -> None:
     # pages x layers + 1 context write per request with something to prefill (S4c).
     expected_writes = sum(-(-(len(p) - 1) // 4) * 2 + 1 for p in prompts if len(p) > 1)
     assert result["totals"]["kv_writes"] == expected_writes
+
+
+@pytest.mark.gpu_only
+def test_cuda_nodes_match_a_cuda_single_node() -> None:
+    """Prefiller and decoder on the GPU: KV through the path auto picks (FI_HMEM or staged),
+    mapped counter, decode graphs; tokens equal one GPU node's."""
+    if not torch.cuda.is_available():
+        pytest.skip("no CUDA device: the GPU serving path needs one")
+    prompts = random_prompts([1, 2, 5, 17, 40, 9], vocab_size=512, seed=5)
+    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
+                           device="cuda", decode_args=["--cuda-graph"])
+    ours, result = disaggregated_tokens(config, prompts, MAX_TOKENS)
+    assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS, device="cuda")
+    static = [v for k, v in result["metrics"]["decode-0"].items() if "static_decode_steps" in k]
+    assert static[0] > 0
 
 
 @pytest.mark.slow
