@@ -42,10 +42,10 @@ from pinned_cluster import (  # noqa: E402
     wait_for_quiet,
 )
 
-from disagg.cluster import ClusterConfig  # noqa: E402
-from disagg.messages import RequestEvent, Submit  # noqa: E402
-from disagg.router import Router  # noqa: E402
-from disagg.weights import load_model  # noqa: E402
+from disagg.kv_transfer.messages import RequestEvent, Submit  # noqa: E402
+from disagg.model.loading.registry import load_model  # noqa: E402
+from disagg.node.local_cluster import ClusterConfig  # noqa: E402
+from disagg.node.router import Router  # noqa: E402
 
 logger = logging.getLogger("benchmarks.disagg")
 

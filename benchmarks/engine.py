@@ -17,9 +17,9 @@ import time
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
-from disagg.engine import build_engine
-from disagg.request import SamplingParams
-from disagg.weights import LoadedModel, load_model
+from disagg.engine.llm_engine import build_engine
+from disagg.engine.request import SamplingParams
+from disagg.model.loading.registry import LoadedModel, load_model
 
 
 def wait_for_quiet(max_wait_s: float = 30.0, busy_limit: float = 0.15) -> bool:

@@ -31,9 +31,9 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig  # noqa: E402
-from disagg.engine import LLMEngine, build_engine  # noqa: E402
-from disagg.request import SamplingParams  # noqa: E402
-from disagg.weights import init_random_weights  # noqa: E402
+from disagg.engine.llm_engine import LLMEngine, build_engine  # noqa: E402
+from disagg.engine.request import SamplingParams  # noqa: E402
+from disagg.model.loading.registry import init_random_weights  # noqa: E402
 
 
 def time_ms(run: Callable[[], Any], device: torch.device) -> float:

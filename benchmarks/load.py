@@ -21,13 +21,13 @@ import time
 
 import torch
 
-from disagg.cluster import ClusterConfig, LocalCluster
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
-from disagg.engine import build_engine
-from disagg.messages import Submit
-from disagg.request import SamplingParams
-from disagg.router import Router
-from disagg.weights import load_model
+from disagg.engine.llm_engine import build_engine
+from disagg.engine.request import SamplingParams
+from disagg.kv_transfer.messages import Submit
+from disagg.model.loading.registry import load_model
+from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.router import Router
 
 
 def reference_tokens(model: str, prompts: list[list[int]], max_tokens: int) -> list[list[int]]:

@@ -1,6 +1,6 @@
 """Serving nodes pinned one per CPU core, and a watch on who else uses the CPU (S1).
 
-Glue for `benchmarks/disagg.py`, not a library. `PinnedCluster` is `disagg.cluster.LocalCluster`
+Glue for `benchmarks/disagg.py`, not a library. `PinnedCluster` is `disagg.node.local_cluster.LocalCluster`
 with two changes: each node is bound to its own core (what `taskset -c N` does, applied to every
 thread of the process), and it can start the single-node baseline instead of a prefiller and a
 decoder: `serve mixed` engines behind the same router protocol. `wait_for_quiet` and `CpuMeter`
@@ -16,8 +16,8 @@ import time
 from dataclasses import dataclass
 from typing import Literal
 
-from disagg.cluster import ClusterConfig, LocalCluster
 from disagg.errors import ConfigError
+from disagg.node.local_cluster import ClusterConfig, LocalCluster
 
 Mode = Literal["mixed", "disagg"]
 

@@ -31,13 +31,13 @@ from pinned_cluster import CpuMeter, wait_for_quiet  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from disagg.apps.demo import BUILTIN_PROMPTS  # noqa: E402
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
-from disagg.demo import BUILTIN_PROMPTS  # noqa: E402
-from disagg.draft import SpeculativeConfig  # noqa: E402
-from disagg.engine import build_engine  # noqa: E402
-from disagg.request import SamplingParams  # noqa: E402
-from disagg.spec_engine import enable_speculation  # noqa: E402
-from disagg.weights import LoadedModel, load_model  # noqa: E402
+from disagg.engine.llm_engine import build_engine  # noqa: E402
+from disagg.engine.request import SamplingParams  # noqa: E402
+from disagg.model.draft_heads import SpeculativeConfig  # noqa: E402
+from disagg.model.loading.registry import LoadedModel, load_model  # noqa: E402
+from disagg.spec.speculator import enable_speculation  # noqa: E402
 
 
 def configurations(num_layers: int) -> list[tuple[str, SpeculativeConfig | None]]:

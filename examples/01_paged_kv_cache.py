@@ -10,8 +10,8 @@ from __future__ import annotations
 import torch
 
 from disagg.config import CacheConfig, ModelConfig
-from disagg.kv_cache import PagedKVCache
-from disagg.page_allocator import PageAllocator
+from disagg.engine.page_allocator import PageAllocator
+from disagg.model.kv_cache import PagedKVCache
 
 
 def main() -> None:

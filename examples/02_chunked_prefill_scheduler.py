@@ -13,11 +13,11 @@ import time
 
 import torch
 
-from disagg.batch import Batch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from disagg.engine import LLMEngine
-from disagg.model import Transformer
-from disagg.request import SamplingParams
+from disagg.engine.batch import Batch
+from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.request import SamplingParams
+from disagg.model.transformer import Transformer
 
 
 def describe(batch: Batch) -> str:

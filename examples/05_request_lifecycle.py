@@ -13,9 +13,9 @@ import tempfile
 import time
 from pathlib import Path
 
-from disagg.cluster import ClusterConfig, LocalCluster
-from disagg.messages import RequestEvent, Submit
-from disagg.router import Router
+from disagg.kv_transfer.messages import RequestEvent, Submit
+from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.router import Router
 
 PROMPT = list(range(100, 140))  # 40 token ids: the tiny preset has no tokenizer
 Timeline = list[tuple[float, str, str]]  # (time.time(), where, what)

@@ -9,11 +9,11 @@ same tokens as from one cache. Pairs with docs/tutorials/06-sharding-and-layouts
 from __future__ import annotations
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
-from disagg.engine import build_engine
-from disagg.request import SamplingParams
-from disagg.tp import Sharding
-from disagg.transfer_plan import PageGeometry, plan_page_writes
-from disagg.weights import init_random_weights
+from disagg.engine.llm_engine import build_engine
+from disagg.engine.request import SamplingParams
+from disagg.kv_transfer.transfer_plan import PageGeometry, plan_page_writes
+from disagg.model.loading.registry import init_random_weights
+from disagg.model.sharding import Sharding
 
 
 def show_heads() -> None:

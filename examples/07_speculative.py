@@ -12,14 +12,14 @@ from __future__ import annotations
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from disagg.draft import SpeculativeConfig
-from disagg.draft_kv import draft_kv_pages
-from disagg.engine import LLMEngine, build_engine
-from disagg.request import SamplingParams
-from disagg.spec_engine import enable_speculation
-from disagg.speculative import verify_sampled
-from disagg.transfer_plan import expected_write_count
-from disagg.weights import init_random_weights
+from disagg.engine.llm_engine import LLMEngine, build_engine
+from disagg.engine.request import SamplingParams
+from disagg.kv_transfer.draft_kv import draft_kv_pages
+from disagg.kv_transfer.transfer_plan import expected_write_count
+from disagg.model.draft_heads import SpeculativeConfig
+from disagg.model.loading.registry import init_random_weights
+from disagg.spec.speculator import enable_speculation
+from disagg.spec.verify import verify_sampled
 
 CONFIG = ModelConfig.from_name("tiny")
 WEIGHTS = init_random_weights(CONFIG, seed=0)

@@ -15,12 +15,12 @@ import threading
 import time
 
 from disagg.config import CacheConfig, SchedulerConfig
-from disagg.decode_messenger import ReliabilityConfig
-from disagg.decode_node import DecodeNode
-from disagg.messages import Submit
-from disagg.node_setup import NodeConfig, build_node
-from disagg.prefill_node import PrefillNode
-from disagg.router import Router
+from disagg.kv_transfer.decode_messenger import ReliabilityConfig
+from disagg.kv_transfer.messages import Submit
+from disagg.node.builder import NodeConfig, build_node
+from disagg.node.decode_node import DecodeNode
+from disagg.node.prefill_node import PrefillNode
+from disagg.node.router import Router
 
 
 def main() -> None:

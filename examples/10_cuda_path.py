@@ -17,10 +17,10 @@ import threading
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from disagg.engine import LLMEngine
-from disagg.layer_counter import LayerCounter, NullLayerCounter
-from disagg.model import Transformer
-from disagg.request import SamplingParams
+from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.request import SamplingParams
+from disagg.model.layer_counter import LayerCounter, NullLayerCounter
+from disagg.model.transformer import Transformer
 from transfer_core.engine import TransferEngine
 from transfer_core.poller import CounterPoller
 from transfer_core.staging import register_kv

@@ -47,7 +47,7 @@ def main(argv: list[str] | None = None) -> int:
         console.print("gpu_check: no CUDA GPU on this machine (torch sees none); nothing to check.")
         return 0
     else:
-        from transfer_core.cuda_host import cuda_available
+        from transfer_core.cuda.driver import cuda_available
 
         if not cuda_available():
             console.print("gpu_check: torch sees a GPU but cuda-python cannot reach it; skipping.")
@@ -121,7 +121,7 @@ def _ensure_built(console: Console) -> None:
 
 
 def _environment() -> list[Row]:
-    from transfer_core.cuda_host import check_cu, device_attribute, load_driver
+    from transfer_core.cuda.driver import check_cu, device_attribute, load_driver
     from transfer_core.topology import detect_topology
 
     version = check_cu("cuDriverGetVersion", load_driver().cuDriverGetVersion())

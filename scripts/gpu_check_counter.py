@@ -70,7 +70,7 @@ def replay_ms(graph: torch.cuda.CUDAGraph, stream: torch.cuda.Stream, replays: i
 
 
 def graph_counter_check() -> list[Row]:
-    from transfer_core.cuda_host import MappedCounter
+    from transfer_core.cuda.mapped_counter import MappedCounter
     from transfer_core.poller import CounterPoller
 
     replays = 200
@@ -116,7 +116,7 @@ def graph_counter_check() -> list[Row]:
 
 
 def latency_check() -> list[Row]:
-    from transfer_core.cuda_host import MappedCounter
+    from transfer_core.cuda.mapped_counter import MappedCounter
     from transfer_core.poller import CounterPoller
 
     counter = MappedCounter()

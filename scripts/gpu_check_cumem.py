@@ -21,7 +21,7 @@ CUMEM_BYTES = 256 << 20
 
 def _rank_process(path: str) -> None:
     """A TP rank: allocate cuMem KV, fill it from a seeded CUDA generator, send it; verify."""
-    from transfer_core import cumem
+    from transfer_core.cuda import cumem
 
     started = time.perf_counter()
     allocation = cumem.allocate(CUMEM_BYTES)
@@ -40,7 +40,7 @@ def _rank_process(path: str) -> None:
 
 
 def cumem_check() -> list[Row]:
-    from transfer_core import cumem
+    from transfer_core.cuda import cumem
 
     with tempfile.TemporaryDirectory() as tmp, socket.socket(socket.AF_UNIX) as server:
         path = os.path.join(tmp, "kv.sock")

@@ -55,7 +55,7 @@ def posting_latency_check(device: str = "cuda", samples: int = 300, num_pages: i
                           ) -> list[Row]:
     """Replay a one-bump graph; the poller's callback stages one page and posts its write,
     as `PrefillMessenger._on_counter` does per layer. Times from replay to posted."""
-    from disagg.layer_counter import LayerCounter
+    from disagg.model.layer_counter import LayerCounter
     from transfer_core.engine import TransferEngine
     from transfer_core.poller import CounterPoller
     from transfer_core.staging import open_engine, register_kv

@@ -14,12 +14,12 @@ import time
 import torch
 from gpu_check_common import SEED, Row, synchronize
 
-from disagg.batch import Batch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from disagg.engine import LLMEngine
-from disagg.layer_counter import LayerCounter, NullLayerCounter
-from disagg.model import Transformer
-from disagg.request import SamplingParams
+from disagg.engine.batch import Batch
+from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.request import SamplingParams
+from disagg.model.layer_counter import LayerCounter, NullLayerCounter
+from disagg.model.transformer import Transformer
 
 GPU_MODEL = ModelConfig(vocab_size=32000, hidden_size=2048, intermediate_size=5632,
                         num_layers=16, num_heads=32, num_kv_heads=8, head_dim=64,

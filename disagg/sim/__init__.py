@@ -2,7 +2,7 @@
 
 Models DeepSeek-R1 and Qwen3-Coder deployments on H100/H200 nodes (and this machine's CPU)
 to show why disaggregation pays (S1) and which P:D ratio a workload needs (S9). Nothing here
-runs a model; `disagg.engine` does that.
+runs a model; `disagg.engine.llm_engine` does that.
 """
 
 from __future__ import annotations

@@ -22,12 +22,12 @@ import torch.nn.functional as F
 
 from disagg.config import PRESETS as ENGINE_PRESETS
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from disagg.engine import LLMEngine, build_engine
-from disagg.request import SamplingParams
+from disagg.engine.llm_engine import LLMEngine, build_engine
+from disagg.engine.request import SamplingParams
+from disagg.model.loading.registry import LoadedModel, init_random_weights, load_model
 from disagg.sim.cost_model import BatchShape, Parallel, step_time
 from disagg.sim.hardware import Hardware
 from disagg.sim.models import from_model_config
-from disagg.weights import LoadedModel, init_random_weights, load_model
 
 logger = logging.getLogger(__name__)
 ONE_RANK = Parallel(tp=1)
@@ -215,7 +215,7 @@ def _cpu_hardware(threads: int, rates: dict[str, float], fixed: dict[str, float]
     memory = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2
     # One CPU thread issues loads and FMAs from one instruction stream and oneDNN does not
     # prefetch the next weight panel while computing this one at these sizes: the two add.
-    # Our attention (disagg/attention.py) moves each KV byte five times: index_select reads
+    # Our attention (disagg/model/attention.py) moves each KV byte five times: index_select reads
     # the pages and writes a copy, the reshape of the permuted view copies it again, and
     # SDPA reads that copy; paged GPU kernels read it once, in place.
     return Hardware(

@@ -1,7 +1,7 @@
 """Typer commands of the cluster simulator: `simulate`, `plan-cluster`, `calibrate` (S1, S9).
 
 Each command turns options into the simulator's dataclasses, calls one library function and
-prints a rich table (or one JSON object with `--json`). `disagg.cli` adds them with
+prints a rich table (or one JSON object with `--json`). `disagg.apps.cli` adds them with
 `register(app)`. Bad names and values raise `ConfigError`: one line, exit code 2.
 """
 

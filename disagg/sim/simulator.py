@@ -8,7 +8,7 @@ inter-token gap; per instance, utilisation.
 
 # NOTE on the model. Each instance (a TP group or one DP rank) is idle or running exactly one
 # step, whose length `cost_model.step_time` fixes from the batch it holds when it starts.
-# Mixed nodes follow `disagg.scheduler`: decodes first, prefill chunks fill the rest of the
+# Mixed nodes follow `disagg.engine.scheduler`: decodes first, prefill chunks fill the rest of the
 # token budget, the last prompt chunk samples the first token. Disaggregated requests start
 # at the least loaded decoder (pages reserved, S2a), go to the least loaded prefiller, which
 # computes every prompt token but the last (S8) and streams KV so only the last layer's tail

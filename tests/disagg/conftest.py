@@ -14,9 +14,9 @@ from typing import Any
 import pytest
 import torch
 
-from disagg.gguf_loader import SMOLLM2_FILE, find_smollm2_gguf, load_gguf_tokenizer
-from disagg.tokenizer import Tokenizer
-from disagg.weights import LoadedModel, load_model
+from disagg.model.loading.gguf import SMOLLM2_FILE, find_smollm2_gguf, load_gguf_tokenizer
+from disagg.model.loading.registry import LoadedModel, load_model
+from disagg.model.loading.tokenizer import Tokenizer
 
 MakeCheckpoint = Callable[..., Path]
 

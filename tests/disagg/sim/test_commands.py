@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from disagg.cli import main
+from disagg.apps.cli import main
 from disagg.sim.hardware import CPU_CALIBRATION_ENV, Hardware, save_cpu_calibration
 from tests.disagg.sim.conftest import BenchmarkRun
 

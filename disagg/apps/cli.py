@@ -1,0 +1,286 @@
+"""The `disagg` command: every demo, benchmark and tool, as thin typer commands.
+
+Commands parse options into config dataclasses, call library functions and print with rich; no
+serving logic lives here. Errors the user can fix print one line and exit with code 2.
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from dataclasses import replace
+from typing import Annotated
+
+import typer
+from rich.console import Console
+
+from disagg.apps.figures.commands import register as register_figures
+from disagg.apps.options import (
+    ChunkOption,
+    CudaGraphOption,
+    DeviceOption,
+    DraftLayersOption,
+    DraftTokensOption,
+    LayoutOption,
+    MemoryPathOption,
+    ModelOption,
+    NumPagesOption,
+    PageSizeOption,
+    ProviderOption,
+    SpeculativeOption,
+    speculative_config,
+)
+from disagg.apps.serve_commands import serve_app
+from disagg.config import (
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    check_kv_layout,
+)
+from disagg.errors import ConfigError, DisaggError, RequestError
+from disagg.sim.commands import register as register_sim_commands
+
+app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
+                  no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
+bench_app = typer.Typer(help="Benchmarks (JSON with --json, else a table).", no_args_is_help=True)
+app.add_typer(bench_app, name="bench")
+register_sim_commands(app)
+app.add_typer(serve_app, name="serve")
+register_figures(app)
+console = Console()
+err_console = Console(stderr=True)
+
+
+def parse_token_ids(text: str) -> list[int]:
+    """"1,2,3" -> [1, 2, 3], with an error naming the bad item."""
+    ids = []
+    for item in text.split(","):
+        item = item.strip()
+        if not item.lstrip("-").isdigit() or int(item) < 0:
+            raise RequestError(f"--prompt-token-ids: {item!r} is not a token id")
+        ids.append(int(item))
+    return ids
+
+
+@app.command()
+def generate(
+    model: Annotated[str, typer.Option(help="smollm2-135m, a preset (tiny, small) or a "
+                                            "Hugging Face Llama checkpoint directory")],
+    prompt: Annotated[str | None, typer.Option(help="Prompt text (needs a tokenizer)")] = None,
+    prompt_token_ids: Annotated[str | None, typer.Option(help="Prompt as ids: 1,2,3")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most")] = 32,
+    kv_layout: Annotated[str, typer.Option(help="KV page layout: NHD or HND")] = "NHD",
+    page_size: Annotated[int, typer.Option(help="Tokens per KV page")] = 16,
+    num_pages: Annotated[int, typer.Option(help="KV pages in the cache")] = 512,
+    chunk_size: Annotated[int, typer.Option(help="Prefill chunk size in tokens")] = 256,
+    temperature: Annotated[float, typer.Option(help="0 means greedy")] = 0.0,
+    top_p: Annotated[float, typer.Option(help="Nucleus sampling mass")] = 1.0,
+    top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: all)")] = 0,
+    seed: Annotated[int | None, typer.Option(help="Sampling seed")] = None,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    trace: Annotated[str | None, typer.Option(
+        help="Write a Chrome/Perfetto trace of the engine steps to this JSON file")] = None,
+    speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
+    draft_layers: DraftLayersOption = 0,
+    device: DeviceOption = "cpu", cuda_graph: CudaGraphOption = False,
+) -> None:
+    """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
+    from disagg.apps.generate import generate_one
+    from disagg.node.builder import check_device
+    from disagg.utils.trace import Tracer
+
+    if (prompt is None) == (prompt_token_ids is None):
+        raise RequestError("give exactly one of --prompt or --prompt-token-ids")
+    config = EngineConfig(
+        model=None,  # type: ignore[arg-type]  # filled from the checkpoint by generate_one
+        cache=CacheConfig(page_size=page_size, num_pages=num_pages,
+                          kv_layout=check_kv_layout(kv_layout)),
+        scheduler=SchedulerConfig(chunk_size=chunk_size,
+                                  max_num_batched_tokens=max(chunk_size, 1)),
+        device=check_device(device), cuda_graph=cuda_graph)
+    stream = None if as_json else _print_now
+    tracer = Tracer(trace, "generate")
+    result = generate_one(
+        model, config, prompt=prompt,
+        prompt_token_ids=None if prompt_token_ids is None else parse_token_ids(prompt_token_ids),
+        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
+        on_text=stream, tracer=tracer,
+        speculative=speculative_config(speculative, num_draft_tokens, draft_layers))
+    tracer.close()
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+    else:
+        _print_now("\n")
+        err_console.print(f"[dim]{len(result['token_ids'])} tokens, finish: "
+                          f"{result['finish_reason']}[/dim]")
+
+
+@app.command()
+def demo(
+    model: ModelOption = "smollm2-135m",
+    decoders: Annotated[int, typer.Option(help="Decoder processes")] = 3,
+    prompts_file: Annotated[str | None, typer.Option(
+        help="JSON Lines ({'prompt': ...} or {'prompt_token_ids': [...]}, optional "
+             "max_tokens) or plain text, one prompt per line")] = None,
+    max_tokens: Annotated[int, typer.Option(help="Tokens per request at most")] = 32,
+    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
+    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
+    provider: ProviderOption = "tcp",
+    temperature: Annotated[float, typer.Option(help="0 means greedy")] = 0.0,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+    trace: Annotated[str | None, typer.Option(
+        help="Write one Chrome/Perfetto trace of every process (router, prefiller, decoders) "
+             "to this JSON file")] = None,
+    prefill_tp: Annotated[int, typer.Option(help="Prefiller TP degree (KV by head)")] = 1,
+    decode_tp: Annotated[int, typer.Option(help="Decoders' TP degree")] = 1,
+    replicated: Annotated[bool, typer.Option(
+        help="Replicated KV on every rank (MLA-style, S9a); replica sets send at random")] = False,
+    decode_dp: Annotated[int, typer.Option(
+        help="Data-parallel decoder ranks: that many independent decoder engines, one process "
+             "each (overrides --decoders; S9a's DP deployment)")] = 0,
+    deployment: Annotated[str | None, typer.Option(
+        help="A preset of S9 on the toy model: qwen3-coder (TP 4 -> TP 4, HND, 3 decoders) or "
+             "deepseek-r1 (replicated KV, TP 4 prefiller, 3 DP decoders)")] = None,
+    speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
+    draft_layers: DraftLayersOption = 0,
+    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
+    cuda_graph: CudaGraphOption = False,
+) -> None:
+    """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
+    from rich.live import Live
+
+    from disagg.apps.demo import load_prompts, run_demo
+    from disagg.apps.demo_view import metrics_table, request_table, totals_table
+    from disagg.node.builder import check_node_memory
+    from disagg.node.local_cluster import DEPLOYMENTS, ClusterConfig
+
+    check_node_memory(device, kv_memory_path)  # fail here, not in every node
+    decoders = decode_dp or decoders
+    if decoders < 1:
+        raise ConfigError(f"--decoders must be at least 1, got {decoders}")
+    cluster = ClusterConfig(model=model, num_decoders=decoders,
+                            kv_layout=check_kv_layout(kv_layout), page_size=page_size,
+                            num_pages=num_pages, chunk_size=chunk_size, provider=provider,
+                            prefill_tp=prefill_tp, decode_tp=decode_tp, replicated_kv=replicated,
+                            device=device, kv_memory_path=kv_memory_path)
+    if speculative is not None:
+        speculative_config(speculative, num_draft_tokens, draft_layers)  # fail here, not there
+        cluster.decode_args = ["--speculative", speculative, "--num-draft-tokens",
+                               str(num_draft_tokens), "--draft-layers", str(draft_layers)]
+    if cuda_graph:
+        cluster.decode_args.append("--cuda-graph")
+    if deployment is not None:
+        if deployment not in DEPLOYMENTS:
+            raise ConfigError(f"unknown deployment {deployment!r}: expected one of "
+                              f"{sorted(DEPLOYMENTS)}")
+        cluster = replace(cluster, **DEPLOYMENTS[deployment])  # type: ignore[arg-type]
+    specs = load_prompts(prompts_file)
+    if as_json:
+        result = run_demo(cluster, specs, max_tokens, temperature, trace=trace)
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    err_console.print(f"starting 1 prefiller and {decoders} decoders ({model}, {provider})...")
+    with Live(console=console, refresh_per_second=8) as live:
+        result = run_demo(cluster, specs, max_tokens, temperature, trace=trace,
+                          view=lambda requests: live.update(request_table(requests)))
+    console.print(totals_table(result))
+    console.print(metrics_table(result["metrics"]))
+    if result["totals"].get("acceptance_rate") is not None:
+        t = result["totals"]
+        console.print(f"speculative ({speculative}, k={num_draft_tokens}): "
+                      f"{t['accepted_tokens']} of {t['draft_tokens']} drafts accepted "
+                      f"({t['acceptance_rate']:.0%})")
+    if trace:
+        err_console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
+
+
+@app.command()
+def plan(
+    prefill_tp: Annotated[int, typer.Option(help="Prefiller TP degree")] = 1,
+    decode_tp: Annotated[int, typer.Option(help="Decoder TP degree")] = 1,
+    kv_layout: LayoutOption = "HND",
+    replicated: Annotated[bool, typer.Option(help="Replicated KV on both sides (MLA)")] = False,
+    model: Annotated[str, typer.Option(help="A preset (tiny, small) or smollm2-135m or an "
+                                            "HF checkpoint; its head counts are used")] = "tiny",
+    page_size: PageSizeOption = 16,
+    prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the totals")] = 4096,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Writes and bytes per rank pair for one page, and NHD versus HND totals (S6, S7)."""
+    from rich.table import Table
+
+    from disagg.apps.plan import plan_report
+    from disagg.model.loading.registry import model_config
+    from disagg.model.sharding import Sharding
+
+    config = model_config(model)
+    report = plan_report(config, Sharding(prefill_tp, config.num_kv_heads, replicated),
+                         Sharding(decode_tp, config.num_kv_heads, replicated),
+                         check_kv_layout(kv_layout), page_size, 4, prompt_tokens)
+    if as_json:
+        sys.stdout.write(json.dumps(report) + "\n")
+        return
+    table = Table(title=f"one page of one layer, {kv_layout}: prefill TP {prefill_tp} -> "
+                        f"decode TP {decode_tp} ({config.num_kv_heads} KV heads)")
+    for column in ("src rank", "dst rank", "writes", "bytes"):
+        table.add_column(column, justify="right")
+    for pair in report["pairs"]:
+        table.add_row(str(pair["src_rank"]), str(pair["dst_rank"]), str(pair["writes"]),
+                      str(pair["bytes"]))
+    console.print(table)
+    layouts = Table(title=f"a {prompt_tokens}-token prompt: {report['pages']} pages x "
+                          f"{report['num_layers']} layers")
+    for column in ("layout", "writes per page", "writes per prompt"):
+        layouts.add_column(column, justify="right")
+    for layout, numbers in report["layouts"].items():
+        layouts.add_row(layout, str(numbers["writes_per_page"]),
+                        str(numbers["writes_per_prompt"]))
+    console.print(layouts)
+
+
+def _print_now(text: str) -> None:
+    console.print(text, end="", markup=False, highlight=False)
+    console.file.flush()  # stream token by token even when stdout is a pipe
+
+
+@bench_app.command("transfer")
+def bench_transfer(
+    provider: Annotated[str, typer.Option(help="libfabric provider: tcp, shm, or all")] = "tcp",
+    pages: Annotated[int, typer.Option(help="Pages in the batch")] = 2048,
+    page_size: Annotated[int, typer.Option(help="Bytes per page")] = 65536,
+    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
+) -> None:
+    """Peer workload: N pages written to shuffled slots of another process, plus 4 KiB latency."""
+    from transfer_core.bench import run_transfer_benchmark
+
+    providers = ["tcp", "shm"] if provider == "all" else [provider]
+    results = [run_transfer_benchmark(provider=p, num_pages=pages, page_bytes=page_size)
+               for p in providers]
+    if as_json:
+        sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results) + "\n")
+        return
+    from rich.table import Table
+
+    table = Table(title=f"transfer: {pages} pages x {page_size} B")
+    for column in ("provider", "GB/s", "µs/page", "4 KiB p50 µs", "4 KiB p99 µs", "verified"):
+        table.add_column(column)
+    for r in results:
+        table.add_row(r["provider"], f"{r['gbps']:.2f}", f"{r['us_per_page']:.2f}",
+                      f"{r['latency_us_p50']:.1f}", f"{r['latency_us_p99']:.1f}",
+                      str(r["verified"]))
+    console.print(table)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """Entry point: run the app; user errors become one line on stderr and exit code 2."""
+    from transfer_core.errors import TransferError
+
+    try:
+        app(args=argv)
+    except (DisaggError, TransferError, ValueError) as error:
+        err_console.print(f"[bold red]error:[/bold red] {error}", highlight=False)
+        raise SystemExit(2) from None
+
+
+if __name__ == "__main__":
+    main()

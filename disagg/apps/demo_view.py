@@ -1,0 +1,63 @@
+"""The live view of `disagg demo`: one row per request, updated as events arrive (rich)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from rich.table import Table
+
+from disagg.apps.demo import DemoRequest
+
+STATE_STYLE = {"queued": "dim", "waiting_for_kv": "yellow", "decoding": "cyan",
+               "finished_stopped": "green", "finished_length": "green", "failed": "red"}
+
+
+def request_table(requests: list[DemoRequest], title: str = "disaggregated serving") -> Table:
+    """A table of every request: state, KV progress, TTFT, tokens/s and text so far."""
+    table = Table(title=title, expand=True)
+    for column, justify in (("request", "left"), ("dec", "right"), ("state", "left"),
+                            ("KV writes", "right"), ("TTFT ms", "right"), ("tok/s", "right"),
+                            ("text", "left")):
+        table.add_column(column, justify=justify, no_wrap=True,  # type: ignore[arg-type]
+                         overflow="ellipsis" if column == "text" else "fold")
+    for r in requests:
+        kv = f"{r.kv_writes}" if r.kv_writes else (
+            f"{r.kv_writes_received}…" if r.kv_writes_received else "")
+        tps = f"{1e3 / r.tpot_ms:.1f}" if r.tpot_ms else ""
+        ttft = f"{r.ttft_ms:.0f}" if r.ttft_ms is not None else ""
+        text = r.text if r.stream is not None else " ".join(map(str, r.token_ids))
+        state = r.state.removeprefix("finished_")
+        table.add_row(r.request_id, str(r.decoder), f"[{STATE_STYLE.get(r.state, '')}]{state}",
+                      kv, ttft, tps, text[-60:].replace("\n", " "))
+    return table
+
+
+def totals_table(result: dict[str, Any]) -> Table:
+    """The run's totals: requests, tokens, throughput, TTFT, KV moved."""
+    t = result["totals"]
+    table = Table(title="totals")
+    for column in ("requests", "failed", "tokens", "tok/s", "TTFT p50 ms", "KV writes", "KV MiB"):
+        table.add_column(column, justify="right")
+    ttft = f"{t['ttft_ms_p50']:.0f}" if t["ttft_ms_p50"] is not None else "-"
+    table.add_row(str(t["requests"]), str(t["failed"]), str(t["output_tokens"]),
+                  f"{t['tokens_per_s']:.1f}", ttft, str(t["kv_writes"]),
+                  f"{t['kv_bytes'] / 2**20:.1f}")
+    return table
+
+
+def metrics_table(metrics: dict[str, dict[str, float]]) -> Table:
+    """A few of each node's metrics: transfers, failures, leases, pages still in use."""
+    table = Table(title="node metrics")
+    for column in ("node", "KV writes", "KV MiB", "failures", "expired leases",
+                   "pages in use"):
+        table.add_column(column, justify="right")
+    for node, values in sorted(metrics.items()):
+        def total(prefix: str, values: dict[str, float] = values) -> float:
+            return sum(v for k, v in values.items() if k.startswith(prefix))
+        writes = total("disagg_kv_writes_total") or total("disagg_writes_total")
+        nbytes = total("disagg_kv_bytes_total") or total("disagg_bytes_total")
+        failures = total("disagg_failures_total") + total("disagg_failed_total")
+        table.add_row(node, f"{writes:.0f}", f"{nbytes / 2**20:.2f}", f"{failures:.0f}",
+                      f"{total('disagg_expired_leases_total'):.0f}",
+                      f"{total('disagg_pages_in_use'):.0f}")
+    return table

@@ -1,0 +1,2 @@
+"""`disagg figures`: the tutorials' pictures, measured by `runs`, drawn by `draw` and `layout`.
+"""

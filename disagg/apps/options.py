@@ -1,0 +1,59 @@
+"""Options the `disagg` commands share (typer `Annotated` aliases), and their small parsers.
+
+Kept apart so `cli.py` (generate, demo, tools) and `cli_serve.py` (the three node kinds) read
+the same flags with the same help text.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated
+
+import typer
+
+SpeculativeOption = Annotated[str | None, typer.Option(
+    help="Speculative decoding with this draft: mtp (an MTP head, random-init) or early-exit "
+         "(the model's first layers)")]
+DraftTokensOption = Annotated[int, typer.Option(
+    help="Draft tokens proposed per step, verified by one forward (with --speculative)")]
+DraftLayersOption = Annotated[int, typer.Option(
+    help="Layers of the early-exit draft (0: all but the last two)")]
+
+
+def speculative_config(kind: str | None, num_draft_tokens: int, draft_layers: int) -> object:
+    """The `SpeculativeConfig` the options describe, or None without --speculative."""
+    from disagg.model.draft_heads import SpeculativeConfig
+
+    if kind is None:
+        return None
+    return SpeculativeConfig(kind, num_draft_tokens, draft_layers)  # type: ignore[arg-type]
+
+
+ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a preset (tiny, small) or a "
+                                                "Hugging Face Llama checkpoint directory")]
+LayoutOption = Annotated[str, typer.Option(help="KV page layout: NHD or HND")]
+PageSizeOption = Annotated[int, typer.Option(help="Tokens per KV page")]
+NumPagesOption = Annotated[int, typer.Option(help="KV pages in the cache")]
+ChunkOption = Annotated[int, typer.Option(help="Prefill chunk size in tokens")]
+ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm, efa, verbs, or "
+                                                   "a provider name")]
+ThreadsOption = Annotated[int, typer.Option(help="torch threads for this node (0: default)")]
+TraceOption = Annotated[str | None, typer.Option(
+    help="Write a Chrome trace: a file path ({node_id} is filled in) or a directory")]
+TpOption = Annotated[int, typer.Option(help="Tensor-parallel degree: KV sharded by head (S6)")]
+ReplicatedOption = Annotated[bool, typer.Option(
+    help="Every TP rank holds the whole KV cache (MLA-style latent cache, S9a)")]
+FaultsOption = Annotated[str | None, typer.Option(
+    hidden=True, help="Test only: inject fabric faults, e.g. seed=1,drop_imm=0.01")]
+KVTimeoutOption = Annotated[float, typer.Option(
+    help="Decoder: seconds a request may wait for its KV before it is cancelled and retried")]
+LeaseOption = Annotated[float, typer.Option(
+    help="Prefiller: seconds after which a transfer is stopped and its pages freed")]
+ListenOption = Annotated[str, typer.Option(
+    help="host:port for control connections (port 0: any free port)")]
+MetricsPortOption = Annotated[int | None, typer.Option(
+    help="Serve Prometheus metrics at http://host:PORT/metrics (0: any free port)")]
+DeviceOption = Annotated[str, typer.Option(help="Model and KV cache device: cpu, cuda, cuda:N")]
+MemoryPathOption = Annotated[str, typer.Option(
+    help="How the NIC reaches the KV (S5): auto, host (CPU), hmem (FI_HMEM) or staged")]
+CudaGraphOption = Annotated[bool, typer.Option(
+    help="Decode steps through static buffers, replayed as CUDA graphs on a GPU (S3b)")]

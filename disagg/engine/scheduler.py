@@ -1,0 +1,208 @@
+"""Continuous batching with chunked prefill under a token budget (S1, S3a).
+
+NOTE on the algorithm. There is no "prefill phase" or "decode phase" in the state: each request
+only has `num_computed_tokens` (K/V in the cache) and `num_tokens` (prompt plus outputs), and
+every step tries to close the gap, at most `chunk_size` tokens per request and
+`max_num_batched_tokens` per step. A prompt closes its gap in chunks; a decode's gap is the one
+token sampled last step. So a step naturally mixes prefill chunks with decodes (the "mixed" mode
+of S1), and the chunk that closes a request's gap is the one whose last row is sampled.
+Running requests go first, oldest first, so decodes are not starved by new prompts; when pages
+run out the newest unpinned running request is preempted (its pages freed, recomputed later).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections import deque
+
+from disagg.config import SchedulerConfig
+from disagg.engine.batch import Batch, ScheduledChunk
+from disagg.engine.page_allocator import PageAllocator
+from disagg.engine.request import Request, RequestStatus
+from disagg.errors import RequestError
+
+logger = logging.getLogger(__name__)
+
+
+class Scheduler:
+    """Decides, each step, which chunk of which request runs."""
+
+    def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
+                 max_model_len: int) -> None:
+        self.config = config
+        self.allocator = allocator
+        self.page_size = page_size
+        self.max_model_len = max_model_len
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []
+
+    def add_request(self, request: Request) -> None:
+        """Queue a request; refuse one that could never fit."""
+        self.check_fits(request)
+        request.status = RequestStatus.WAITING
+        self.waiting.append(request)
+
+    def check_fits(self, request: Request) -> None:
+        """Raise `RequestError` if `request` could never fit the cache or the context."""
+        longest = request.num_prompt_tokens + request.sampling_params.max_tokens
+        if request.num_prompt_tokens > self.max_model_len:
+            raise RequestError(f"request {request.request_id}: prompt of "
+                               f"{request.num_prompt_tokens} tokens exceeds the limit of "
+                               f"{self.max_model_len} (cache size / model context)")
+        if self._pages_for(longest - 1) > self.allocator.num_pages:
+            raise RequestError(f"request {request.request_id}: {longest} tokens need "
+                               f"{self._pages_for(longest - 1)} pages, the cache has "
+                               f"{self.allocator.num_pages}")
+
+    def has_unfinished(self) -> bool:
+        """Whether any request is waiting or running."""
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> Batch:
+        """Pick this step's chunks and make sure their pages exist."""
+        batch = Batch()
+        budget = self.config.max_num_batched_tokens
+        # Running requests first; iterate over a copy because preemption edits the list.
+        for request in list(self.running):
+            if budget == 0:
+                break
+            if request not in self.running:  # preempted by a request ahead of it
+                continue
+            num_tokens = self._chunk_len(request, budget)
+            scheduled = {id(chunk.request) for chunk in batch.chunks}
+            if num_tokens == 0 or not self._reserve_pages(request, num_tokens, scheduled):
+                continue
+            batch.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        # Then admit waiting requests while budget, sequence slots and pages allow.
+        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+            request = self.waiting[0]
+            num_tokens = self._chunk_len(request, budget)
+            if num_tokens == 0 or not self._reserve_pages(request, num_tokens, None):
+                break
+            self.waiting.popleft()
+            request.status = RequestStatus.RUNNING
+            self.running.append(request)
+            batch.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
+            budget -= num_tokens
+        return batch
+
+    def add_prefilled(self, request: Request) -> None:
+        """Run a request whose pages already hold `num_computed_tokens` tokens of KV (S2c)."""
+        assert request.page_ids and request.num_computed_tokens > 0, "nothing was prefilled"
+        request.status = RequestStatus.RUNNING
+        self.running.append(request)
+
+    def postprocess(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
+        """Advance each chunk's request and append sampled tokens.
+
+        Returns the requests that left the running set: finished ones (pages freed) and, in
+        prefill-only mode, those whose prompt is now computed (status TRANSFERRING: their pages
+        stay allocated until the messenger has written them out, S4b).
+        """
+        done = []
+        for chunk in batch.chunks:
+            request = chunk.request
+            request.num_computed_tokens += chunk.num_tokens
+            if chunk.samples and self.config.mode == "prefill_only":
+                request.status = RequestStatus.TRANSFERRING
+                self.running.remove(request)
+                done.append(request)
+                continue
+            if chunk.samples:
+                request.append_token(sampled[request.request_id])
+            if request.is_finished:
+                self._release(request)
+                done.append(request)
+        return done
+
+    def abort_request(self, request_id: str) -> Request | None:
+        """Drop a request wherever it is, freeing its pages; returns it, or None if unknown."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    request.status = RequestStatus.FINISHED_ABORTED
+                    self._release(request)
+                    return request
+        return None
+
+    def accept_tokens(self, request: Request, token_ids: list[int]) -> None:
+        """After a speculative chunk (issue 6): append the verified tokens (up to a stop), roll
+        `num_computed_tokens` back over the rejected drafts, whose K/V are now scratch, and free
+        the pages only they used. The request then holds the pages up to its next position."""
+        request.spec_token_ids = []
+        for token_id in token_ids:
+            request.append_token(token_id)
+            if request.is_finished:
+                break
+        request.num_computed_tokens = request.num_tokens - 1
+        if request.is_finished:
+            self._release(request)
+            return
+        keep = self._pages_for(request.num_tokens)
+        if len(request.page_ids) > keep:
+            self.allocator.free(request.page_ids[keep:])
+            del request.page_ids[keep:]
+
+    def detach(self, request_id: str) -> Request | None:
+        """Take a request out of the schedule but leave its pages allocated (a prefiller
+        whose writes may still read them frees them later, S4b)."""
+        for queue in (self.running, self.waiting):
+            for request in queue:
+                if request.request_id == request_id:
+                    queue.remove(request)
+                    return request
+        return None
+
+    # Helpers.
+
+    def _chunk_len(self, request: Request, budget: int) -> int:
+        # Draft tokens ride along after the real ones: one forward verifies them (issue 6).
+        remaining = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
+        return min(remaining, self.config.chunk_size, budget)
+
+    def _pages_for(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.page_size)
+
+    def _reserve_pages(self, request: Request, num_tokens: int,
+                       scheduled: set[int] | None) -> bool:
+        """Grow `request.page_ids` to hold its computed tokens plus `num_tokens` more.
+
+        With `scheduled` (ids of requests already in this step's batch) it may preempt running
+        requests outside that set; with None it never preempts (new requests wait instead).
+        """
+        needed = self._pages_for(request.num_computed_tokens + num_tokens) - len(request.page_ids)
+        while needed > 0 and not self.allocator.can_allocate(needed):
+            victim = None if scheduled is None else self._pick_victim(scheduled)
+            if victim is None:
+                return False
+            self._preempt(victim)
+            if victim is request:
+                return False
+        if needed > 0:
+            request.page_ids.extend(self.allocator.allocate(needed))
+        return True
+
+    def _pick_victim(self, scheduled: set[int]) -> Request | None:
+        for request in reversed(self.running):
+            pinned = any(self.allocator.is_pinned(p) for p in request.page_ids)
+            if id(request) not in scheduled and not pinned:
+                return request
+        return None
+
+    def _preempt(self, request: Request) -> None:
+        logger.info("preempting %s (out of pages); it will be recomputed", request.request_id)
+        self.running.remove(request)
+        self.allocator.free(request.page_ids)
+        request.page_ids = []
+        request.num_computed_tokens = 0
+        request.status = RequestStatus.WAITING
+        self.waiting.appendleft(request)
+
+    def _release(self, request: Request) -> None:
+        if request in self.running:
+            self.running.remove(request)
+        if request in self.waiting:
+            self.waiting.remove(request)
+        self.allocator.free(request.page_ids)
+        request.page_ids = []

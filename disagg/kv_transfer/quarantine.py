@@ -1,0 +1,109 @@
+"""Pages of abandoned requests, held until no write can still land in them (issue 8, S2, S4c).
+
+A request the decoder gives up on (deadline, client abort, failed or dead prefiller) may still
+have writes in flight towards its pages. Reusing those pages for another request would let a
+late write corrupt it and decode garbage with a success status. So the pages wait here.
+
+NOTE (the counted fence). Every write of a request carries its immediate value, and the
+prefiller answers a cancellation only once none of its writes is in flight, telling how many
+completed (`KVFailed.writes_posted`). When the decoder has counted that many arrivals of the
+immediate, no write of the request can still land: the pages are released. When the number is
+unknown (the prefiller died, or lost track) the pages are held for a grace period instead; a
+fence that is never reached (a lost immediate) is released at a deadline, with a warning.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import time
+from dataclasses import dataclass
+
+from disagg.engine.page_allocator import PageAllocator
+from disagg.engine.request import Request
+from transfer_core.engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Quarantined:
+    """An abandoned request's pages and what to do with the request once they are free."""
+
+    request: Request
+    page_ids: list[int]
+    imm: int
+    release_at: float  # time.monotonic(): release even if the fence was not reached
+    then: str  # "retry", "fail" or "abort"
+    reason: str
+    fence_known: bool  # False: the writes posted are unknown, a grace period stands in
+    fenced: bool = False
+
+
+class PageQuarantine:
+    """Holds pinned pages until their counted fence fires or a deadline passes."""
+
+    def __init__(self, transfer: TransferEngine, allocator: PageAllocator,
+                 timeout_s: float = 10.0) -> None:
+        self.transfer = transfer
+        self.allocator = allocator
+        self.timeout_s = timeout_s
+        self._held: dict[int, Quarantined] = {}  # by imm
+        self._fenced: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self.forced_releases = 0  # fences never reached: the lost-immediate case
+
+    def __len__(self) -> int:
+        return len(self._held)
+
+    def hold(self, request: Request, imm: int, writes_posted: int | None, then: str,
+             reason: str, grace_s: float = 0.0) -> None:
+        """Take over `request`'s pinned pages; its counter for `imm` becomes the fence.
+
+        `writes_posted` None: unknown, hold for `grace_s` (a dead peer's bytes in flight).
+        """
+        counted = 0
+        armed = self.transfer.remove_imm_count(imm)
+        if armed is not None:
+            counted = armed[0]
+        now = time.monotonic()
+        known = writes_posted is not None
+        entry = Quarantined(request, list(request.page_ids), imm,
+                            now + (self.timeout_s if known else grace_s), then, reason, known)
+        request.page_ids = []
+        self._held[imm] = entry
+        if writes_posted is None:
+            return
+        remaining = writes_posted - counted
+        if remaining <= 0:
+            entry.fenced = True
+        else:
+            self.transfer.expect_imm_count(imm, remaining, lambda: self._fenced.put(imm))
+
+    def release_due(self) -> list[Quarantined]:
+        """Free the pages whose fence fired or whose time is up; returns those entries."""
+        while True:
+            try:
+                imm = self._fenced.get_nowait()
+            except queue.Empty:
+                break
+            if imm in self._held:
+                self._held[imm].fenced = True
+        now = time.monotonic()
+        released = [e for e in self._held.values() if e.fenced or now >= e.release_at]
+        for entry in released:
+            del self._held[entry.imm]
+            if not entry.fenced:
+                self.transfer.remove_imm_count(entry.imm)
+                if entry.fence_known:
+                    self.forced_releases += 1
+                    logger.warning("fence of %s never reached (a lost immediate?): pages "
+                                   "released at the deadline", entry.request.request_id)
+            self.allocator.unpin(entry.page_ids)
+            self.allocator.free(entry.page_ids)
+        return released
+
+    def release_all(self) -> list[Quarantined]:
+        """Free everything now (shutdown)."""
+        for entry in self._held.values():
+            entry.release_at = 0.0
+        return self.release_due()

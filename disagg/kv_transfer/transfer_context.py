@@ -1,0 +1,147 @@
+"""The prefiller's view of a transfer: the decoder it writes to, the request's transfer
+context, and the checks on what a decoder asks for (S2b, S4b, S6; issue 8's bounds checks).
+
+Plain data, pure validation and the staging step of a layer (S5: pages of a staged KV region
+are copied into its host shadow before the NIC reads them), split from `prefill_messenger.py`
+so the messenger file holds only the streaming logic. Every remote page id and slot is checked
+against the region the peer advertised before anything is posted.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from disagg.engine.request import Request
+from disagg.errors import RequestError
+from disagg.kv_transfer.channel import Channel
+from disagg.kv_transfer.messages import Hello, KVRequest
+from disagg.kv_transfer.transfer_plan import PageGeometry, PageWrite, num_pages
+from disagg.model.sharding import Sharding
+from disagg.utils.trace import Tracer
+from transfer_core.memory import MemoryRegionDescriptor
+from transfer_core.staging import RegisteredKV
+
+# What a decoder may say its KV memory path is ("": it did not say).
+PEER_MEMORY_PATHS = ("", "host", "hmem", "staged")
+
+
+@dataclass
+class DecoderPeer:
+    """A connected decoder: where its KV pages (one region per TP rank) and context slots are."""
+
+    peer_id: str
+    channel: Channel
+    kv: list[MemoryRegionDescriptor]
+    context: MemoryRegionDescriptor
+    sharding: Sharding
+    num_pages: int
+    num_context_slots: int
+    page_nbytes: int  # of one rank's page
+    layer_nbytes: int  # of one rank's layer
+    kv_memory_path: str = ""  # how the decoder's NIC reaches its KV (host, hmem, staged)
+
+
+@dataclass
+class Transfer:
+    """One request's outgoing KV: the prefiller-side transfer context."""
+
+    key: str  # "<peer_id>/<request_id>", unique on this prefiller
+    request_id: str  # as the decoder named it
+    request: Request
+    peer: DecoderPeer
+    imm: int
+    dst_page_ids: list[int]
+    context_slot: int
+    page_writes: list[PageWrite]  # the plan for every page and layer (S6)
+    pending_writes: int = 0
+    all_submitted: bool = False
+    error: str | None = None
+    writes_ok: int = 0  # writes completed at the sender (the fence a decoder waits for)
+    writes_unknown: bool = False  # a failed call may have placed some of its writes
+    layer_post_times: list[tuple[int, float]] = field(default_factory=list)
+    # Wall-clock milestones (time.time()) for traces: the TTFT split of S1.
+    received_at: float = 0.0
+    first_scheduled_at: float = 0.0
+    last_layer_at: float = 0.0
+    done_at: float = 0.0
+
+
+@dataclass(frozen=True, slots=True)
+class PlannedWrite:
+    """Pages of one request completed by one forward, to be written layer by layer."""
+
+    transfer: Transfer
+    src_page_ids: list[int]
+    dst_page_ids: list[int]
+
+
+def parse_peer(hello: Hello, channel: Channel, num_layers: int, geometry: PageGeometry,
+               slot_nbytes: int) -> DecoderPeer:
+    """A decoder's regions from its handshake; `RequestError` if they do not add up."""
+    sharding = Sharding(hello.tp, hello.num_kv_heads, hello.replicated_kv)
+    if len(hello.kv_descriptors) != sharding.tp:
+        raise RequestError(f"decoder {hello.node_id}: {len(hello.kv_descriptors)} KV "
+                           f"regions for tp={sharding.tp}")
+    if hello.kv_memory_path not in PEER_MEMORY_PATHS:
+        raise RequestError(f"decoder {hello.node_id}: unknown KV memory path "
+                           f"{hello.kv_memory_path!r}, expected one of {PEER_MEMORY_PATHS[1:]}")
+    kv = [MemoryRegionDescriptor.from_bytes(d) for d in hello.kv_descriptors]
+    context = MemoryRegionDescriptor.from_bytes(hello.context_descriptor)
+    page_nbytes = geometry.page_nbytes(sharding.heads_per_rank)
+    layer_nbytes, rest = divmod(kv[0].length, num_layers)
+    peer_pages, rest2 = divmod(layer_nbytes, page_nbytes)
+    if rest or rest2 or peer_pages == 0 or any(d.length != kv[0].length for d in kv):
+        raise RequestError(f"decoder {hello.node_id}: KV regions of {kv[0].length} bytes "
+                           f"are not {num_layers} layers of whole {page_nbytes}-byte pages")
+    return DecoderPeer(hello.node_id, channel, kv, context, sharding, peer_pages,
+                       context.length // slot_nbytes, page_nbytes, layer_nbytes,
+                       hello.kv_memory_path)
+
+
+def stage_out_layer(kv: list[RegisteredKV], plan: list[PlannedWrite], layer: int) -> int:
+    """Copy the pages `plan` sends of `layer` into the host shadow of every staged rank they
+    are read from, one copy call per rank; returns the bytes copied (0 unless staged)."""
+    pages: dict[int, list[int]] = {}
+    for write in plan:
+        for rank in {w.src_rank for w in write.transfer.page_writes}:
+            if kv[rank].staged:
+                pages.setdefault(rank, []).extend(write.src_page_ids)
+    copied = 0
+    for rank, page_ids in pages.items():
+        before = kv[rank].staged_bytes
+        kv[rank].stage_out(layer, page_ids)
+        copied += kv[rank].staged_bytes - before
+    return copied
+
+
+def check_kv_request(message: KVRequest, peer: DecoderPeer, page_size: int,
+                     vocab_size: int) -> None:
+    """Refuse a request whose prompt, pages, slot or immediate the peer could not mean."""
+    prompt, request_id = message.prompt_token_ids, message.request_id
+    if len(prompt) < 2:
+        raise RequestError(f"request {request_id}: a prompt of {len(prompt)} tokens needs no "
+                           "prefill (the decoder runs its last token)")
+    if len(message.dst_page_ids) < num_pages(len(prompt) - 1, page_size):
+        raise RequestError(f"request {request_id}: {len(message.dst_page_ids)} destination "
+                           f"pages for {len(prompt) - 1} tokens")
+    bad = [p for p in message.dst_page_ids if not 0 <= p < peer.num_pages]
+    if bad:
+        raise RequestError(f"request {request_id}: page ids {bad[:4]} are outside the "
+                           f"decoder's region of {peer.num_pages} pages")
+    if not 0 <= message.context_slot < peer.num_context_slots:
+        raise RequestError(f"request {request_id}: context slot {message.context_slot} "
+                           f"outside [0, {peer.num_context_slots})")
+    if any(not 0 <= t < vocab_size for t in prompt):
+        raise RequestError(f"request {request_id}: token ids outside [0, {vocab_size})")
+    if not 0 <= message.imm < 2**32:
+        raise RequestError(f"request {request_id}: imm {message.imm} not 32-bit")
+
+
+def trace_transfer(tracer: Tracer, t: Transfer) -> None:
+    """An ended transfer's spans: queued, prefilling, then the writes' tail (the TTFT split)."""
+    ids = {"request_id": t.request_id, "decoder": t.peer.peer_id}
+    scheduled = t.first_scheduled_at or t.done_at
+    last_layer = t.last_layer_at or t.done_at
+    tracer.complete("queue", t.received_at, scheduled, **ids)
+    tracer.complete("prefill", scheduled, last_layer, **ids)
+    tracer.complete("transfer_tail", last_layer, t.done_at, error=t.error, **ids)

@@ -1,0 +1,171 @@
+"""Which pages to write after each chunk, and how many writes a decoder must expect (S3, S4c).
+
+A page is written once, when it is complete: either all its tokens are computed, or it holds
+the last prefilled token. So the number of writes depends only on the prompt length, never on
+how the prefiller chunked it, and the decoder can compute its expected count up front.
+Writes per request = pages of the prefilled tokens x layers + one context write (S4a, S8).
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+from disagg.model.sharding import Sharding
+
+CONTEXT_WRITES = 1  # hidden state + logits of the last prefilled position, one slot
+
+
+def num_pages(num_tokens: int, page_size: int) -> int:
+    """Pages needed for `num_tokens` tokens.
+
+    >>> num_pages(17, 16)
+    2
+    """
+    return -(-num_tokens // page_size)
+
+
+def pages_completed_by_chunk(start: int, end: int, num_prefill_tokens: int,
+                             page_size: int) -> range:
+    """Indices (into the request's page list) of pages that become complete with tokens
+    `[start, end)`: every page whose last slot is in the chunk, plus the final partial page
+    when the chunk reaches the last prefilled token.
+
+    >>> list(pages_completed_by_chunk(0, 5, 10, page_size=4))  # page 0 full; page 1 not yet
+    [0]
+    >>> list(pages_completed_by_chunk(5, 10, 10, page_size=4))  # page 1 full, page 2 is last
+    [1, 2]
+    """
+    first = start // page_size  # pages before it were completed by earlier chunks
+    if end >= num_prefill_tokens:
+        return range(first, num_pages(num_prefill_tokens, page_size))
+    return range(first, end // page_size)
+
+
+def expected_write_count(num_prompt_tokens: int, page_size: int, num_layers: int,
+                         page_writes: int = 1) -> int:
+    """Writes a decoder counts before a request is ready: the prefill covers every prompt
+    token but the last (S8), `page_writes` writes per page per layer (1 when sharding matches;
+    see `plan_page_writes`), plus the context write.
+
+    >>> expected_write_count(num_prompt_tokens=33, page_size=16, num_layers=30)  # 2 pages
+    61
+    """
+    num_prefill_tokens = num_prompt_tokens - 1
+    if num_prefill_tokens <= 0:
+        return 0
+    return num_pages(num_prefill_tokens, page_size) * num_layers * page_writes + CONTEXT_WRITES
+
+
+# Sharded transfers (S6, S7): which bytes of a page go from which source rank to which
+# destination rank.
+#
+# NOTE on the plan. A page of one layer, on a rank holding H heads, is K then V, each
+# `[page_size, H, head_dim]` (NHD) or `[H, page_size, head_dim]` (HND). For every destination
+# rank and every head it holds, the plan picks the source rank holding that head in the source
+# replica set assigned to the destination's replica set, then merges neighbouring heads into
+# runs and each run into contiguous byte ranges: a whole page when the run is every head on both
+# sides, else one range per K/V half in HND, and one per token per half in NHD. Every
+# destination byte is written exactly once, and the plan is the same for every page and layer,
+# so the decoder's expected count is `len(plan) x pages x layers + 1`.
+
+
+@dataclass(frozen=True, slots=True)
+class PageWrite:
+    """One contiguous write, as offsets inside a page of the source and destination ranks."""
+
+    src_rank: int
+    src_offset: int
+    dst_rank: int
+    dst_offset: int
+    nbytes: int
+
+
+@dataclass(frozen=True, slots=True)
+class PageGeometry:
+    """What page offsets depend on besides the sharding."""
+
+    kv_layout: str
+    page_size: int
+    head_dim: int
+    element_size: int
+
+    def page_nbytes(self, num_heads: int) -> int:
+        """Bytes of one page (K and V) on a rank holding `num_heads` heads."""
+        return 2 * self.page_size * num_heads * self.head_dim * self.element_size
+
+    def run_segments(self, num_heads: int, first: int, count: int) -> list[tuple[int, int]]:
+        """(offset, nbytes) ranges of heads `[first, first + count)` of a page holding
+        `num_heads` heads: one per K/V half in HND, one per token per half in NHD."""
+        row = self.head_dim * self.element_size
+        half = self.page_nbytes(num_heads) // 2
+        if self.kv_layout == "HND":
+            return [(kv * half + first * self.page_size * row, count * self.page_size * row)
+                    for kv in range(2)]
+        return [(kv * half + (token * num_heads + first) * row, count * row)
+                for kv in range(2) for token in range(self.page_size)]
+
+
+def assign_source_sets(src: Sharding, dst: Sharding, rng: random.Random | None = None
+                       ) -> list[int]:
+    """For each destination replica set, the index of the source replica set serving it:
+    random when an `rng` is given (S6c: so all source devices send), else set j from set
+    j modulo the number of source sets (with equal shardings: device i sends to device i, S6a).
+    """
+    num_sources = len(src.replica_sets())
+    return [rng.randrange(num_sources) if rng else j % num_sources
+            for j in range(len(dst.replica_sets()))]
+
+
+def plan_page_writes(src: Sharding, dst: Sharding, geometry: PageGeometry,
+                     source_sets: list[int] | None = None) -> list[PageWrite]:
+    """Every write that moves one page of one layer from the source to the destination ranks.
+
+    >>> g = PageGeometry("NHD", page_size=16, head_dim=128, element_size=2)
+    >>> len(plan_page_writes(Sharding(8, 8), Sharding(8, 8), g))  # matched: 1 per rank
+    8
+    >>> len(plan_page_writes(Sharding(1, 8), Sharding(8, 8), g))  # NHD, 1 -> 8: strided
+    256
+    >>> len(plan_page_writes(Sharding(1, 8), Sharding(8, 8), PageGeometry("HND", 16, 128, 2)))
+    16
+    """
+    source_sets = source_sets or assign_source_sets(src, dst)
+    src_sets = src.replica_sets()
+    writes = []
+    for set_index, dst_set in enumerate(dst.replica_sets()):
+        source_set = src_sets[source_sets[set_index]]
+        for dst_rank in dst_set:
+            for src_rank, src_first, dst_first, count in _head_runs(src, dst, source_set,
+                                                                    dst_rank):
+                if count == src.heads_per_rank == dst.heads_per_rank:
+                    # Every head of the page on both sides: the whole page in one write.
+                    nbytes = geometry.page_nbytes(count)
+                    writes.append(PageWrite(src_rank, 0, dst_rank, 0, nbytes))
+                    continue
+                src_segments = geometry.run_segments(src.heads_per_rank, src_first, count)
+                dst_segments = geometry.run_segments(dst.heads_per_rank, dst_first, count)
+                writes += [PageWrite(src_rank, s_off, dst_rank, d_off, nbytes)
+                           for (s_off, nbytes), (d_off, _) in zip(src_segments, dst_segments,
+                                                                   strict=True)]
+    return writes
+
+
+def _head_runs(src: Sharding, dst: Sharding, source_set: list[int], dst_rank: int
+               ) -> list[tuple[int, int, int, int]]:
+    """(src_rank, first src-local head, first dst-local head, count) runs for one rank."""
+    runs: list[list[int]] = []
+    for dst_local, head in enumerate(dst.heads_of(dst_rank)):
+        src_rank = src.owner_in(source_set, head)
+        src_local = src.heads_of(src_rank).index(head)
+        last = runs[-1] if runs else None
+        if (last and last[0] == src_rank and last[1] + last[3] == src_local
+                and last[2] + last[3] == dst_local):
+            last[3] += 1
+        else:
+            runs.append([src_rank, src_local, dst_local, 1])
+    return [tuple(run) for run in runs]  # type: ignore[misc]
+
+
+def writes_per_page(src: Sharding, dst: Sharding, geometry: PageGeometry) -> int:
+    """How many writes one page of one layer costs (the same for any source-set choice)."""
+    return len(plan_page_writes(src, dst, geometry))

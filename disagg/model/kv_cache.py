@@ -1,0 +1,256 @@
+"""The paged KV cache in FlashInfer's NHD and HND layouts, and where its bytes live (S7).
+
+One tensor holds every layer so that a transfer engine can register it as one memory region.
+Per layer it is FlashInfer's single-tensor paged cache: K and V of a page sit next to each other,
+so one RDMA write moves both. This module only stores and locates; attention reads it
+(`attention.py`) and the allocator decides which pages a request owns (`page_allocator.py`).
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Protocol
+
+import torch
+
+from disagg.config import CacheConfig, ModelConfig
+from disagg.errors import ConfigError
+from disagg.model.sharding import Sharding
+
+
+@dataclass(frozen=True, slots=True)
+class Segment:
+    """A contiguous run of bytes inside the cache buffer: `[offset, offset + nbytes)`."""
+
+    offset: int
+    nbytes: int
+
+
+def allocate_kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
+                       memory: str = "torch") -> torch.Tensor:
+    """A zeroed cache buffer from torch's allocator, or from cuMem (`CacheConfig.memory`).
+
+    cuMem memory can be exported by fd to the one process that registers every rank's KV
+    (S5a) and is GPUDirect-RDMA capable where the GPU supports it; the tensor keeps the
+    allocation alive, and it is unmapped when the last view of it is gone.
+    """
+    device = torch.device(device)
+    if memory == "torch":
+        return torch.zeros(shape, dtype=dtype, device=device)
+    if memory != "cumem":
+        raise ConfigError(f"unknown KV memory {memory!r}: expected torch or cumem")
+    if device.type != "cuda":
+        raise ConfigError(f"KV memory 'cumem' is CUDA memory: the cache is on {device}")
+    from transfer_core.cuda import cumem  # cuda-python, imported only when asked for
+
+    nbytes = dtype.itemsize * math.prod(shape)
+    buffer = cumem.allocate(nbytes, device.index or 0).as_tensor(dtype, shape)
+    return buffer.zero_()
+
+
+class PagedKVCache:
+    """All layers' paged K/V in one buffer.
+
+    ``buffer`` has shape ``[num_layers, num_pages, 2, page_size, num_kv_heads, head_dim]`` if
+    `kv_layout` is NHD, and ``[num_layers, num_pages, 2, num_kv_heads, page_size, head_dim]`` if
+    it is HND. Index 0 of the third axis is K, 1 is V, so ``layer(i)[:, 0]`` is FlashInfer's K
+    cache: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
+    ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND).
+
+    >>> cache = PagedKVCache(ModelConfig.from_name("tiny"), CacheConfig(page_size=4, num_pages=8))
+    >>> cache.page_nbytes  # 2 (K,V) * 4 tokens * 4 kv heads * 8 dims * 4 bytes
+    1024
+    """
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, device: str | torch.device = "cpu"):
+        self.num_layers = model.num_layers
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.page_size = cache.page_size
+        self.num_pages = cache.num_pages
+        self.kv_layout = cache.kv_layout
+        if self.kv_layout == "NHD":
+            page_shape = (2, self.page_size, self.num_kv_heads, self.head_dim)
+        else:
+            page_shape = (2, self.num_kv_heads, self.page_size, self.head_dim)
+        self.buffer = allocate_kv_buffer((self.num_layers, self.num_pages, *page_shape),
+                                         cache.dtype, device, cache.memory)
+
+    def layer(self, layer_idx: int) -> torch.Tensor:
+        """One layer's cache, ``[num_pages, 2, ...page dims]`` (a view, no copy)."""
+        return self.buffer[layer_idx]
+
+    @property
+    def element_size(self) -> int:
+        """Bytes per cached value."""
+        return self.buffer.element_size()
+
+    @property
+    def page_nbytes(self) -> int:
+        """Bytes of one page of one layer, K and V together."""
+        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.element_size
+
+    @property
+    def layer_nbytes(self) -> int:
+        """Bytes of one layer: every page."""
+        return self.num_pages * self.page_nbytes
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+              page_ids: torch.Tensor, page_offsets: torch.Tensor) -> None:
+        """Store new tokens' K and V: token t goes to slot `page_offsets[t]` of `page_ids[t]`.
+
+        `k` and `v` are ``[num_tokens, num_kv_heads, head_dim]``.
+        """
+        cache = self.buffer[layer_idx]
+        if self.kv_layout == "NHD":
+            cache[page_ids, 0, page_offsets] = k
+            cache[page_ids, 1, page_offsets] = v
+        else:
+            # Advanced indices around a slice put the indexed dim first: [num_tokens, heads, dim].
+            cache[page_ids, 0, :, page_offsets] = k
+            cache[page_ids, 1, :, page_offsets] = v
+
+    def gather(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The first `num_tokens` cached tokens held by `page_ids`, in order.
+
+        Returns K and V as ``[num_kv_heads, num_tokens, head_dim]`` (the shape attention wants),
+        each a view of one gathered copy.
+        """
+        k, v = (self._gather_half(layer_idx, half, page_ids) for half in (0, 1))
+        return k[0, :, :num_tokens], v[0, :, :num_tokens]
+
+    def gather_batch(self, layer_idx: int, page_table: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Every request's pages at once: `page_table` is ``[num_seqs, max_pages]``; returns K
+        and V, each ``[num_seqs, num_kv_heads, max_pages * page_size, head_dim]``."""
+        return (self._gather_half(layer_idx, 0, page_table),
+                self._gather_half(layer_idx, 1, page_table))
+
+    def _gather_half(self, layer_idx: int, half: int, page_table: torch.Tensor) -> torch.Tensor:
+        """K (`half` 0) or V (1) of the pages in `page_table` (``[max_pages]`` is one request,
+        ``[num_seqs, max_pages]`` several): ``[num_seqs, heads, max_pages * page_size, dim]``.
+
+        Whole pages are copied with one `index_select` per half. In NHD a request's pages are
+        then already its tokens in order, each token's heads together, and moving heads forward
+        is a view. In HND a page holds each head's tokens in turn, so putting a head's tokens of
+        every page side by side takes a second copy. (Selecting along the page axis of a
+        heads-first view would do it in one, but strided index_select ran 4x slower here.)
+        """
+        num_seqs, max_pages = (1, page_table.numel()) if page_table.dim() == 1 else page_table.shape
+        heads, dim = self.num_kv_heads, self.head_dim
+        pages = self.buffer[layer_idx][:, half].index_select(0, page_table.reshape(-1))
+        tokens = max_pages * self.page_size
+        if self.kv_layout == "NHD":  # [pages, page_size, heads, dim]
+            return pages.view(num_seqs, tokens, heads, dim).transpose(1, 2)
+        # HND: [pages, heads, page_size, dim]
+        pages = pages.view(num_seqs, max_pages, heads, self.page_size, dim).transpose(1, 2)
+        return pages.reshape(num_seqs, heads, tokens, dim)
+
+    @property
+    def shards(self) -> list[PagedKVCache]:
+        """The per-rank memory regions: one, unsharded."""
+        return [self]
+
+    @property
+    def sharding(self) -> Sharding:
+        """One rank holding every head."""
+        return Sharding(1, self.num_kv_heads)
+
+    @property
+    def device(self) -> torch.device:
+        """Where the cache lives."""
+        return self.buffer.device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type of the cache."""
+        return self.buffer.dtype
+
+
+    # Byte geometry for transfers (S5, S7).
+
+    def page_offset(self, layer_idx: int, page_id: int) -> int:
+        """Byte offset of page `page_id` of layer `layer_idx` from the start of `buffer`."""
+        self._check_page(layer_idx, page_id)
+        return (layer_idx * self.num_pages + page_id) * self.page_nbytes
+
+    def page_segments(self, layer_idx: int, page_id: int,
+                      head_start: int = 0, head_end: int | None = None) -> list[Segment]:
+        """Where heads `[head_start, head_end)` of one page live, as contiguous byte runs.
+
+        A whole page is one run in both layouts. A head range is one run per K/V half in HND
+        (heads come before tokens) but one run per token per half in NHD (the heads of a token
+        sit between other heads of the same token), which is the write-count lesson of S7.
+
+        >>> m, c = ModelConfig.from_name("tiny"), CacheConfig(page_size=4, num_pages=8)
+        >>> len(PagedKVCache(m, c).page_segments(0, 3, 0, 2))  # NHD: 2 halves * 4 tokens
+        8
+        >>> len(PagedKVCache(m, CacheConfig(4, 8, "HND")).page_segments(0, 3, 0, 2))
+        2
+        """
+        head_end = self.num_kv_heads if head_end is None else head_end
+        if not 0 <= head_start < head_end <= self.num_kv_heads:
+            raise ValueError(f"head range [{head_start}, {head_end}) is not inside "
+                             f"[0, {self.num_kv_heads})")
+        base = self.page_offset(layer_idx, page_id)
+        if head_start == 0 and head_end == self.num_kv_heads:
+            return [Segment(base, self.page_nbytes)]
+        row = self.head_dim * self.element_size  # bytes of one head of one token
+        half = self.page_nbytes // 2
+        heads = head_end - head_start
+        segments = []
+        for kv in range(2):
+            if self.kv_layout == "HND":
+                start = base + kv * half + head_start * self.page_size * row
+                segments.append(Segment(start, heads * self.page_size * row))
+            else:
+                for token in range(self.page_size):
+                    start = base + kv * half + (token * self.num_kv_heads + head_start) * row
+                    segments.append(Segment(start, heads * row))
+        return segments
+
+    def is_contiguous(self, head_start: int = 0, head_end: int | None = None) -> bool:
+        """Whether heads `[head_start, head_end)` of a page's K (or V) half are one run."""
+        head_end = self.num_kv_heads if head_end is None else head_end
+        whole = head_start == 0 and head_end == self.num_kv_heads
+        return whole or self.kv_layout == "HND" or self.page_size == 1
+
+    def _check_page(self, layer_idx: int, page_id: int) -> None:
+        if not 0 <= layer_idx < self.num_layers:
+            raise IndexError(f"layer {layer_idx} out of range [0, {self.num_layers})")
+        if not 0 <= page_id < self.num_pages:
+            raise IndexError(f"page id {page_id} out of range [0, {self.num_pages})")
+
+
+class KVCache(Protocol):
+    """What the model and attention need from a paged cache, sharded or not."""
+
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    page_size: int
+    num_pages: int
+    kv_layout: str
+
+    @property
+    def device(self) -> torch.device: ...
+
+    @property
+    def dtype(self) -> torch.dtype: ...
+
+    @property
+    def shards(self) -> list[PagedKVCache]: ...
+
+    @property
+    def sharding(self) -> Sharding: ...
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+              page_ids: torch.Tensor, page_offsets: torch.Tensor) -> None: ...
+
+    def gather(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
+               ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def gather_batch(self, layer_idx: int, page_table: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]: ...

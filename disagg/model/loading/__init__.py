@@ -1,0 +1,2 @@
+"""From a `--model` spec to weights: the registry, GGUF and Hugging Face loaders, tokenizers.
+"""

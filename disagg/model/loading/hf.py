@@ -1,0 +1,223 @@
+"""Load a Hugging Face Llama checkpoint directory (config.json + safetensors) into fp32 tensors.
+
+Also the one place that spells out the parameter names and shapes the model expects: Hugging
+Face's `LlamaForCausalLM` state dict without the leading `model.` (`parameter_shapes`). Refuses
+anything it cannot run exactly (biases, rope scaling, other architectures) with a
+`ModelLoadError` naming the file and field, rather than loading it approximately.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from disagg.config import ModelConfig
+from disagg.errors import ConfigError, ModelLoadError
+from disagg.model.loading.tokenizer import Tokenizer
+
+logger = logging.getLogger(__name__)
+
+_SINGLE_FILE = "model.safetensors"
+_INDEX_FILE = "model.safetensors.index.json"
+# Buffers some older exports saved alongside the weights; the model recomputes them.
+_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
+
+
+def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
+    """Name -> shape of every model parameter, weights as `[out_features, in_features]`.
+
+    >>> cfg = ModelConfig.from_name("tiny")
+    >>> shapes = parameter_shapes(cfg)
+    >>> shapes["layers.0.self_attn.k_proj.weight"]  # [num_kv_heads * head_dim, hidden_size]
+    (32, 64)
+    >>> len(shapes) == 2 + 9 * cfg.num_layers + (0 if cfg.tie_word_embeddings else 1)
+    True
+    """
+    hidden, inter = config.hidden_size, config.intermediate_size
+    q_out = config.num_heads * config.head_dim
+    kv_out = config.num_kv_heads * config.head_dim
+    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, hidden)}
+    for i in range(config.num_layers):
+        layer = f"layers.{i}"
+        shapes |= {
+            f"{layer}.input_layernorm.weight": (hidden,),
+            f"{layer}.self_attn.q_proj.weight": (q_out, hidden),
+            f"{layer}.self_attn.k_proj.weight": (kv_out, hidden),
+            f"{layer}.self_attn.v_proj.weight": (kv_out, hidden),
+            f"{layer}.self_attn.o_proj.weight": (hidden, q_out),
+            f"{layer}.post_attention_layernorm.weight": (hidden,),
+            f"{layer}.mlp.gate_proj.weight": (inter, hidden),
+            f"{layer}.mlp.up_proj.weight": (inter, hidden),
+            f"{layer}.mlp.down_proj.weight": (hidden, inter),
+        }
+    shapes["norm.weight"] = (hidden,)
+    if not config.tie_word_embeddings:
+        shapes["lm_head.weight"] = (config.vocab_size, hidden)
+    return shapes
+
+
+def check_state_dict(state_dict: dict[str, torch.Tensor], config: ModelConfig,
+                     source: str) -> None:
+    """Raise `ModelLoadError` naming `source` if a tensor is missing, extra or mis-shaped."""
+    expected = parameter_shapes(config)
+    missing = [name for name in expected if name not in state_dict]
+    if missing:
+        raise ModelLoadError(f"{source}: missing tensor(s) {_few(missing)}")
+    extra = [name for name in state_dict if name not in expected]
+    if extra:
+        raise ModelLoadError(f"{source}: unexpected tensor(s) {_few(extra)}")
+    for name, shape in expected.items():
+        if tuple(state_dict[name].shape) != shape:
+            raise ModelLoadError(f"{source}: tensor {name} has shape "
+                                 f"{tuple(state_dict[name].shape)}, expected {shape}")
+
+
+def load_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
+                                                  Tokenizer | None]:
+    """Config, fp32 state dict (our names) and tokenizer (None without `tokenizer.json`)."""
+    directory = Path(path)
+    if not directory.is_dir():
+        raise ModelLoadError(f"checkpoint directory {directory} does not exist")
+    config_file = directory / "config.json"
+    raw = _read_json(config_file, required=True)
+    generation = _read_json(directory / "generation_config.json", required=False)
+    config = config_from_hf(raw, generation, source=str(config_file), name=directory.name)
+    state_dict = _load_tensors(directory, config)
+    tokenizer_file = directory / "tokenizer.json"
+    tokenizer = None
+    if tokenizer_file.is_file():
+        tokenizer = Tokenizer.from_file(tokenizer_file, config.bos_token_id, config.eos_token_ids)
+    logger.info("loaded %s: %d layers, %d tensors", directory, config.num_layers, len(state_dict))
+    return config, state_dict, tokenizer
+
+
+def config_from_hf(raw: dict[str, Any], generation: dict[str, Any] | None, source: str,
+                   name: str = "custom") -> ModelConfig:
+    """A `ModelConfig` from a parsed config.json (old or new rope format) and generation config."""
+    model_type = raw.get("model_type")
+    architectures = raw.get("architectures") or ["LlamaForCausalLM"]
+    if model_type != "llama" or "LlamaForCausalLM" not in architectures:
+        raise ModelLoadError(f"{source}: not a Llama checkpoint (model_type={model_type!r}, "
+                             f"architectures={architectures!r}); only 'llama' is supported")
+    for field in ("attention_bias", "mlp_bias"):
+        if raw.get(field):
+            raise ModelLoadError(f"{source}: {field}=true is unsupported (the model has no biases)")
+    if raw.get("hidden_act", "silu") != "silu":
+        raise ModelLoadError(f"{source}: hidden_act={raw['hidden_act']!r} is unsupported "
+                             "(only 'silu')")
+    num_heads = _field(raw, "num_attention_heads", source)
+    hidden_size = _field(raw, "hidden_size", source)
+    eos = (generation or {}).get("eos_token_id", raw.get("eos_token_id"))
+    bos = (generation or {}).get("bos_token_id", raw.get("bos_token_id"))
+    try:
+        return ModelConfig(
+            vocab_size=_field(raw, "vocab_size", source),
+            hidden_size=hidden_size,
+            intermediate_size=_field(raw, "intermediate_size", source),
+            num_layers=_field(raw, "num_hidden_layers", source),
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or hidden_size // num_heads,
+            rms_norm_eps=float(raw.get("rms_norm_eps", 1e-6)),
+            rope_theta=_rope_theta(raw, source),
+            max_position_embeddings=int(raw.get("max_position_embeddings", 2048)),
+            tie_word_embeddings=bool(raw.get("tie_word_embeddings", False)),
+            bos_token_id=bos,
+            eos_token_ids=_as_ids(eos),
+            name=name,
+        )
+    except ConfigError as error:
+        raise ModelLoadError(f"{source}: {error}") from error
+
+
+def _rope_theta(raw: dict[str, Any], source: str) -> float:
+    # Newer transformers write `rope_parameters: {rope_theta, rope_type}`; older ones a top-level
+    # `rope_theta` plus an optional `rope_scaling` dict. Only unscaled ("default") RoPE is exact.
+    params = raw.get("rope_parameters")
+    if params is not None:
+        field = "rope_parameters"
+        rope_type = params.get("rope_type", "default")
+        theta = params.get("rope_theta", raw.get("rope_theta", 10000.0))
+    else:
+        field = "rope_scaling"
+        scaling = raw.get("rope_scaling") or {}
+        rope_type = scaling.get("rope_type", scaling.get("type", "default"))
+        theta = raw.get("rope_theta", 10000.0)
+    if rope_type != "default":
+        raise ModelLoadError(f"{source}: {field} rope_type={rope_type!r} is unsupported "
+                             "(only 'default' RoPE without scaling)")
+    return float(theta)
+
+
+def _load_tensors(directory: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    single, index = directory / _SINGLE_FILE, directory / _INDEX_FILE
+    if single.is_file():
+        files = [single]
+    elif index.is_file():
+        weight_map = _read_json(index, required=True).get("weight_map")
+        if not isinstance(weight_map, dict):
+            raise ModelLoadError(f"{index}: no 'weight_map' object")
+        files = [directory / shard for shard in sorted(set(weight_map.values()))]
+        for file in files:
+            if not file.is_file():
+                raise ModelLoadError(f"{index}: shard {file.name} is missing")
+    else:
+        raise ModelLoadError(f"{directory}: no weights found (expected {_SINGLE_FILE} or "
+                             f"{_INDEX_FILE}; .bin checkpoints are not supported)")
+    state_dict: dict[str, torch.Tensor] = {}
+    for file in files:
+        try:
+            tensors = load_file(str(file))
+        except Exception as error:  # safetensors raises its own untyped errors on bad files
+            raise ModelLoadError(f"{file}: cannot read safetensors: {error}") from error
+        for name, tensor in tensors.items():
+            if name.endswith(_IGNORED_SUFFIXES):
+                continue
+            state_dict[name.removeprefix("model.")] = tensor.to(torch.float32)
+    if config.tie_word_embeddings:
+        # Tied checkpoints may still store the (identical) output matrix; the model reuses
+        # embed_tokens, so the copy is dropped.
+        state_dict.pop("lm_head.weight", None)
+    check_state_dict(state_dict, config, source=str(files[0] if len(files) == 1 else index))
+    return state_dict
+
+
+def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
+    if not path.is_file():
+        if required:
+            raise ModelLoadError(f"{path} is missing")
+        return None
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, json.JSONDecodeError) as error:
+        raise ModelLoadError(f"{path}: cannot parse JSON: {error}") from error
+    if not isinstance(data, dict):
+        raise ModelLoadError(f"{path}: expected a JSON object")
+    return data
+
+
+def _field(raw: dict[str, Any], name: str, source: str) -> int:
+    value = raw.get(name)
+    if not isinstance(value, int) or isinstance(value, bool):
+        raise ModelLoadError(f"{source}: field {name!r} is missing or not an integer "
+                             f"(got {value!r})")
+    return value
+
+
+def _as_ids(value: int | list[int] | None) -> tuple[int, ...]:
+    if value is None:
+        return ()
+    if isinstance(value, int):
+        return (value,)
+    return tuple(int(v) for v in value)
+
+
+def _few(names: list[str]) -> str:
+    shown = ", ".join(names[:4])
+    return shown + (f" and {len(names) - 4} more" if len(names) > 4 else "")

@@ -1,0 +1,78 @@
+"""A KV cache split by head over tensor-parallel ranks, each rank its own memory region (S5a, S6).
+
+On GPUs each rank's shard lives in its own GPU's memory (cuMem-backed, imported by one process
+that registers them all, S5a). Here each shard is its own `PagedKVCache` tensor, registered
+separately, so transfers see exactly the per-rank regions a real deployment has. The model still
+runs as one process: writes go to every rank that holds a head (replicated heads included), and
+reads take each head from its first holder. Page ids are shared by all ranks (one allocator).
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+import torch
+
+from disagg.config import CacheConfig, ModelConfig
+from disagg.model.kv_cache import PagedKVCache
+from disagg.model.sharding import Sharding
+
+
+class ShardedKVCache:
+    """`tp` per-rank paged caches behaving, to the model, like one cache of every head."""
+
+    def __init__(self, model: ModelConfig, cache: CacheConfig, sharding: Sharding,
+                 device: str | torch.device = "cpu") -> None:
+        if sharding.num_kv_heads != model.num_kv_heads:
+            raise ValueError(f"sharding for {sharding.num_kv_heads} heads, model has "
+                             f"{model.num_kv_heads}")
+        self.sharding = sharding
+        self.num_layers = model.num_layers
+        self.num_kv_heads = model.num_kv_heads
+        self.head_dim = model.head_dim
+        self.page_size = cache.page_size
+        self.num_pages = cache.num_pages
+        self.kv_layout = cache.kv_layout
+        local = sharding.heads_per_rank
+        shard_model = replace(model, num_kv_heads=local, num_heads=local)
+        self._shards = [PagedKVCache(shard_model, cache, device) for _ in range(sharding.tp)]
+        self._heads = [sharding.heads_of(rank) for rank in range(sharding.tp)]
+        self._owners = sharding.primary_owners()
+
+    @property
+    def shards(self) -> list[PagedKVCache]:
+        """One cache per rank, holding that rank's heads."""
+        return self._shards
+
+    @property
+    def device(self) -> torch.device:
+        """Where the shards live."""
+        return self._shards[0].device
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """Element type of the cache."""
+        return self._shards[0].dtype
+
+    def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
+              page_ids: torch.Tensor, page_offsets: torch.Tensor) -> None:
+        """Store each rank's heads of the new tokens' K/V (``[num_tokens, heads, dim]``)."""
+        for shard, heads in zip(self._shards, self._heads, strict=True):
+            rows = slice(heads.start, heads.stop)
+            shard.write(layer_idx, k[:, rows], v[:, rows], page_ids, page_offsets)
+
+    def gather(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+        """All heads of the first `num_tokens` tokens: ``[num_kv_heads, num_tokens, dim]``."""
+        parts = [shard.gather(layer_idx, page_ids, num_tokens) for shard in self._shards]
+        k = torch.stack([parts[rank][0][index] for rank, index in self._owners])
+        v = torch.stack([parts[rank][1][index] for rank, index in self._owners])
+        return k, v
+
+    def gather_batch(self, layer_idx: int, page_table: torch.Tensor
+                     ) -> tuple[torch.Tensor, torch.Tensor]:
+        """K and V, each ``[num_seqs, num_kv_heads, max_kv, dim]``, from every rank's heads."""
+        parts = [shard.gather_batch(layer_idx, page_table) for shard in self._shards]
+        k = torch.stack([parts[rank][0][:, index] for rank, index in self._owners], dim=1)
+        v = torch.stack([parts[rank][1][:, index] for rank, index in self._owners], dim=1)
+        return k, v

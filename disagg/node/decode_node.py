@@ -1,0 +1,281 @@
+"""A decoder node: takes requests from routers, gets their KV from prefillers, decodes (S2a,
+S2c, S4c). With no prefillers it is the single-node "mixed" engine of S1 (`serve mixed`): it
+prefills locally, in chunks, batched with its decodes.
+
+At start-up it connects to every prefiller and shakes hands (a mismatch stops it with the
+prefiller's reason). Threads: one accepts router connections; one per connection (router or
+prefiller) reads messages into the inbox; the engine thread (`run`) drains the inbox, releases
+requests whose KV arrived, steps the engine, and reports tokens and states to the routers.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.request import Request, SamplingParams
+from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
+from disagg.kv_transfer.channel import Channel, listen, start_heartbeats
+from disagg.kv_transfer.decode_messenger import DecodeMessenger, Outcome, ReliabilityConfig
+from disagg.kv_transfer.messages import (
+    Abort,
+    Heartbeat,
+    HelloAck,
+    KVFailed,
+    Reject,
+    RequestEvent,
+    Shutdown,
+    Submit,
+)
+from disagg.node.base import NodeBase
+from disagg.utils.metrics import Metrics
+from disagg.utils.trace import Tracer
+from transfer_core.engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+PROGRESS_INTERVAL_S = 0.05
+HEARTBEAT_INTERVAL_S = 1.0
+PEER_TIMEOUT_S = 10.0  # a peer silent this long is declared dead
+
+
+def failure_cause(detail: str) -> str:
+    """A short class for a failure's reason, the label of `failures_total`."""
+    for cause, words in (("deadline", "did not arrive"), ("checksum", "checksum"),
+                         ("prefiller_died", "prefiller died"), ("no_prefiller", "no prefiller"),
+                         ("aborted", "aborted"), ("write_failed", "write failed")):
+        if words in detail:
+            return cause
+    return "prefiller_refused"
+
+
+def decode_metrics(node: DecodeNode) -> Metrics:
+    """The decoder's metrics: transfers, failures by cause, pages in use, quarantine."""
+    metrics = Metrics()
+    metrics.describe("kv_transfer_seconds", "from asking a prefiller to the KV counter firing")
+    metrics.describe("failures_total", "KV transfers that failed, by cause")
+    allocator, messenger = node.engine.allocator, node.messenger
+    metrics.gauge("pages_in_use", lambda: allocator.num_pages - allocator.num_free)
+    metrics.gauge("requests_waiting_for_kv", lambda: len(messenger.pending))
+    metrics.gauge("quarantined_requests", lambda: len(messenger.quarantine))
+    metrics.counter_from("quarantine_forced_releases_total",
+                         lambda: messenger.quarantine.forced_releases)
+    # Decode steps through the static buffers (CUDA graph replays on a GPU, S3b).
+    metrics.counter_from("static_decode_steps_total",
+                         lambda: node.engine.runner.graph_stats["static"])
+    # Bytes copied between the KV cache and its pinned host shadow (staged path, issue 9).
+    metrics.counter_from("staged_bytes_total",
+                         lambda: sum(kv.staged_bytes for kv in messenger.kv))
+    return metrics
+
+
+class DecodeNode(NodeBase):
+    """One decoder, fed by one or more prefillers."""
+
+    def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
+                 prefillers: list[str], listen_address: str = "127.0.0.1:0",
+                 node_id: str = "decode-0", tracer: Tracer | None = None,
+                 reliability: ReliabilityConfig | None = None) -> None:
+        self.engine = engine
+        self.tracer = tracer or Tracer()
+        self.transfer = transfer
+        self.node_id = node_id
+        self.messenger = DecodeMessenger(engine, transfer, node_id, fingerprint,
+                                         reliability=reliability)
+        self.messenger.wake = lambda: self.inbox.put(("wake", None))
+        self.metrics = decode_metrics(self)
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._stop = threading.Event()
+        self.shutdown_requested = False
+        self._channels: list[Channel] = []
+        self._clients: dict[str, Channel] = {}  # request id -> the router that sent it
+        self._last_progress = 0.0
+        for address in prefillers:
+            self._connect_prefiller(address)
+        messenger = self.messenger
+        start_heartbeats(lambda: [c for c, alive in zip(messenger.prefillers, messenger.alive,
+                                                        strict=True) if alive],
+                         self._stop, HEARTBEAT_INTERVAL_S)
+        self._server = listen(listen_address)
+        host, port = self._server.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        threading.Thread(target=self._accept_loop, name="decode-accept", daemon=True).start()
+
+    def _connect_prefiller(self, address: str) -> None:
+        channel = Channel.connect(address)
+        self._channels.append(channel)
+        channel.send(self.messenger.hello())
+        reply = channel.recv()
+        if isinstance(reply, Reject):
+            channel.close()
+            raise PeerMismatchError(f"prefiller {address} refused this decoder: {reply.reason}")
+        if not isinstance(reply, HelloAck):
+            channel.close()
+            raise ProtocolError(f"prefiller {address} answered {type(reply).__name__}")
+        index = self.messenger.add_prefiller(channel, reply)
+        threading.Thread(target=self._read_prefiller, args=(channel, index), daemon=True,
+                         name=f"decode-prefiller-{index}").start()
+
+    def _read_prefiller(self, channel: Channel, index: int) -> None:
+        while True:
+            try:
+                message = channel.recv()
+            except (PeerClosedError, ProtocolError) as error:
+                self.inbox.put(("prefiller_gone", (index, str(error))))
+                return
+            if isinstance(message, KVFailed):
+                self.inbox.put(("KVFailed", message))
+            elif isinstance(message, Heartbeat):
+                continue  # recv() already noted that the prefiller is alive
+            elif isinstance(message, Reject):
+                logger.warning("prefiller %s rejected a message: %s", channel.peer,
+                               message.reason)
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, peer = self._server.accept()
+            except OSError:
+                return  # closed: shutting down
+            channel = Channel(sock, f"router {peer[0]}:{peer[1]}")
+            self._channels.append(channel)
+            threading.Thread(target=self._read_router, args=(channel,), daemon=True).start()
+
+    def _read_router(self, channel: Channel) -> None:
+        while True:
+            try:
+                message = channel.recv()
+            except ProtocolError as error:
+                self._send(channel, Reject(str(error)))
+                channel.close()
+                return
+            except PeerClosedError:
+                return
+            if isinstance(message, Submit | Abort | Shutdown):
+                self.inbox.put((type(message).__name__, (channel, message)))
+            else:
+                self._send(channel, Reject(f"unexpected {type(message).__name__}"))
+
+    def run(self) -> None:
+        """The engine loop, until `stop()` or a Shutdown message."""
+        while not self._stop.is_set():
+            # Block (briefly: deadlines and heartbeats) unless the engine has work; counters
+            # firing and messages arriving ring the inbox.
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            for outcome in self.messenger.poll():
+                self._report_outcome(outcome)
+            if self.engine.has_unfinished():
+                self._step()
+            self._report_progress()
+            self._keep_alive()
+
+    def _report_outcome(self, outcome: Outcome) -> None:
+        request = outcome.request
+        if outcome.kind == "released":
+            receipt = outcome.receipt
+            assert receipt is not None
+            self.metrics.observe("kv_transfer_seconds", receipt.wait_ms / 1e3)
+            self.metrics.inc("kv_bytes_total", receipt.nbytes)
+            self.metrics.inc("kv_writes_total", receipt.writes)
+            now = time.time()
+            self.tracer.complete("kv_wait", now - receipt.wait_ms / 1e3, now,
+                                 request_id=request.request_id)
+            self._report(request, "decoding", kv_writes=receipt.writes,
+                         kv_bytes=receipt.nbytes, kv_wait_ms=receipt.wait_ms)
+        elif outcome.kind == "retry":
+            self.metrics.inc("failures_total", cause=failure_cause(outcome.detail))
+            self._report(request, "waiting_for_kv", detail=f"retrying: {outcome.detail}")
+        else:
+            if outcome.kind == "failed":
+                self.metrics.inc("failures_total", cause=failure_cause(outcome.detail))
+            state = "finished_aborted" if outcome.kind == "aborted" else "failed"
+            self._report(request, state, detail=outcome.detail)
+
+    def _keep_alive(self) -> None:
+        """Declare a prefiller gone when it has been silent too long (heartbeats go from
+        their own thread, `start_heartbeats`)."""
+        now = time.monotonic()
+        for index, channel in enumerate(self.messenger.prefillers):
+            if self.messenger.alive[index] and now - channel.last_received > PEER_TIMEOUT_S:
+                channel.close()  # its reader thread then reports it gone
+                self.messenger.prefiller_gone(index, f"silent for {PEER_TIMEOUT_S:g} s")
+
+    def _step(self) -> None:
+        for event in self._traced_step():
+            request = event.request
+            state = request.status.value if event.finished else "decoding"
+            self._report(request, state, [event.token_id],
+                         num_draft_tokens=request.num_draft_tokens,
+                         num_accepted_tokens=request.num_accepted_tokens)
+
+    def _handle(self, kind: str, item: Any) -> None:
+        if kind == "Submit":
+            self._submit(*item)
+        elif kind == "KVFailed":
+            self.messenger.on_kv_failed(item)
+        elif kind == "prefiller_gone":
+            self.messenger.prefiller_gone(*item)
+        elif kind == "Abort":
+            self._abort(item[1].request_id)
+        elif kind == "Shutdown":
+            self.shutdown_requested = True
+            self._stop.set()
+
+    def _abort(self, request_id: str) -> None:
+        """A client abort: cancel the KV transfer, or stop decoding, whichever applies."""
+        if self.messenger.abort(request_id):
+            return  # reported once its pages are safe (poll -> outcome)
+        request = self.engine.scheduler.abort_request(request_id)
+        if request is not None:
+            self._report(request, "finished_aborted", detail="aborted by the client")
+
+    def _submit(self, channel: Channel, message: Submit) -> None:
+        params = SamplingParams(max_tokens=message.max_tokens, temperature=message.temperature,
+                                top_p=message.top_p, top_k=message.top_k,
+                                seed=None if message.seed < 0 else message.seed)
+        try:
+            request = Request(message.request_id, list(message.prompt_token_ids), params,
+                              self.engine.model.config.eos_token_ids)
+            self._clients[request.request_id] = channel
+            self.messenger.submit(request)
+        except RequestError as error:
+            self._clients.pop(message.request_id, None)
+            self._send(channel, RequestEvent(message.request_id, "failed", detail=str(error)))
+            return
+        self._report(request, "waiting_for_kv" if self.messenger.prefillers else "prefilling")
+
+    def _report(self, request: Request, state: str, token_ids: list[int] | None = None,
+                detail: str = "", **kv: Any) -> None:
+        channel = self._clients.get(request.request_id)
+        if channel is None:
+            return
+        received, _ = self.messenger.received_writes(request.request_id)
+        self._send(channel, RequestEvent(request.request_id, state, token_ids or [],
+                                         kv_writes_received=received, detail=detail, **kv))
+        if state.startswith("finished") or state == "failed":
+            del self._clients[request.request_id]
+            self.metrics.inc("requests_total", state=state)
+
+    def _report_progress(self) -> None:
+        now = time.monotonic()
+        if now - self._last_progress < PROGRESS_INTERVAL_S:
+            return
+        self._last_progress = now
+        for pending in self.messenger.pending.values():
+            self._report(pending.request, "waiting_for_kv")
+
+    def _send(self, channel: Channel, message: Any) -> None:
+        try:
+            channel.send(message)
+        except PeerClosedError:
+            logger.info("router %s is gone", channel.peer)
+
+    def check_clean(self) -> None:
+        """Assert nothing is left behind: no request, transfer context, page or counter."""
+        assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"
+        assert self.messenger.idle(), "KV still awaited or pages still quarantined"
+        assert not self.transfer.pending_imm_counts(), "immediate counters still armed"
+        self.engine.allocator.check_invariants(expect_all_free=True)

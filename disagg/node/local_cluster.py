@@ -1,0 +1,194 @@
+"""Start a prefiller and decoders as separate local processes, and stop them all (S1).
+
+Each node is `python -m disagg.apps.cli serve ...` in its own process, talking over libfabric, so
+the demo and the end-to-end tests run exactly what a multi-machine deployment runs. A node
+prints `READY <host:port>` once it accepts connections; every process started here is ended on
+exit, error or Ctrl-C.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from dataclasses import dataclass, field
+
+from disagg.errors import DisaggError
+from disagg.kv_transfer.channel import Channel
+from disagg.kv_transfer.messages import Shutdown
+from disagg.utils.metrics import parse_metrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class ClusterConfig:
+    """What to start: the options every node shares, and how many decoders."""
+
+    model: str
+    num_decoders: int = 1
+    kv_layout: str = "NHD"
+    page_size: int = 16
+    num_pages: int = 512
+    chunk_size: int = 256
+    provider: str = "tcp"
+    threads_per_node: int = 1
+    num_prefillers: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
+    replicated_kv: bool = False  # every TP rank holds all KV heads (MLA-style, S9a)
+    extra_args: list[str] = field(default_factory=list)
+    decode_args: list[str] = field(default_factory=list)  # decoders only (e.g. --speculative)
+    startup_timeout_s: float = 120.0
+    trace_dir: str | None = None  # each node writes <node_id>.json here (a Chrome trace)
+    device: str = "cpu"  # every node's model and KV cache: cpu, cuda or cuda:N
+    kv_memory_path: str = "auto"  # how each node's NIC reaches its KV: auto, host, hmem, staged
+
+
+# The two deployments of S9, scaled to the toy models (the `tiny` preset has 4 KV heads).
+DEPLOYMENTS: dict[str, dict[str, object]] = {
+    # S9b, Qwen3-Coder: GQA, TP on both sides, HND, rank i -> rank i, 3 decoders per prefiller.
+    "qwen3-coder": {"prefill_tp": 4, "decode_tp": 4, "kv_layout": "HND", "num_decoders": 3,
+                    "replicated_kv": False},
+    # S9a, DeepSeek-R1 with DP decoders: the latent cache is the same on every rank, so any
+    # prefiller rank may send (chosen at random per request); each decoder rank is its own engine.
+    "deepseek-r1": {"prefill_tp": 4, "decode_tp": 1, "kv_layout": "HND", "num_decoders": 3,
+                    "replicated_kv": True},
+}
+
+
+class LocalCluster:
+    """Context manager: one prefiller and `num_decoders` decoders as child processes."""
+
+    def __init__(self, config: ClusterConfig) -> None:
+        self.config = config
+        self.processes: list[subprocess.Popen[str]] = []
+        self.prefiller_address = ""
+        self.prefiller_addresses: list[str] = []
+        self.names: list[str] = []  # node names in process order
+        self.decoder_addresses: list[str] = []
+        self.logs: dict[str, list[str]] = {}
+        self.metrics_addresses: dict[str, str] = {}  # node name -> host:port of /metrics
+
+    def __enter__(self) -> LocalCluster:
+        try:
+            prefill_names = [f"prefill-{i}" for i in range(self.config.num_prefillers)]
+            prefillers = [self._spawn(name, ["serve", "prefill", "--tp",
+                                             str(self.config.prefill_tp)])
+                          for name in prefill_names]
+            self.prefiller_addresses = [self._wait_ready(name, process) for name, process
+                                        in zip(prefill_names, prefillers, strict=True)]
+            self.prefiller_address = self.prefiller_addresses[0]
+            prefiller_args = [arg for address in self.prefiller_addresses
+                              for arg in ("--prefiller", address)]
+            # Decoders start side by side: each loads the model on its own.
+            names = [f"decode-{i}" for i in range(self.config.num_decoders)]
+            decoders = [self._spawn(name, ["serve", "decode", *prefiller_args, "--tp",
+                                           str(self.config.decode_tp), *self.config.decode_args])
+                        for name in names]
+            self.decoder_addresses = [self._wait_ready(name, process)
+                                      for name, process in zip(names, decoders, strict=True)]
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop()
+
+    def _common_args(self) -> list[str]:
+        c = self.config
+        return ["--model", c.model, "--kv-layout", c.kv_layout, "--page-size", str(c.page_size),
+                "--num-pages", str(c.num_pages), "--chunk-size", str(c.chunk_size),
+                "--provider", c.provider, "--threads", str(c.threads_per_node),
+                *(["--trace", c.trace_dir] if c.trace_dir else []),
+                *(["--replicated-kv"] if c.replicated_kv else []), "--metrics-port", "0",
+                "--device", c.device, "--kv-memory-path", c.kv_memory_path, *c.extra_args]
+
+    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[str]:
+        command = [sys.executable, "-m", "disagg.apps.cli", *args, "--node-id", name,
+                   *self._common_args()]
+        env = dict(os.environ, PYTHONUNBUFFERED="1")
+        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                   text=True, env=env)
+        self.processes.append(process)
+        self.names.append(name)
+        log = self.logs.setdefault(name, [])
+        threading.Thread(target=_collect, args=(process.stderr, log), daemon=True).start()
+        return process
+
+    def _wait_ready(self, name: str, process: subprocess.Popen[str]) -> str:
+        log = self.logs[name]
+        deadline = time.monotonic() + self.config.startup_timeout_s
+        assert process.stdout is not None
+        for line in process.stdout:
+            if line.startswith("READY "):
+                threading.Thread(target=_collect, args=(process.stdout, log), daemon=True).start()
+                words = line.split()
+                for word in words[2:]:
+                    if word.startswith("metrics="):
+                        self.metrics_addresses[name] = word.removeprefix("metrics=")
+                return words[1]
+            log.append(line.rstrip())
+            if time.monotonic() > deadline:
+                break
+        process.wait(timeout=5)
+        time.sleep(0.1)  # let the stderr reader catch the last lines
+        raise DisaggError(f"{name} did not start (exit code {process.returncode}): "
+                          + " | ".join(self.logs[name][-5:]))
+
+    def stop(self, timeout_s: float = 10.0) -> None:
+        """End every process: a Shutdown message (after which each node checks that it
+        leaked nothing), then SIGTERM, then SIGKILL."""
+        for address in [*self.decoder_addresses, *self.prefiller_addresses]:
+            try:
+                channel = Channel.connect(address, timeout_s=2.0)
+                channel.send(Shutdown())
+                channel.close()
+            except (DisaggError, OSError):
+                pass  # that node is gone already; the signals below cover the rest
+        deadline = time.monotonic() + timeout_s / 2
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                process.terminate()
+        deadline = time.monotonic() + timeout_s
+        for process in self.processes:
+            try:
+                process.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                logger.warning("killing pid %d", process.pid)
+                process.kill()
+                process.wait()
+
+    def kill(self, name: str) -> None:
+        """SIGKILL one node (a crash: no shutdown, no cleanup, issue 8)."""
+        process = self.processes[self.names.index(name)]
+        process.kill()
+        process.wait()
+        self.metrics_addresses.pop(name, None)
+
+    def scrape_metrics(self) -> dict[str, dict[str, float]]:
+        """Every node's metrics, read from its /metrics endpoint."""
+        result = {}
+        for name, address in self.metrics_addresses.items():
+            try:
+                with urllib.request.urlopen(f"http://{address}/metrics", timeout=5) as response:
+                    result[name] = parse_metrics(response.read().decode())
+            except OSError as error:
+                logger.warning("could not read the metrics of %s: %s", name, error)
+        return result
+
+    def exit_codes(self) -> list[int | None]:
+        """Each process's exit code (None while running)."""
+        return [process.poll() for process in self.processes]
+
+
+def _collect(stream: object, log: list[str]) -> None:
+    for line in stream:  # type: ignore[attr-defined]
+        log.append(line.rstrip())

@@ -1,0 +1,223 @@
+"""A prefiller node: accepts decoders, prefills their requests, streams KV back (S2b, S3, S4b).
+
+Threads: one accepts control connections; one per decoder reads its messages into the inbox;
+the engine thread (this object's `run`) drains the inbox, steps the engine, and lets the
+messenger free finished requests. Bad input from a decoder (a malformed message, a request
+with pages outside its region) is answered on that connection and never stops the node.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+import time
+from typing import Any
+
+from disagg.engine.llm_engine import LLMEngine
+from disagg.errors import PeerClosedError, ProtocolError, RequestError
+from disagg.kv_transfer.channel import Channel, listen, start_heartbeats
+from disagg.kv_transfer.context_slot import context_slot_nbytes
+from disagg.kv_transfer.messages import (
+    Cancel,
+    Heartbeat,
+    Hello,
+    HelloAck,
+    KVFailed,
+    KVRequest,
+    Reject,
+    Shutdown,
+)
+from disagg.kv_transfer.prefill_messenger import PrefillMessenger
+from disagg.kv_transfer.transfer_context import DecoderPeer
+from disagg.node.base import NodeBase
+from disagg.utils.metrics import Metrics
+from disagg.utils.trace import Tracer
+from transfer_core.engine import TransferEngine
+from transfer_core.errors import TransferError
+
+logger = logging.getLogger(__name__)
+HEARTBEAT_INTERVAL_S = 1.0
+PEER_TIMEOUT_S = 10.0  # a decoder silent this long is declared dead
+
+
+def hello_mismatches(hello: Hello, expected: Hello) -> list[str]:
+    """Fields where a decoder's handshake differs from what this prefiller runs."""
+    checked = ("model", "dtype", "page_size", "kv_layout", "num_layers", "num_kv_heads",
+               "head_dim", "context_slot_nbytes")
+    return [f"{name}: decoder has {getattr(hello, name)!r}, prefiller has "
+            f"{getattr(expected, name)!r}" for name in checked
+            if getattr(hello, name) != getattr(expected, name)]
+
+
+class PrefillNode(NodeBase):
+    """One prefiller serving any number of decoders."""
+
+    def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
+                 listen_address: str = "127.0.0.1:0", node_id: str = "prefill-0",
+                 tracer: Tracer | None = None) -> None:
+        self.engine = engine
+        self.transfer = transfer
+        self.node_id = node_id
+        self.fingerprint = fingerprint
+        self.tracer = tracer or Tracer()
+        self.messenger = PrefillMessenger(engine, transfer, tracer=self.tracer)
+        self.messenger.wake = lambda: self.inbox.put(("wake", None))
+        self.metrics = Metrics()
+        for name in self.messenger.stats:
+            self.metrics.counter_from(f"{name}_total",
+                                      lambda name=name: self.messenger.stats[name])
+        allocator = engine.allocator
+        self.metrics.gauge("pages_in_use", lambda: allocator.num_pages - allocator.num_free)
+        self.metrics.gauge("transfers_in_flight", lambda: len(self.messenger._transfers))
+        self._server = listen(listen_address)
+        host, port = self._server.getsockname()[:2]
+        self.address = f"{host}:{port}"
+        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self._stop = threading.Event()
+        self.shutdown_requested = False
+        self._channels: list[Channel] = []
+        self._peers: list[DecoderPeer] = []
+        start_heartbeats(lambda: [peer.channel for peer in list(self._peers)], self._stop,
+                         HEARTBEAT_INTERVAL_S)
+        threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True).start()
+
+    def expected_hello(self) -> Hello:
+        """The handshake fields a decoder must match (addresses and descriptors aside)."""
+        config, cache = self.engine.model.config, self.engine.kv_cache
+        dtype = str(cache.dtype).removeprefix("torch.")
+        return Hello(self.node_id, self.fingerprint, dtype, cache.page_size, cache.kv_layout,
+                     config.num_layers, config.num_kv_heads, config.head_dim, b"", [], b"",
+                     context_slot_nbytes(config))
+
+    def _accept_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                sock, peer = self._server.accept()
+            except OSError:
+                return  # the server socket was closed: we are shutting down
+            channel = Channel(sock, f"{peer[0]}:{peer[1]}")
+            self._channels.append(channel)
+            threading.Thread(target=self._serve_decoder, args=(channel,), daemon=True,
+                             name=f"prefill-peer-{peer[1]}").start()
+
+    def _serve_decoder(self, channel: Channel) -> None:
+        """Reader thread of one decoder: handshake, then forward its messages to the inbox."""
+        try:
+            hello = channel.recv()
+            if isinstance(hello, Shutdown):  # an operator (or the demo) asking us to stop
+                self.inbox.put(("Shutdown", None))
+                channel.close()
+                return
+            if not isinstance(hello, Hello):
+                raise ProtocolError(f"expected Hello first, got {type(hello).__name__}")
+            mismatches = hello_mismatches(hello, self.expected_hello())
+            if mismatches:
+                logger.warning("refusing decoder %s: %s", hello.node_id, "; ".join(mismatches))
+                channel.send(Reject("peer mismatch: " + "; ".join(mismatches)))
+                channel.close()
+                return
+            peer = self.messenger.add_peer(hello, channel)
+            self.inbox.put(("peer_joined", peer))
+            sharding = self.engine.kv_cache.sharding
+            channel.send(HelloAck(self.node_id, self.transfer.address, sharding.tp,
+                                  sharding.replicated))
+        except (ProtocolError, RequestError, TransferError) as error:
+            self._refuse(channel, str(error))
+            return
+        except PeerClosedError:
+            channel.close()
+            return
+        while True:
+            try:
+                message = channel.recv()
+            except ProtocolError as error:
+                self._refuse(channel, str(error))
+                self.inbox.put(("peer_gone", (peer, f"protocol error: {error}")))
+                return
+            except PeerClosedError as error:
+                self.inbox.put(("peer_gone", (peer, str(error))))
+                return
+            if isinstance(message, Heartbeat):
+                continue  # recv() already noted that the decoder is alive
+            if isinstance(message, KVRequest | Cancel | Shutdown):
+                self.inbox.put((type(message).__name__, (peer, message)))
+            else:
+                self._refuse(channel, f"unexpected {type(message).__name__} from a decoder")
+                self.inbox.put(("peer_gone", (peer, "protocol error")))
+                return
+
+    def _refuse(self, channel: Channel, reason: str) -> None:
+        logger.warning("closing connection to %s: %s", channel.peer, reason)
+        try:
+            channel.send(Reject(reason))
+        except PeerClosedError:
+            pass  # it is gone already; nothing else to tell it
+        channel.close()
+
+    def run(self) -> None:
+        """The engine loop, until `stop()` or a Shutdown message."""
+        while not self._stop.is_set():
+            # Block (briefly: leases and heartbeats) unless the engine has work; finished
+            # transfers and messages ring the inbox.
+            self._drain_inbox(block=not self.engine.has_unfinished())
+            if self.engine.has_unfinished():
+                self._traced_step()
+            self.messenger.poll()
+            self.messenger.expire_leases()
+            self._keep_alive()
+
+    def _keep_alive(self) -> None:
+        """A decoder silent for too long is treated as dead (heartbeats go from their own
+        thread, `start_heartbeats`)."""
+        now = time.monotonic()
+        for peer in list(self._peers):
+            if now - peer.channel.last_received > PEER_TIMEOUT_S:
+                self._peers.remove(peer)
+                peer.channel.close()
+                self.messenger.fail_peer(peer, f"decoder gone: silent for {PEER_TIMEOUT_S:g} s")
+
+    def _handle(self, kind: str, item: Any) -> None:
+        if kind == "peer_joined":
+            self._peers.append(item)
+        elif kind == "peer_gone":
+            peer, reason = item
+            logger.info("decoder %s left: %s", peer.peer_id, reason)
+            if peer in self._peers:
+                self._peers.remove(peer)
+            self.messenger.fail_peer(peer, f"decoder gone: {reason}")
+        elif kind == "KVRequest":
+            peer, message = item
+            try:
+                self.messenger.start_request(message, peer)
+            except RequestError as error:
+                logger.warning("refusing request %s from %s: %s", message.request_id,
+                               peer.peer_id, error)
+                self._tell(peer, KVFailed(message.request_id, str(error)))
+        elif kind == "Cancel":
+            peer, message = item
+            self.messenger.cancel(peer, message.request_id)
+        elif kind == "Shutdown":
+            self.shutdown_requested = True
+            self._stop.set()
+
+    def _tell(self, peer: DecoderPeer, message: KVFailed) -> None:
+        try:
+            peer.channel.send(message)
+        except PeerClosedError:
+            logger.info("decoder %s is gone", peer.peer_id)
+
+    def check_clean(self) -> None:
+        """Assert nothing is left behind: no request, transfer, page or armed counter."""
+        assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"
+        assert not self.messenger.has_work(), "transfers still in flight"
+        self.engine.allocator.check_invariants(expect_all_free=True)
+
+
+
+def serve_forever(node: PrefillNode) -> None:
+    """Run until shutdown, then release everything."""
+    try:
+        node.run()
+    finally:
+        node.close()

@@ -1,0 +1,100 @@
+"""The router: sends each request to the least-loaded decoder and collects its events (S2a).
+
+Requests start at decoders; the router only picks which one. One reader thread per decoder
+turns its `RequestEvent`s into a single queue the caller drains.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+
+from disagg.errors import PeerClosedError, ProtocolError
+from disagg.kv_transfer.channel import Channel
+from disagg.kv_transfer.messages import Abort, RequestEvent, Shutdown, Submit
+
+
+class Router:
+    """Least-loaded routing over decoder control connections."""
+
+    def __init__(self, decoder_addresses: list[str]) -> None:
+        self.decoders = [Channel.connect(address) for address in decoder_addresses]
+        self.in_flight = [0] * len(self.decoders)
+        self.alive = [True] * len(self.decoders)
+        self.events: queue.Queue[RequestEvent] = queue.Queue()
+        self._owner: dict[str, int] = {}
+        self._lock = threading.Lock()
+        for index, channel in enumerate(self.decoders):
+            threading.Thread(target=self._read, args=(index, channel), daemon=True,
+                             name=f"router-{index}").start()
+
+    def submit(self, message: Submit) -> int:
+        """Send a request to the decoder with the fewest in flight; returns its index."""
+        with self._lock:
+            live = [i for i, alive in enumerate(self.alive) if alive]
+            if not live:
+                raise PeerClosedError("no decoder is alive")
+            index = min(live, key=self.in_flight.__getitem__)
+            self.in_flight[index] += 1
+            self._owner[message.request_id] = index
+        try:
+            self.decoders[index].send(message)
+        except PeerClosedError:
+            self._decoder_died(index, "send failed")
+        return index
+
+    def abort(self, request_id: str) -> bool:
+        """Tell the request's decoder that the client gave up; False if it is not in flight."""
+        with self._lock:
+            index = self._owner.get(request_id)
+        if index is None:
+            return False
+        try:
+            self.decoders[index].send(Abort(request_id))
+        except PeerClosedError:
+            return False  # the decoder is dying; its requests fail through _decoder_died
+        return True
+
+    def _read(self, index: int, channel: Channel) -> None:
+        while True:
+            try:
+                event = channel.recv()
+            except (PeerClosedError, ProtocolError) as error:
+                if not channel.closed:
+                    self._decoder_died(index, str(error))
+                return
+            if not isinstance(event, RequestEvent):
+                continue
+            if event.state.startswith("finished") or event.state == "failed":
+                with self._lock:
+                    if self._owner.pop(event.request_id, None) is not None:
+                        self.in_flight[index] -= 1
+            self.events.put(event)
+
+    def _decoder_died(self, index: int, reason: str) -> None:
+        """Its requests can no longer finish: each ends as failed, once; route elsewhere."""
+        with self._lock:
+            if not self.alive[index]:
+                return
+            self.alive[index] = False
+            lost = [rid for rid, owner in self._owner.items() if owner == index]
+            for request_id in lost:
+                del self._owner[request_id]
+            self.in_flight[index] = 0
+        for request_id in lost:
+            self.events.put(RequestEvent(request_id, "failed",
+                                         detail=f"decoder {index} died: {reason}"))
+
+    def shutdown(self) -> None:
+        """Ask every decoder to exit, then close the connections."""
+        for channel in self.decoders:
+            try:
+                channel.send(Shutdown())
+            except PeerClosedError:
+                pass  # already gone
+        self.close()
+
+    def close(self) -> None:
+        """Close the connections (the decoders keep running)."""
+        for channel in self.decoders:
+            channel.close()

@@ -1,0 +1,2 @@
+"""Speculative decoding (S8): verifying drafts, the proposers, the speculative step.
+"""

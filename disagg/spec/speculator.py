@@ -1,0 +1,185 @@
+"""Speculative decoding on an `LLMEngine`: verify drafts in one target forward, accept, roll
+back, draft again (issue 6, S8).
+
+NOTE on the step. Drafts are proposed at the end of a step, for every request whose prompt is
+computed, and stored in `request.spec_token_ids`; the scheduler then gives the request a chunk
+of 1 + k tokens (its last real token and the drafts) and reserves their pages like any
+prefill chunk. After the target's forward, the k + 1 rows' logits verify the drafts
+(`speculative.verify`), `Scheduler.accept_tokens` appends the accepted ones plus one token from
+the target, moves `num_computed_tokens` back over the rejected ones and frees pages past the
+next position. So between steps a request holds no page beyond those its next forward writes,
+and the page allocator's invariants hold after every step. Greedy output is token for token the
+non-speculative engine's; sampled output has the same distribution. The first decode step of a
+request prefilled elsewhere is an ordinary one (S8); it and the shipped hidden state (S4a) are
+what the MTP head starts from.
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass
+
+import torch
+
+from disagg.engine.batch import Batch
+from disagg.engine.llm_engine import LLMEngine, TokenEvent
+from disagg.engine.model_runner import ForwardOutput
+from disagg.engine.request import Request
+from disagg.engine.sampling import sample_token
+from disagg.model.draft_heads import SpeculativeConfig, build_mtp_head, mtp_kv_cache
+from disagg.model.kv_cache import PagedKVCache
+from disagg.spec.proposers import EarlyExitProposer, MTPProposer
+from disagg.spec.verify import propose_token, verify, verify_greedy_lazily
+
+
+@dataclass
+class SpecStats:
+    """Totals over every speculative chunk verified so far."""
+
+    verify_steps: int = 0  # speculative chunks (one target forward each, per request)
+    drafted: int = 0  # drafts verified
+    accepted: int = 0  # ... of which the target agreed with
+
+    @property
+    def acceptance_rate(self) -> float:
+        """Accepted drafts over verified drafts."""
+        return self.accepted / self.drafted if self.drafted else 0.0
+
+    @property
+    def tokens_per_forward(self) -> float:
+        """Tokens a speculative chunk yields on average (1 without any acceptance)."""
+        return (self.accepted + self.verify_steps) / self.verify_steps if self.verify_steps else 0.0
+
+
+class Speculator:
+    """Takes over sampling and postprocessing of an `LLMEngine` (see `enable_speculation`)."""
+
+    def __init__(self, engine: LLMEngine, config: SpeculativeConfig) -> None:
+        self.engine = engine
+        self.config = config
+        model, device = engine.model, engine.config.device
+        self.kv_cache: PagedKVCache | None = None  # the draft's own pages, if it has any
+        if config.kind == "mtp":
+            head = build_mtp_head(model.config).to(device)
+            self.kv_cache = mtp_kv_cache(model.config, engine.config.cache, device)
+            self.proposer: EarlyExitProposer | MTPProposer = MTPProposer(model, head,
+                                                                         self.kv_cache)
+        else:
+            self.proposer = EarlyExitProposer(model, engine.kv_cache,
+                                              config.exit_layer(model.config))
+        self.stats = SpecStats()
+        # The distribution each pending draft came from (sampling only), per request.
+        self._draft_probs: weakref.WeakKeyDictionary[Request, list[torch.Tensor]] = (
+            weakref.WeakKeyDictionary())
+
+    def on_batch(self, batch: Batch) -> None:
+        """Before the forward: drop drafts the scheduler did not fit (token budget, chunk size,
+        preemption), so `spec_token_ids` is exactly what this forward verifies."""
+        scheduled = {id(chunk.request): chunk for chunk in batch.chunks}
+        scheduler = self.engine.scheduler
+        for request in [*scheduler.running, *scheduler.waiting]:
+            if request.spec_token_ids:
+                chunk = scheduled.get(id(request))
+                keep = max(0, chunk.end - request.num_tokens) if chunk is not None else 0
+                del request.spec_token_ids[keep:]
+
+    @torch.inference_mode()
+    def finish_step(self, batch: Batch, output: ForwardOutput) -> list[TokenEvent]:
+        """After the forward: sample ordinary chunks, verify speculative ones, advance every
+        request, run the draft on what was confirmed and propose the next drafts."""
+        engine, hidden = self.engine, output.all_hidden_states
+        assert hidden is not None, "the runner returns every row's hidden state"
+        sampled = {}
+        for row, chunk_idx in enumerate(output.sample_chunk_indices):
+            request = batch.chunks[chunk_idx].request
+            sampled[request.request_id] = sample_token(output.logits[row],
+                                                       request.sampling_params, request.generator)
+        verified: list[tuple[Request, list[int]]] = []
+        end = 0
+        for chunk in batch.chunks:
+            end += chunk.num_tokens
+            if chunk.request.spec_token_ids:
+                verified.append((chunk.request, self._verify(chunk.request, hidden, end)))
+        before = [len(chunk.request.output_token_ids) for chunk in batch.chunks]
+        engine.scheduler.postprocess(batch, sampled)
+        for request, token_ids in verified:
+            engine.scheduler.accept_tokens(request, token_ids)
+        self.proposer.observe(batch, hidden)
+        self._propose()
+        events = []
+        for chunk, count in zip(batch.chunks, before, strict=True):
+            request = chunk.request
+            new = request.output_token_ids[count:]
+            events += [TokenEvent(request, token_id, request.is_finished and i == len(new) - 1)
+                       for i, token_id in enumerate(new)]
+        return events
+
+    def _verify(self, request: Request, hidden: torch.Tensor, end: int) -> list[int]:
+        """Tokens to append for a speculative chunk whose rows end at `end`."""
+        drafts = list(request.spec_token_ids)
+        rows = hidden[end - len(drafts) - 1:end]  # the last real token's row, then the drafts'
+        model, params = self.engine.model, request.sampling_params
+        probs = self._draft_probs.pop(request, None)
+        if params.temperature == 0.0:
+            token_ids = verify_greedy_lazily(
+                drafts, lambda row: int(model.compute_logits(rows[row]).argmax()))
+        else:
+            assert probs is not None, "sampled drafts keep the distribution they came from"
+            token_ids = verify(drafts, torch.stack(probs[:len(drafts)]),
+                               model.compute_logits(rows), params, request.generator)
+        self.stats.verify_steps += 1
+        self.stats.drafted += len(drafts)
+        self.stats.accepted += len(token_ids) - 1
+        request.num_draft_tokens += len(drafts)
+        request.num_accepted_tokens += len(token_ids) - 1
+        return token_ids
+
+    def _propose(self) -> None:
+        """Draft for every running request whose prompt is computed and that has no drafts."""
+        scheduler = self.engine.scheduler
+        requests = [r for r in scheduler.running
+                    if r.output_token_ids and not r.spec_token_ids
+                    and r.num_computed_tokens == r.num_tokens - 1]
+        num_drafts = [self._reserve(r, self._budget(r)) for r in requests]
+        probs: list[list[torch.Tensor]] = [[] for _ in requests]
+
+        def choose(i: int, logits: torch.Tensor) -> int:
+            request = requests[i]
+            token, q = propose_token(logits, request.sampling_params, request.generator)
+            if request.sampling_params.temperature > 0:
+                probs[i].append(q)
+            return token
+
+        drafts = self.proposer.propose(requests, num_drafts, choose)
+        for request, tokens, q in zip(requests, drafts, probs, strict=True):
+            request.spec_token_ids = tokens
+            if q:
+                self._draft_probs[request] = q
+
+    def _budget(self, request: Request) -> int:
+        """Drafts worth proposing: never more tokens than the request may still produce (a
+        chunk yields drafts + 1), nor positions past the model's context."""
+        remaining = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
+        room = self.engine.scheduler.max_model_len - request.num_tokens
+        return max(0, min(self.config.num_draft_tokens, remaining, room))
+
+    def _reserve(self, request: Request, num_drafts: int) -> int:
+        """Take the pages of the request's verify chunk (drafts write K/V into them as they
+        go); with too few free pages, propose fewer drafts instead of preempting anyone."""
+        allocator, page_size = self.engine.allocator, self.engine.kv_cache.page_size
+        held = len(request.page_ids) + allocator.num_free
+        num_drafts = max(0, min(num_drafts, held * page_size - request.num_tokens))
+        if num_drafts == 0:
+            return 0  # a plain decode: the scheduler finds its page (or preempts for it)
+        needed = -(-(request.num_tokens + num_drafts) // page_size) - len(request.page_ids)
+        if needed > 0:
+            request.page_ids.extend(allocator.allocate(needed))
+        return num_drafts
+
+
+def enable_speculation(engine: LLMEngine, config: SpeculativeConfig) -> Speculator:
+    """Make `engine` (a decoder or a single node, never a prefiller) speculate with `config`."""
+    speculator = Speculator(engine, config)
+    engine.speculator = speculator
+    engine.batch_listeners.append(speculator.on_batch)
+    return speculator

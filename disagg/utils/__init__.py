@@ -1,0 +1,2 @@
+"""Leaf utilities every layer may use: Chrome traces, merging them, node metrics.
+"""

@@ -1,0 +1,129 @@
+"""The `disagg` command: --json output, streaming, and one-line errors with exit code 2."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import torch
+
+from disagg.apps.cli import main
+from disagg.engine.cuda_graphs import DecodeGraphs
+
+
+def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err
+
+
+def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
+    """`disagg --help` names each command."""
+    code, out, _ = run_cli(["--help"], capsys)
+    assert code == 0
+    assert all(name in out for name in ("generate", "bench"))
+
+
+def test_generate_json_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:
+    """With --json, stdout is exactly one JSON object with prompt and generated ids."""
+    code, out, _ = run_cli(["generate", "--model", "tiny", "--prompt-token-ids", "1,2,3",
+                            "--max-tokens", "5", "--json", "--kv-layout", "HND"], capsys)
+    result = json.loads(out)
+    assert code == 0
+    assert out.count("\n") == 1
+    assert result["prompt_token_ids"] == [1, 2, 3]
+    assert len(result["token_ids"]) == 5
+
+
+def test_generate_with_cuda_graph_gives_the_same_tokens(
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """--cuda-graph sends decode steps through the static buffers (eagerly on CPU): same ids."""
+    argv = ["generate", "--model", "tiny", "--prompt-token-ids", "5,9,2,7,1", "--max-tokens",
+            "12", "--json", "--page-size", "2"]
+    _, plain, _ = run_cli(argv, capsys)
+    static_steps = []
+    run = DecodeGraphs.run
+    monkeypatch.setattr(DecodeGraphs, "run",
+                        lambda self, *args: static_steps.append(1) or run(self, *args))
+    code, graphed, _ = run_cli([*argv, "--cuda-graph"], capsys)
+    assert code == 0
+    assert json.loads(graphed)["token_ids"] == json.loads(plain)["token_ids"]
+    assert len(static_steps) == 11  # every decode step after the prefill
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["--model", "no-such-model", "--prompt-token-ids", "1"], "unknown model 'no-such-model'"),
+    (["--model", "tiny", "--prompt-token-ids", ""], "is not a token id"),
+    (["--model", "tiny", "--prompt", "hi"], "has no tokenizer"),
+    (["--model", "tiny", "--prompt-token-ids", "1,2,3", "--page-size", "2", "--num-pages", "2"],
+     "the cache has 2"),
+    (["--model", "tiny", "--prompt-token-ids", "1", "--page-size", "0"], "page_size must be"),
+    (["--model", "tiny", "--prompt-token-ids", "1", "--page-size", "8192"], "does not fit"),
+    (["--model", "tiny", "--prompt-token-ids", "1", "--kv-layout", "NDH"], "unknown kv_layout"),
+    (["--model", "tiny", "--prompt-token-ids", "99999"], "outside the vocabulary"),
+    (["--model", "tiny", "--prompt-token-ids", "1", "--device", "tpu"], "unknown device"),
+])
+def test_bad_input_exits_2_with_one_line(argv: list[str], message: str,
+                                         capsys: pytest.CaptureFixture[str]) -> None:
+    """Each kind of bad input names the problem, exits 2 and prints no traceback."""
+    code, _, err = run_cli(["generate", *argv], capsys)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_malformed_checkpoint_exits_2(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """A directory that is not a checkpoint is refused with a message naming what is missing."""
+    (tmp_path / "config.json").write_text("{not json")
+    code, _, err = run_cli(["generate", "--model", str(tmp_path), "--prompt-token-ids", "1"],
+                           capsys)
+    assert code == 2
+    assert "config.json" in err
+    assert "Traceback" not in err
+
+
+def test_plan_json_counts_nhd_and_hnd(capsys: pytest.CaptureFixture[str]) -> None:
+    """`disagg plan --json` reports the write counts of both layouts for the pair."""
+    code, out, _ = run_cli(["plan", "--prefill-tp", "1", "--decode-tp", "4", "--model", "tiny",
+                            "--page-size", "4", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0
+    assert report["layouts"]["HND"]["writes_per_page"] == 8  # 4 ranks x (K, V)
+    assert report["layouts"]["NHD"]["writes_per_page"] == 32  # 4 ranks x 2 x 4 tokens
+    assert [p["dst_rank"] for p in report["pairs"]] == [0, 1, 2, 3]
+
+
+def test_unknown_deployment_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """A deployment preset that does not exist is named in the error."""
+    code, _, err = run_cli(["demo", "--model", "tiny", "--deployment", "gpt-5"], capsys)
+    assert code == 2
+    assert "unknown deployment 'gpt-5'" in err
+
+
+@pytest.mark.parametrize(("argv", "message"), [
+    (["serve", "prefill", "--model", "tiny", "--kv-memory-path", "rdma"],
+     "unknown KV memory path 'rdma'"),
+    (["serve", "decode", "--model", "tiny", "--prefiller", "127.0.0.1:1", "--device", "tpu"],
+     "unknown device 'tpu'"),
+    (["serve", "mixed", "--model", "tiny", "--kv-memory-path", "hmem"],
+     "'hmem' is impossible on cpu"),
+    (["demo", "--model", "tiny", "--kv-memory-path", "hmem"], "'hmem' is impossible on cpu"),
+])
+def test_bad_memory_options_exit_2_with_one_line(argv: list[str], message: str,
+                                                 capsys: pytest.CaptureFixture[str]) -> None:
+    """--device and --kv-memory-path are checked before any node starts."""
+    code, _, err = run_cli(argv, capsys)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+    assert len(err.strip().splitlines()) == 1
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks a machine without CUDA")
+def test_cuda_device_without_cuda_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
+    """--device cuda on a machine without CUDA is refused before any node starts."""
+    code, _, err = run_cli(["demo", "--model", "tiny", "--device", "cuda"], capsys)
+    assert code == 2
+    assert "torch sees no CUDA device" in err

@@ -1,0 +1,119 @@
+"""The transfer planner: every destination byte exactly once, from the right source (S6, S7)."""
+
+from __future__ import annotations
+
+import random
+
+import numpy as np
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from disagg.kv_transfer.transfer_plan import (
+    PageGeometry,
+    assign_source_sets,
+    expected_write_count,
+    pages_completed_by_chunk,
+    plan_page_writes,
+)
+from disagg.model.sharding import Sharding
+
+
+def logical_page(sharding: Sharding, rank: int, geometry: PageGeometry) -> np.ndarray:
+    """A rank's page filled with values naming (kv, token, global head, dim), as int32 bytes."""
+    heads = list(sharding.heads_of(rank))
+    kv, token, head, dim = np.meshgrid(np.arange(2), np.arange(geometry.page_size),
+                                       np.array(heads), np.arange(geometry.head_dim),
+                                       indexing="ij")  # [2, page_size, heads, dim]
+    values = ((kv * 1000 + token) * 1000 + head) * 1000 + dim
+    if geometry.kv_layout == "HND":
+        values = values.transpose(0, 2, 1, 3)
+    return np.ascontiguousarray(values, dtype=np.int32)
+
+
+@st.composite
+def shardings(draw: st.DrawFn) -> tuple[Sharding, Sharding, PageGeometry]:
+    num_kv_heads = draw(st.sampled_from([1, 2, 4, 8]))
+    degrees = [1, 2, 4, 8]
+    src = Sharding(draw(st.sampled_from(degrees)), num_kv_heads, draw(st.booleans()))
+    dst = Sharding(draw(st.sampled_from(degrees)), num_kv_heads, draw(st.booleans()))
+    geometry = PageGeometry(draw(st.sampled_from(["NHD", "HND"])), draw(st.integers(1, 4)),
+                            draw(st.sampled_from([1, 2, 3])), 4)
+    return src, dst, geometry
+
+
+@settings(max_examples=300, deadline=None)
+@given(case=shardings(), seed=st.integers(0, 1000))
+def test_plan_writes_every_destination_byte_once_with_the_right_value(
+        case: tuple[Sharding, Sharding, PageGeometry], seed: int) -> None:
+    """Applying the plan rebuilds each destination rank's page exactly, each byte once."""
+    src, dst, geometry = case
+    source_sets = assign_source_sets(src, dst, random.Random(seed))
+    writes = plan_page_writes(src, dst, geometry, source_sets)
+    sources = [logical_page(src, r, geometry).view(np.uint8).reshape(-1) for r in range(src.tp)]
+    expected = [logical_page(dst, r, geometry).view(np.uint8).reshape(-1) for r in range(dst.tp)]
+    received = [np.zeros_like(e) for e in expected]
+    coverage = [np.zeros(e.shape, dtype=np.int64) for e in expected]
+    for w in writes:
+        received[w.dst_rank][w.dst_offset:w.dst_offset + w.nbytes] = \
+            sources[w.src_rank][w.src_offset:w.src_offset + w.nbytes]
+        coverage[w.dst_rank][w.dst_offset:w.dst_offset + w.nbytes] += 1
+    for rank in range(dst.tp):
+        assert (coverage[rank] == 1).all(), f"rank {rank}: bytes written {set(coverage[rank])}"
+        assert np.array_equal(received[rank], expected[rank])
+    assert len(writes) == len(plan_page_writes(src, dst, geometry))  # count is choice-free
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=shardings())
+def test_hnd_never_needs_more_writes_than_nhd(case: tuple[Sharding, Sharding, PageGeometry]
+                                              ) -> None:
+    """The same transfer in HND costs at most what it costs in NHD (S7)."""
+    src, dst, geometry = case
+    nhd = PageGeometry("NHD", geometry.page_size, geometry.head_dim, 4)
+    hnd = PageGeometry("HND", geometry.page_size, geometry.head_dim, 4)
+    assert len(plan_page_writes(src, dst, hnd)) <= len(plan_page_writes(src, dst, nhd))
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize(("tp", "num_kv_heads", "replicated"),
+                         [(1, 4, False), (2, 4, False), (4, 4, False), (8, 4, False),
+                          (4, 1, True)])
+def test_matched_sharding_is_one_write_per_page_per_rank(kv_layout: str, tp: int,
+                                                         num_kv_heads: int,
+                                                         replicated: bool) -> None:
+    """Same sharding on both sides: rank i sends its whole page to rank i, once."""
+    sharding = Sharding(tp, num_kv_heads, replicated)
+    writes = plan_page_writes(sharding, sharding, PageGeometry(kv_layout, 16, 8, 2))
+    assert len(writes) == tp
+    assert {(w.src_rank, w.dst_rank) for w in writes} == {(r, r) for r in range(tp)}
+
+
+def test_tp8_page_costs_the_numbers_the_tutorial_quotes() -> None:
+    """Prefill TP 1 -> decode TP 8, 8 KV heads, 16-token pages: 256 NHD writes, 16 HND."""
+    src, dst = Sharding(1, 8), Sharding(8, 8)
+    assert len(plan_page_writes(src, dst, PageGeometry("NHD", 16, 128, 2))) == 256
+    assert len(plan_page_writes(src, dst, PageGeometry("HND", 16, 128, 2))) == 16
+
+
+def test_replicated_sources_spread_over_all_ranks() -> None:
+    """With a replicated prefiller, random assignment makes different ranks send (S6c)."""
+    src, dst = Sharding(4, 1, replicated=True), Sharding(4, 1, replicated=True)
+    senders = {w.src_rank for seed in range(20)
+               for w in plan_page_writes(src, dst, PageGeometry("HND", 4, 4, 2),
+                                         assign_source_sets(src, dst, random.Random(seed)))}
+    assert senders == {0, 1, 2, 3}
+
+
+@given(prompt_len=st.integers(2, 200), page_size=st.integers(1, 17),
+       chunks=st.lists(st.integers(1, 40), min_size=1, max_size=20))
+def test_pages_are_sent_once_whatever_the_chunking(prompt_len: int, page_size: int,
+                                                   chunks: list[int]) -> None:
+    """Any chunking of the prefill sends each page exactly once, matching the expectation."""
+    num_prefill, start, sent = prompt_len - 1, 0, []
+    while start < num_prefill:
+        end = min(num_prefill, start + chunks[len(sent) % len(chunks)])
+        sent += list(pages_completed_by_chunk(start, end, num_prefill, page_size))
+        start = end
+    assert sent == list(range(-(-num_prefill // page_size)))
+    assert expected_write_count(prompt_len, page_size, num_layers=3) == 3 * len(sent) + 1

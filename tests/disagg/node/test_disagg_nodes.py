@@ -1,0 +1,183 @@
+"""Prefill and decode nodes in one process (threads), over the real tcp provider (S2, S3, S4).
+
+Faster than spawning processes, so the fault cases and the streaming check run in the inner
+loop: a mismatched peer at handshake, pages outside the decoder's region, malformed and
+truncated frames, an unknown request id. After each, both nodes still serve a request and end
+clean (no page, request, transfer context or armed counter left).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+import pytest
+
+from disagg.config import CacheConfig, SchedulerConfig
+from disagg.errors import PeerMismatchError
+from disagg.kv_transfer.channel import Channel
+from disagg.kv_transfer.messages import (
+    HEADER,
+    MAGIC,
+    PROTOCOL_VERSION,
+    Cancel,
+    HelloAck,
+    KVFailed,
+    KVRequest,
+    Reject,
+    Submit,
+)
+from disagg.node.builder import NodeConfig, build_node
+from disagg.node.decode_node import DecodeNode
+from disagg.node.prefill_node import PrefillNode
+from disagg.node.router import Router
+
+pytestmark = pytest.mark.fabric
+
+CACHE = CacheConfig(page_size=4, num_pages=256)
+
+
+@dataclass
+class Pair:
+    prefill: PrefillNode
+    decode: DecodeNode
+    router: Router
+
+
+def start(node: PrefillNode | DecodeNode) -> threading.Thread:
+    thread = threading.Thread(target=node.run, daemon=True)
+    thread.start()
+    return thread
+
+
+def make_config(model: str = "tiny", cache: CacheConfig = CACHE, mode: str = "mixed",
+                chunk_size: int = 8) -> NodeConfig:
+    return NodeConfig(model, cache, SchedulerConfig(chunk_size=chunk_size,
+                                                    max_num_batched_tokens=chunk_size,
+                                                    mode=mode))  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def pair() -> Iterator[Pair]:
+    """A prefiller and a decoder (tiny model) in threads, and a router to the decoder."""
+    engine, transfer, fingerprint, _ = build_node(make_config(mode="prefill_only"))
+    prefill = PrefillNode(engine, transfer, fingerprint)
+    threads = [start(prefill)]
+    engine, transfer, fingerprint, _ = build_node(make_config())
+    decode = DecodeNode(engine, transfer, fingerprint, [prefill.address])
+    threads.append(start(decode))
+    router = Router([decode.address])
+    yield Pair(prefill, decode, router)
+    router.close()
+    for node in (decode, prefill):
+        node.stop()
+    for thread in threads:
+        thread.join(timeout=10)
+    prefill.check_clean()
+    decode.check_clean()
+    decode.close()
+    prefill.close()
+
+
+def serve(router: Router, prompt: list[int], request_id: str = "ok", max_tokens: int = 4
+          ) -> list[int]:
+    """Send one request and wait for its tokens."""
+    router.submit(Submit(request_id, prompt, max_tokens))
+    tokens: list[int] = []
+    while True:
+        event = router.events.get(timeout=30)
+        assert event.request_id == request_id, event
+        tokens += event.token_ids
+        if event.state.startswith("finished") or event.state == "failed":
+            assert event.state != "failed", event.detail
+            return tokens
+
+
+def test_a_request_round_trips(pair: Pair) -> None:
+    """A 10-token prompt is prefilled remotely and decoded; both sides end clean."""
+    assert len(serve(pair.router, list(range(1, 11)))) == 4
+
+
+def test_mismatched_decoder_is_refused_by_name(pair: Pair) -> None:
+    """A decoder with another page size is refused at handshake, naming the field; the
+    prefiller keeps serving the good decoder."""
+    engine, transfer, fingerprint, _ = build_node(make_config(cache=replace(CACHE, page_size=8)))
+    try:
+        with pytest.raises(PeerMismatchError, match="page_size: decoder has 8, prefiller has 4"):
+            DecodeNode(engine, transfer, fingerprint, [pair.prefill.address], node_id="bad")
+    finally:
+        transfer.close()
+    assert len(serve(pair.router, [5, 6, 7, 8, 9])) == 4
+
+
+def rogue_channel(pair: Pair) -> Channel:
+    """A second connection that shakes hands with the decoder's own (valid) descriptors."""
+    channel = Channel.connect(pair.prefill.address)
+    channel.send(replace(pair.decode.messenger.hello(), node_id="rogue"))
+    assert isinstance(channel.recv(), HelloAck)
+    return channel
+
+
+def test_pages_outside_the_decoder_region_are_refused(pair: Pair) -> None:
+    """A request naming page ids past the decoder's region fails with a reason; no write."""
+    channel = rogue_channel(pair)
+    channel.send(KVRequest("evil", 12345, [1, 2, 3, 4, 5, 6], [3, 10**6], 0))
+    reply = channel.recv()
+    assert isinstance(reply, KVFailed)
+    assert "outside the decoder's region of 256 pages" in reply.reason
+    channel.send(Cancel("never-heard-of-it"))  # an unknown request id is ignored
+    channel.close()
+    assert len(serve(pair.router, [1, 2, 3, 4, 5, 6])) == 4
+
+
+def test_malformed_frame_is_rejected_and_connection_closed(pair: Pair) -> None:
+    """Garbage after the handshake gets a Reject with the reason, then the prefiller hangs up."""
+    channel = rogue_channel(pair)
+    channel.sock.sendall(b"XX" + bytes(HEADER.size))
+    reply = channel.recv()
+    assert isinstance(reply, Reject) and "bad magic" in reply.reason
+    channel.close()
+    assert len(serve(pair.router, [9, 8, 7])) == 4
+
+
+def test_truncated_frame_from_a_vanishing_peer(pair: Pair) -> None:
+    """A peer that dies mid-frame costs the prefiller nothing."""
+    channel = rogue_channel(pair)
+    channel.sock.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, KVRequest.TYPE, 500) + b"{")
+    channel.close()
+    time.sleep(0.1)
+    assert len(serve(pair.router, [4, 4, 4, 4])) == 4
+
+
+def test_layer_zero_is_posted_before_the_last_layer_runs() -> None:
+    """Streaming is real (S3): in one chunk of a 4-layer model, layer 0's page writes are
+    posted before the last layer's attention starts, and every layer is posted in order."""
+    engine, transfer, fingerprint, _ = build_node(
+        make_config("small", CacheConfig(page_size=16, num_pages=64), "prefill_only", 256))
+    prefill = PrefillNode(engine, transfer, fingerprint)
+    last_layer_starts: list[float] = []
+    engine.model.layers[-1].self_attn.register_forward_pre_hook(
+        lambda *_: last_layer_starts.append(time.perf_counter()))
+    engine, transfer, fingerprint, _ = build_node(
+        make_config("small", CacheConfig(page_size=16, num_pages=64)))
+    decode = DecodeNode(engine, transfer, fingerprint, [prefill.address])
+    threads = [start(prefill), start(decode)]
+    router = Router([decode.address])
+    try:
+        assert len(serve(router, list(range(3, 203)))) == 4
+        time.sleep(0.05)
+        transfer_record = prefill.messenger.recent[-1]
+        posts = transfer_record.layer_post_times
+        assert [layer for layer, _ in posts] == [0, 1, 2, 3]
+        assert len(last_layer_starts) == 1  # one chunk, one forward on the prefiller
+        assert posts[0][1] < last_layer_starts[0]
+    finally:
+        router.close()
+        for node in (decode, prefill):
+            node.stop()
+        for thread in threads:
+            thread.join(timeout=10)
+        decode.close()
+        prefill.close()

@@ -1,0 +1,225 @@
+"""Failure handling (issue 8): faults injected into the real fabric, deterministic by seed.
+
+Nodes run in threads of this process over the tcp provider; a `FaultyTransferEngine` loses,
+duplicates, delays or fails operations, or stops answering. Whatever happens, every request
+must reach exactly one terminal state in bounded time, every request that finishes must decode
+the single-node engine's tokens, and both nodes must end with no page, request or counter left.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+
+import pytest
+
+from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg.engine.llm_engine import build_engine
+from disagg.engine.request import SamplingParams
+from disagg.errors import ProtocolError
+from disagg.kv_transfer.channel import Channel
+from disagg.kv_transfer.decode_messenger import ReliabilityConfig
+from disagg.kv_transfer.messages import Hello, Reject, Submit
+from disagg.model.loading.registry import load_model
+from disagg.node.builder import NodeConfig, build_node
+from disagg.node.decode_node import DecodeNode
+from disagg.node.prefill_node import PrefillNode
+from disagg.node.router import Router
+
+pytestmark = pytest.mark.fabric
+
+CACHE = CacheConfig(page_size=4, num_pages=256)
+PROMPTS = [list(range(3, 3 + n)) for n in (6, 11, 17, 25)]
+MAX_TOKENS = 4
+FAST = ReliabilityConfig(kv_timeout_s=1.5, quarantine_timeout_s=0.5, death_grace_s=0.2,
+                         max_attempts=3)
+
+
+def reference() -> list[list[int]]:
+    loaded = load_model("tiny")
+    engine = build_engine(EngineConfig(loaded.config, CACHE), loaded.state_dict)
+    return [r.output_token_ids for r in engine.generate(PROMPTS, SamplingParams(MAX_TOKENS))]
+
+
+REFERENCE = reference()
+
+
+@dataclass
+class Cluster:
+    prefillers: list[PrefillNode]
+    decoder: DecodeNode
+    router: Router
+    threads: list[threading.Thread] = field(default_factory=list)
+
+    def run_all(self, timeout_s: float = 30.0, abort: set[str] = frozenset()
+                ) -> dict[str, tuple[str, list[int]]]:
+        """Submit PROMPTS; return request id -> (terminal state, tokens)."""
+        for i, prompt in enumerate(PROMPTS):
+            self.router.submit(Submit(f"r{i}", prompt, MAX_TOKENS))
+        for request_id in abort:
+            self.router.abort(request_id)
+        tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
+        final: dict[str, tuple[str, list[int]]] = {}
+        deadline = time.monotonic() + timeout_s
+        while len(final) < len(PROMPTS):
+            event = self.router.events.get(timeout=max(0.1, deadline - time.monotonic()))
+            assert event.request_id not in final, f"second terminal state: {event}"
+            tokens[event.request_id] += event.token_ids
+            if event.state.startswith("finished") or event.state == "failed":
+                final[event.request_id] = (event.state, tokens[event.request_id])
+        return final
+
+
+def start_prefiller(faults: str | None = None, transfer_timeout_s: float | None = None,
+                    ) -> PrefillNode:
+    config = NodeConfig("tiny", CACHE, SchedulerConfig(chunk_size=5, max_num_batched_tokens=5,
+                                                       mode="prefill_only"), faults=faults)
+    engine, transfer, fingerprint, _ = build_node(config)
+    if transfer_timeout_s is not None:
+        transfer.timeout_s = transfer_timeout_s
+    return PrefillNode(engine, transfer, fingerprint)
+
+
+@pytest.fixture
+def make_cluster() -> Iterator:
+    """Factory for a cluster in threads; stops it and checks both sides for leaks after."""
+    made: list[Cluster] = []
+
+    def make(prefill_faults: str | None = None, decode_faults: str | None = None,
+             num_prefillers: int = 1, transfer_timeout_s: float | None = None) -> Cluster:
+        prefillers = [start_prefiller(prefill_faults if i == 0 else None, transfer_timeout_s)
+                      for i in range(num_prefillers)]
+        config = NodeConfig("tiny", CACHE, SchedulerConfig(), faults=decode_faults)
+        engine, transfer, fingerprint, _ = build_node(config)
+        decoder = DecodeNode(engine, transfer, fingerprint, [p.address for p in prefillers],
+                             reliability=FAST)
+        cluster = Cluster(prefillers, decoder, Router([decoder.address]))
+        for node in [*prefillers, decoder]:
+            thread = threading.Thread(target=node.run, daemon=True)
+            thread.start()
+            cluster.threads.append(thread)
+        made.append(cluster)
+        return cluster
+
+    yield make
+    for cluster in made:
+        cluster.router.close()
+        time.sleep(0.1)
+        for node in [cluster.decoder, *cluster.prefillers]:
+            node.stop()
+        for thread in cluster.threads:
+            thread.join(timeout=10)
+        cluster.decoder.check_clean()
+        for prefiller in cluster.prefillers:
+            if prefiller.engine.scheduler.has_unfinished() or prefiller.messenger.has_work():
+                continue  # a deliberately killed prefiller keeps what it had
+            prefiller.check_clean()
+        cluster.decoder.close()
+        for prefiller in cluster.prefillers:
+            prefiller.close()
+
+
+def assert_outcomes(final: dict[str, tuple[str, list[int]]]) -> None:
+    """One terminal state each; every finished request decoded the reference tokens."""
+    for i in range(len(PROMPTS)):
+        state, tokens = final[f"r{i}"]
+        assert state in ("finished_length", "finished_stopped", "failed", "finished_aborted")
+        if state.startswith("finished_l") or state.startswith("finished_s"):
+            assert tokens == REFERENCE[i], f"r{i} decoded garbage"
+
+
+@pytest.mark.slow  # about 4 s: deadlines have to expire
+def test_lost_immediates_are_caught_by_deadline_and_retried(make_cluster: object) -> None:
+    """Dropped immediates leave a counter short; the deadline cancels and retries."""
+    cluster = make_cluster(decode_faults="seed=4,drop_imm=0.1")
+    final = cluster.run_all()
+    assert cluster.decoder.transfer.injected["drop_imm"] > 0
+    assert_outcomes(final)
+    assert sum(s == "finished_length" for s, _ in final.values()) >= 2
+
+
+def test_duplicated_immediates_never_decode_garbage(make_cluster: object) -> None:
+    """A counter that fires early is caught by the KV checksum; outputs stay exact."""
+    cluster = make_cluster(decode_faults="seed=2,duplicate_imm=0.1")
+    final = cluster.run_all()
+    assert cluster.decoder.transfer.injected["duplicate_imm"] > 0
+    assert_outcomes(final)
+
+
+def test_failed_writes_end_each_request_once(make_cluster: object) -> None:
+    """Writes failing at the prefiller fail or retry requests, never hang them."""
+    cluster = make_cluster(prefill_faults="seed=1,fail_write=0.2")
+    final = cluster.run_all()
+    assert cluster.prefillers[0].transfer.injected["fail_write"] > 0
+    assert_outcomes(final)
+
+
+def test_delayed_and_reordered_writes_still_decode_exactly(make_cluster: object) -> None:
+    """Writes posted late and out of order change nothing: the counter waits for all."""
+    cluster = make_cluster(prefill_faults="seed=3,delay=0.5,max_delay_s=0.05")
+    final = cluster.run_all()
+    assert cluster.prefillers[0].transfer.injected["delay"] > 0
+    assert all(state == "finished_length" for state, _ in final.values())
+    assert_outcomes(final)
+
+
+def test_a_prefiller_that_stops_answering_fails_requests_in_bounded_time(
+        make_cluster: object) -> None:
+    """A prefiller whose writes vanish: requests time out, are cancelled and fail cleanly."""
+    cluster = make_cluster(prefill_faults="seed=0,stop_after=3", transfer_timeout_s=1.0)
+    start = time.monotonic()
+    final = cluster.run_all(timeout_s=40)
+    assert time.monotonic() - start < 40
+    assert any(state == "failed" for state, _ in final.values())
+    assert_outcomes(final)
+
+
+def test_dead_prefiller_requests_retry_on_another(make_cluster: object) -> None:
+    """Killing the prefiller that holds requests mid-transfer moves them to the other."""
+    cluster = make_cluster(prefill_faults="seed=0,stop_after=0", num_prefillers=2,
+                           transfer_timeout_s=30.0)
+    for i, prompt in enumerate(PROMPTS):
+        cluster.router.submit(Submit(f"r{i}", prompt, MAX_TOKENS))
+    time.sleep(0.3)
+    dead = cluster.prefillers[0]
+    dead.stop()
+    for channel in dead._channels:  # the process dies: its connections drop at once
+        channel.close()
+    tokens: dict[str, list[int]] = {}
+    finished = 0
+    while finished < len(PROMPTS):
+        event = cluster.router.events.get(timeout=20)
+        tokens.setdefault(event.request_id, []).extend(event.token_ids)
+        finished += event.state.startswith("finished") or event.state == "failed"
+    assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == REFERENCE
+
+
+def test_client_abort_frees_everything(make_cluster: object) -> None:
+    """An abort right after submission ends that request as aborted; the others finish."""
+    cluster = make_cluster(prefill_faults="seed=5,delay=1.0,max_delay_s=0.2")
+    final = cluster.run_all(abort={"r3"})
+    assert final["r3"][0] in ("finished_aborted", "finished_length")
+    assert_outcomes(final)
+
+
+def test_unauthenticated_peer_is_refused(monkeypatch: pytest.MonkeyPatch) -> None:
+    """With a cluster secret, a frame without a tag, or with a wrong one, is refused."""
+    monkeypatch.setenv("DISAGG_CLUSTER_SECRET", "s3cret")
+    prefiller = start_prefiller()
+    try:
+        intruder = Channel.connect(prefiller.address, secret=b"")
+        intruder.send(Hello("x", "m", "float32", 4, "NHD", 2, 4, 8, b"", [], b"", 1))
+        with pytest.raises(ProtocolError, match="signed frame"):
+            intruder.recv()  # the prefiller's Reject is signed; the intruder cannot check it
+        impostor = Channel.connect(prefiller.address, secret=b"guess")
+        impostor.send(Hello("y", "m", "float32", 4, "NHD", 2, 4, 8, b"", [], b"", 1))
+        with pytest.raises(ProtocolError, match="bad authentication tag"):
+            impostor.recv()
+        good = Channel.connect(prefiller.address)
+        good.send(Hello("z", "m", "float32", 4, "NHD", 2, 4, 8, b"", [], b"", 1))
+        reply = good.recv()
+        assert isinstance(reply, Reject) and "model" in reply.reason  # authenticated: judged
+    finally:
+        prefiller.close()
