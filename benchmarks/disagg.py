@@ -42,6 +42,7 @@ from pinned_cluster import (  # noqa: E402
     wait_for_quiet,
 )
 
+from disagg.engine.request import FailureCause, RequestState  # noqa: E402
 from disagg.kv_transfer.messages import RequestEvent, Submit  # noqa: E402
 from disagg.model.loading.registry import load_model  # noqa: E402
 from disagg.node.local_cluster import ClusterConfig  # noqa: E402
@@ -76,13 +77,13 @@ class Observed:
     arrival: Arrival
     submitted_at: float = 0.0
     node: int = -1
-    state: str = "queued"
+    state: RequestState = RequestState.WAITING
     token_times: list[float] = field(default_factory=list)
 
     @property
     def done(self) -> bool:
         """Whether the request reached a terminal state."""
-        return self.state.startswith("finished") or self.state == "failed"
+        return self.state.is_terminal()
 
 
 def make_schedule(args: argparse.Namespace, vocab_size: int) -> list[Arrival]:
@@ -144,12 +145,12 @@ def serve_stream(router: Router, schedule: list[Arrival], timeout_s: float
 
 def apply_event(by_id: dict[str, Observed], event: RequestEvent, received: float) -> None:
     """Fold one decoder event into its request; a dead node ends the run."""
-    if event.state == "decoder_gone":
+    if event.cause is FailureCause.DECODER_DIED:
         raise RuntimeError(f"a serving node died: {event.detail}")
     request = by_id[event.request_id]
     request.state = event.state
     request.token_times.extend(received for _ in event.token_ids)
-    if event.state == "failed":
+    if event.state is RequestState.FINISHED_FAILED:
         logger.warning("%s failed: %s", event.request_id, event.detail)
 
 

@@ -65,7 +65,7 @@ def request_rows(run: dict[str, Any]) -> list[dict[str, Any]]:
                        and not any(s < b and a < e for s, e in busy)]
         rows.append({
             "request_id": o.arrival.request_id, "kind": o.arrival.kind, "node": o.node,
-            "state": o.state, "prompt_tokens": len(o.arrival.prompt_token_ids),
+            "state": o.state.value, "prompt_tokens": len(o.arrival.prompt_token_ids),
             "output_tokens": len(times),
             "ttft_ms": (times[0] - o.submitted_at) * 1e3 if times else None,
             "itl_ms": gaps, "steady_itl_ms": steady, "undisturbed_itl_ms": undisturbed,

@@ -21,7 +21,7 @@ import time
 
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, SchedulerConfig
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import SamplingParams
 from disagg.kv_transfer.messages import Submit
@@ -49,7 +49,8 @@ def run(args: argparse.Namespace) -> dict:
     aborted = set(rng.sample(range(args.requests), int(args.abort_fraction * args.requests)))
     config = ClusterConfig(model=args.model, num_decoders=args.decoders,
                            num_prefillers=args.prefillers, page_size=8, chunk_size=64,
-                           num_pages=1024, extra_args=["--kv-timeout", str(args.kv_timeout)])
+                           num_pages=1024,
+                           reliability=ReliabilityConfig(kv_timeout_s=args.kv_timeout))
     deadline_s = args.kv_timeout * 3 + 30
     submitted: dict[str, float] = {}
     final: dict[str, tuple[str, float]] = {}
@@ -63,10 +64,10 @@ def run(args: argparse.Namespace) -> dict:
             while len(final) < args.requests:
                 event = router.events.get()
                 tokens[event.request_id] += event.token_ids
-                if event.state.startswith("finished") or event.state == "failed":
+                if event.state.is_terminal():
                     if event.request_id in final:
                         duplicates.append(event.request_id)
-                    final[event.request_id] = (event.state, time.monotonic())
+                    final[event.request_id] = (event.state.value, time.monotonic())
             done.set()
 
         threading.Thread(target=collect, daemon=True).start()

@@ -32,12 +32,16 @@ from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
 from disagg.apps.demo import BUILTIN_PROMPTS  # noqa: E402
-from disagg.config import CacheConfig, EngineConfig, SchedulerConfig  # noqa: E402
+from disagg.config import (  # noqa: E402
+    CacheConfig,
+    EngineConfig,
+    SchedulerConfig,
+    SpeculativeConfig,  # noqa: E402
+)
 from disagg.engine.llm_engine import build_engine  # noqa: E402
 from disagg.engine.request import SamplingParams  # noqa: E402
-from disagg.model.draft_heads import SpeculativeConfig  # noqa: E402
 from disagg.model.loading.registry import LoadedModel, load_model  # noqa: E402
-from disagg.spec.speculator import enable_speculation  # noqa: E402
+from disagg.spec.speculator import Speculator, build_speculative_engine  # noqa: E402
 
 
 def configurations(num_layers: int) -> list[tuple[str, SpeculativeConfig | None]]:
@@ -80,8 +84,9 @@ def measure(loaded: LoadedModel, spec: SpeculativeConfig | None, prompts: list[l
     With `truth`, the drafts are the reference tokens (see `OracleDrafts`)."""
     config = EngineConfig(loaded.config, CacheConfig(page_size=16, num_pages=256),
                           SchedulerConfig(chunk_size=512, max_num_batched_tokens=512))
-    engine = build_engine(config, loaded.state_dict)
-    speculator = enable_speculation(engine, spec) if spec is not None else None
+    engine = (build_engine(config, loaded.state_dict) if spec is None
+              else build_speculative_engine(config, loaded.state_dict, spec))
+    speculator = engine.finisher if isinstance(engine.finisher, Speculator) else None
     if speculator is not None and truth is not None:
         speculator.proposer = OracleDrafts(speculator.proposer, truth)  # type: ignore[assignment]
     tokens, forwards, seconds, outputs = 0, 0, 0.0, []

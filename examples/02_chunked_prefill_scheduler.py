@@ -15,7 +15,7 @@ import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.batch import Batch
-from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.llm_engine import EngineParts, LLMEngine
 from disagg.engine.request import SamplingParams
 from disagg.model.transformer import Transformer
 
@@ -38,7 +38,7 @@ def run(chunk_size: int, show_steps: bool) -> tuple[list[float], list[float]]:
     model = Transformer(ModelConfig.from_name("small"))  # 4 layers, hidden 256, random init
     config = EngineConfig(model.config, CacheConfig(page_size=16, num_pages=256),
                           SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=256))
-    engine = LLMEngine(config, model)
+    engine = LLMEngine(EngineParts.build(config, model))
     prompts = torch.randint(3, model.config.vocab_size, (5, 1000)).tolist()
     for prompt in prompts[:4]:
         engine.add_request(prompt[:32], SamplingParams(max_tokens=40))

@@ -17,7 +17,7 @@ from dataclasses import replace
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.llm_engine import EngineParts, LLMEngine
 from disagg.engine.request import SamplingParams
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.transformer import Transformer
@@ -30,9 +30,12 @@ IMM = 7
 def main() -> None:
     torch.manual_seed(0)
     config = replace(ModelConfig.from_name("small"), num_layers=8, name="small-8")
-    engine = LLMEngine(EngineConfig(config, CacheConfig(page_size=16, num_pages=64),
-                                    SchedulerConfig(chunk_size=512, max_num_batched_tokens=512,
-                                                    mode="prefill_only")), Transformer(config))
+    # The model bumps this counter after each layer's attention; a poller watches it (S3b).
+    counter = LayerCounter()
+    engine = LLMEngine(EngineParts.build(
+        EngineConfig(config, CacheConfig(page_size=16, num_pages=64),
+                     SchedulerConfig(chunk_size=512, max_num_batched_tokens=512,
+                                     mode="prefill_only")), Transformer(config, counter)))
     cache = engine.kv_cache
     request = engine.add_request(torch.randint(3, config.vocab_size, (512,)).tolist(),
                                  SamplingParams(max_tokens=1))
@@ -68,8 +71,6 @@ def main() -> None:
                 cache.page_nbytes, layer * cache.layer_nbytes, IMM,
                 on_done=lambda layer=layer: written.__setitem__(layer, time.perf_counter()))
 
-    counter = LayerCounter()
-    engine.model.layer_counter = counter  # the model bumps it after each layer's attention
     with CounterPoller([counter.value], on_counter, name="layer-poller"):
         start = time.perf_counter()
         engine.step()  # the whole prefill: one forward of 512 tokens

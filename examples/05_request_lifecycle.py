@@ -56,7 +56,7 @@ def serve(router: Router, request_id: str, timeline: Timeline) -> None:
     while True:
         event = router.events.get(timeout=60)
         timeline.append((time.time(), "router", describe_event(event)))
-        if event.state.startswith("finished") or event.state == "failed":
+        if event.state.is_terminal():
             return
 
 
@@ -64,7 +64,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory() as trace_dir:
         # Every node writes its Chrome trace into trace_dir when it exits.
         config = ClusterConfig(model="tiny", num_decoders=1, page_size=16, num_pages=64,
-                               chunk_size=16, extra_args=["--trace", trace_dir])
+                               chunk_size=16, trace_dir=trace_dir)
         timeline: Timeline = []
         with LocalCluster(config) as cluster:
             router = Router(cluster.decoder_addresses)

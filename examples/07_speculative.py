@@ -11,14 +11,13 @@ from __future__ import annotations
 
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from disagg.engine.llm_engine import LLMEngine, build_engine
 from disagg.engine.request import SamplingParams
 from disagg.kv_transfer.draft_kv import draft_kv_pages
 from disagg.kv_transfer.transfer_plan import expected_write_count
-from disagg.model.draft_heads import SpeculativeConfig
 from disagg.model.loading.registry import init_random_weights
-from disagg.spec.speculator import enable_speculation
+from disagg.spec.speculator import build_speculative_engine
 from disagg.spec.verify import verify_sampled
 
 CONFIG = ModelConfig.from_name("tiny")
@@ -27,11 +26,11 @@ PROMPT = [17, 254, 93, 402, 77, 5, 311, 128, 64]
 
 
 def make_engine(spec: SpeculativeConfig | None = None) -> LLMEngine:
-    engine = build_engine(EngineConfig(CONFIG, CacheConfig(page_size=4, num_pages=64),
-                                       SchedulerConfig(chunk_size=16)), WEIGHTS)
-    if spec is not None:
-        enable_speculation(engine, spec)
-    return engine
+    config = EngineConfig(CONFIG, CacheConfig(page_size=4, num_pages=64),
+                          SchedulerConfig(chunk_size=16))
+    if spec is None:
+        return build_engine(config, WEIGHTS)
+    return build_speculative_engine(config, WEIGHTS, spec)
 
 
 def same_tokens_fewer_forwards() -> None:

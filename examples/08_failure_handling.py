@@ -14,27 +14,25 @@ import logging
 import threading
 import time
 
-from disagg.config import CacheConfig, SchedulerConfig
-from disagg.kv_transfer.decode_messenger import ReliabilityConfig
+from disagg.config import CacheConfig, ReliabilityConfig, SchedulerConfig
 from disagg.kv_transfer.messages import Submit
-from disagg.node.builder import NodeConfig, build_node
+from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode
-from disagg.node.prefill_node import PrefillNode
+from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.router import Router
 
 
 def main() -> None:
     logging.basicConfig(level=logging.ERROR)
     cache = CacheConfig(page_size=4, num_pages=128)
-    engine, transfer, fingerprint, _ = build_node(NodeConfig(
+    prefiller = build_node(NodeConfig(
         "tiny", cache, SchedulerConfig(chunk_size=8, max_num_batched_tokens=8,
-                                       mode="prefill_only")))
-    prefiller = PrefillNode(engine, transfer, fingerprint)
-    engine, transfer, fingerprint, _ = build_node(NodeConfig(
-        "tiny", cache, SchedulerConfig(), faults="seed=4,drop_imm=0.1"))
+                                       mode="prefill_only"), role=NodeRole.PREFILL))
     reliability = ReliabilityConfig(kv_timeout_s=1.0, quarantine_timeout_s=0.5, max_attempts=3)
-    decoder = DecodeNode(engine, transfer, fingerprint, [prefiller.address],
-                         reliability=reliability)
+    decoder = build_node(NodeConfig(
+        "tiny", cache, SchedulerConfig(), role=NodeRole.DECODE, prefillers=(prefiller.address,),
+        faults="seed=4,drop_imm=0.1", reliability=reliability))
+    assert isinstance(decoder, DecodeNode)
     threads = [threading.Thread(target=node.run, daemon=True) for node in (prefiller, decoder)]
     for thread in threads:
         thread.start()
@@ -46,10 +44,10 @@ def main() -> None:
     while done < 4:
         event = router.events.get(timeout=30)
         if event.detail or last_state.get(event.request_id) != event.state:
-            print(f"{time.monotonic() - start:5.2f}s {event.request_id}: {event.state}"
+            print(f"{time.monotonic() - start:5.2f}s {event.request_id}: {event.state.value}"
                   f"{' (' + event.detail + ')' if event.detail else ''}")
         last_state[event.request_id] = event.state
-        done += event.state.startswith("finished") or event.state == "failed"
+        done += event.state.is_terminal()
     print(f"immediates dropped on purpose: {decoder.transfer.injected['drop_imm']}, "
           f"fences never reached: {decoder.messenger.quarantine.forced_releases}")
     router.close()

@@ -17,7 +17,7 @@ import threading
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.llm_engine import EngineParts, LLMEngine
 from disagg.engine.request import SamplingParams
 from disagg.model.layer_counter import LayerCounter, NullLayerCounter
 from disagg.model.transformer import Transformer
@@ -37,9 +37,9 @@ def main() -> None:
     params = SamplingParams(max_tokens=12, ignore_eos=True)
 
     def engine(cuda_graph: bool) -> LLMEngine:
-        return LLMEngine(EngineConfig(config, CacheConfig(page_size=4, num_pages=128),
-                                      SchedulerConfig(max_num_seqs=8), device=device,
-                                      cuda_graph=cuda_graph), model)
+        return LLMEngine(EngineParts.build(EngineConfig(
+            config, CacheConfig(page_size=4, num_pages=128), SchedulerConfig(max_num_seqs=8),
+            device=device, cuda_graph=cuda_graph), model))
 
     # 1. The same requests, eager and through the decode graphs' static buffers.
     eager = [r.output_token_ids for r in engine(False).generate(prompts, params)]

@@ -16,7 +16,7 @@ from gpu_check_common import SEED, Row, synchronize
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.batch import Batch
-from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.llm_engine import EngineParts, LLMEngine
 from disagg.engine.request import SamplingParams
 from disagg.model.layer_counter import LayerCounter, NullLayerCounter
 from disagg.model.transformer import Transformer
@@ -35,7 +35,7 @@ def _engine(model: Transformer, cuda_graph: bool, device: str) -> LLMEngine:
     cache = CacheConfig(page_size=16, num_pages=BATCH * 32 + 1, memory=memory)
     config = EngineConfig(model.config, cache, SchedulerConfig(max_num_seqs=BATCH),
                           device=device, cuda_graph=cuda_graph, graph_batch_sizes=(1, 2, 4, 8))
-    return LLMEngine(config, model)
+    return LLMEngine(EngineParts.build(config, model))
 
 
 def _decode_batch(engine: LLMEngine) -> Batch:
@@ -45,12 +45,11 @@ def _decode_batch(engine: LLMEngine) -> Batch:
         prompt = torch.randint(1, engine.model.config.vocab_size, (PROMPT_LEN,),
                                generator=generator)
         engine.add_request(prompt.tolist(), SamplingParams(max_tokens=64, ignore_eos=True))
-    seen: list[Batch] = []
-    engine.batch_listeners.append(seen.append)
-    while not (seen and seen[-1].is_pure_decode and len(seen[-1].chunks) == BATCH):
+    while True:
         engine.step()
-    engine.batch_listeners.remove(seen.append)
-    return seen[-1]
+        batch = engine.last_batch
+        if batch is not None and batch.is_pure_decode and len(batch.chunks) == BATCH:
+            return batch
 
 
 def _step_ms(engine: LLMEngine, batch: Batch, steps: int) -> float:

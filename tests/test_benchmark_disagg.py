@@ -12,6 +12,8 @@ from types import ModuleType, SimpleNamespace
 
 import pytest
 
+from disagg.engine.request import RequestState
+
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "disagg.py"
 
@@ -37,7 +39,7 @@ def _observed(request_id: str, kind: str, submitted: float, token_times: list[fl
               ) -> SimpleNamespace:
     arrival = SimpleNamespace(request_id=request_id, kind=kind, prompt_token_ids=[1] * 8)
     return SimpleNamespace(arrival=arrival, submitted_at=submitted, node=0,
-                           state="finished_length", token_times=token_times)
+                           state=RequestState.FINISHED_LENGTH, token_times=token_times)
 
 
 def test_percentile_is_nearest_rank() -> None:

@@ -6,7 +6,9 @@ The Python surface follows pplx-garden's TransferEngine: `register_memory` retur
 once the receiver has counted the expected writes. Several domains (NICs) each run a
 `DomainWorker` progress thread; a paged write is cut into contiguous page ranges, one per
 domain. The receiver's immediate count is the truth of placement: a sender's `on_done` only
-means the provider is done with the source buffer.
+means the provider is done with the source buffer. `connect` opens a peer's connection at
+handshake rather than on the first write (`warmup.py`). Argument checks are shared with the
+loopback test double (`write_checks.py`).
 """
 
 from __future__ import annotations
@@ -23,28 +25,21 @@ import numpy as np
 from transfer_core.domain_worker import Completion, DomainWorker, OnDone, OnError
 from transfer_core.errors import FabricError, PeerError, TransferError
 from transfer_core.imm_counter import ImmCounterMap
-from transfer_core.memory import (
-    EngineAddress,
-    MemoryRegion,
-    MemoryRegionDescriptor,
-    check_pages,
-    check_range,
-    resolve_buffer,
-)
+from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
 from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, WriteOp, find_infos, lib
+from transfer_core.warmup import Warmup
+from transfer_core.write_checks import (  # noqa: F401  (MAX_IMM: re-exported, callers import it)
+    MAX_IMM,
+    check_paged,
+    check_single,
+    check_target,
+    stripe,
+)
 
 logger = logging.getLogger(__name__)
 
-MAX_IMM = 2**32 - 1
 # How `staging.register_kv` places a tensor's memory: "auto" picks host, hmem or staged.
 MEMORY_PATHS = ("auto", "host", "hmem", "staged")
-
-
-def _as_indices(pages: Any, what: str) -> np.ndarray:
-    indices = np.ascontiguousarray(np.asarray(pages).reshape(-1), dtype=np.int64)
-    if indices.size == 0:
-        raise ValueError(f"{what}: no pages")
-    return indices
 
 
 class TransferEngine:
@@ -88,6 +83,7 @@ class TransferEngine:
         self._round_robin = itertools.count()
         self._closed = False
         self._threads: set[threading.Thread] = set()
+        self._warmup: Warmup | None = None
         infos = find_infos(provider, node=node, hmem=hmem, delivery_complete=delivery_complete)
         # One entry per distinct NIC; with fewer NICs than domains, NICs get several domains.
         by_domain = list({i.domain_name: i for i in reversed(infos)}.values())[::-1]
@@ -98,12 +94,15 @@ class TransferEngine:
                 info = by_domain[d % len(by_domain)]
                 worker = DomainWorker(d, info, self._on_imms, self._guard, cpu, max_inflight)
                 self._domains.append(worker)
+            self._warmup = Warmup(self._domains)
         except BaseException:
             self.close()
             raise
         self._info = self._domains[0].info
         self._threads = {w.thread for w in self._domains}
-        self._address = EngineAddress(self.provider, tuple(w.address for w in self._domains))
+        self._address = EngineAddress(
+            self.provider, tuple(w.address for w in self._domains), self._warmup.probes
+        )
 
     # -- identity ---------------------------------------------------------------------------
 
@@ -190,10 +189,7 @@ class TransferEngine:
     ) -> None:
         """One contiguous write of `length` bytes, optionally carrying `imm_data`."""
         self._check_write(src_mr, dst_mr, imm_data)
-        if length <= 0:
-            raise ValueError(f"write length must be > 0, got {length}")
-        check_range(src_mr.name, src_mr.length, offset, length)
-        check_range(dst_mr.name, dst_mr.length, dst_offset, length)
+        check_single(src_mr, offset, length, dst_mr, dst_offset)
         done = Completion(1, on_done, on_error, self._report)
         d = next(self._round_robin) % len(self._domains)
         self._post(
@@ -222,21 +218,11 @@ class TransferEngine:
         carrying `imm_data`: the receiver counts len(pages) immediates. Page ranges are
         striped over the domains; `on_done` fires once all pages are written."""
         self._check_write(src_mr, dst_mr, imm_data)
-        src = _as_indices(src_page_indices, "src_page_indices")
-        dst = _as_indices(dst_page_indices, "dst_page_indices")
-        if src.size != dst.size:
-            raise ValueError(f"{src.size} source pages but {dst.size} destination pages")
-        if length <= 0 or src_stride <= 0 or dst_stride <= 0:
-            raise ValueError(
-                f"length and strides must be > 0: {length}, {src_stride}, {dst_stride}"
-            )
-        check_pages(src_mr.name, src_mr.length, src, src_stride, src_offset, length)
-        check_pages(dst_mr.name, dst_mr.length, dst, dst_stride, dst_offset, length)
-        n = src.size
-        cuts = [n * d // len(self._domains) for d in range(len(self._domains) + 1)]
-        parts = [
-            (d, cuts[d], cuts[d + 1]) for d in range(len(self._domains)) if cuts[d] < cuts[d + 1]
-        ]
+        src, dst = check_paged(
+            length, src_mr, src_page_indices, src_stride, src_offset,
+            dst_mr, dst_page_indices, dst_stride, dst_offset,
+        )  # fmt: skip
+        parts = stripe(src.size, len(self._domains))
         done = Completion(len(parts), on_done, on_error, self._report)
         for d, lo, hi in parts:
             self._post(
@@ -260,6 +246,24 @@ class TransferEngine:
         done = Completion(1, on_done, on_error, self._report)
         d = next(self._round_robin) % len(self._domains)
         self._post(d, done, timeout_s, None, dst_mr, 1, 0, 0, 0, 0, 0, imm_data)
+
+    def connect(self, peer_address: bytes, *, timeout_s: float | None = None) -> None:
+        """Open the connection to the engine at `peer_address` (its `address` bytes) now, so
+        that the first real write does not pay for it (tens of ms on tcp;ofi_rxm, about 1 ms
+        on shm: benchmarks/first_write.py). Blocks until every domain of ours is connected to
+        the peer domain it writes to. The peer counts nothing and no byte of its memory
+        changes (see `warmup.py`). Idempotent per peer: once warmed, a peer is not warmed
+        again; should its connection drop later, the next write reconnects as it always did.
+
+        Raises DescriptorError for bytes that are no engine address, ValueError for a peer on
+        another provider, PeerError if the peer cannot be reached and TransferTimeoutError
+        after `timeout_s` (default: the engine's)."""
+        self._check_open()
+        if threading.current_thread() in self._threads:
+            raise RuntimeError("TransferEngine.connect() would block its own callback thread")
+        assert self._warmup is not None  # set in __init__ once the domains are open
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        self._warmup.connect(self.provider, peer_address, timeout)
 
     # -- immediate counters -----------------------------------------------------------------
 
@@ -300,6 +304,8 @@ class TransferEngine:
         for region in self._regions:
             region.close()
         self._regions.clear()
+        if self._warmup is not None:
+            self._warmup.close()
         for worker in self._domains:
             worker.close()
 
@@ -344,15 +350,7 @@ class TransferEngine:
         self._check_open()
         if src_mr is not None and src_mr not in self._regions:
             raise ValueError(f"region {src_mr.name!r} is not registered with this engine")
-        if dst_mr.provider != self.provider:
-            raise ValueError(
-                f"region {dst_mr.name!r} is on provider {dst_mr.provider!r}, "
-                f"this engine uses {self.provider!r}"
-            )
-        if not dst_mr.writable:
-            raise ValueError(f"region {dst_mr.name!r} is read-only at its owner")
-        if imm_data is not None and not 0 <= imm_data <= MAX_IMM:
-            raise ValueError(f"imm_data must fit in 32 bits, got {imm_data}")
+        check_target(self.provider, dst_mr, imm_data)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -3,8 +3,10 @@
 
 A region is registered once per domain (NIC); its descriptor carries, per domain, the
 endpoint address and the key, plus the base VA and whether the owner's provider wants
-virtual addresses (FI_MR_VIRT_ADDR: raddr = base + offset, else raddr = offset). Descriptors
-and addresses travel as bytes with a magic, a version byte and strict validation
+virtual addresses (FI_MR_VIRT_ADDR: raddr = base + offset, else raddr = offset). An engine
+address may also carry, per domain, the (key, raddr) of a tiny region its owner exposes only
+so that peers can open the connection ahead of the first real write (`TransferEngine.connect`).
+Descriptors and addresses travel as bytes with a magic, a version byte and strict validation
 (`DescriptorError`). Bounds are checked on whole index arrays at once (`BoundsError`).
 """
 
@@ -20,7 +22,9 @@ import numpy as np
 from transfer_core.errors import BoundsError, DescriptorError
 from transfer_core.pyfabric import MemoryRegistration, ffi
 
-WIRE_VERSION = 1
+WIRE_VERSION = 1  # of memory region descriptors
+# Of engine addresses: 2 added the per-domain warm-up targets.
+ADDRESS_WIRE_VERSION = 2
 _MR_MAGIC = b"TCMR"
 _ADDR_MAGIC = b"TCEA"
 _FLAG_VIRT_ADDR = 1
@@ -47,14 +51,12 @@ class _Reader:
         (length,) = self.take(length_fmt)
         return self.take(f"<{length}s")[0]
 
-    def header(self, magic: bytes) -> None:
+    def header(self, magic: bytes, expected: int = WIRE_VERSION) -> None:
         got, version = self.take("<4sB")
         if got != magic:
             raise DescriptorError(f"{self._what}: bad magic {got!r}, expected {magic!r}")
-        if version != WIRE_VERSION:
-            raise DescriptorError(
-                f"{self._what}: version {version}, this build reads {WIRE_VERSION}"
-            )
+        if version != expected:
+            raise DescriptorError(f"{self._what}: version {version}, this build reads {expected}")
 
     def end(self) -> None:
         if self._pos != len(self._data):
@@ -77,31 +79,45 @@ def _short(value: str) -> bytes:
 
 @dataclass(frozen=True)
 class EngineAddress:
-    """Where a `TransferEngine` listens: its provider and one endpoint address per domain."""
+    """Where a `TransferEngine` listens: its provider and one endpoint address per domain.
+
+    `probes`: empty, or per domain the (key, raddr) of the owner's warm-up region, into which
+    a peer makes a zero-byte write without immediate to open the connection early."""
 
     provider: str
     domains: tuple[bytes, ...]
+    probes: tuple[tuple[int, int], ...] = ()
+
+    def __post_init__(self) -> None:
+        if self.probes and len(self.probes) != len(self.domains):
+            raise ValueError(f"{len(self.probes)} probes for {len(self.domains)} domains")
 
     def to_bytes(self) -> bytes:
         out = [
             _ADDR_MAGIC,
-            struct.pack("<BB", WIRE_VERSION, len(self.domains)),
+            struct.pack("<BB", ADDRESS_WIRE_VERSION, len(self.domains)),
             _short(self.provider),
         ]
         out += [struct.pack("<H", len(a)) + a for a in self.domains]
+        out.append(struct.pack("<B", len(self.probes)))
+        out += [struct.pack("<QQ", key, raddr) for key, raddr in self.probes]
         return b"".join(out)
 
     @classmethod
     def from_bytes(cls, data: bytes) -> EngineAddress:
         r = _Reader(data, "engine address")
-        r.header(_ADDR_MAGIC)
+        r.header(_ADDR_MAGIC, ADDRESS_WIRE_VERSION)
         (count,) = r.take("<B")
         provider = _text(r.blob("<B"), "engine address")
         domains = tuple(r.blob("<H") for _ in range(count))
+        (num_probes,) = r.take("<B")
+        probes = tuple(r.take("<QQ") for _ in range(num_probes))
         r.end()
         if not domains:
             raise DescriptorError("engine address: no domains")
-        return cls(provider, domains)
+        if num_probes not in (0, count):
+            raise DescriptorError(f"engine address: {num_probes} probes for {count} domains")
+        return cls(provider, domains, probes)
 
 
 @dataclass(frozen=True)

@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import json
 import sys
-from dataclasses import replace
 from typing import Annotated
 
 import typer
 from rich.console import Console
+from rich.markup import escape
 
 from disagg.apps.figures.commands import register as register_figures
 from disagg.apps.options import (
@@ -86,7 +86,7 @@ def generate(
 ) -> None:
     """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
     from disagg.apps.generate import generate_one
-    from disagg.node.builder import check_device
+    from disagg.node.node_config import check_device
     from disagg.utils.trace import Tracer
 
     if (prompt is None) == (prompt_token_ids is None):
@@ -117,6 +117,7 @@ def generate(
 
 @app.command()
 def demo(
+    ctx: typer.Context,
     model: ModelOption = "smollm2-135m",
     decoders: Annotated[int, typer.Option(help="Decoder processes")] = 3,
     prompts_file: Annotated[str | None, typer.Option(
@@ -151,8 +152,9 @@ def demo(
 
     from disagg.apps.demo import load_prompts, run_demo
     from disagg.apps.demo_view import metrics_table, request_table, totals_table
-    from disagg.node.builder import check_node_memory
-    from disagg.node.local_cluster import DEPLOYMENTS, ClusterConfig
+    from disagg.apps.deployments import apply_deployment, explicit_fields
+    from disagg.node.local_cluster import ClusterConfig
+    from disagg.node.node_config import check_node_memory
 
     check_node_memory(device, kv_memory_path)  # fail here, not in every node
     decoders = decode_dp or decoders
@@ -162,24 +164,19 @@ def demo(
                             kv_layout=check_kv_layout(kv_layout), page_size=page_size,
                             num_pages=num_pages, chunk_size=chunk_size, provider=provider,
                             prefill_tp=prefill_tp, decode_tp=decode_tp, replicated_kv=replicated,
-                            device=device, kv_memory_path=kv_memory_path)
-    if speculative is not None:
-        speculative_config(speculative, num_draft_tokens, draft_layers)  # fail here, not there
-        cluster.decode_args = ["--speculative", speculative, "--num-draft-tokens",
-                               str(num_draft_tokens), "--draft-layers", str(draft_layers)]
-    if cuda_graph:
-        cluster.decode_args.append("--cuda-graph")
-    if deployment is not None:
-        if deployment not in DEPLOYMENTS:
-            raise ConfigError(f"unknown deployment {deployment!r}: expected one of "
-                              f"{sorted(DEPLOYMENTS)}")
-        cluster = replace(cluster, **DEPLOYMENTS[deployment])  # type: ignore[arg-type]
+                            device=device, kv_memory_path=kv_memory_path,
+                            speculative=speculative_config(speculative, num_draft_tokens,
+                                                           draft_layers),
+                            cuda_graph=cuda_graph)
+    if deployment is not None:  # before anything starts: a conflicting flag fails here
+        cluster = apply_deployment(cluster, deployment, explicit_fields(ctx))
     specs = load_prompts(prompts_file)
     if as_json:
         result = run_demo(cluster, specs, max_tokens, temperature, trace=trace)
         sys.stdout.write(json.dumps(result) + "\n")
         return
-    err_console.print(f"starting 1 prefiller and {decoders} decoders ({model}, {provider})...")
+    err_console.print(f"starting 1 prefiller and {cluster.num_decoders} decoders "
+                      f"({cluster.model}, {cluster.provider})...")
     with Live(console=console, refresh_per_second=8) as live:
         result = run_demo(cluster, specs, max_tokens, temperature, trace=trace,
                           view=lambda requests: live.update(request_table(requests)))
@@ -278,7 +275,11 @@ def main(argv: list[str] | None = None) -> None:
     try:
         app(args=argv)
     except (DisaggError, TransferError, ValueError) as error:
-        err_console.print(f"[bold red]error:[/bold red] {error}", highlight=False)
+        # Escaped: messages quote user text and brackets ('disagg[figures]', '[::1]:7000')
+        # that rich would otherwise swallow as markup tags. soft_wrap: one line, not wrapped
+        # at the console's width, so scripts can grep it.
+        err_console.print(f"[bold red]error:[/bold red] {escape(str(error))}", highlight=False,
+                          soft_wrap=True)
         raise SystemExit(2) from None
 
 

@@ -17,6 +17,7 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import ConfigError
 from disagg.kv_transfer.messages import RequestEvent, Submit
 from disagg.model.loading.registry import load_model
@@ -54,7 +55,7 @@ class DemoRequest:
     prompt: str | None
     prompt_token_ids: list[int]
     max_tokens: int
-    state: str = "queued"
+    state: RequestState = RequestState.WAITING
     decoder: int = -1
     token_ids: list[int] = field(default_factory=list)
     text: str = ""
@@ -64,6 +65,7 @@ class DemoRequest:
     kv_writes: int = 0
     kv_bytes: int = 0
     kv_wait_ms: float = 0.0
+    cause: FailureCause | None = None
     detail: str = ""
     stream: StreamDecoder | None = None
     draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted (issue 6)
@@ -72,7 +74,7 @@ class DemoRequest:
     @property
     def done(self) -> bool:
         """Whether the request reached a terminal state."""
-        return self.state.startswith("finished") or self.state == "failed"
+        return self.state.is_terminal()
 
     @property
     def ttft_ms(self) -> float | None:
@@ -90,9 +92,10 @@ class DemoRequest:
         """The per-request object of `--json`."""
         return {"request_id": self.request_id, "prompt": self.prompt,
                 "prompt_token_ids": self.prompt_token_ids, "token_ids": self.token_ids,
-                "text": self.text, "state": self.state, "decoder": self.decoder,
+                "text": self.text, "state": self.state.value, "decoder": self.decoder,
                 "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "kv_writes": self.kv_writes,
-                "kv_bytes": self.kv_bytes, "kv_wait_ms": self.kv_wait_ms, "detail": self.detail,
+                "kv_bytes": self.kv_bytes, "kv_wait_ms": self.kv_wait_ms,
+                "cause": self.cause.value if self.cause else None, "detail": self.detail,
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
 
 
@@ -154,6 +157,7 @@ def apply_event(request: DemoRequest, event: RequestEvent, now: float) -> None:
         request.kv_writes, request.kv_bytes = event.kv_writes, event.kv_bytes
         request.kv_wait_ms = event.kv_wait_ms
     request.detail = event.detail or request.detail
+    request.cause = event.cause or request.cause
     if event.num_draft_tokens:
         request.draft_tokens = event.num_draft_tokens
         request.accepted_tokens = event.num_accepted_tokens
@@ -173,7 +177,8 @@ def totals(requests: list[DemoRequest], wall_s: float) -> dict[str, Any]:
     ttfts = sorted(r.ttft_ms for r in requests if r.ttft_ms is not None)
     drafts = sum(r.draft_tokens for r in requests)
     accepted = sum(r.accepted_tokens for r in requests)
-    return {"requests": len(requests), "failed": sum(r.state == "failed" for r in requests),
+    failed = sum(r.state is RequestState.FINISHED_FAILED for r in requests)
+    return {"requests": len(requests), "failed": failed,
             "output_tokens": tokens, "wall_s": wall_s,
             "tokens_per_s": tokens / wall_s if wall_s else 0.0,
             "ttft_ms_p50": ttfts[len(ttfts) // 2] if ttfts else None,
@@ -195,7 +200,7 @@ def trace_request(tracer: Tracer, request: DemoRequest, tokens_before: int,
         tracer.counter("kv_writes_landed", **{rid: landed})
     if request.done:
         end = time.monotonic() + clock
-        record_request(tracer, rid, "done", end, state=request.state)
+        record_request(tracer, rid, "done", end, state=request.state.value)
         tracer.complete("request", request.submitted_at + clock, end, track=rid,
                         request_id=rid, decoder=request.decoder, ttft_ms=request.ttft_ms,
                         tpot_ms=request.tpot_ms, tokens=len(request.token_ids))

@@ -7,9 +7,11 @@ from typing import Any
 from rich.table import Table
 
 from disagg.apps.demo import DemoRequest
+from disagg.engine.request import RequestState
 
-STATE_STYLE = {"queued": "dim", "waiting_for_kv": "yellow", "decoding": "cyan",
-               "finished_stopped": "green", "finished_length": "green", "failed": "red"}
+STATE_STYLE = {RequestState.WAITING: "dim", RequestState.WAITING_FOR_KV: "yellow",
+               RequestState.RUNNING: "cyan", RequestState.FINISHED_STOPPED: "green",
+               RequestState.FINISHED_LENGTH: "green", RequestState.FINISHED_FAILED: "red"}
 
 
 def request_table(requests: list[DemoRequest], title: str = "disaggregated serving") -> Table:
@@ -26,7 +28,7 @@ def request_table(requests: list[DemoRequest], title: str = "disaggregated servi
         tps = f"{1e3 / r.tpot_ms:.1f}" if r.tpot_ms else ""
         ttft = f"{r.ttft_ms:.0f}" if r.ttft_ms is not None else ""
         text = r.text if r.stream is not None else " ".join(map(str, r.token_ids))
-        state = r.state.removeprefix("finished_")
+        state = r.state.value.removeprefix("finished_")
         table.add_row(r.request_id, str(r.decoder), f"[{STATE_STYLE.get(r.state, '')}]{state}",
                       kv, ttft, tps, text[-60:].replace("\n", " "))
     return table

@@ -12,14 +12,13 @@ from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
-from disagg.config import EngineConfig
+from disagg.config import EngineConfig, SpeculativeConfig
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import SamplingParams
 from disagg.errors import RequestError
-from disagg.model.draft_heads import SpeculativeConfig
 from disagg.model.loading.registry import load_model
 from disagg.model.loading.tokenizer import StreamDecoder
-from disagg.spec.speculator import enable_speculation
+from disagg.spec.speculator import build_speculative_engine
 from disagg.utils.trace import Tracer
 
 
@@ -43,9 +42,9 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
     if max(prompt_token_ids) >= loaded.config.vocab_size:
         raise RequestError(f"token id {max(prompt_token_ids)} is outside the vocabulary of "
                            f"{loaded.config.vocab_size}")
-    engine = build_engine(replace(config, model=loaded.config), loaded.state_dict)
-    if speculative is not None:
-        enable_speculation(engine, speculative)
+    config = replace(config, model=loaded.config)
+    engine = (build_engine(config, loaded.state_dict) if speculative is None
+              else build_speculative_engine(config, loaded.state_dict, speculative))
     params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
                             top_k=top_k, seed=seed)
     request = engine.add_request(prompt_token_ids, params)
@@ -67,7 +66,7 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
         "model": model_spec,
         "prompt_token_ids": prompt_token_ids,
         "token_ids": request.output_token_ids,
-        "finish_reason": request.status.value.removeprefix("finished_"),
+        "finish_reason": request.state.value.removeprefix("finished_"),
     }
     if tokenizer is not None:
         result["text"] = tokenizer.decode(request.output_token_ids, skip_special_tokens=True)

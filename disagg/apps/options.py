@@ -1,7 +1,7 @@
 """Options the `disagg` commands share (typer `Annotated` aliases), and their small parsers.
 
-Kept apart so `cli.py` (generate, demo, tools) and `cli_serve.py` (the three node kinds) read
-the same flags with the same help text.
+Kept apart so `cli.py` (generate, demo, tools) and `serve_commands.py` (the three node kinds)
+read the same flags with the same help text.
 """
 
 from __future__ import annotations
@@ -9,6 +9,8 @@ from __future__ import annotations
 from typing import Annotated
 
 import typer
+
+from disagg.config import SpeculativeConfig
 
 SpeculativeOption = Annotated[str | None, typer.Option(
     help="Speculative decoding with this draft: mtp (an MTP head, random-init) or early-exit "
@@ -19,10 +21,9 @@ DraftLayersOption = Annotated[int, typer.Option(
     help="Layers of the early-exit draft (0: all but the last two)")]
 
 
-def speculative_config(kind: str | None, num_draft_tokens: int, draft_layers: int) -> object:
+def speculative_config(kind: str | None, num_draft_tokens: int,
+                       draft_layers: int) -> SpeculativeConfig | None:
     """The `SpeculativeConfig` the options describe, or None without --speculative."""
-    from disagg.model.draft_heads import SpeculativeConfig
-
     if kind is None:
         return None
     return SpeculativeConfig(kind, num_draft_tokens, draft_layers)  # type: ignore[arg-type]

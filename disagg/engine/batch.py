@@ -1,12 +1,16 @@
-"""What one engine step runs: chunks of requests, as the scheduler hands them out (S3a).
+"""What one engine step runs and what it produces (S3a).
 
-The same `Batch` goes to the model runner (what to compute) and, on a prefiller, to the messenger
-(which pages of which requests will be ready as each layer finishes).
+A `Batch` holds chunks of requests, as the scheduler hands them out; the same batch goes to the
+model runner (what to compute) and, on a prefiller, to the messenger (which pages of which
+requests will be ready as each layer finishes). `ForwardOutput` is what the forward produced,
+`TokenEvent` what a step sampled. Kept here, below the runners, so nothing imports in a circle.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+
+import torch
 
 from disagg.engine.request import Request
 
@@ -60,3 +64,24 @@ class Batch:
     def is_pure_decode(self) -> bool:
         """Every chunk is a one-token decode."""
         return bool(self.chunks) and all(chunk.num_tokens == 1 for chunk in self.chunks)
+
+
+@dataclass(slots=True)
+class ForwardOutput:
+    """What one step produced for the chunks that sample."""
+
+    sample_chunk_indices: list[int]  # index into batch.chunks of each row below
+    hidden_states: torch.Tensor  # [num_sampling_chunks, hidden_size], after the final norm
+    logits: torch.Tensor  # [num_sampling_chunks, vocab_size]
+    # Every row of the batch, packed as its chunks: what a prefiller ships for a draft head and
+    # what a speculative decoder verifies drafts with (issue 6). [num_tokens, hidden_size]
+    all_hidden_states: torch.Tensor | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class TokenEvent:
+    """A token a step produced for a request; `finished` if it was the request's last."""
+
+    request: Request
+    token_id: int
+    finished: bool

@@ -15,8 +15,7 @@ import logging
 import torch
 
 from disagg.config import GRAPH_BATCH_SIZES
-from disagg.engine.batch import Batch, ScheduledChunk
-from disagg.engine.model_runner import ForwardOutput
+from disagg.engine.batch import Batch, ForwardOutput, ScheduledChunk
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kv_cache import KVCache
 from disagg.model.layer_counter import LayerCounter, NullLayerCounter

@@ -1,83 +1,108 @@
 """The single-node engine: scheduler, model runner and sampler in one loop (S1).
 
-`LLMEngine.step()` is the whole serving loop in four lines: schedule a batch, tell whoever
-listens which chunks it holds (S3a), run it, sample and advance. The prefiller and decoder engines
-of a disaggregated deployment are these same parts rearranged. With `cuda_graph` the runner
-sends pure-decode steps through static buffers and CUDA graphs (S3b, `graph_runner.py`).
+`LLMEngine.step()` is the whole serving loop: schedule a batch, tell the observers which chunks
+it holds (S3a), run it, tell them what it produced, then sample and advance (or let the
+speculator do that, S8). Who observes is fixed when the engine is built: a node's builder
+passes its messenger (and a decoder's speculator) in; nothing is attached later. The parts an
+engine is made of (`EngineParts`) are built first, so plug-ins can be given the same cache,
+allocator and scheduler the engine steps. With `cuda_graph` the runner sends pure-decode steps
+through static buffers and CUDA graphs (S3b, `cuda_graphs.py`).
 """
 
 from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
-from disagg.engine.batch import Batch
+from disagg.engine.batch import Batch, ForwardOutput, TokenEvent
 from disagg.engine.cuda_graphs import DecodeGraphs, useful_batch_sizes
-from disagg.engine.model_runner import ForwardOutput, ModelRunner
+from disagg.engine.model_runner import ModelRunner
 from disagg.engine.page_allocator import PageAllocator
 from disagg.engine.request import Request, SamplingParams
 from disagg.engine.sampling import sample_token
 from disagg.engine.scheduler import Scheduler
 from disagg.errors import ConfigError
 from disagg.model.kv_cache import KVCache, PagedKVCache
+from disagg.model.layer_counter import LayerCounter
 from disagg.model.sharded_kv_cache import ShardedKVCache
 from disagg.model.sharding import Sharding
 from disagg.model.transformer import Transformer
 
 
-@dataclass(frozen=True, slots=True)
-class TokenEvent:
-    """A token a step produced for a request; `finished` if it was the request's last."""
+class StepObserver(Protocol):
+    """Told about every step: a prefiller's messenger plans and ships pages from these (S3a)."""
 
-    request: Request
-    token_id: int
-    finished: bool
+    def on_batch(self, batch: Batch) -> None:
+        """Before the forward: the chunks this step runs."""
+
+    def after_forward(self, batch: Batch, output: ForwardOutput) -> None:
+        """After the forward, before sampling: what it produced."""
 
 
 class StepFinisher(Protocol):
-    """What replaces sampling and postprocessing when the engine speculates."""
+    """What replaces sampling and postprocessing when the engine speculates (S8)."""
 
     def finish_step(self, batch: Batch, output: ForwardOutput) -> list[TokenEvent]: ...
+
+
+@dataclass(frozen=True, slots=True)
+class EngineParts:
+    """What one engine is made of. Built before the engine, so that a builder can hand the
+    same cache, allocator and scheduler to the engine's plug-ins (messenger, speculator)."""
+
+    config: EngineConfig
+    model: Transformer
+    kv_cache: KVCache
+    allocator: PageAllocator
+    scheduler: Scheduler
+    runner: ModelRunner
+
+    @staticmethod
+    def build(config: EngineConfig, model: Transformer) -> EngineParts:
+        """Cache, allocator, scheduler and runner for `model` (moved to `config.device`)."""
+        model = model.to(config.device).eval()
+        check_cache_fits(model.config, config.cache)
+        kv_cache = make_kv_cache(model.config, config)
+        # With decode graphs the cache's last page is the padding rows' scratch page: the
+        # allocator never manages it, so no request gets it and leak checks stay exact.
+        cache = config.cache
+        num_request_pages = cache.num_pages - 1 if config.cuda_graph else cache.num_pages
+        allocator = PageAllocator(num_request_pages)
+        max_model_len = min(model.config.max_position_embeddings,
+                            num_request_pages * cache.page_size)
+        scheduler = Scheduler(config.scheduler, allocator, cache.page_size, max_model_len)
+        graphs = None
+        if config.cuda_graph:
+            graphs = DecodeGraphs(model, kv_cache, padding_page=cache.num_pages - 1,
+                                  max_pages=-(-max_model_len // cache.page_size),
+                                  batch_sizes=useful_batch_sizes(
+                                      config.graph_batch_sizes, config.scheduler.max_num_seqs))
+        return EngineParts(config, model, kv_cache, allocator, scheduler,
+                           ModelRunner(model, kv_cache, graphs))
 
 
 class LLMEngine:
     """Serves many requests at once on one node with continuous batching."""
 
-    def __init__(self, config: EngineConfig, model: Transformer) -> None:
-        self.config = config
-        self.model = model.to(config.device).eval()
-        check_cache_fits(model.config, config.cache)
-        self.kv_cache = make_kv_cache(model.config, config)
-        # With decode graphs the cache's last page is the padding rows' scratch page: the
-        # allocator never manages it, so no request gets it and leak checks stay exact.
-        cache = config.cache
-        num_request_pages = cache.num_pages - 1 if config.cuda_graph else cache.num_pages
-        self.allocator = PageAllocator(num_request_pages)
-        max_model_len = min(model.config.max_position_embeddings,
-                            num_request_pages * cache.page_size)
-        self.scheduler = Scheduler(config.scheduler, self.allocator, cache.page_size,
-                                   max_model_len)
-        graphs = None
-        if config.cuda_graph:
-            graphs = DecodeGraphs(self.model, self.kv_cache, padding_page=cache.num_pages - 1,
-                                  max_pages=-(-max_model_len // cache.page_size),
-                                  batch_sizes=useful_batch_sizes(
-                                      config.graph_batch_sizes, config.scheduler.max_num_seqs))
-        self.runner = ModelRunner(self.model, self.kv_cache, graphs)
-        # Told which chunks run before each forward (S3a), and what it produced after it.
-        self.batch_listeners: list[Callable[[Batch], None]] = []
-        self.forward_listeners: list[Callable[[Batch, ForwardOutput], None]] = []
+    def __init__(self, parts: EngineParts, observers: Sequence[StepObserver] = (),
+                 finisher: StepFinisher | None = None) -> None:
+        self.config = parts.config
+        self.model = parts.model
+        self.kv_cache = parts.kv_cache
+        self.allocator = parts.allocator
+        self.scheduler = parts.scheduler
+        self.runner = parts.runner
+        self.observers = tuple(observers)  # in the order they are told
+        self.finisher = finisher  # a speculator verifies, samples and drafts instead (S8)
         self._ids = itertools.count()
         self.num_steps = 0  # batches run so far
         self.last_batch: Batch | None = None
-        # Set by `spec_engine.enable_speculation`: it then verifies, samples and drafts (issue 6).
-        self.speculator: StepFinisher | None = None
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
@@ -97,14 +122,14 @@ class LLMEngine:
         if batch.is_empty:
             return []
         self.last_batch = batch
-        for listener in self.batch_listeners:
-            listener(batch)
+        for observer in self.observers:
+            observer.on_batch(batch)
         output = self.runner.execute(batch)
         self.num_steps += 1
-        for forward_listener in self.forward_listeners:
-            forward_listener(batch, output)
-        if self.speculator is not None:
-            return self.speculator.finish_step(batch, output)
+        for observer in self.observers:
+            observer.after_forward(batch, output)
+        if self.finisher is not None:
+            return self.finisher.finish_step(batch, output)
         sampled: dict[str, int] = {}
         if self.config.scheduler.mode == "prefill_only":
             self.scheduler.postprocess(batch, sampled)  # a prefiller never samples (S8)
@@ -154,8 +179,16 @@ def check_cache_fits(model: ModelConfig, cache: CacheConfig) -> None:
                           f"{nbytes / 2**30:.1f} GiB, more than half of this machine's memory")
 
 
-def build_engine(config: EngineConfig, state_dict: dict[str, torch.Tensor]) -> LLMEngine:
-    """An engine whose model holds `state_dict` (names as in `Transformer.load_weights`)."""
-    model = Transformer(config.model)
+def load_transformer(config: EngineConfig, state_dict: dict[str, torch.Tensor],
+                     layer_counter: LayerCounter | None = None) -> Transformer:
+    """A model holding `state_dict` (names as in `Transformer.load_weights`)."""
+    model = Transformer(config.model, layer_counter)
     model.load_weights(state_dict)
-    return LLMEngine(config, model)
+    return model
+
+
+def build_engine(config: EngineConfig, state_dict: dict[str, torch.Tensor],
+                 layer_counter: LayerCounter | None = None) -> LLMEngine:
+    """A plain engine (no observers) whose model holds `state_dict`."""
+    return LLMEngine(EngineParts.build(config, load_transformer(config, state_dict,
+                                                                 layer_counter)))

@@ -9,30 +9,13 @@ graphs on a GPU, `graph_runner.py`); everything else runs here, eagerly.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
-
 import torch
 
-from disagg.engine.batch import Batch
+from disagg.engine.batch import Batch, ForwardOutput
+from disagg.engine.cuda_graphs import DecodeGraphs
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import KVCache
 from disagg.model.transformer import Transformer
-
-if TYPE_CHECKING:  # graph_runner builds on this module; the runner only holds one
-    from disagg.engine.cuda_graphs import DecodeGraphs
-
-
-@dataclass(slots=True)
-class ForwardOutput:
-    """What one step produced for the chunks that sample."""
-
-    sample_chunk_indices: list[int]  # index into batch.chunks of each row below
-    hidden_states: torch.Tensor  # [num_sampling_chunks, hidden_size], after the final norm
-    logits: torch.Tensor  # [num_sampling_chunks, vocab_size]
-    # Every row of the batch, packed as its chunks: what a prefiller ships for a draft head and
-    # what a speculative decoder verifies drafts with (issue 6). [num_tokens, hidden_size]
-    all_hidden_states: torch.Tensor | None = None
 
 
 class ModelRunner:

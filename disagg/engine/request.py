@@ -15,23 +15,46 @@ import torch
 from disagg.errors import RequestError
 
 
-class RequestStatus(enum.Enum):
-    """Where a request is in its life on one node."""
+class RequestState(enum.Enum):
+    """Where a request is in its life. The one vocabulary of the whole system: the scheduler,
+    the messengers, the quarantine, the wire (`RequestEvent.state`) and the router use it."""
 
     WAITING = "waiting"  # queued, no pages yet (or preempted)
     WAITING_FOR_KV = "waiting_for_kv"  # pages pinned, KV arriving from a prefiller (S2a)
-    RUNNING = "running"
+    RUNNING = "running"  # scheduled: prefilling or decoding
     TRANSFERRING = "transferring"  # prefiller: prompt computed, KV writes still in flight (S4b)
     FINISHED_STOPPED = "finished_stopped"  # hit an EOS or stop token
     FINISHED_LENGTH = "finished_length"  # hit max_tokens
-    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ABORTED = "finished_aborted"  # the client gave up
     FINISHED_TRANSFERRED = "finished_transferred"  # prefiller: every write landed, pages freed
-    FINISHED_FAILED = "finished_failed"  # a peer or transfer failed; the reason is logged
+    FINISHED_FAILED = "finished_failed"  # a peer or transfer failed; `FailureCause` says which
 
-    @property
-    def is_finished(self) -> bool:
-        """Whether this is a terminal state."""
-        return self.name.startswith("FINISHED")
+    def is_terminal(self) -> bool:
+        """Whether nothing more happens to a request in this state."""
+        return self in TERMINAL_STATES
+
+
+TERMINAL_STATES = frozenset({
+    RequestState.FINISHED_STOPPED, RequestState.FINISHED_LENGTH, RequestState.FINISHED_ABORTED,
+    RequestState.FINISHED_TRANSFERRED, RequestState.FINISHED_FAILED})
+
+
+class FailureCause(enum.Enum):
+    """Why a request failed, was retried or was aborted: carried in messages and metrics,
+    never recovered from error text."""
+
+    DEADLINE = "deadline"  # its KV did not arrive in time
+    CHECKSUM = "checksum"  # the KV that arrived does not match the prefiller's checksum
+    PREFILLER_DIED = "prefiller_died"  # the prefiller went away with the request in flight
+    NO_PREFILLER = "no_prefiller"  # no live prefiller to ask
+    PREFILLER_REFUSED = "prefiller_refused"  # the prefiller refused the request
+    WRITE_FAILED = "write_failed"  # an RDMA write failed at the prefiller
+    LEASE_EXPIRED = "lease_expired"  # the prefiller stopped a transfer older than its lease
+    CANCELLED = "cancelled"  # the decoder cancelled the transfer (deadline or abort)
+    DECODER_GONE = "decoder_gone"  # prefiller: the decoder went away
+    DECODER_DIED = "decoder_died"  # router: the decoder holding the request died
+    INVALID_REQUEST = "invalid_request"  # refused at admission (it can never be served)
+    ABORTED = "aborted"  # the client gave up
 
 
 @dataclass(frozen=True, slots=True)
@@ -68,7 +91,7 @@ class Request:
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     page_ids: list[int] = field(default_factory=list)
-    status: RequestStatus = RequestStatus.WAITING
+    state: RequestState = RequestState.WAITING
     generator: torch.Generator | None = None
     kv_attempts: int = 1  # decoder: times the KV was asked for (a retry after a failure adds one)
     # Speculative decoding (issue 6): drafts awaiting verification (they follow the real tokens
@@ -103,7 +126,7 @@ class Request:
     @property
     def is_finished(self) -> bool:
         """Whether the request reached a terminal state."""
-        return self.status.is_finished
+        return self.state.is_terminal()
 
     def append_token(self, token_id: int) -> None:
         """Record a sampled token and finish the request if it stops here."""
@@ -111,6 +134,6 @@ class Request:
         params = self.sampling_params
         stops = not params.ignore_eos and token_id in self.eos_token_ids
         if stops or token_id in params.stop_token_ids:
-            self.status = RequestStatus.FINISHED_STOPPED
+            self.state = RequestState.FINISHED_STOPPED
         elif len(self.output_token_ids) >= params.max_tokens:
-            self.status = RequestStatus.FINISHED_LENGTH
+            self.state = RequestState.FINISHED_LENGTH

@@ -18,7 +18,7 @@ from collections import deque
 from disagg.config import SchedulerConfig
 from disagg.engine.batch import Batch, ScheduledChunk
 from disagg.engine.page_allocator import PageAllocator
-from disagg.engine.request import Request, RequestStatus
+from disagg.engine.request import Request, RequestState
 from disagg.errors import RequestError
 
 logger = logging.getLogger(__name__)
@@ -39,7 +39,7 @@ class Scheduler:
     def add_request(self, request: Request) -> None:
         """Queue a request; refuse one that could never fit."""
         self.check_fits(request)
-        request.status = RequestStatus.WAITING
+        request.state = RequestState.WAITING
         self.waiting.append(request)
 
     def check_fits(self, request: Request) -> None:
@@ -81,7 +81,7 @@ class Scheduler:
             if num_tokens == 0 or not self._reserve_pages(request, num_tokens, None):
                 break
             self.waiting.popleft()
-            request.status = RequestStatus.RUNNING
+            request.state = RequestState.RUNNING
             self.running.append(request)
             batch.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
             budget -= num_tokens
@@ -90,7 +90,7 @@ class Scheduler:
     def add_prefilled(self, request: Request) -> None:
         """Run a request whose pages already hold `num_computed_tokens` tokens of KV (S2c)."""
         assert request.page_ids and request.num_computed_tokens > 0, "nothing was prefilled"
-        request.status = RequestStatus.RUNNING
+        request.state = RequestState.RUNNING
         self.running.append(request)
 
     def postprocess(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
@@ -105,7 +105,7 @@ class Scheduler:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
             if chunk.samples and self.config.mode == "prefill_only":
-                request.status = RequestStatus.TRANSFERRING
+                request.state = RequestState.TRANSFERRING
                 self.running.remove(request)
                 done.append(request)
                 continue
@@ -121,7 +121,7 @@ class Scheduler:
         for queue in (self.running, self.waiting):
             for request in queue:
                 if request.request_id == request_id:
-                    request.status = RequestStatus.FINISHED_ABORTED
+                    request.state = RequestState.FINISHED_ABORTED
                     self._release(request)
                     return request
         return None
@@ -196,7 +196,7 @@ class Scheduler:
         self.allocator.free(request.page_ids)
         request.page_ids = []
         request.num_computed_tokens = 0
-        request.status = RequestStatus.WAITING
+        request.state = RequestState.WAITING
         self.waiting.appendleft(request)
 
     def _release(self, request: Request) -> None:

@@ -10,6 +10,7 @@ decoder accept anything.
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import hmac
 import os
@@ -48,7 +49,7 @@ class Channel:
 
     @staticmethod
     def connect(address: str, timeout_s: float = 10.0, secret: bytes | None = None) -> Channel:
-        """Connect to `host:port`."""
+        """Connect to `host:port` or `[ipv6]:port`."""
         host, port = parse_address(address)
         try:
             sock = socket.create_connection((host, port), timeout=timeout_s)
@@ -94,10 +95,8 @@ class Channel:
             if self._closed:
                 return
             self._closed = True
-        try:
+        with contextlib.suppress(OSError):  # already disconnected: nothing left to shut down
             self.sock.shutdown(socket.SHUT_RDWR)
-        except OSError:
-            pass  # already disconnected: nothing left to shut down
         self.sock.close()
 
     @property
@@ -123,18 +122,46 @@ class Channel:
 
 
 def parse_address(address: str) -> tuple[str, int]:
-    """"host:port" -> (host, port), with an error naming a malformed address."""
-    host, sep, port = address.rpartition(":")
-    if not sep or not host or not port.isdigit():
-        raise ValueError(f"address {address!r} is not host:port")
+    """"host:port" or "[ipv6]:port" -> (host, port), with an error naming a malformed address.
+
+    An IPv6 host must be in brackets: in "::1:7000" nothing tells the port from the last
+    group of the address, so it is refused rather than guessed.
+
+    >>> parse_address("[::1]:7000")
+    ('::1', 7000)
+    """
+    if address.startswith("["):
+        host, sep, port = address[1:].partition("]:")
+        if not sep or "]" in host:
+            raise ValueError(f"address {address!r} is not [host]:port")
+    else:
+        host, sep, port = address.rpartition(":")
+        if ":" in host:
+            raise ValueError(f"address {address!r}: an IPv6 host must be in brackets, "
+                             "as in [::1]:7000")
+        if not sep:
+            raise ValueError(f"address {address!r} is not host:port")
+    # isdecimal, not isdigit: int() refuses some digits (superscripts) that isdigit accepts.
+    if not host or not port.isdecimal() or int(port) > 65535:
+        raise ValueError(f"address {address!r} is not host:port (port 0-65535)")
     return host, int(port)
 
 
+def format_address(host: str, port: int) -> str:
+    """The "host:port" that `parse_address` reads back: an IPv6 host goes in brackets.
+
+    >>> format_address("::1", 7000)
+    '[::1]:7000'
+    """
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
 def listen(address: str) -> socket.socket:
-    """A listening socket on `host:port` (port 0 picks a free one)."""
+    """A listening socket on `host:port` or `[ipv6]:port` (port 0 picks a free one)."""
     host, port = parse_address(address)
-    server = socket.create_server((host, port), reuse_port=False)
-    return server
+    # create_server defaults to IPv4, where an IPv6 literal does not resolve.
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    return socket.create_server((host, port), family=family, reuse_port=False)
 
 
 def start_heartbeats(channels: Callable[[], list[Channel]], stop: threading.Event,
@@ -148,10 +175,8 @@ def start_heartbeats(channels: Callable[[], list[Channel]], stop: threading.Even
     def beat() -> None:
         while not stop.wait(interval_s):
             for channel in channels():
-                try:
+                with contextlib.suppress(PeerClosedError):  # its reader thread reports the loss
                     channel.send(Heartbeat())
-                except PeerClosedError:
-                    pass  # its reader thread reports the loss
 
     thread = threading.Thread(target=beat, daemon=True, name="heartbeats")
     thread.start()

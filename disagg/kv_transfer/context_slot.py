@@ -8,10 +8,16 @@ pre-allocated context slot on the decoder, for speculative decoding or MTP heads
 
 from __future__ import annotations
 
+import queue
+from collections.abc import Callable
+
 import torch
 
 from disagg.config import ModelConfig
 from disagg.model.kv_cache import KVCache
+from transfer_core.engine import TransferEngine
+from transfer_core.errors import TransferError
+from transfer_core.memory import MemoryRegionDescriptor
 
 CONTEXT_DTYPE = torch.float32
 
@@ -74,3 +80,46 @@ def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int) -> floa
         k, v = kv_cache.gather(layer, pages, num_tokens)
         total += k.contiguous().double().sum() + v.contiguous().double().sum()
     return float(total)
+
+
+class ContextSlots:
+    """The prefiller's registered context slots, packed then written one per request (S4a).
+
+    A slot is taken before packing and freed when its write completed (on another thread):
+    `take` waits up to `timeout_s` for one.
+    """
+
+    def __init__(self, transfer: TransferEngine, model: ModelConfig, num_slots: int) -> None:
+        self.buffer = allocate_context_buffer(model, num_slots)
+        self.region, _ = transfer.register_memory(self.buffer, name="prefill-ctx")
+        self.slot_nbytes = context_slot_nbytes(model)
+        self._transfer = transfer
+        self._free: queue.SimpleQueue[int] = queue.SimpleQueue()
+        for slot in range(num_slots):
+            self._free.put(slot)
+
+    def take(self, timeout_s: float) -> int:
+        """A free slot (raises `queue.Empty` after `timeout_s`)."""
+        return self._free.get(timeout=timeout_s)
+
+    def submit(self, slot: int, imm: int, peer: MemoryRegionDescriptor, peer_slot: int,
+               done: Callable[[BaseException | None], None]) -> bool:
+        """Write `slot` into the peer's `peer_slot` with `imm`; `done(error or None)` once, when
+        the slot is free again. False if the write could not even be posted."""
+
+        def finish(error: BaseException | None) -> None:
+            self._free.put(slot)
+            done(error)
+
+        n = self.slot_nbytes
+        try:
+            self._transfer.submit_write(self.region, slot * n, n, imm, peer, peer_slot * n,
+                                        on_done=lambda: finish(None), on_error=finish)
+        except (TransferError, ValueError) as error:
+            finish(error)
+            return False
+        return True
+
+    def close(self) -> None:
+        """Unregister the slots (after the transfer engine drained)."""
+        self._transfer.unregister_memory(self.region)

@@ -13,7 +13,10 @@ cache when the counter fires, before the checksum and the release (`transfer_cor
 Failures (issue 8): a request whose KV misses its deadline is cancelled at the prefiller and
 retried once; a client abort cancels it; a dead prefiller's requests are retried elsewhere or
 failed. Abandoned pages go to the `PageQuarantine` until no write can still land in them.
-Every request leaves through exactly one of: released to the engine, retried, failed, aborted.
+Every request leaves through exactly one of: released to the engine (`RUNNING`), retried
+(`WAITING_FOR_KV` again), failed or aborted; each comes back from `poll` as an `Outcome` in
+`RequestState` terms, with a `FailureCause` where one applies. The node's builder wires it
+once: `wake` rings the node's inbox, and a speculating decoder passes its draft-KV sink in.
 """
 
 from __future__ import annotations
@@ -24,10 +27,10 @@ import queue
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from disagg.engine.llm_engine import LLMEngine
-from disagg.engine.request import Request, RequestStatus
+from disagg.config import ReliabilityConfig
+from disagg.engine.llm_engine import EngineParts
+from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.errors import PeerClosedError
 from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import (
@@ -37,9 +40,10 @@ from disagg.kv_transfer.context_slot import (
     kv_checksum,
     unpack_context,
 )
-from disagg.kv_transfer.draft_kv import DraftKVSink
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest
-from disagg.kv_transfer.quarantine import PageQuarantine
+from disagg.kv_transfer.plugins import DraftSink
+from disagg.kv_transfer.quarantine import PageQuarantine, Verdict
+from disagg.kv_transfer.transfer_context import KVReceipt, Outcome, PendingKV
 from disagg.kv_transfer.transfer_plan import (
     PageGeometry,
     expected_write_count,
@@ -51,78 +55,33 @@ from transfer_core.engine import TransferEngine
 from transfer_core.staging import register_kv
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass
-class PendingKV:
-    """A request waiting for its KV: the decoder-side transfer context."""
-
-    request: Request
-    imm: int
-    context_slot: int
-    expected_writes: int
-    prefiller: int  # index into the messenger's prefiller list
-    started_at: float = 0.0  # time.monotonic() when the prefiller was asked
-    deadline: float = float("inf")  # time.monotonic() by which the KV must have arrived
-    cancel: tuple[str, str] | None = None  # (then, reason) once a Cancel was sent
-    cancel_deadline: float = float("inf")  # by when the prefiller must have answered it
-
-
-@dataclass(frozen=True, slots=True)
-class ReliabilityConfig:
-    """Deadlines and retry policy of the decoder side."""
-
-    kv_timeout_s: float = 120.0  # from asking a prefiller to the counter firing
-    quarantine_timeout_s: float = 10.0  # longest wait for a fence or a cancel answer
-    death_grace_s: float = 1.0  # pages of a dead prefiller's requests are held this long
-    max_attempts: int = 2  # a timed-out or orphaned request is retried this many times in all
-    retry_on_prefiller_failure: bool = True
-    verify_kv: bool = True  # compare a checksum of the received KV with the prefiller's
-
-
-@dataclass(frozen=True, slots=True)
-class Outcome:
-    """What happened to a request this poll: released (with its receipt), retried, failed or
-    aborted."""
-
-    request: Request
-    kind: str  # "released", "retry", "failed", "aborted"
-    detail: str = ""
-    receipt: KVReceipt | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class KVReceipt:
-    """What one request's KV transfer took, as the decoder saw it."""
-
-    writes: int
-    nbytes: int
-    wait_ms: float  # from asking the prefiller to the counter firing (prefill included)
+ABORTED = Verdict(RequestState.FINISHED_ABORTED, FailureCause.ABORTED, "aborted by the client")
 
 
 class DecodeMessenger:
     """Gets KV for new requests from prefillers and releases them to the engine."""
 
-    def __init__(self, engine: LLMEngine, transfer: TransferEngine, node_id: str,
-                 model_fingerprint: str, num_context_slots: int = 16,
+    def __init__(self, parts: EngineParts, transfer: TransferEngine, node_id: str,
+                 model_fingerprint: str, *, wake: Callable[[], None],
+                 draft_sink: DraftSink | None = None, num_context_slots: int = 16,
                  reliability: ReliabilityConfig | None = None,
                  kv_memory_path: str | None = None) -> None:
-        self.engine = engine
+        self._parts = parts
         self.reliability = reliability or ReliabilityConfig()
-        self.quarantine = PageQuarantine(transfer, engine.allocator,
+        self.quarantine = PageQuarantine(transfer, parts.allocator,
                                          self.reliability.quarantine_timeout_s)
         self.transfer = transfer
         self.node_id = node_id
         self.model_fingerprint = model_fingerprint
-        config = engine.model.config
+        config = parts.model.config
         # One region per TP rank: prefillers write each rank's heads into it (S5a), or into its
         # host shadow when staged (the path defaults to the transfer engine's `memory_path`).
         self.kv = [register_kv(transfer, shard.buffer, f"decode-kv{rank}", kv_memory_path)
-                   for rank, shard in enumerate(engine.kv_cache.shards)]
+                   for rank, shard in enumerate(parts.kv_cache.shards)]
         self.context = allocate_context_buffer(config, num_context_slots)
         self._context_region, self._context_descriptor = transfer.register_memory(
             self.context, name="decode-ctx")
-        self.draft_kv = DraftKVSink(engine, transfer, kv_memory_path)  # MTP cache (issue 6)
+        self.draft_kv = draft_sink  # the MTP head's cache, when this decoder drafts with one
         self._free_slots = list(range(num_context_slots))
         self._imms = itertools.count(1)
         self.prefillers: list[Channel] = []
@@ -133,11 +92,11 @@ class DecodeMessenger:
         self.pending: dict[str, PendingKV] = {}
         self._ready: queue.SimpleQueue[str] = queue.SimpleQueue()
         self._outcomes: list[Outcome] = []  # decided outside poll(), reported by the next one
-        self.wake: Callable[[], None] = lambda: None  # the node's "something happened" bell
+        self._wake = wake  # the node's "something happened" bell
 
     def hello(self) -> Hello:
         """This decoder's handshake: model, cache geometry, fabric address, descriptors."""
-        config, cache = self.engine.model.config, self.engine.kv_cache
+        config, cache = self._parts.model.config, self._parts.kv_cache
         return Hello(
             node_id=self.node_id, model=self.model_fingerprint,
             dtype=str(cache.dtype).removeprefix("torch."), page_size=cache.page_size,
@@ -147,12 +106,13 @@ class DecodeMessenger:
             kv_descriptors=[kv.descriptor.to_bytes() for kv in self.kv],
             context_descriptor=self._context_descriptor.to_bytes(),
             context_slot_nbytes=context_slot_nbytes(config), tp=cache.sharding.tp,
-            replicated_kv=cache.sharding.replicated, draft_kv_descriptor=self.draft_kv.descriptor,
+            replicated_kv=cache.sharding.replicated,
+            draft_kv_descriptor=self.draft_kv.descriptor if self.draft_kv else b"",
             kv_memory_path=self.kv[0].path.kind)
 
     def add_prefiller(self, channel: Channel, ack: HelloAck) -> int:
         """Use a prefiller whose handshake succeeded; returns its index."""
-        cache = self.engine.kv_cache
+        cache = self._parts.kv_cache
         theirs = Sharding(ack.tp, cache.num_kv_heads, ack.replicated_kv)
         geometry = PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
                                 cache.shards[0].element_size)
@@ -168,22 +128,22 @@ class DecodeMessenger:
 
         Raises `RequestError` at once for a request that could never fit this node's cache.
         """
-        self.engine.scheduler.check_fits(request)
+        self._parts.scheduler.check_fits(request)
         if not self.prefillers:
-            self.engine.scheduler.add_request(request)  # single node: prefill it here (S1)
+            self._parts.scheduler.add_request(request)  # single node: prefill it here (S1)
             return
-        request.status = RequestStatus.WAITING_FOR_KV
+        request.state = RequestState.WAITING_FOR_KV
         self.waiting.append(request)
         self._start_waiting()
 
     def _start_waiting(self) -> None:
-        allocator, page_size = self.engine.allocator, self.engine.kv_cache.page_size
+        allocator, page_size = self._parts.allocator, self._parts.kv_cache.page_size
         while self.waiting:
             request = self.waiting[0]
             if request.num_prompt_tokens == 1:
                 # Nothing to prefill: the one token is an ordinary prefill step here.
                 self.waiting.popleft()
-                self.engine.scheduler.add_request(request)
+                self._parts.scheduler.add_request(request)
                 continue
             needed = num_pages(request.num_prompt_tokens, page_size)
             if not allocator.can_allocate(needed) or not self._free_slots:
@@ -193,17 +153,19 @@ class DecodeMessenger:
             self._request_kv(request)
 
     def _request_kv(self, request: Request) -> None:
-        config, page_size = self.engine.model.config, self.engine.kv_cache.page_size
+        config, page_size = self._parts.model.config, self._parts.kv_cache.page_size
         live = [i for i, alive in enumerate(self.alive) if alive]
         if not live:
-            self._outcomes.append(self._drop(request, "failed", "no prefiller is alive"))
+            self._outcomes.append(self._drop(request, Verdict(
+                RequestState.FINISHED_FAILED, FailureCause.NO_PREFILLER, "no prefiller is alive")))
             return
         imm = next(self._imms) % 2**32
         slot = self._free_slots.pop()
         index = min(live, key=self._load.__getitem__)
-        expected = (expected_write_count(request.num_prompt_tokens, page_size, config.num_layers,
-                                         self._page_writes[index])
-                    + self.draft_kv.expected_writes(request.num_prompt_tokens))
+        expected = expected_write_count(request.num_prompt_tokens, page_size, config.num_layers,
+                                        self._page_writes[index])
+        if self.draft_kv is not None:
+            expected += self.draft_kv.expected_writes(request.num_prompt_tokens)
         now = time.monotonic()
         self.pending[request.request_id] = PendingKV(
             request, imm, slot, expected, index, now, now + self.reliability.kv_timeout_s)
@@ -220,7 +182,7 @@ class DecodeMessenger:
     def _on_ready(self, request_id: str) -> None:
         """Transfer-engine thread: a counter fired; the engine thread takes it from here."""
         self._ready.put(request_id)
-        self.wake()
+        self._wake()
 
     def poll(self) -> list[Outcome]:
         """Release requests whose counter fired to the engine (S2c), enforce deadlines, free
@@ -238,34 +200,38 @@ class DecodeMessenger:
             if self.reliability.verify_kv and not self._checksum_matches(pending):
                 # Fired early (a duplicated immediate) or over corrupted pages: writes may
                 # still be landing, so hold the pages and ask again.
-                retry = pending.request.kv_attempts < self.reliability.max_attempts
-                self._quarantine(pending, None, "retry" if retry else "fail",
-                                 "KV checksum mismatch", self.reliability.quarantine_timeout_s)
+                self._quarantine(pending, None, self._retry_or_fail(
+                    pending.request, FailureCause.CHECKSUM, "KV checksum mismatch"),
+                    self.reliability.quarantine_timeout_s)
                 continue
-            self.draft_kv.keep_context(pending.request, self.context[pending.context_slot])
+            if self.draft_kv is not None:
+                self.draft_kv.keep_context(pending.request, self.context[pending.context_slot])
             self._forget(pending)
             self._release(pending.request)
-            outcomes.append(Outcome(pending.request, "released", receipt=self._receipt(pending)))
+            outcomes.append(Outcome(pending.request, RequestState.RUNNING,
+                                    receipt=self._receipt(pending)))
         self._check_deadlines()
         for entry in self.quarantine.release_due():
-            outcomes.append(self._after_quarantine(entry.request, entry.then, entry.reason))
+            outcomes.append(self._after_quarantine(entry.request, entry.verdict))
         outcomes += self._outcomes
         self._outcomes = []
         self._start_waiting()
         return outcomes
 
     def _stage_in(self, request: Request) -> None:
-        pages = num_pages(request.num_prompt_tokens - 1, self.engine.kv_cache.page_size)
+        pages = num_pages(request.num_prompt_tokens - 1, self._parts.kv_cache.page_size)
         for kv in self.kv:
             kv.stage_in(request.page_ids[:pages])
-        self.draft_kv.stage_in(request)
+        if self.draft_kv is not None:
+            self.draft_kv.stage_in(request)
 
     def _checksum_matches(self, pending: PendingKV) -> bool:
-        config = self.engine.model.config
+        config = self._parts.model.config
         expected = context_checksum(self.context[pending.context_slot], config)
         request = pending.request
-        got = (kv_checksum(self.engine.kv_cache, request.page_ids, request.num_prompt_tokens - 1)
-               + self.draft_kv.checksum(request))
+        got = kv_checksum(self._parts.kv_cache, request.page_ids, request.num_prompt_tokens - 1)
+        if self.draft_kv is not None:
+            got += self.draft_kv.checksum(request)
         if got != expected:
             logger.warning("request %s: KV checksum %r, prefiller sent %r", request.request_id,
                            got, expected)
@@ -275,17 +241,24 @@ class DecodeMessenger:
         now = time.monotonic()
         for pending in list(self.pending.values()):
             if pending.cancel is None and now >= pending.deadline:
-                retry = pending.request.kv_attempts < self.reliability.max_attempts
-                self._cancel(pending, "retry" if retry else "fail",
-                             f"KV did not arrive within {self.reliability.kv_timeout_s:g} s")
+                self._cancel(pending, self._retry_or_fail(
+                    pending.request, FailureCause.DEADLINE,
+                    f"KV did not arrive within {self.reliability.kv_timeout_s:g} s"))
             elif pending.cancel is not None and now >= pending.cancel_deadline:
                 # The prefiller never answered the cancel: hold the pages for a last grace.
-                self._quarantine(pending, None, *pending.cancel,
+                self._quarantine(pending, None, pending.cancel,
                                  grace_s=self.reliability.quarantine_timeout_s)
 
-    def _cancel(self, pending: PendingKV, then: str, reason: str) -> None:
+    def _retry_or_fail(self, request: Request, cause: FailureCause, detail: str,
+                       retry: bool = True) -> Verdict:
+        """Retry while attempts remain (and `retry` allows it), else fail."""
+        if retry and request.kv_attempts < self.reliability.max_attempts:
+            return Verdict(RequestState.WAITING_FOR_KV, cause, detail)
+        return Verdict(RequestState.FINISHED_FAILED, cause, detail)
+
+    def _cancel(self, pending: PendingKV, verdict: Verdict) -> None:
         """Ask the prefiller to stop; its KVFailed answer carries the fence."""
-        pending.cancel = (then, reason)
+        pending.cancel = verdict
         pending.cancel_deadline = time.monotonic() + self.reliability.quarantine_timeout_s
         try:
             self.prefillers[pending.prefiller].send(Cancel(pending.request.request_id))
@@ -298,10 +271,10 @@ class DecodeMessenger:
         pending = self.pending.get(message.request_id)
         if pending is None:
             return  # already handled (e.g. the counter fired first)
-        then, reason = pending.cancel or ("fail", f"prefiller: {message.reason}")
+        verdict = pending.cancel or Verdict(RequestState.FINISHED_FAILED, message.cause,
+                                            f"prefiller: {message.reason}")
         posted = message.writes_posted if message.writes_posted >= 0 else None
-        self._quarantine(pending, posted, then, reason,
-                         grace_s=self.reliability.quarantine_timeout_s)
+        self._quarantine(pending, posted, verdict, grace_s=self.reliability.quarantine_timeout_s)
 
     def prefiller_gone(self, index: int, reason: str) -> None:
         """A prefiller died or stopped answering: hold its requests' pages for a grace period,
@@ -310,58 +283,57 @@ class DecodeMessenger:
             return
         self.alive[index] = False
         logger.error("prefiller %d is gone (%s)", index, reason)
+        can_retry = self.reliability.retry_on_prefiller_failure and any(self.alive)
         for pending in [p for p in self.pending.values() if p.prefiller == index]:
-            retry = (self.reliability.retry_on_prefiller_failure and any(self.alive)
-                     and pending.request.kv_attempts < self.reliability.max_attempts)
-            then, why = pending.cancel or ("retry" if retry else "fail",
-                                           f"prefiller died: {reason}")
-            if then == "retry" and not any(self.alive):
-                then = "fail"
-            self._quarantine(pending, None, then, why, grace_s=self.reliability.death_grace_s)
+            verdict = pending.cancel or self._retry_or_fail(
+                pending.request, FailureCause.PREFILLER_DIED, f"prefiller died: {reason}",
+                retry=can_retry)
+            if verdict.then is RequestState.WAITING_FOR_KV and not any(self.alive):
+                verdict = Verdict(RequestState.FINISHED_FAILED, verdict.cause, verdict.detail)
+            self._quarantine(pending, None, verdict, grace_s=self.reliability.death_grace_s)
 
     def abort(self, request_id: str) -> bool:
         """A client abort of a request still waiting for KV; False if it is not here."""
         for request in self.waiting:
             if request.request_id == request_id:
                 self.waiting.remove(request)
-                self._outcomes.append(self._drop(request, "aborted", "aborted by the client"))
+                self._outcomes.append(self._drop(request, ABORTED))
                 return True
         pending = self.pending.get(request_id)
         if pending is None:
             return False
         if pending.cancel is None:
-            self._cancel(pending, "abort", "aborted by the client")
+            self._cancel(pending, ABORTED)
         else:
-            pending.cancel = ("abort", "aborted by the client")
+            pending.cancel = ABORTED
         return True
 
-    def _quarantine(self, pending: PendingKV, writes_posted: int | None, then: str,
-                    reason: str, grace_s: float) -> None:
+    def _quarantine(self, pending: PendingKV, writes_posted: int | None, verdict: Verdict,
+                    grace_s: float) -> None:
         self._forget(pending)
-        self.quarantine.hold(pending.request, pending.imm, writes_posted, then, reason, grace_s)
+        self.quarantine.hold(pending.request, pending.imm, writes_posted, verdict, grace_s)
 
     def _forget(self, pending: PendingKV) -> None:
         del self.pending[pending.request.request_id]
         self._load[pending.prefiller] -= 1
         self._free_slots.append(pending.context_slot)
 
-    def _after_quarantine(self, request: Request, then: str, reason: str) -> Outcome:
-        if then == "retry":
-            logger.warning("retrying %s: %s", request.request_id, reason)
+    def _after_quarantine(self, request: Request, verdict: Verdict) -> Outcome:
+        if verdict.then is RequestState.WAITING_FOR_KV:
+            logger.warning("retrying %s: %s", request.request_id, verdict.detail)
             request.kv_attempts += 1
             self.waiting.appendleft(request)
-            return Outcome(request, "retry", reason)
-        return self._drop(request, "aborted" if then == "abort" else "failed", reason)
+            return Outcome(request, verdict.then, verdict.cause, verdict.detail)
+        return self._drop(request, verdict)
 
-    def _drop(self, request: Request, kind: str, reason: str) -> Outcome:
-        request.status = (RequestStatus.FINISHED_ABORTED if kind == "aborted"
-                          else RequestStatus.FINISHED_FAILED)
-        if kind == "failed":
-            logger.warning("request %s failed: %s", request.request_id, reason)
-        return Outcome(request, kind, reason)
+    def _drop(self, request: Request, verdict: Verdict) -> Outcome:
+        request.state = verdict.then
+        if verdict.then is RequestState.FINISHED_FAILED:
+            logger.warning("request %s failed: %s", request.request_id, verdict.detail)
+        return Outcome(request, verdict.then, verdict.cause, verdict.detail)
 
     def _receipt(self, pending: PendingKV) -> KVReceipt:
-        cache, model = self.engine.kv_cache, self.engine.model.config
+        cache, model = self._parts.kv_cache, self._parts.model.config
         pages = num_pages(pending.request.num_prompt_tokens - 1, cache.page_size)
         kv_nbytes = sum(shard.page_nbytes for shard in cache.shards)
         nbytes = pages * model.num_layers * kv_nbytes + context_slot_nbytes(model)
@@ -369,16 +341,16 @@ class DecodeMessenger:
         return KVReceipt(pending.expected_writes, nbytes, wait_ms)
 
     def _release(self, request: Request) -> None:
-        self.engine.allocator.unpin(request.page_ids)
+        self._parts.allocator.unpin(request.page_ids)
         request.num_computed_tokens = request.num_prompt_tokens - 1
-        self.engine.scheduler.add_prefilled(request)
+        self._parts.scheduler.add_prefilled(request)
 
     def context_of(self, request_id: str) -> tuple | None:
         """The shipped (hidden state, logits) of a pending request, for tests and S4a users."""
         pending = self.pending.get(request_id)
         if pending is None:
             return None
-        return unpack_context(self.context[pending.context_slot], self.engine.model.config)
+        return unpack_context(self.context[pending.context_slot], self._parts.model.config)
 
     def received_writes(self, request_id: str) -> tuple[int, int]:
         """(writes landed, writes expected) of a pending request, for progress displays."""
@@ -396,4 +368,5 @@ class DecodeMessenger:
         for kv in self.kv:
             kv.close(self.transfer)
         self.transfer.unregister_memory(self._context_region)
-        self.draft_kv.close()
+        if self.draft_kv is not None:
+            self.draft_kv.close()

@@ -10,35 +10,33 @@ covers them too. The decoder expects `draft_kv_pages` more writes, runs position
 shipped hidden state, and position P - 1 after the ordinary decode step of the last prompt
 token (S8). The early-exit draft needs none of this: its KV is the target's own. The MTP cache
 takes the same memory path as the target's KV (staged: copied out before its write, copied in
-before the checksum; `transfer_core.staging`).
+before the checksum; `transfer_core.staging`). Both classes are the messengers' plug-ins
+(`plugins.py`); a node's builder creates them, and only when drafting needs them.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from typing import Any
+from collections.abc import Mapping
 
 import torch
 
-from disagg.engine.batch import Batch
-from disagg.engine.llm_engine import LLMEngine
-from disagg.engine.model_runner import ForwardOutput
+from disagg.config import ModelConfig
+from disagg.engine.batch import Batch, ForwardOutput
+from disagg.engine.llm_engine import EngineParts
 from disagg.engine.request import Request
 from disagg.errors import RequestError
 from disagg.kv_transfer.context_slot import kv_checksum, unpack_context
 from disagg.kv_transfer.messages import Hello
+from disagg.kv_transfer.plugins import WriteDone
+from disagg.kv_transfer.transfer_context import Transfer
 from disagg.kv_transfer.transfer_plan import num_pages
 from disagg.model.draft_heads import build_mtp_head, mtp_kv_cache
 from disagg.model.kv_cache import PagedKVCache
 from disagg.spec.proposers import CatchUp, mtp_catch_up
-from disagg.spec.speculator import Speculator
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.staging import register_kv
-
-# (error or None, writes that completed) -> None: the prefill messenger's write accounting.
-WriteDone = Callable[..., None]
 
 
 def draft_kv_pages(num_prompt_tokens: int, page_size: int) -> int:
@@ -53,24 +51,18 @@ def draft_kv_pages(num_prompt_tokens: int, page_size: int) -> int:
 
 
 class DraftKVSource:
-    """Prefiller side: the MTP head over prefill chunks, and its pages written after the last.
+    """Prefiller side (a `DraftSource`): the MTP head over prefill chunks, and its pages
+    written after the last one."""
 
-    `transfers` is the messenger's own map of request key -> transfer (a `Transfer` of
-    `prefill_messenger`: `.request`, `.peer.peer_id`, `.dst_page_ids`, `.imm`, `.error`).
-    """
-
-    def __init__(self, engine: LLMEngine, transfer: TransferEngine,
-                 transfers: Mapping[str, Any], kv_memory_path: str | None = None) -> None:
-        model = engine.model
+    def __init__(self, parts: EngineParts, transfer: TransferEngine,
+                 kv_memory_path: str | None = None) -> None:
+        model, config = parts.model, parts.config
         self.target = model
-        self.head = build_mtp_head(model.config).to(engine.config.device)
-        self.kv_cache = mtp_kv_cache(model.config, engine.config.cache, engine.config.device)
+        self.head = build_mtp_head(model.config).to(config.device)
+        self.kv_cache = mtp_kv_cache(model.config, config.cache, config.device)
         self.transfer = transfer
         self.kv = register_kv(transfer, self.kv_cache.buffer, "prefill-mtp", kv_memory_path)
-        self._transfers = transfers
         self._peers: dict[str, MemoryRegionDescriptor] = {}  # decoders that draft with MTP
-        # First listener: the head's pages must exist before the messenger ships the context.
-        engine.forward_listeners.insert(0, self.after_forward)
 
     @property
     def region(self) -> MemoryRegion:
@@ -87,26 +79,27 @@ class DraftKVSource:
                                f"bytes is not {peer_pages} pages of {self.kv_cache.page_nbytes}")
         self._peers[hello.node_id] = descriptor
 
-    def _num_pages(self, transfer: Any) -> int:
+    def _num_pages(self, transfer: Transfer) -> int:
         """MTP pages `transfer` ships (0 if its decoder does not draft with MTP)."""
         if transfer.peer.peer_id not in self._peers:
             return 0
         # The prefiller's request holds the prompt minus its last token.
         return draft_kv_pages(transfer.request.num_prompt_tokens + 1, self.kv_cache.page_size)
 
-    def wants(self, transfer: Any) -> bool:
+    def wants(self, transfer: Transfer) -> bool:
         """Whether `transfer` ships MTP pages."""
         return self._num_pages(transfer) > 0
 
     @torch.inference_mode()
-    def after_forward(self, batch: Batch, output: ForwardOutput) -> None:
+    def after_forward(self, batch: Batch, output: ForwardOutput,
+                      transfers: Mapping[str, Transfer]) -> None:
         """Run the head on this forward's rows of requests whose decoder wants its KV."""
         assert output.all_hidden_states is not None
         items, row = [], 0
         for chunk in batch.chunks:
             rows = output.all_hidden_states[row:row + chunk.num_tokens]
             row += chunk.num_tokens
-            transfer = self._transfers.get(chunk.request.request_id)
+            transfer = transfers.get(chunk.request.request_id)
             if transfer is None or transfer.error is not None or not self.wants(transfer):
                 continue
             request = chunk.request
@@ -117,14 +110,14 @@ class DraftKVSource:
         if items:
             mtp_catch_up(self.head, self.target, self.kv_cache, items)
 
-    def checksum(self, transfer: Any) -> float:
+    def checksum(self, transfer: Transfer) -> float:
         """What the shipped MTP pages add to the context slot's KV checksum."""
         if not self.wants(transfer):
             return 0.0
         request = transfer.request
         return kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens - 1)
 
-    def submit(self, transfer: Any, done: WriteDone) -> None:
+    def submit(self, transfer: Transfer, done: WriteDone) -> None:
         """Write the request's MTP pages (one paged-write call); `done(error, writes)` once."""
         count = self._num_pages(transfer)
         nbytes = self.kv_cache.page_nbytes
@@ -146,45 +139,36 @@ class DraftKVSource:
 
 
 class DraftKVSink:
-    """Decoder side: the speculating engine's MTP cache, registered for prefillers to write,
-    and what it adds to a request's expected writes and KV checksum."""
+    """Decoder side (a `DraftSink`): the speculating engine's MTP cache, registered for
+    prefillers to write, and what it adds to a request's expected writes and KV checksum."""
 
-    def __init__(self, engine: LLMEngine, transfer: TransferEngine,
-                 kv_memory_path: str | None = None) -> None:
+    def __init__(self, kv_cache: PagedKVCache, model: ModelConfig, page_size: int,
+                 transfer: TransferEngine, kv_memory_path: str | None = None) -> None:
         self.transfer = transfer
-        self._model = engine.model.config
-        self.page_size = engine.kv_cache.page_size
-        speculator = engine.speculator
-        self.kv_cache: PagedKVCache | None = (
-            speculator.kv_cache if isinstance(speculator, Speculator) else None)
-        self.descriptor = b""
-        if self.kv_cache is not None:
-            self.kv = register_kv(transfer, self.kv_cache.buffer, "decode-mtp", kv_memory_path)
-            self.descriptor = self.kv.descriptor.to_bytes()
+        self._model = model
+        self.page_size = page_size
+        self.kv_cache = kv_cache
+        self.kv = register_kv(transfer, kv_cache.buffer, "decode-mtp", kv_memory_path)
+        self.descriptor = self.kv.descriptor.to_bytes()
 
     def expected_writes(self, num_prompt_tokens: int) -> int:
-        """Writes of MTP pages a request's prefiller sends (0 without an MTP head)."""
-        return draft_kv_pages(num_prompt_tokens, self.page_size) if self.kv_cache else 0
+        """Writes of MTP pages a request's prefiller sends."""
+        return draft_kv_pages(num_prompt_tokens, self.page_size)
 
     def stage_in(self, request: Request) -> None:
         """Copy the request's received MTP pages from the host shadow (staged path only)."""
-        if self.kv_cache is not None:
-            self.kv.stage_in(request.page_ids[:self.expected_writes(request.num_prompt_tokens)])
+        self.kv.stage_in(request.page_ids[:self.expected_writes(request.num_prompt_tokens)])
 
     def checksum(self, request: Request) -> float:
         """The received MTP pages' part of the KV checksum."""
-        if self.kv_cache is None:
-            return 0.0
         return kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens - 2)
 
     def keep_context(self, request: Request, slot: torch.Tensor) -> None:
         """Copy the shipped hidden state and logits onto the request before its context slot is
         reused: the MTP head runs the last prefilled position from them (S4a)."""
-        if self.kv_cache is not None:
-            hidden, logits = unpack_context(slot, self._model)
-            request.prefill_context = (hidden.clone(), logits.clone())
+        hidden, logits = unpack_context(slot, self._model)
+        request.prefill_context = (hidden.clone(), logits.clone())
 
     def close(self) -> None:
         """Unregister the MTP cache (after the transfer engine drained)."""
-        if self.kv_cache is not None:
-            self.kv.close(self.transfer)
+        self.kv.close(self.transfer)

@@ -4,16 +4,20 @@ Control only: KV pages and context travel as RDMA writes, never here. A frame is
 header (magic, protocol version, message type, payload length) and a JSON payload whose fields
 are checked against the message's declared types on decode, so a malformed, truncated or
 foreign frame is a `ProtocolError` naming the problem, never a half-built object. No pickle.
+States and failure causes travel as the values of `RequestState` and `FailureCause`; a value
+outside the enum is a protocol error too.
 """
 
 from __future__ import annotations
 
 import base64
+import enum
 import json
 import struct
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
+from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import ProtocolError
 
 PROTOCOL_VERSION = 1
@@ -100,6 +104,7 @@ class KVFailed(Message):
 
     TYPE: ClassVar[int] = 5
     request_id: str
+    cause: FailureCause
     reason: str
     writes_posted: int = -1
 
@@ -141,12 +146,13 @@ class RequestEvent(Message):
 
     TYPE: ClassVar[int] = 11
     request_id: str
-    state: str  # waiting_for_kv, decoding, finished_*, failed
+    state: RequestState
     token_ids: list[int] = field(default_factory=list)
     kv_writes_received: int = 0  # while waiting for KV: writes landed so far
     kv_writes: int = 0  # once decoding: writes the request's KV took (pages x layers + 1)
     kv_bytes: int = 0  # ... and their bytes
     kv_wait_ms: float = 0.0  # ... and the time from asking a prefiller to the counter firing
+    cause: FailureCause | None = None  # why it failed, was retried or aborted
     detail: str = ""
     num_draft_tokens: int = 0  # speculative decoding so far: drafts verified (issue 6)
     num_accepted_tokens: int = 0  # ... and accepted
@@ -173,6 +179,8 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
 }
 _JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str, "bool": bool,
                "list[int]": list, "list[bytes]": list}
+_ENUMS: dict[str, type[enum.Enum]] = {"RequestState": RequestState,
+                                      "FailureCause": FailureCause}
 
 
 def encode(message: Message, tagged: bool = False) -> bytes:
@@ -185,6 +193,8 @@ def encode(message: Message, tagged: bool = False) -> bytes:
             value = base64.b64encode(value).decode()
         elif f.type == "list[bytes]":
             value = [base64.b64encode(item).decode() for item in value]
+        elif isinstance(value, enum.Enum):
+            value = value.value
         payload[f.name] = value
     body = json.dumps(payload, separators=(",", ":")).encode()
     type_byte = message.TYPE | (TAGGED if tagged else 0)
@@ -243,6 +253,15 @@ def decode(frame: bytes) -> Message:
 
 
 def _check_field(message: str, name: str, type_name: str, value: Any) -> Any:
+    optional = type_name.endswith(" | None")
+    if optional and value is None:
+        return None
+    type_name = type_name.removesuffix(" | None")
+    if type_name in _ENUMS:
+        try:
+            return _ENUMS[type_name](value)
+        except ValueError:
+            raise ProtocolError(f"{message}.{name}: {value!r} is not a {type_name}") from None
     expected = _JSON_TYPES[type_name]
     bad = not isinstance(value, expected) or (isinstance(value, bool) and type_name != "bool")
     if type_name == "list[int]" and not bad:

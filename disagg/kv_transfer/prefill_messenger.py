@@ -10,7 +10,9 @@ it frees the source pages and finishes the request (S4b). Every write carries th
 immediate value; the decoder counts them (S4c). KV memory the NIC cannot read is staged: a
 layer's pages are copied to a host shadow just before they are posted (S5, `staging.py`).
 Threads: the engine's (plans, context, frees), the poller's (staging, page writes), the transfer
-engine's (completions, which only count).
+engine's (completions, which only count). Wired once by the node's builder: the model bumps the
+counter given here, the engine tells this `StepObserver` of every step, `wake` rings the node's
+inbox; the draft-KV plug-in is built when a decoder first asks for it (`plugins.py`).
 """
 
 from __future__ import annotations
@@ -23,21 +25,19 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
-from disagg.engine.batch import Batch
-from disagg.engine.llm_engine import LLMEngine
-from disagg.engine.model_runner import ForwardOutput
-from disagg.engine.request import Request, RequestStatus, SamplingParams
+from disagg.engine.batch import Batch, ForwardOutput
+from disagg.engine.llm_engine import EngineParts
+from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import PeerClosedError, RequestError
 from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import (
-    allocate_context_buffer,
-    context_slot_nbytes,
+    ContextSlots,
     kv_checksum,
     pack_context,
     prefill_token_ids,
 )
-from disagg.kv_transfer.draft_kv import DraftKVSource
 from disagg.kv_transfer.messages import Hello, KVFailed, KVRequest
+from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
 from disagg.kv_transfer.transfer_context import (
     DecoderPeer,
     PlannedWrite,
@@ -67,47 +67,40 @@ logger = logging.getLogger(__name__)
 class PrefillMessenger:
     """Follows the prefiller's forward passes and ships KV pages as layers finish."""
 
-    def __init__(self, engine: LLMEngine, transfer: TransferEngine,
+    def __init__(self, parts: EngineParts, transfer: TransferEngine, counter: LayerCounter, *,
+                 wake: Callable[[], None], make_draft_source: DraftSourceFactory | None = None,
                  num_context_slots: int = 16, wait_timeout_s: float = 60.0,
                  tracer: Tracer | None = None, lease_s: float = 300.0,
                  kv_memory_path: str | None = None) -> None:
-        self.engine = engine
+        self._parts = parts
         self.lease_s = lease_s  # a transfer older than this is stopped (issue 8)
         self.tracer = tracer or Tracer()
         self.transfer = transfer
-        self.kv_cache = engine.kv_cache
-        self.num_layers = engine.model.config.num_layers
+        self.kv_cache = parts.kv_cache
+        self.num_layers = parts.model.config.num_layers
         self.wait_timeout_s = wait_timeout_s
         # One region per TP rank, as one process registering every GPU's KV (S5a); its path
         # (host, hmem, staged) defaults to the transfer engine's `memory_path`.
         self._kv = [register_kv(transfer, shard.buffer, f"prefill-kv{rank}", kv_memory_path)
                     for rank, shard in enumerate(self.kv_cache.shards)]
         self._rng = random.Random(0)
-        self._context = allocate_context_buffer(engine.model.config, num_context_slots)
-        self._context_region, _ = transfer.register_memory(self._context, name="prefill-ctx")
-        self._slot_nbytes = context_slot_nbytes(engine.model.config)
-        self._free_slots: queue.SimpleQueue[int] = queue.SimpleQueue()
-        for slot in range(num_context_slots):
-            self._free_slots.put(slot)
+        self._slots = ContextSlots(transfer, parts.model.config, num_context_slots)
         self._lock = threading.Condition()
         self._transfers: dict[str, Transfer] = {}
-        self.draft = DraftKVSource(engine, transfer, self._transfers,  # MTP pages (issue 6)
-                                   kv_memory_path)
+        self._make_draft = make_draft_source
+        self.draft: DraftSource | None = None  # built when a decoder first asks (issue 6)
         self._plans: dict[int, list[PlannedWrite]] = {}
         self._forwards_planned = 0
         self._handled_value = 0  # counter value whose writes have all been posted
         self._finished: queue.SimpleQueue[Transfer] = queue.SimpleQueue()
         self.recent: deque[Transfer] = deque(maxlen=64)  # ended transfers, for tests and tools
-        self.wake: Callable[[], None] = lambda: None  # the node's "something happened" bell
+        self._wake = wake  # the node's "something happened" bell
         self.stats = {"pages": 0, "writes": 0, "bytes": 0, "requests": 0, "failed": 0,
                       "expired_leases": 0, "staged_bytes": 0}
         # Writes completed by recently finished transfers: the answer to a late Cancel.
         self._finished_writes: OrderedDict[str, int] = OrderedDict()
         # The model bumps this after each layer; the poller thread turns bumps into writes.
-        self.counter = LayerCounter.for_device(engine.config.device)
-        engine.model.layer_counter = self.counter
-        engine.batch_listeners.append(self.on_batch)
-        engine.forward_listeners.append(self.after_forward)
+        self.counter = counter
         self._poller = CounterPoller([self.counter.poll_target], self._on_counter,
                                      name="layer-counter-poller")
         self._poller.start()
@@ -116,11 +109,26 @@ class PrefillMessenger:
 
     def add_peer(self, hello: Hello, channel: Channel) -> DecoderPeer:
         """Accept a decoder whose handshake was validated; parse its descriptors."""
-        peer = parse_peer(hello, channel, self.num_layers, self._geometry, self._slot_nbytes)
-        self.draft.add_peer(hello, peer.num_pages)
+        peer = parse_peer(hello, channel, self.num_layers, self._geometry, self._slots.slot_nbytes)
+        if hello.draft_kv_descriptor:
+            self._draft_source().add_peer(hello, peer.num_pages)
         logger.info("decoder %s: its KV memory path is %s; ours is %s", peer.peer_id,
                     peer.kv_memory_path or "unknown", self._kv[0].path.kind)
         return peer
+
+    def _draft_source(self) -> DraftSource:
+        """The draft-KV plug-in, built on the first decoder that asks for it."""
+        with self._lock:
+            if self.draft is None:
+                if self._make_draft is None:
+                    raise RequestError("this prefiller cannot ship draft KV")
+                self.draft = self._make_draft()
+            return self.draft
+
+    @property
+    def num_in_flight(self) -> int:
+        """Requests being prefilled or transferred."""
+        return len(self._transfers)
 
     @property
     def _geometry(self) -> PageGeometry:
@@ -144,9 +152,9 @@ class PrefillMessenger:
         if key in self._transfers:
             raise RequestError(f"request {message.request_id} is already in flight")
         check_kv_request(message, peer, self.kv_cache.page_size,
-                         self.engine.model.config.vocab_size)
+                         self._parts.model.config.vocab_size)
         request = Request(key, prefill_token_ids(prompt), SamplingParams(max_tokens=1))
-        self.engine.scheduler.add_request(request)
+        self._parts.scheduler.add_request(request)
         self._transfers[key] = Transfer(key, message.request_id, request, peer, message.imm,
                                         list(message.dst_page_ids), message.context_slot,
                                         self._plan(peer), received_at=time.time())
@@ -155,7 +163,7 @@ class PrefillMessenger:
         """The decoder is gone: nothing more is written to it; its requests end as failed
         once no write reads their pages any more."""
         for transfer in [t for t in self._transfers.values() if t.peer is peer]:
-            self._stop(transfer, reason)
+            self._stop(transfer, FailureCause.DECODER_GONE, reason)
 
     def cancel(self, peer: DecoderPeer, request_id: str) -> None:
         """The decoder dropped `request_id`: write nothing more. It is answered with KVFailed
@@ -163,10 +171,11 @@ class PrefillMessenger:
         key = f"{peer.peer_id}/{request_id}"
         transfer = self._transfers.get(key)
         if transfer is not None:
-            self._stop(transfer, "cancelled by the decoder")
+            self._stop(transfer, FailureCause.CANCELLED, "cancelled by the decoder")
             return
         # Finished already (its counter should have fired: a lost immediate?) or unknown.
-        self._tell(peer, KVFailed(request_id, "not in flight at the prefiller",
+        self._tell(peer, KVFailed(request_id, FailureCause.CANCELLED,
+                                  "not in flight at the prefiller",
                                   self._finished_writes.get(key, -1)))
 
     def expire_leases(self) -> None:
@@ -175,14 +184,15 @@ class PrefillMessenger:
         for transfer in list(self._transfers.values()):
             if transfer.error is None and now - transfer.received_at > self.lease_s:
                 self.stats["expired_leases"] += 1
-                self._stop(transfer, f"lease of {self.lease_s:g} s expired")
+                self._stop(transfer, FailureCause.LEASE_EXPIRED,
+                           f"lease of {self.lease_s:g} s expired")
 
-    def _stop(self, transfer: Transfer, reason: str) -> None:
+    def _stop(self, transfer: Transfer, cause: FailureCause, reason: str) -> None:
         """Engine thread, between forwards: post nothing more for `transfer`; it ends when its
         last write in flight completes (its pages are read until then)."""
-        self.engine.scheduler.detach(transfer.key)
+        self._parts.scheduler.detach(transfer.key)
         with self._lock:
-            transfer.error = transfer.error or reason
+            transfer.fail(cause, reason)
             transfer.all_submitted = True
             if transfer.pending_writes == 0:
                 self._finish(transfer)
@@ -261,6 +271,8 @@ class PrefillMessenger:
     def after_forward(self, batch: Batch, output: ForwardOutput) -> None:
         """After a forward: once every layer's writes are posted, write the context of
         requests whose prefill is complete (S4a) and mark them fully submitted."""
+        if self.draft is not None:  # the head's pages must exist before the context ships
+            self.draft.after_forward(batch, output, self._transfers)
         target = self._forwards_planned * self.num_layers
         with self._lock:
             done = self._lock.wait_for(lambda: self._handled_value >= target,
@@ -284,35 +296,26 @@ class PrefillMessenger:
             if transfer.error is not None:
                 return
             transfer.pending_writes += 1
-        if self.draft.wants(transfer):  # the MTP head's pages, before the slot (issue 6)
+        draft = self.draft if self.draft is not None and self.draft.wants(transfer) else None
+        if draft is not None:  # the MTP head's pages, before the slot (issue 6)
             with self._lock:
                 transfer.pending_writes += 1
-            self.draft.submit(transfer, lambda err=None, n=0: self._write_done(transfer, err, n))
-        slot = self._free_slots.get(timeout=self.wait_timeout_s)
+            draft.submit(transfer, lambda err=None, n=0: self._write_done(transfer, err, n))
+        slot = self._slots.take(self.wait_timeout_s)
         request = transfer.request
-        checksum = (kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens)
-                    + self.draft.checksum(transfer))
-        pack_context(self._context[slot], output.hidden_states[row], output.logits[row],
+        checksum = kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens)
+        if draft is not None:
+            checksum += draft.checksum(transfer)
+        pack_context(self._slots.buffer[slot], output.hidden_states[row], output.logits[row],
                      checksum)
-
-        def done(error: TransferError | None) -> None:
-            self._free_slots.put(slot)
-            self._write_done(transfer, error, 1)
-
-        try:
-            self.transfer.submit_write(
-                self._context_region, slot * self._slot_nbytes, self._slot_nbytes, transfer.imm,
-                transfer.peer.context, transfer.context_slot * self._slot_nbytes,
-                on_done=lambda: done(None), on_error=done)
-        except (TransferError, ValueError) as error:
-            done(error)
-            return
-        self._count(writes=1, nbytes=self._slot_nbytes)
+        if self._slots.submit(slot, transfer.imm, transfer.peer.context, transfer.context_slot,
+                              lambda error: self._write_done(transfer, error, 1)):
+            self._count(writes=1, nbytes=self._slots.slot_nbytes)
 
     def _finish(self, transfer: Transfer) -> None:
         """Any thread: the transfer has nothing in flight; the engine thread frees it."""
         self._finished.put(transfer)
-        self.wake()
+        self._wake()
 
     def _count(self, pages: int = 0, writes: int = 0, nbytes: int = 0, staged: int = 0) -> None:
         with self._lock:  # the poller thread and the engine thread both post writes
@@ -336,7 +339,7 @@ class PrefillMessenger:
                 transfer.writes_ok += writes
             else:
                 transfer.writes_unknown = True
-                transfer.error = transfer.error or f"write failed: {error}"
+                transfer.fail(FailureCause.WRITE_FAILED, f"write failed: {error}")
             if transfer.pending_writes == 0 and transfer.all_submitted:
                 self._finish(transfer)
 
@@ -352,7 +355,7 @@ class PrefillMessenger:
             except queue.Empty:
                 break
             request = transfer.request
-            self.engine.allocator.free(request.page_ids)
+            self._parts.allocator.free(request.page_ids)
             request.page_ids = []
             del self._transfers[transfer.key]
             self._finished_writes[transfer.key] = transfer.writes_ok
@@ -361,13 +364,15 @@ class PrefillMessenger:
             self.stats["requests"] += 1
             trace_transfer(self.tracer, transfer)
             if transfer.error is None:
-                request.status = RequestStatus.FINISHED_TRANSFERRED
+                request.state = RequestState.FINISHED_TRANSFERRED
             else:
-                request.status = RequestStatus.FINISHED_FAILED
+                request.state = RequestState.FINISHED_FAILED
                 self.stats["failed"] += 1
                 logger.warning("request %s failed: %s", transfer.key, transfer.error)
                 posted = -1 if transfer.writes_unknown else transfer.writes_ok
-                self._tell(transfer.peer, KVFailed(transfer.request_id, transfer.error, posted))
+                assert transfer.cause is not None, "a failed transfer names its cause"
+                self._tell(transfer.peer, KVFailed(transfer.request_id, transfer.cause,
+                                                   transfer.error, posted))
             ended.append(transfer)
             self.recent.append(transfer)
         return ended
@@ -383,5 +388,6 @@ class PrefillMessenger:
         self._poller.stop()
         for kv in self._kv:
             kv.close(self.transfer)
-        self.transfer.unregister_memory(self._context_region)
-        self.draft.close()
+        self._slots.close()
+        if self.draft is not None:
+            self.draft.close()

@@ -20,10 +20,28 @@ import time
 from dataclasses import dataclass
 
 from disagg.engine.page_allocator import PageAllocator
-from disagg.engine.request import Request
+from disagg.engine.request import FailureCause, Request, RequestState
 from transfer_core.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class Verdict:
+    """What becomes of an abandoned request once no write can land in its pages: it waits
+    for its KV again (`WAITING_FOR_KV`, a retry), or ends `FINISHED_FAILED` or
+    `FINISHED_ABORTED`; `cause` and `detail` say why."""
+
+    then: RequestState
+    cause: FailureCause
+    detail: str
+
+    def __post_init__(self) -> None:
+        assert self.then in VERDICT_STATES, f"no request is quarantined into {self.then}"
+
+
+VERDICT_STATES = (RequestState.WAITING_FOR_KV, RequestState.FINISHED_FAILED,
+                  RequestState.FINISHED_ABORTED)
 
 
 @dataclass
@@ -34,8 +52,7 @@ class Quarantined:
     page_ids: list[int]
     imm: int
     release_at: float  # time.monotonic(): release even if the fence was not reached
-    then: str  # "retry", "fail" or "abort"
-    reason: str
+    verdict: Verdict
     fence_known: bool  # False: the writes posted are unknown, a grace period stands in
     fenced: bool = False
 
@@ -55,8 +72,8 @@ class PageQuarantine:
     def __len__(self) -> int:
         return len(self._held)
 
-    def hold(self, request: Request, imm: int, writes_posted: int | None, then: str,
-             reason: str, grace_s: float = 0.0) -> None:
+    def hold(self, request: Request, imm: int, writes_posted: int | None, verdict: Verdict,
+             grace_s: float = 0.0) -> None:
         """Take over `request`'s pinned pages; its counter for `imm` becomes the fence.
 
         `writes_posted` None: unknown, hold for `grace_s` (a dead peer's bytes in flight).
@@ -68,7 +85,7 @@ class PageQuarantine:
         now = time.monotonic()
         known = writes_posted is not None
         entry = Quarantined(request, list(request.page_ids), imm,
-                            now + (self.timeout_s if known else grace_s), then, reason, known)
+                            now + (self.timeout_s if known else grace_s), verdict, known)
         request.page_ids = []
         self._held[imm] = entry
         if writes_posted is None:

@@ -1,5 +1,8 @@
-"""The prefiller's view of a transfer: the decoder it writes to, the request's transfer
-context, and the checks on what a decoder asks for (S2b, S4b, S6; issue 8's bounds checks).
+"""A request's transfer context on both sides, the decoder a prefiller writes to, and the
+checks on what a decoder asks for (S2a, S2b, S4b, S6; issue 8's bounds checks).
+
+`Transfer` is the prefiller's record of one request's outgoing KV; `PendingKV` the decoder's
+record of one it waits for, and `Outcome` what became of it.
 
 Plain data, pure validation and the staging step of a layer (S5: pages of a staged KV region
 are copied into its host shadow before the NIC reads them), split from `prefill_messenger.py`
@@ -11,10 +14,11 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-from disagg.engine.request import Request
+from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.errors import RequestError
 from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.messages import Hello, KVRequest
+from disagg.kv_transfer.quarantine import Verdict
 from disagg.kv_transfer.transfer_plan import PageGeometry, PageWrite, num_pages
 from disagg.model.sharding import Sharding
 from disagg.utils.trace import Tracer
@@ -55,7 +59,8 @@ class Transfer:
     page_writes: list[PageWrite]  # the plan for every page and layer (S6)
     pending_writes: int = 0
     all_submitted: bool = False
-    error: str | None = None
+    error: str | None = None  # what went wrong, for logs and the decoder
+    cause: FailureCause | None = None  # ... and why, as the decoder's metrics count it
     writes_ok: int = 0  # writes completed at the sender (the fence a decoder waits for)
     writes_unknown: bool = False  # a failed call may have placed some of its writes
     layer_post_times: list[tuple[int, float]] = field(default_factory=list)
@@ -64,6 +69,11 @@ class Transfer:
     first_scheduled_at: float = 0.0
     last_layer_at: float = 0.0
     done_at: float = 0.0
+
+    def fail(self, cause: FailureCause, reason: str) -> None:
+        """Record the first failure; later ones change nothing (the first is the cause)."""
+        if self.error is None:
+            self.error, self.cause = reason, cause
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,3 +155,39 @@ def trace_transfer(tracer: Tracer, t: Transfer) -> None:
     tracer.complete("queue", t.received_at, scheduled, **ids)
     tracer.complete("prefill", scheduled, last_layer, **ids)
     tracer.complete("transfer_tail", last_layer, t.done_at, error=t.error, **ids)
+
+
+@dataclass
+class PendingKV:
+    """A request waiting for its KV: the decoder-side transfer context."""
+
+    request: Request
+    imm: int
+    context_slot: int
+    expected_writes: int
+    prefiller: int  # index into the messenger's prefiller list
+    started_at: float = 0.0  # time.monotonic() when the prefiller was asked
+    deadline: float = float("inf")  # time.monotonic() by which the KV must have arrived
+    cancel: Verdict | None = None  # what happens once the Cancel sent is answered
+    cancel_deadline: float = float("inf")  # by when the prefiller must have answered it
+
+
+@dataclass(frozen=True, slots=True)
+class Outcome:
+    """What happened to a request this poll: `RUNNING` (released, with its receipt),
+    `WAITING_FOR_KV` (retried), `FINISHED_FAILED` or `FINISHED_ABORTED`."""
+
+    request: Request
+    state: RequestState
+    cause: FailureCause | None = None
+    detail: str = ""
+    receipt: KVReceipt | None = None
+
+
+@dataclass(frozen=True, slots=True)
+class KVReceipt:
+    """What one request's KV transfer took, as the decoder saw it."""
+
+    writes: int
+    nbytes: int
+    wait_ms: float  # from asking the prefiller to the counter firing (prefill included)

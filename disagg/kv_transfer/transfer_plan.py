@@ -108,13 +108,18 @@ class PageGeometry:
 
 def assign_source_sets(src: Sharding, dst: Sharding, rng: random.Random | None = None
                        ) -> list[int]:
-    """For each destination replica set, the index of the source replica set serving it:
-    random when an `rng` is given (S6c: so all source devices send), else set j from set
-    j modulo the number of source sets (with equal shardings: device i sends to device i, S6a).
+    """For each destination replica set, the index of the source replica set serving it.
+
+    With an `rng`, destination set j gets `perm[j % num_sources]` of a fresh random
+    permutation of the source sets (S6c, S9a): with at least as many destination sets as
+    source sets every source set sends, and the load differs by at most one set. Independent
+    draws would leave some source sets idle. Without an `rng`, set j is served by set j modulo
+    the number of source sets (with equal shardings: device i sends to device i, S6a).
     """
-    num_sources = len(src.replica_sets())
-    return [rng.randrange(num_sources) if rng else j % num_sources
-            for j in range(len(dst.replica_sets()))]
+    order = list(range(len(src.replica_sets())))
+    if rng is not None:
+        rng.shuffle(order)  # a new order per call, so no source set is always first
+    return [order[j % len(order)] for j in range(len(dst.replica_sets()))]
 
 
 def plan_page_writes(src: Sharding, dst: Sharding, geometry: PageGeometry,

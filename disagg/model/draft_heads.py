@@ -12,48 +12,17 @@ weights of its own. Both only read and write pages; `spec_engine.py` decides wha
 from __future__ import annotations
 
 from dataclasses import dataclass, replace
-from typing import Literal
 
 import torch
 from torch import nn
 
 from disagg.config import CacheConfig, ModelConfig
-from disagg.errors import ConfigError
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.transformer import DecoderLayer, RMSNorm, Transformer
 
-DraftKind = Literal["mtp", "early-exit"]
-DRAFT_KINDS: tuple[DraftKind, ...] = ("mtp", "early-exit")
 MTP_INIT_STD = 0.02
 MTP_SEED = 0  # every node builds the same random head from it: nothing to ship or agree on
-
-
-@dataclass(frozen=True, slots=True)
-class SpeculativeConfig:
-    """Which draft, how many tokens it proposes per step, and its own knobs."""
-
-    kind: DraftKind
-    num_draft_tokens: int = 3
-    draft_layers: int = 0  # early exit: target layers the draft runs (0: all but the last 2)
-
-    def __post_init__(self) -> None:
-        if self.kind not in DRAFT_KINDS:
-            raise ConfigError(f"unknown draft {self.kind!r}: expected one of {DRAFT_KINDS}")
-        if self.num_draft_tokens < 1:
-            raise ConfigError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
-        if self.draft_layers < 0:
-            raise ConfigError(f"draft_layers must be >= 0, got {self.draft_layers}")
-
-    def exit_layer(self, model: ModelConfig) -> int:
-        """Layers the early-exit draft runs: `draft_layers`, or all but the last two (an
-        untrained model's middle layers rarely agree with its output: on SmolLM2, 2% of
-        drafts after 10 of 30 layers, 23% after 25, 44% after 28)."""
-        layers = self.draft_layers or max(1, model.num_layers - 2)
-        if layers >= model.num_layers:
-            raise ConfigError(f"draft_layers={layers}: the draft must be shallower than the "
-                              f"{model.num_layers}-layer target")
-        return layers
 
 
 @dataclass(frozen=True, slots=True)

@@ -112,7 +112,7 @@ class DecoderLayer(nn.Module):
 class Transformer(nn.Module):
     """The whole decoder: embeddings, layers, final norm, LM head."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, layer_counter: LayerCounter | None = None) -> None:
         super().__init__()
         self.config = config
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
@@ -122,7 +122,9 @@ class Transformer(nn.Module):
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
         self.rope = RotaryEmbedding(config.head_dim, config.max_position_embeddings,
                                     config.rope_theta)
-        self.layer_counter: LayerCounter = NullLayerCounter()
+        # Bumped after each layer's attention (S3b): a prefiller's builder passes the counter
+        # its poller watches; everyone else bumps nothing.
+        self.layer_counter: LayerCounter = layer_counter or NullLayerCounter()
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata,

@@ -1,8 +1,9 @@
-"""What a prefill node and a decode node share: a stop flag, and an orderly shutdown.
+"""What a prefill node and a decode node share: a typed inbox, a stop flag, an orderly close.
 
-Both listen for control connections, keep their channels, and own a messenger, a transfer
-engine and a tracer; `close()` releases them in that order (connections first, so no new work
-arrives while the fabric drains).
+Reader threads and transfer callbacks never touch the engine: they put typed items in the
+node's `Inbox` (`Wake`, or the node's own message records), and the engine thread drains it and
+dispatches on the item's type. `close()` releases connections first (so no new work arrives
+while the fabric drains), then the messenger, the transfer engine and the tracer.
 """
 
 from __future__ import annotations
@@ -11,12 +12,46 @@ import queue
 import socket
 import threading
 import time
+from collections.abc import Callable
+from dataclasses import dataclass
 from typing import Any
 
-from disagg.engine.llm_engine import LLMEngine, TokenEvent
-from disagg.kv_transfer.channel import Channel
+from disagg.engine.batch import TokenEvent
+from disagg.engine.llm_engine import LLMEngine
+from disagg.kv_transfer.channel import Channel, format_address, listen
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
+
+
+@dataclass(frozen=True, slots=True)
+class Wake:
+    """Something happened off the engine thread (a counter fired, a transfer ended): look."""
+
+
+class Inbox:
+    """What the engine thread has to act on, in arrival order."""
+
+    def __init__(self) -> None:
+        self._items: queue.Queue[object] = queue.Queue()
+
+    def put(self, item: object) -> None:
+        """Queue one item (any thread)."""
+        self._items.put(item)
+
+    def wake(self) -> None:
+        """Ring the engine thread (the messengers' `wake` hook)."""
+        self._items.put(Wake())
+
+    def drain(self, handle: Callable[[Any], None], block: bool) -> None:
+        """Hand every queued item to `handle`; with `block`, wait briefly (10 ms) for the
+        first one."""
+        while True:
+            try:
+                item = self._items.get(timeout=0.01) if block else self._items.get_nowait()
+            except queue.Empty:
+                return
+            block = False
+            handle(item)
 
 
 class NodeBase:
@@ -29,21 +64,14 @@ class NodeBase:
     transfer: TransferEngine
     tracer: Tracer
     engine: LLMEngine
-    inbox: queue.Queue[tuple[str, Any]]
+    inbox: Inbox
+    address: str
 
-    def _handle(self, kind: str, item: Any) -> None:
-        """Act on one inbox entry (subclasses)."""
-        raise NotImplementedError
-
-    def _drain_inbox(self, block: bool) -> None:
-        """Handle everything queued; with `block`, wait briefly (10 ms) for the first entry."""
-        while True:
-            try:
-                kind, item = self.inbox.get(timeout=0.01) if block else self.inbox.get_nowait()
-            except queue.Empty:
-                return
-            block = False
-            self._handle(kind, item)
+    def _listen(self, address: str) -> None:
+        """Open the control socket; `address` is then the one peers reach us at."""
+        self._server = listen(address)
+        host, port = self._server.getsockname()[:2]
+        self.address = format_address(host, port)
 
     def _traced_step(self) -> list[TokenEvent]:
         """One engine step, recorded as a `step` span when a batch ran."""

@@ -1,119 +1,44 @@
-"""What every node builds at start-up: the engine, the transfer engine, a model fingerprint.
+"""The one place a node is wired: model, engine, fabric, messenger, plug-ins (S2, S3b, S5).
 
-Kept apart from the node loops so the demo, the tests and `disagg serve` build nodes the same way.
-It also decides how the KV memory meets the fabric (S5): on CUDA the transfer engine asks for
-FI_HMEM and falls back to host staging when no provider has it; the messengers then register
-their KV through `transfer_core.staging` with the engine's `memory_path`.
+`build_node(config)` loads the model, opens the transfer engine and constructs every object a
+node of `config.role` needs, handing each its collaborators once:
+- prefiller: the layer counter goes into the model it bumps and the messenger whose poller
+  watches it; the messenger is the engine's step observer; the draft-KV plug-in is a factory
+  the messenger calls when a decoder first asks for it (S8);
+- decoder: a speculator (when asked for) observes and finishes the engine's steps, and its MTP
+  cache becomes the messenger's draft-KV sink;
+- both: the messenger's `wake` rings the node's inbox.
+Nothing is re-attached afterwards. On CUDA the transfer engine asks for FI_HMEM first and falls
+back to host staging (S5, `transfer_core.staging`).
 """
 
 from __future__ import annotations
 
 import ctypes
-import hashlib
 import logging
-from dataclasses import dataclass, field, fields
+from functools import partial
 
 import torch
 
-from disagg.config import (
-    CacheConfig,
-    EngineConfig,
-    ParallelConfig,
-    SchedulerConfig,
-    check_kv_layout,
-)
-from disagg.engine.llm_engine import LLMEngine, build_engine
-from disagg.errors import ConfigError
-from disagg.model.draft_heads import SpeculativeConfig
+from disagg.config import EngineConfig
+from disagg.engine.llm_engine import EngineParts, LLMEngine, load_transformer
+from disagg.kv_transfer.decode_messenger import DecodeMessenger
+from disagg.kv_transfer.draft_kv import DraftKVSink, DraftKVSource
+from disagg.kv_transfer.prefill_messenger import PrefillMessenger
+from disagg.model.layer_counter import LayerCounter
+from disagg.model.loading.fingerprint import model_fingerprint
 from disagg.model.loading.registry import LoadedModel, load_model
-from disagg.spec.speculator import enable_speculation
-from transfer_core.engine import MEMORY_PATHS, TransferEngine
+from disagg.node.base import Inbox
+from disagg.node.decode_node import DecodeNode
+from disagg.node.node_config import NodeConfig, NodeRole, check_device
+from disagg.node.prefill_node import PrefillNode
+from disagg.spec.speculator import Speculator
+from disagg.utils.trace import Tracer, trace_path
+from transfer_core.engine import TransferEngine
 from transfer_core.staging import open_engine
 from transfer_core.testing.faults import FaultPlan, FaultyTransferEngine
 
 logger = logging.getLogger(__name__)
-
-
-def check_device(device: str, need_hardware: bool = True) -> str:
-    """`device` if it names cpu, cuda or cuda:N (and, with `need_hardware`, this machine has
-    it); else a `ConfigError` naming it."""
-    try:
-        parsed = torch.device(device)
-    except RuntimeError:
-        parsed = None
-    if parsed is None or parsed.type not in ("cpu", "cuda"):
-        raise ConfigError(f"unknown device {device!r}: expected cpu, cuda or cuda:N")
-    if need_hardware and parsed.type == "cuda" and not torch.cuda.is_available():
-        raise ConfigError(f"device {device!r}: torch sees no CUDA device on this machine")
-    return device
-
-
-def check_node_memory(device: str, kv_memory_path: str, need_hardware: bool = True) -> None:
-    """A `ConfigError` unless `device` is valid (see `check_device`) and `kv_memory_path` is
-    one of auto, host, hmem, staged and possible there (host is CPU only, hmem CUDA only)."""
-    on_cuda = torch.device(check_device(device, need_hardware)).type == "cuda"
-    if kv_memory_path not in MEMORY_PATHS:
-        raise ConfigError(f"unknown KV memory path {kv_memory_path!r}: expected "
-                          f"{', '.join(MEMORY_PATHS[:-1])} or {MEMORY_PATHS[-1]}")
-    if kv_memory_path == ("host" if on_cuda else "hmem"):
-        raise ConfigError(f"KV memory path {kv_memory_path!r} is impossible on {device}: use "
-                          "auto or staged")
-
-
-@dataclass(frozen=True, slots=True)
-class NodeConfig:
-    """Options every node takes (the CLI builds this, nothing else)."""
-
-    model: str
-    cache: CacheConfig
-    scheduler: SchedulerConfig
-    parallel: ParallelConfig = field(default_factory=ParallelConfig)
-    provider: str = "tcp"  # an alias (tcp, shm, efa, verbs) or a libfabric provider name
-    fabric_node: str | None = "auto"  # fabric interface: "auto" = loopback for socket providers
-    threads: int | None = None  # torch intra-op threads for this node
-    faults: str | None = None  # a FaultPlan spec: test-only fault injection (issue 8)
-    kv_timeout_s: float = 120.0  # decoder: deadline for a request's KV to arrive
-    retry_on_prefiller_failure: bool = True  # decoder: else a dead prefiller's requests fail
-    lease_s: float = 300.0  # prefiller: a transfer older than this is stopped
-    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
-    speculative: SpeculativeConfig | None = None  # decoder: draft and verify (issue 6)
-    device: str = "cpu"  # where the model and its KV cache live: cpu, cuda, cuda:N
-    kv_memory_path: str = "auto"  # how the NIC reaches the KV: auto, host, hmem, staged (S5)
-    cuda_graph: bool = False  # decode steps through static buffers / CUDA graphs (S3b)
-
-    def __post_init__(self) -> None:
-        check_node_memory(self.device, self.kv_memory_path, need_hardware=False)
-
-
-def node_config(model: str, kv_layout: str, page_size: int, num_pages: int, chunk_size: int,
-                provider: str, threads: int, mode: str, tp: int = 1,
-                replicated_kv: bool = False, faults: str | None = None,
-                kv_timeout: float = 120.0, lease: float = 300.0,
-                metrics_port: int | None = None, device: str = "cpu",
-                kv_memory_path: str = "auto", cuda_graph: bool = False) -> NodeConfig:
-    """A `NodeConfig` from `disagg serve`'s flat options (threads 0: torch's default)."""
-    return NodeConfig(model, CacheConfig(page_size=page_size, num_pages=num_pages,
-                                         kv_layout=check_kv_layout(kv_layout)),
-                      SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=chunk_size,
-                                      mode=mode),  # type: ignore[arg-type]
-                      ParallelConfig(tp, replicated_kv), provider=provider,
-                      threads=threads or None, faults=faults, kv_timeout_s=kv_timeout,
-                      lease_s=lease, metrics_port=metrics_port, device=device,
-                      kv_memory_path=kv_memory_path, cuda_graph=cuda_graph)
-
-
-def model_fingerprint(loaded: LoadedModel) -> str:
-    """A short digest of the model's shape and weights: peers must agree on it exactly."""
-    digest = hashlib.sha256()
-    for f in fields(loaded.config):
-        digest.update(f"{f.name}={getattr(loaded.config, f.name)};".encode())
-    for name in sorted(loaded.state_dict):
-        tensor = loaded.state_dict[name].reshape(-1)
-        # A strided sample of every tensor: enough to tell checkpoints apart, cheap to hash.
-        sample = tensor[:: max(1, tensor.numel() // 256)].to(torch.float32).contiguous()
-        digest.update(name.encode())
-        digest.update(sample.numpy().tobytes())
-    return f"{loaded.config.name}-{digest.hexdigest()[:16]}"
 
 
 def keep_freed_memory() -> None:
@@ -132,24 +57,67 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def build_node(config: NodeConfig) -> tuple[LLMEngine, TransferEngine, str, LoadedModel]:
-    """Load the model, build the engine and open the fabric; returns them and the fingerprint."""
+def build_node(config: NodeConfig, tracer: Tracer | None = None) -> PrefillNode | DecodeNode:
+    """Load the model, open the fabric and wire one node of `config.role`."""
     check_device(config.device)  # before the model loads: this machine must have it
     keep_freed_memory()
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = load_model(config.model)
-    engine = build_engine(EngineConfig(loaded.config, config.cache, config.scheduler,
-                                       config.parallel, device=config.device,
-                                       cuda_graph=config.cuda_graph),
-                          loaded.state_dict)
-    if config.speculative is not None:
-        enable_speculation(engine, config.speculative)
+    tracer = tracer or Tracer(trace_path(config.trace, config.node_id), config.node_id)
+    transfer = open_transfer(config)
+    try:
+        if config.role is NodeRole.PREFILL:
+            return _prefill_node(config, loaded, transfer, tracer)
+        return _decode_node(config, loaded, transfer, tracer)
+    except BaseException:
+        transfer.close()
+        raise
+
+
+def _engine_config(config: NodeConfig, loaded: LoadedModel) -> EngineConfig:
+    return EngineConfig(loaded.config, config.cache, config.scheduler, config.parallel,
+                        device=config.device, cuda_graph=config.cuda_graph)
+
+
+def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
+                  tracer: Tracer) -> PrefillNode:
+    engine_config = _engine_config(config, loaded)
+    # The model bumps this after each layer (S3b); the messenger's poller watches it.
+    counter = LayerCounter.for_device(config.device)
+    parts = EngineParts.build(engine_config, load_transformer(engine_config, loaded.state_dict,
+                                                              counter))
+    inbox = Inbox()
+    messenger = PrefillMessenger(parts, transfer, counter, wake=inbox.wake,
+                                 make_draft_source=partial(DraftKVSource, parts, transfer),
+                                 tracer=tracer, lease_s=config.lease_s)
+    engine = LLMEngine(parts, observers=[messenger])
+    return PrefillNode(engine, messenger, transfer, inbox, model_fingerprint(loaded),
+                       config.listen, config.node_id, tracer)
+
+
+def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
+                 tracer: Tracer) -> DecodeNode:
+    engine_config = _engine_config(config, loaded)
+    parts = EngineParts.build(engine_config, load_transformer(engine_config, loaded.state_dict))
+    speculator = None if config.speculative is None else Speculator(parts, config.speculative)
+    sink = None
+    if speculator is not None and speculator.kv_cache is not None:  # an MTP head (S4a, S8)
+        sink = DraftKVSink(speculator.kv_cache, loaded.config, config.cache.page_size, transfer)
+    inbox = Inbox()
+    messenger = DecodeMessenger(parts, transfer, config.node_id, model_fingerprint(loaded),
+                                wake=inbox.wake, draft_sink=sink,
+                                reliability=config.reliability)
+    engine = LLMEngine(parts, observers=[] if speculator is None else [speculator],
+                       finisher=speculator)
     if engine.runner.graphs is not None:
-        # Capture before serving, not during a request's first decode. A prefiller swaps in
-        # its layer counter later, which drops these for recapture on first use.
-        engine.runner.graphs.capture_all()
-    return engine, open_transfer(config), model_fingerprint(loaded), loaded
+        engine.runner.graphs.capture_all()  # before serving, not during a first decode
+    try:
+        return DecodeNode(engine, messenger, transfer, inbox, config.prefillers, config.listen,
+                          config.node_id, tracer)
+    except BaseException:
+        messenger.close()
+        raise
 
 
 def open_transfer(config: NodeConfig) -> TransferEngine:

@@ -4,23 +4,26 @@ prefills locally, in chunks, batched with its decodes.
 
 At start-up it connects to every prefiller and shakes hands (a mismatch stops it with the
 prefiller's reason). Threads: one accepts router connections; one per connection (router or
-prefiller) reads messages into the inbox; the engine thread (`run`) drains the inbox, releases
-requests whose KV arrived, steps the engine, and reports tokens and states to the routers.
+prefiller) reads messages into the inbox as typed records (`FromRouter`, `FromPrefiller`,
+`PrefillerGone`); the engine thread (`run`) drains the inbox, dispatching on those types,
+releases requests whose KV arrived, steps the engine, and reports tokens and `RequestState`s
+to the routers. Built, with its engine and messenger, by `builder.build_node`.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
+from collections.abc import Sequence
+from dataclasses import dataclass
 from typing import Any
 
 from disagg.engine.llm_engine import LLMEngine
-from disagg.engine.request import Request, SamplingParams
+from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
-from disagg.kv_transfer.channel import Channel, listen, start_heartbeats
-from disagg.kv_transfer.decode_messenger import DecodeMessenger, Outcome, ReliabilityConfig
+from disagg.kv_transfer.channel import Channel, format_address, start_heartbeats
+from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.messages import (
     Abort,
     Heartbeat,
@@ -31,7 +34,8 @@ from disagg.kv_transfer.messages import (
     Shutdown,
     Submit,
 )
-from disagg.node.base import NodeBase
+from disagg.kv_transfer.transfer_context import Outcome
+from disagg.node.base import Inbox, NodeBase, Wake
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
@@ -42,14 +46,27 @@ HEARTBEAT_INTERVAL_S = 1.0
 PEER_TIMEOUT_S = 10.0  # a peer silent this long is declared dead
 
 
-def failure_cause(detail: str) -> str:
-    """A short class for a failure's reason, the label of `failures_total`."""
-    for cause, words in (("deadline", "did not arrive"), ("checksum", "checksum"),
-                         ("prefiller_died", "prefiller died"), ("no_prefiller", "no prefiller"),
-                         ("aborted", "aborted"), ("write_failed", "write failed")):
-        if words in detail:
-            return cause
-    return "prefiller_refused"
+@dataclass(frozen=True, slots=True)
+class FromRouter:
+    """A router's message, and the connection to answer on."""
+
+    channel: Channel
+    message: Submit | Abort | Shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class FromPrefiller:
+    """A prefiller gave up on a request (`KVFailed`)."""
+
+    message: KVFailed
+
+
+@dataclass(frozen=True, slots=True)
+class PrefillerGone:
+    """The connection to prefiller `index` broke."""
+
+    index: int
+    reason: str
 
 
 def decode_metrics(node: DecodeNode) -> Metrics:
@@ -75,19 +92,16 @@ def decode_metrics(node: DecodeNode) -> Metrics:
 class DecodeNode(NodeBase):
     """One decoder, fed by one or more prefillers."""
 
-    def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
-                 prefillers: list[str], listen_address: str = "127.0.0.1:0",
-                 node_id: str = "decode-0", tracer: Tracer | None = None,
-                 reliability: ReliabilityConfig | None = None) -> None:
+    def __init__(self, engine: LLMEngine, messenger: DecodeMessenger, transfer: TransferEngine,
+                 inbox: Inbox, prefillers: Sequence[str], listen_address: str = "127.0.0.1:0",
+                 node_id: str = "decode-0", tracer: Tracer | None = None) -> None:
         self.engine = engine
+        self.messenger = messenger
         self.tracer = tracer or Tracer()
         self.transfer = transfer
+        self.inbox = inbox
         self.node_id = node_id
-        self.messenger = DecodeMessenger(engine, transfer, node_id, fingerprint,
-                                         reliability=reliability)
-        self.messenger.wake = lambda: self.inbox.put(("wake", None))
         self.metrics = decode_metrics(self)
-        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
         self._stop = threading.Event()
         self.shutdown_requested = False
         self._channels: list[Channel] = []
@@ -99,9 +113,7 @@ class DecodeNode(NodeBase):
         start_heartbeats(lambda: [c for c, alive in zip(messenger.prefillers, messenger.alive,
                                                         strict=True) if alive],
                          self._stop, HEARTBEAT_INTERVAL_S)
-        self._server = listen(listen_address)
-        host, port = self._server.getsockname()[:2]
-        self.address = f"{host}:{port}"
+        self._listen(listen_address)
         threading.Thread(target=self._accept_loop, name="decode-accept", daemon=True).start()
 
     def _connect_prefiller(self, address: str) -> None:
@@ -124,10 +136,10 @@ class DecodeNode(NodeBase):
             try:
                 message = channel.recv()
             except (PeerClosedError, ProtocolError) as error:
-                self.inbox.put(("prefiller_gone", (index, str(error))))
+                self.inbox.put(PrefillerGone(index, str(error)))
                 return
             if isinstance(message, KVFailed):
-                self.inbox.put(("KVFailed", message))
+                self.inbox.put(FromPrefiller(message))
             elif isinstance(message, Heartbeat):
                 continue  # recv() already noted that the prefiller is alive
             elif isinstance(message, Reject):
@@ -140,7 +152,7 @@ class DecodeNode(NodeBase):
                 sock, peer = self._server.accept()
             except OSError:
                 return  # closed: shutting down
-            channel = Channel(sock, f"router {peer[0]}:{peer[1]}")
+            channel = Channel(sock, f"router {format_address(peer[0], peer[1])}")
             self._channels.append(channel)
             threading.Thread(target=self._read_router, args=(channel,), daemon=True).start()
 
@@ -155,7 +167,7 @@ class DecodeNode(NodeBase):
             except PeerClosedError:
                 return
             if isinstance(message, Submit | Abort | Shutdown):
-                self.inbox.put((type(message).__name__, (channel, message)))
+                self.inbox.put(FromRouter(channel, message))
             else:
                 self._send(channel, Reject(f"unexpected {type(message).__name__}"))
 
@@ -164,7 +176,7 @@ class DecodeNode(NodeBase):
         while not self._stop.is_set():
             # Block (briefly: deadlines and heartbeats) unless the engine has work; counters
             # firing and messages arriving ring the inbox.
-            self._drain_inbox(block=not self.engine.has_unfinished())
+            self.inbox.drain(self._handle, block=not self.engine.has_unfinished())
             for outcome in self.messenger.poll():
                 self._report_outcome(outcome)
             if self.engine.has_unfinished():
@@ -173,8 +185,8 @@ class DecodeNode(NodeBase):
             self._keep_alive()
 
     def _report_outcome(self, outcome: Outcome) -> None:
-        request = outcome.request
-        if outcome.kind == "released":
+        request, state, cause = outcome.request, outcome.state, outcome.cause
+        if state is RequestState.RUNNING:  # released to the engine (S2c)
             receipt = outcome.receipt
             assert receipt is not None
             self.metrics.observe("kv_transfer_seconds", receipt.wait_ms / 1e3)
@@ -183,16 +195,15 @@ class DecodeNode(NodeBase):
             now = time.time()
             self.tracer.complete("kv_wait", now - receipt.wait_ms / 1e3, now,
                                  request_id=request.request_id)
-            self._report(request, "decoding", kv_writes=receipt.writes,
+            self._report(request, state, kv_writes=receipt.writes,
                          kv_bytes=receipt.nbytes, kv_wait_ms=receipt.wait_ms)
-        elif outcome.kind == "retry":
-            self.metrics.inc("failures_total", cause=failure_cause(outcome.detail))
-            self._report(request, "waiting_for_kv", detail=f"retrying: {outcome.detail}")
-        else:
-            if outcome.kind == "failed":
-                self.metrics.inc("failures_total", cause=failure_cause(outcome.detail))
-            state = "finished_aborted" if outcome.kind == "aborted" else "failed"
-            self._report(request, state, detail=outcome.detail)
+            return
+        assert cause is not None, "a retried, failed or aborted request names its cause"
+        if state is not RequestState.FINISHED_ABORTED:
+            self.metrics.inc("failures_total", cause=cause.value)
+        detail = f"retrying: {outcome.detail}" if state is RequestState.WAITING_FOR_KV else (
+            outcome.detail)
+        self._report(request, state, cause=cause, detail=detail)
 
     def _keep_alive(self) -> None:
         """Declare a prefiller gone when it has been silent too long (heartbeats go from
@@ -206,23 +217,29 @@ class DecodeNode(NodeBase):
     def _step(self) -> None:
         for event in self._traced_step():
             request = event.request
-            state = request.status.value if event.finished else "decoding"
+            # A speculative step yields several tokens; only the last may end the request.
+            state = request.state if event.finished else RequestState.RUNNING
             self._report(request, state, [event.token_id],
                          num_draft_tokens=request.num_draft_tokens,
                          num_accepted_tokens=request.num_accepted_tokens)
 
-    def _handle(self, kind: str, item: Any) -> None:
-        if kind == "Submit":
-            self._submit(*item)
-        elif kind == "KVFailed":
-            self.messenger.on_kv_failed(item)
-        elif kind == "prefiller_gone":
-            self.messenger.prefiller_gone(*item)
-        elif kind == "Abort":
-            self._abort(item[1].request_id)
-        elif kind == "Shutdown":
-            self.shutdown_requested = True
-            self._stop.set()
+    def _handle(self, item: object) -> None:
+        match item:
+            case Wake():
+                pass  # a counter fired: `run` polls the messenger next
+            case FromRouter(channel, Submit() as message):
+                self._submit(channel, message)
+            case FromRouter(_, Abort(request_id)):
+                self._abort(request_id)
+            case FromRouter(_, Shutdown()):
+                self.shutdown_requested = True
+                self._stop.set()
+            case FromPrefiller(message):
+                self.messenger.on_kv_failed(message)
+            case PrefillerGone(index, reason):
+                self.messenger.prefiller_gone(index, reason)
+            case _:
+                raise TypeError(f"decode node: no handler for {item!r}")
 
     def _abort(self, request_id: str) -> None:
         """A client abort: cancel the KV transfer, or stop decoding, whichever applies."""
@@ -230,7 +247,8 @@ class DecodeNode(NodeBase):
             return  # reported once its pages are safe (poll -> outcome)
         request = self.engine.scheduler.abort_request(request_id)
         if request is not None:
-            self._report(request, "finished_aborted", detail="aborted by the client")
+            self._report(request, RequestState.FINISHED_ABORTED, cause=FailureCause.ABORTED,
+                         detail="aborted by the client")
 
     def _submit(self, channel: Channel, message: Submit) -> None:
         params = SamplingParams(max_tokens=message.max_tokens, temperature=message.temperature,
@@ -243,11 +261,13 @@ class DecodeNode(NodeBase):
             self.messenger.submit(request)
         except RequestError as error:
             self._clients.pop(message.request_id, None)
-            self._send(channel, RequestEvent(message.request_id, "failed", detail=str(error)))
+            self._send(channel, RequestEvent(message.request_id, RequestState.FINISHED_FAILED,
+                                             cause=FailureCause.INVALID_REQUEST,
+                                             detail=str(error)))
             return
-        self._report(request, "waiting_for_kv" if self.messenger.prefillers else "prefilling")
+        self._report(request, request.state)
 
-    def _report(self, request: Request, state: str, token_ids: list[int] | None = None,
+    def _report(self, request: Request, state: RequestState, token_ids: list[int] | None = None,
                 detail: str = "", **kv: Any) -> None:
         channel = self._clients.get(request.request_id)
         if channel is None:
@@ -255,9 +275,9 @@ class DecodeNode(NodeBase):
         received, _ = self.messenger.received_writes(request.request_id)
         self._send(channel, RequestEvent(request.request_id, state, token_ids or [],
                                          kv_writes_received=received, detail=detail, **kv))
-        if state.startswith("finished") or state == "failed":
+        if state.is_terminal():
             del self._clients[request.request_id]
-            self.metrics.inc("requests_total", state=state)
+            self.metrics.inc("requests_total", state=state.value)
 
     def _report_progress(self) -> None:
         now = time.monotonic()
@@ -265,7 +285,7 @@ class DecodeNode(NodeBase):
             return
         self._last_progress = now
         for pending in self.messenger.pending.values():
-            self._report(pending.request, "waiting_for_kv")
+            self._report(pending.request, RequestState.WAITING_FOR_KV)
 
     def _send(self, channel: Channel, message: Any) -> None:
         try:

@@ -1,9 +1,10 @@
 """Start a prefiller and decoders as separate local processes, and stop them all (S1).
 
-Each node is `python -m disagg.apps.cli serve ...` in its own process, talking over libfabric, so
-the demo and the end-to-end tests run exactly what a multi-machine deployment runs. A node
-prints `READY <host:port>` once it accepts connections; every process started here is ended on
-exit, error or Ctrl-C.
+Each node is `python -m disagg.node.serve` in its own process, talking over libfabric, so the
+demo and the end-to-end tests run exactly what a multi-machine deployment runs. A node gets its
+`NodeConfig` as one JSON document on stdin (built here from the `ClusterConfig`, never as
+flags) and prints `READY <host:port>` once it accepts connections; every process started here
+is ended on exit, error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -17,17 +18,25 @@ import time
 import urllib.request
 from dataclasses import dataclass, field
 
+from disagg.config import (
+    CacheConfig,
+    ParallelConfig,
+    ReliabilityConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from disagg.errors import DisaggError
 from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.messages import Shutdown
+from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.utils.metrics import parse_metrics
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass
+@dataclass(frozen=True)
 class ClusterConfig:
-    """What to start: the options every node shares, and how many decoders."""
+    """What to start: the options every node shares, how many of each, and the decoders' own."""
 
     model: str
     num_decoders: int = 1
@@ -41,24 +50,33 @@ class ClusterConfig:
     prefill_tp: int = 1
     decode_tp: int = 1
     replicated_kv: bool = False  # every TP rank holds all KV heads (MLA-style, S9a)
-    extra_args: list[str] = field(default_factory=list)
-    decode_args: list[str] = field(default_factory=list)  # decoders only (e.g. --speculative)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)  # decoders
+    speculative: SpeculativeConfig | None = None  # decoders draft and verify (S8)
+    cuda_graph: bool = False  # decoders' decode steps through CUDA graphs (S3b)
+    faults: str | None = None  # test only: a FaultPlan spec for every node's fabric
     startup_timeout_s: float = 120.0
     trace_dir: str | None = None  # each node writes <node_id>.json here (a Chrome trace)
     device: str = "cpu"  # every node's model and KV cache: cpu, cuda or cuda:N
     kv_memory_path: str = "auto"  # how each node's NIC reaches its KV: auto, host, hmem, staged
 
-
-# The two deployments of S9, scaled to the toy models (the `tiny` preset has 4 KV heads).
-DEPLOYMENTS: dict[str, dict[str, object]] = {
-    # S9b, Qwen3-Coder: GQA, TP on both sides, HND, rank i -> rank i, 3 decoders per prefiller.
-    "qwen3-coder": {"prefill_tp": 4, "decode_tp": 4, "kv_layout": "HND", "num_decoders": 3,
-                    "replicated_kv": False},
-    # S9a, DeepSeek-R1 with DP decoders: the latent cache is the same on every rank, so any
-    # prefiller rank may send (chosen at random per request); each decoder rank is its own engine.
-    "deepseek-r1": {"prefill_tp": 4, "decode_tp": 1, "kv_layout": "HND", "num_decoders": 3,
-                    "replicated_kv": True},
-}
+    def node_config(self, role: NodeRole, node_id: str,
+                    prefillers: tuple[str, ...] = ()) -> NodeConfig:
+        """The `NodeConfig` of one node of this cluster."""
+        decoder = role is NodeRole.DECODE
+        mode = "prefill_only" if role is NodeRole.PREFILL else "mixed"
+        return NodeConfig(
+            self.model, CacheConfig(page_size=self.page_size, num_pages=self.num_pages,
+                                    kv_layout=self.kv_layout),  # type: ignore[arg-type]
+            SchedulerConfig(chunk_size=self.chunk_size,
+                            max_num_batched_tokens=self.chunk_size,
+                            mode=mode),  # type: ignore[arg-type]
+            ParallelConfig(self.decode_tp if decoder else self.prefill_tp, self.replicated_kv),
+            role=role, node_id=node_id, prefillers=prefillers, provider=self.provider,
+            threads=self.threads_per_node, faults=self.faults, reliability=self.reliability,
+            metrics_port=0, trace=self.trace_dir,
+            speculative=self.speculative if decoder else None,
+            device=self.device, kv_memory_path=self.kv_memory_path,
+            cuda_graph=self.cuda_graph and decoder)
 
 
 class LocalCluster:
@@ -77,19 +95,15 @@ class LocalCluster:
     def __enter__(self) -> LocalCluster:
         try:
             prefill_names = [f"prefill-{i}" for i in range(self.config.num_prefillers)]
-            prefillers = [self._spawn(name, ["serve", "prefill", "--tp",
-                                             str(self.config.prefill_tp)])
+            prefillers = [self._spawn(self.config.node_config(NodeRole.PREFILL, name))
                           for name in prefill_names]
             self.prefiller_addresses = [self._wait_ready(name, process) for name, process
                                         in zip(prefill_names, prefillers, strict=True)]
             self.prefiller_address = self.prefiller_addresses[0]
-            prefiller_args = [arg for address in self.prefiller_addresses
-                              for arg in ("--prefiller", address)]
             # Decoders start side by side: each loads the model on its own.
             names = [f"decode-{i}" for i in range(self.config.num_decoders)]
-            decoders = [self._spawn(name, ["serve", "decode", *prefiller_args, "--tp",
-                                           str(self.config.decode_tp), *self.config.decode_args])
-                        for name in names]
+            decoders = [self._spawn(self.config.node_config(
+                NodeRole.DECODE, name, tuple(self.prefiller_addresses))) for name in names]
             self.decoder_addresses = [self._wait_ready(name, process)
                                       for name, process in zip(names, decoders, strict=True)]
         except BaseException:
@@ -100,24 +114,17 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
-    def _common_args(self) -> list[str]:
-        c = self.config
-        return ["--model", c.model, "--kv-layout", c.kv_layout, "--page-size", str(c.page_size),
-                "--num-pages", str(c.num_pages), "--chunk-size", str(c.chunk_size),
-                "--provider", c.provider, "--threads", str(c.threads_per_node),
-                *(["--trace", c.trace_dir] if c.trace_dir else []),
-                *(["--replicated-kv"] if c.replicated_kv else []), "--metrics-port", "0",
-                "--device", c.device, "--kv-memory-path", c.kv_memory_path, *c.extra_args]
-
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[str]:
-        command = [sys.executable, "-m", "disagg.apps.cli", *args, "--node-id", name,
-                   *self._common_args()]
+    def _spawn(self, config: NodeConfig) -> subprocess.Popen[str]:
+        command = [sys.executable, "-m", "disagg.node.serve"]
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                   text=True, env=env)
+        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+                                   stderr=subprocess.PIPE, text=True, env=env)
+        assert process.stdin is not None
+        process.stdin.write(config.to_json())
+        process.stdin.close()
         self.processes.append(process)
-        self.names.append(name)
-        log = self.logs.setdefault(name, [])
+        self.names.append(config.node_id)
+        log = self.logs.setdefault(config.node_id, [])
         threading.Thread(target=_collect, args=(process.stderr, log), daemon=True).start()
         return process
 

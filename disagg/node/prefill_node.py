@@ -1,22 +1,24 @@
 """A prefiller node: accepts decoders, prefills their requests, streams KV back (S2b, S3, S4b).
 
-Threads: one accepts control connections; one per decoder reads its messages into the inbox;
-the engine thread (this object's `run`) drains the inbox, steps the engine, and lets the
+Threads: one accepts control connections; one per decoder reads its messages into the inbox
+as typed records (`DecoderJoined`, `FromDecoder`, `DecoderGone`); the engine thread (this
+object's `run`) drains the inbox, dispatching on those types, steps the engine, and lets the
 messenger free finished requests. Bad input from a decoder (a malformed message, a request
 with pages outside its region) is answered on that connection and never stops the node.
+Built, with its engine and messenger, by `builder.build_node`.
 """
 
 from __future__ import annotations
 
 import logging
-import queue
 import threading
 import time
-from typing import Any
+from dataclasses import dataclass
 
 from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.request import FailureCause
 from disagg.errors import PeerClosedError, ProtocolError, RequestError
-from disagg.kv_transfer.channel import Channel, listen, start_heartbeats
+from disagg.kv_transfer.channel import Channel, format_address, start_heartbeats
 from disagg.kv_transfer.context_slot import context_slot_nbytes
 from disagg.kv_transfer.messages import (
     Cancel,
@@ -30,7 +32,7 @@ from disagg.kv_transfer.messages import (
 )
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.kv_transfer.transfer_context import DecoderPeer
-from disagg.node.base import NodeBase
+from disagg.node.base import Inbox, NodeBase, Wake
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
@@ -39,6 +41,34 @@ from transfer_core.errors import TransferError
 logger = logging.getLogger(__name__)
 HEARTBEAT_INTERVAL_S = 1.0
 PEER_TIMEOUT_S = 10.0  # a decoder silent this long is declared dead
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderJoined:
+    """A decoder's handshake succeeded."""
+
+    peer: DecoderPeer
+
+
+@dataclass(frozen=True, slots=True)
+class FromDecoder:
+    """A message a decoder sent after its handshake."""
+
+    peer: DecoderPeer
+    message: KVRequest | Cancel | Shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class DecoderGone:
+    """A decoder's connection broke or it broke the protocol."""
+
+    peer: DecoderPeer
+    reason: str
+
+
+@dataclass(frozen=True, slots=True)
+class ShutdownAsked:
+    """An operator (or the demo) connected only to ask this node to stop."""
 
 
 def hello_mismatches(hello: Hello, expected: Hello) -> list[str]:
@@ -53,27 +83,24 @@ def hello_mismatches(hello: Hello, expected: Hello) -> list[str]:
 class PrefillNode(NodeBase):
     """One prefiller serving any number of decoders."""
 
-    def __init__(self, engine: LLMEngine, transfer: TransferEngine, fingerprint: str,
-                 listen_address: str = "127.0.0.1:0", node_id: str = "prefill-0",
-                 tracer: Tracer | None = None) -> None:
+    def __init__(self, engine: LLMEngine, messenger: PrefillMessenger, transfer: TransferEngine,
+                 inbox: Inbox, fingerprint: str, listen_address: str = "127.0.0.1:0",
+                 node_id: str = "prefill-0", tracer: Tracer | None = None) -> None:
         self.engine = engine
+        self.messenger = messenger
         self.transfer = transfer
+        self.inbox = inbox
         self.node_id = node_id
         self.fingerprint = fingerprint
         self.tracer = tracer or Tracer()
-        self.messenger = PrefillMessenger(engine, transfer, tracer=self.tracer)
-        self.messenger.wake = lambda: self.inbox.put(("wake", None))
         self.metrics = Metrics()
         for name in self.messenger.stats:
             self.metrics.counter_from(f"{name}_total",
                                       lambda name=name: self.messenger.stats[name])
         allocator = engine.allocator
         self.metrics.gauge("pages_in_use", lambda: allocator.num_pages - allocator.num_free)
-        self.metrics.gauge("transfers_in_flight", lambda: len(self.messenger._transfers))
-        self._server = listen(listen_address)
-        host, port = self._server.getsockname()[:2]
-        self.address = f"{host}:{port}"
-        self.inbox: queue.Queue[tuple[str, Any]] = queue.Queue()
+        self.metrics.gauge("transfers_in_flight", lambda: self.messenger.num_in_flight)
+        self._listen(listen_address)
         self._stop = threading.Event()
         self.shutdown_requested = False
         self._channels: list[Channel] = []
@@ -96,7 +123,7 @@ class PrefillNode(NodeBase):
                 sock, peer = self._server.accept()
             except OSError:
                 return  # the server socket was closed: we are shutting down
-            channel = Channel(sock, f"{peer[0]}:{peer[1]}")
+            channel = Channel(sock, format_address(peer[0], peer[1]))
             self._channels.append(channel)
             threading.Thread(target=self._serve_decoder, args=(channel,), daemon=True,
                              name=f"prefill-peer-{peer[1]}").start()
@@ -106,7 +133,7 @@ class PrefillNode(NodeBase):
         try:
             hello = channel.recv()
             if isinstance(hello, Shutdown):  # an operator (or the demo) asking us to stop
-                self.inbox.put(("Shutdown", None))
+                self.inbox.put(ShutdownAsked())
                 channel.close()
                 return
             if not isinstance(hello, Hello):
@@ -118,7 +145,7 @@ class PrefillNode(NodeBase):
                 channel.close()
                 return
             peer = self.messenger.add_peer(hello, channel)
-            self.inbox.put(("peer_joined", peer))
+            self.inbox.put(DecoderJoined(peer))
             sharding = self.engine.kv_cache.sharding
             channel.send(HelloAck(self.node_id, self.transfer.address, sharding.tp,
                                   sharding.replicated))
@@ -133,18 +160,18 @@ class PrefillNode(NodeBase):
                 message = channel.recv()
             except ProtocolError as error:
                 self._refuse(channel, str(error))
-                self.inbox.put(("peer_gone", (peer, f"protocol error: {error}")))
+                self.inbox.put(DecoderGone(peer, f"protocol error: {error}"))
                 return
             except PeerClosedError as error:
-                self.inbox.put(("peer_gone", (peer, str(error))))
+                self.inbox.put(DecoderGone(peer, str(error)))
                 return
             if isinstance(message, Heartbeat):
                 continue  # recv() already noted that the decoder is alive
             if isinstance(message, KVRequest | Cancel | Shutdown):
-                self.inbox.put((type(message).__name__, (peer, message)))
+                self.inbox.put(FromDecoder(peer, message))
             else:
                 self._refuse(channel, f"unexpected {type(message).__name__} from a decoder")
-                self.inbox.put(("peer_gone", (peer, "protocol error")))
+                self.inbox.put(DecoderGone(peer, "protocol error"))
                 return
 
     def _refuse(self, channel: Channel, reason: str) -> None:
@@ -160,7 +187,7 @@ class PrefillNode(NodeBase):
         while not self._stop.is_set():
             # Block (briefly: leases and heartbeats) unless the engine has work; finished
             # transfers and messages ring the inbox.
-            self._drain_inbox(block=not self.engine.has_unfinished())
+            self.inbox.drain(self._handle, block=not self.engine.has_unfinished())
             if self.engine.has_unfinished():
                 self._traced_step()
             self.messenger.poll()
@@ -177,29 +204,32 @@ class PrefillNode(NodeBase):
                 peer.channel.close()
                 self.messenger.fail_peer(peer, f"decoder gone: silent for {PEER_TIMEOUT_S:g} s")
 
-    def _handle(self, kind: str, item: Any) -> None:
-        if kind == "peer_joined":
-            self._peers.append(item)
-        elif kind == "peer_gone":
-            peer, reason = item
-            logger.info("decoder %s left: %s", peer.peer_id, reason)
-            if peer in self._peers:
-                self._peers.remove(peer)
-            self.messenger.fail_peer(peer, f"decoder gone: {reason}")
-        elif kind == "KVRequest":
-            peer, message = item
-            try:
-                self.messenger.start_request(message, peer)
-            except RequestError as error:
-                logger.warning("refusing request %s from %s: %s", message.request_id,
-                               peer.peer_id, error)
-                self._tell(peer, KVFailed(message.request_id, str(error)))
-        elif kind == "Cancel":
-            peer, message = item
-            self.messenger.cancel(peer, message.request_id)
-        elif kind == "Shutdown":
-            self.shutdown_requested = True
-            self._stop.set()
+    def _handle(self, item: object) -> None:
+        match item:
+            case Wake():
+                pass  # a transfer ended: `run` polls the messenger next
+            case DecoderJoined(peer):
+                self._peers.append(peer)
+            case DecoderGone(peer, reason):
+                logger.info("decoder %s left: %s", peer.peer_id, reason)
+                if peer in self._peers:
+                    self._peers.remove(peer)
+                self.messenger.fail_peer(peer, f"decoder gone: {reason}")
+            case FromDecoder(peer, KVRequest() as message):
+                try:
+                    self.messenger.start_request(message, peer)
+                except RequestError as error:
+                    logger.warning("refusing request %s from %s: %s", message.request_id,
+                                   peer.peer_id, error)
+                    self._tell(peer, KVFailed(message.request_id,
+                                              FailureCause.PREFILLER_REFUSED, str(error)))
+            case FromDecoder(peer, Cancel(request_id)):
+                self.messenger.cancel(peer, request_id)
+            case FromDecoder(_, Shutdown()) | ShutdownAsked():
+                self.shutdown_requested = True
+                self._stop.set()
+            case _:
+                raise TypeError(f"prefill node: no handler for {item!r}")
 
     def _tell(self, peer: DecoderPeer, message: KVFailed) -> None:
         try:
@@ -212,7 +242,6 @@ class PrefillNode(NodeBase):
         assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"
         assert not self.messenger.has_work(), "transfers still in flight"
         self.engine.allocator.check_invariants(expect_all_free=True)
-
 
 
 def serve_forever(node: PrefillNode) -> None:

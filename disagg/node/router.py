@@ -9,6 +9,7 @@ from __future__ import annotations
 import queue
 import threading
 
+from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import PeerClosedError, ProtocolError
 from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.messages import Abort, RequestEvent, Shutdown, Submit
@@ -65,7 +66,7 @@ class Router:
                 return
             if not isinstance(event, RequestEvent):
                 continue
-            if event.state.startswith("finished") or event.state == "failed":
+            if event.state.is_terminal():
                 with self._lock:
                     if self._owner.pop(event.request_id, None) is not None:
                         self.in_flight[index] -= 1
@@ -82,7 +83,8 @@ class Router:
                 del self._owner[request_id]
             self.in_flight[index] = 0
         for request_id in lost:
-            self.events.put(RequestEvent(request_id, "failed",
+            self.events.put(RequestEvent(request_id, RequestState.FINISHED_FAILED,
+                                         cause=FailureCause.DECODER_DIED,
                                          detail=f"decoder {index} died: {reason}"))
 
     def shutdown(self) -> None:

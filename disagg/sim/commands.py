@@ -23,6 +23,7 @@ from disagg.sim.hardware import hardware_from_name
 from disagg.sim.models import model_from_name
 from disagg.sim.simulator import ClusterConfig
 from disagg.sim.workload import Workload
+from disagg.utils.optional_deps import use_matplotlib
 
 console = Console()
 
@@ -71,9 +72,11 @@ def simulate(
     from disagg.sim.sweep import load_sweep, run_once
     from disagg.sim.workload import load_trace
 
+    if plot is not None:
+        use_matplotlib("disagg simulate --plot")  # before the sweep, not after it
     sim_model, hw = model_from_name(model), hardware_from_name(gpu)
     node = Parallel(tp=hw.devices_per_node)
-    common = dict(prefill_parallel=node, chunk_size=chunk_size, spec_tokens=spec_tokens)
+    common = {"prefill_parallel": node, "chunk_size": chunk_size, "spec_tokens": spec_tokens}
     disagg_config = ClusterConfig(mode="disagg", prefillers=prefillers, decoders=decoders,
                                   decoder_parallel=_layout(decoder_layout, hw.devices_per_node),
                                   **common)  # type: ignore[arg-type]

@@ -9,14 +9,13 @@ from __future__ import annotations
 from pathlib import Path
 
 from disagg.sim.sweep import Sweep
+from disagg.utils.optional_deps import use_matplotlib
 
 
 def plot_sweep(sweep: Sweep, path: Path, title: str) -> Path:
     """Three panels (TPS p50, TTFT p50 and p99, ITL p99) against offered QPS; returns `path`."""
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
+    use_matplotlib("disagg simulate --plot")
+    import matplotlib.pyplot as plt  # the optional `figures` extra: imported only to draw
 
     fig, (tps_ax, ttft_ax, itl_ax) = plt.subplots(1, 3, figsize=(13, 4.2))
     for label, rows in sweep.items():

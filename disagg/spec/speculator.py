@@ -21,12 +21,12 @@ from dataclasses import dataclass
 
 import torch
 
-from disagg.engine.batch import Batch
-from disagg.engine.llm_engine import LLMEngine, TokenEvent
-from disagg.engine.model_runner import ForwardOutput
+from disagg.config import EngineConfig, SpeculativeConfig
+from disagg.engine.batch import Batch, ForwardOutput, TokenEvent
+from disagg.engine.llm_engine import EngineParts, LLMEngine, load_transformer
 from disagg.engine.request import Request
 from disagg.engine.sampling import sample_token
-from disagg.model.draft_heads import SpeculativeConfig, build_mtp_head, mtp_kv_cache
+from disagg.model.draft_heads import build_mtp_head, mtp_kv_cache
 from disagg.model.kv_cache import PagedKVCache
 from disagg.spec.proposers import EarlyExitProposer, MTPProposer
 from disagg.spec.verify import propose_token, verify, verify_greedy_lazily
@@ -52,20 +52,21 @@ class SpecStats:
 
 
 class Speculator:
-    """Takes over sampling and postprocessing of an `LLMEngine` (see `enable_speculation`)."""
+    """Observes an `LLMEngine`'s steps and takes over their sampling and postprocessing (see
+    `speculative_engine`)."""
 
-    def __init__(self, engine: LLMEngine, config: SpeculativeConfig) -> None:
-        self.engine = engine
+    def __init__(self, parts: EngineParts, config: SpeculativeConfig) -> None:
+        self._parts = parts
         self.config = config
-        model, device = engine.model, engine.config.device
+        model, device = parts.model, parts.config.device
         self.kv_cache: PagedKVCache | None = None  # the draft's own pages, if it has any
         if config.kind == "mtp":
             head = build_mtp_head(model.config).to(device)
-            self.kv_cache = mtp_kv_cache(model.config, engine.config.cache, device)
+            self.kv_cache = mtp_kv_cache(model.config, parts.config.cache, device)
             self.proposer: EarlyExitProposer | MTPProposer = MTPProposer(model, head,
                                                                          self.kv_cache)
         else:
-            self.proposer = EarlyExitProposer(model, engine.kv_cache,
+            self.proposer = EarlyExitProposer(model, parts.kv_cache,
                                               config.exit_layer(model.config))
         self.stats = SpecStats()
         # The distribution each pending draft came from (sampling only), per request.
@@ -76,18 +77,21 @@ class Speculator:
         """Before the forward: drop drafts the scheduler did not fit (token budget, chunk size,
         preemption), so `spec_token_ids` is exactly what this forward verifies."""
         scheduled = {id(chunk.request): chunk for chunk in batch.chunks}
-        scheduler = self.engine.scheduler
+        scheduler = self._parts.scheduler
         for request in [*scheduler.running, *scheduler.waiting]:
             if request.spec_token_ids:
                 chunk = scheduled.get(id(request))
                 keep = max(0, chunk.end - request.num_tokens) if chunk is not None else 0
                 del request.spec_token_ids[keep:]
 
+    def after_forward(self, batch: Batch, output: ForwardOutput) -> None:
+        """Nothing between the forward and `finish_step`: verifying happens there."""
+
     @torch.inference_mode()
     def finish_step(self, batch: Batch, output: ForwardOutput) -> list[TokenEvent]:
         """After the forward: sample ordinary chunks, verify speculative ones, advance every
         request, run the draft on what was confirmed and propose the next drafts."""
-        engine, hidden = self.engine, output.all_hidden_states
+        parts, hidden = self._parts, output.all_hidden_states
         assert hidden is not None, "the runner returns every row's hidden state"
         sampled = {}
         for row, chunk_idx in enumerate(output.sample_chunk_indices):
@@ -101,9 +105,9 @@ class Speculator:
             if chunk.request.spec_token_ids:
                 verified.append((chunk.request, self._verify(chunk.request, hidden, end)))
         before = [len(chunk.request.output_token_ids) for chunk in batch.chunks]
-        engine.scheduler.postprocess(batch, sampled)
+        parts.scheduler.postprocess(batch, sampled)
         for request, token_ids in verified:
-            engine.scheduler.accept_tokens(request, token_ids)
+            parts.scheduler.accept_tokens(request, token_ids)
         self.proposer.observe(batch, hidden)
         self._propose()
         events = []
@@ -118,7 +122,7 @@ class Speculator:
         """Tokens to append for a speculative chunk whose rows end at `end`."""
         drafts = list(request.spec_token_ids)
         rows = hidden[end - len(drafts) - 1:end]  # the last real token's row, then the drafts'
-        model, params = self.engine.model, request.sampling_params
+        model, params = self._parts.model, request.sampling_params
         probs = self._draft_probs.pop(request, None)
         if params.temperature == 0.0:
             token_ids = verify_greedy_lazily(
@@ -136,7 +140,7 @@ class Speculator:
 
     def _propose(self) -> None:
         """Draft for every running request whose prompt is computed and that has no drafts."""
-        scheduler = self.engine.scheduler
+        scheduler = self._parts.scheduler
         requests = [r for r in scheduler.running
                     if r.output_token_ids and not r.spec_token_ids
                     and r.num_computed_tokens == r.num_tokens - 1]
@@ -160,13 +164,13 @@ class Speculator:
         """Drafts worth proposing: never more tokens than the request may still produce (a
         chunk yields drafts + 1), nor positions past the model's context."""
         remaining = request.sampling_params.max_tokens - len(request.output_token_ids) - 1
-        room = self.engine.scheduler.max_model_len - request.num_tokens
+        room = self._parts.scheduler.max_model_len - request.num_tokens
         return max(0, min(self.config.num_draft_tokens, remaining, room))
 
     def _reserve(self, request: Request, num_drafts: int) -> int:
         """Take the pages of the request's verify chunk (drafts write K/V into them as they
         go); with too few free pages, propose fewer drafts instead of preempting anyone."""
-        allocator, page_size = self.engine.allocator, self.engine.kv_cache.page_size
+        allocator, page_size = self._parts.allocator, self._parts.kv_cache.page_size
         held = len(request.page_ids) + allocator.num_free
         num_drafts = max(0, min(num_drafts, held * page_size - request.num_tokens))
         if num_drafts == 0:
@@ -177,9 +181,15 @@ class Speculator:
         return num_drafts
 
 
-def enable_speculation(engine: LLMEngine, config: SpeculativeConfig) -> Speculator:
-    """Make `engine` (a decoder or a single node, never a prefiller) speculate with `config`."""
-    speculator = Speculator(engine, config)
-    engine.speculator = speculator
-    engine.batch_listeners.append(speculator.on_batch)
-    return speculator
+def speculative_engine(parts: EngineParts, config: SpeculativeConfig) -> LLMEngine:
+    """An engine (a decoder or a single node, never a prefiller) that speculates with `config`:
+    its speculator observes every step and finishes it."""
+    speculator = Speculator(parts, config)
+    return LLMEngine(parts, observers=[speculator], finisher=speculator)
+
+
+def build_speculative_engine(config: EngineConfig, state_dict: dict[str, torch.Tensor],
+                             spec: SpeculativeConfig) -> LLMEngine:
+    """Like `build_engine`, speculating with `spec`."""
+    return speculative_engine(EngineParts.build(config, load_transformer(config, state_dict)),
+                              spec)

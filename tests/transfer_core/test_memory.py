@@ -69,6 +69,18 @@ def test_engine_address_round_trip() -> None:
     assert EngineAddress.from_bytes(address.to_bytes()) == address
 
 
+def test_engine_address_probes_round_trip() -> None:
+    """The per-domain warm-up targets (key, raddr) survive the trip; their count must match."""
+    address = EngineAddress("shm", (b"a" * 16, b"b" * 16), ((1, 0x7F00_0000_1000), (2**63, 0)))
+    assert EngineAddress.from_bytes(address.to_bytes()) == address
+    with pytest.raises(ValueError, match="probes"):
+        EngineAddress("shm", (b"a",), ((1, 0), (2, 0)))
+    raw = bytearray(EngineAddress("shm", (b"a",), ((1, 0),)).to_bytes())
+    raw[-17] = 2  # claims two probes for one domain, and is then truncated
+    with pytest.raises(DescriptorError):
+        EngineAddress.from_bytes(bytes(raw))
+
+
 def test_resolve_bytearray_is_writable() -> None:
     """A bytearray resolves to its own address and size and is writable."""
     buf = bytearray(b"abcd")

@@ -33,7 +33,9 @@ class WriteOp:
     address `dst_addr + dst_idx[i] * dst_stride`. `None` index arrays mean `range(n)`.
 
     Index arrays must expose a C-contiguous int64 buffer (numpy int64 arrays do); they are
-    kept alive with the op. `length == 0` with `imm` set is a pure immediate.
+    kept alive with the op. `length == 0` with `imm` set is a pure immediate; `length == 0`
+    without one (only with `empty=True`) moves nothing and tells the target nothing: it opens
+    the connection of a connection-based provider (rxm) ahead of the first real write.
     """
 
     def __init__(
@@ -52,8 +54,9 @@ class WriteOp:
         src_idx: Any = None,
         dst_idx: Any = None,
         deadline_ns: int = 0,
+        empty: bool = False,
     ) -> None:
-        if n < 1 or (length == 0 and imm is None):
+        if n < 1 or length < 0 or (length == 0 and imm is None and not empty):
             raise ValueError(f"an op needs n >= 1 writes of data or an imm (n={n}, len={length})")
         c = ffi.new("struct fabp_op *")
         c.dest = dest

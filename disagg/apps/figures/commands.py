@@ -15,15 +15,16 @@ from typing import Annotated
 import typer
 
 from disagg.apps.figures.runs import WORKLOAD, run_disaggregated, run_mixed, timeline_from_trace
+from disagg.utils.optional_deps import use_matplotlib
 
 logger = logging.getLogger(__name__)
 
 
 def make_figures(out_dir: Path, model: str = "small") -> list[Path]:
     """Run both setups and write every PNG into `out_dir`; returns their paths."""
-    import matplotlib
-
-    matplotlib.use("Agg")
+    # Before the runs (about a minute): a missing extra must fail fast, in one line.
+    use_matplotlib("disagg figures")
+    # draw and layout import matplotlib at module level: only here, never from the CLI's import.
     from disagg.apps.figures import draw as figures_draw
     from disagg.apps.figures import layout as figures_layout
 

@@ -7,14 +7,22 @@ themselves need a GPU (`test_graph_runner_cuda.py`). The reference is the defaul
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import pytest
 import torch
 from torch.utils._python_dispatch import TorchDispatchMode
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig, SchedulerConfig
-from disagg.engine.batch import Batch
+from disagg.config import (
+    CacheConfig,
+    EngineConfig,
+    ModelConfig,
+    ParallelConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from disagg.engine.batch import Batch, ForwardOutput
 from disagg.engine.cuda_graphs import (
     DecodeGraphs,
     page_buckets,
@@ -22,13 +30,11 @@ from disagg.engine.cuda_graphs import (
     useful_batch_sizes,
 )
 from disagg.engine.llm_engine import LLMEngine, build_engine
-from disagg.engine.model_runner import ForwardOutput
 from disagg.engine.request import SamplingParams
 from disagg.errors import ConfigError
-from disagg.model.draft_heads import SpeculativeConfig
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.registry import init_random_weights
-from disagg.spec.speculator import enable_speculation
+from disagg.spec.speculator import build_speculative_engine
 
 CONFIG = ModelConfig.from_name("tiny")
 WEIGHTS = init_random_weights(CONFIG, seed=3)
@@ -41,11 +47,13 @@ WAVES = [(0, [5], [6]), (4, [2, 9, 4], [4, 12, 7]), (12, [3, 1, 6, 8, 2], [3, 9,
 
 def make_engine(cuda_graph: bool, kv_layout: str = "NHD", page_size: int = 4, tp: int = 1,
                 chunk_size: int = 4, graph_batch_sizes: tuple[int, ...] = (1, 2, 4, 8, 16, 32),
-                device: str = "cpu") -> LLMEngine:
+                device: str = "cpu", spec: SpeculativeConfig | None = None) -> LLMEngine:
     config = EngineConfig(CONFIG, CacheConfig(page_size, 256 // page_size, kv_layout),
                           SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=16),
                           ParallelConfig(tp=tp), device, cuda_graph=cuda_graph,
                           graph_batch_sizes=graph_batch_sizes)
+    if spec is not None:
+        return build_speculative_engine(config, WEIGHTS, spec)
     return build_engine(config, WEIGHTS)
 
 
@@ -60,6 +68,18 @@ class Trace:
     buckets: set[tuple[int, int]] = field(default_factory=set)
 
 
+def record_outputs(engine: LLMEngine, record: Callable[[Batch, ForwardOutput], None]) -> None:
+    """Instrument the engine's runner: `record` sees every batch and what its forward gave."""
+    execute = engine.runner.execute
+
+    def recording(batch: Batch) -> ForwardOutput:
+        output = execute(batch)
+        record(batch, output)
+        return output
+
+    engine.runner.execute = recording  # type: ignore[method-assign]
+
+
 def serve(engine: LLMEngine, waves: list[tuple[int, list[int], list[int]]] = WAVES) -> Trace:
     """Run `waves` to completion, recording every step; allocator books checked per step."""
     trace = Trace()
@@ -72,7 +92,7 @@ def serve(engine: LLMEngine, waves: list[tuple[int, list[int], list[int]]] = WAV
         if trace.static[-1] and graphs is not None:
             trace.buckets.add(graphs.bucket(batch))
 
-    engine.forward_listeners.append(record)
+    record_outputs(engine, record)
     generator = torch.Generator().manual_seed(0)
     requests, step = [], 0
     while step <= waves[-1][0] or engine.has_unfinished():
@@ -121,9 +141,8 @@ def test_speculative_verify_chunks_run_eagerly() -> None:
     """Multi-token verify chunks fall back to eager; greedy tokens still match."""
     waves = [(0, [5, 9], [10, 12])]
     reference = serve(make_engine(False), waves)
-    engine = make_engine(True)
-    enable_speculation(engine, SpeculativeConfig("early-exit", num_draft_tokens=2,
-                                                 draft_layers=1))
+    engine = make_engine(True, spec=SpeculativeConfig("early-exit", num_draft_tokens=2,
+                                                      draft_layers=1))
     trace = serve(engine, waves)
     assert trace.outputs == reference.outputs
     verify_steps = [any(c.num_tokens > 1 and c.start >= c.request.num_prompt_tokens
@@ -204,7 +223,7 @@ def test_stale_buffer_contents_never_reach_results() -> None:
                            .manual_seed(1))
     outputs = []
     for engine in (clean, dirty):
-        engine.forward_listeners.append(lambda b, out: outputs.append(out))
+        record_outputs(engine, lambda b, out: outputs.append(out))
         engine.step()
     torch.testing.assert_close(outputs[1].logits, outputs[0].logits, rtol=0, atol=0)
     torch.testing.assert_close(clean.kv_cache.buffer, dirty.kv_cache.buffer, rtol=0, atol=0)

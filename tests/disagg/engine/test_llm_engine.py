@@ -6,7 +6,7 @@ import pytest
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
 from disagg.engine.llm_engine import LLMEngine, build_engine
-from disagg.engine.request import RequestStatus, SamplingParams
+from disagg.engine.request import RequestState, SamplingParams
 from disagg.model.loading.registry import init_random_weights
 
 
@@ -46,7 +46,7 @@ def test_eos_stops_a_request(engine: LLMEngine) -> None:
         engine.step()
     first = greedy.output_token_ids.index(eos)
     assert request.output_token_ids == greedy.output_token_ids[:first + 1]
-    assert request.status == RequestStatus.FINISHED_STOPPED
+    assert request.state == RequestState.FINISHED_STOPPED
     engine.allocator.check_invariants(expect_all_free=True)
 
 

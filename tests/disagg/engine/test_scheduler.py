@@ -8,7 +8,7 @@ from hypothesis import strategies as st
 
 from disagg.config import SchedulerConfig
 from disagg.engine.page_allocator import PageAllocator
-from disagg.engine.request import Request, RequestStatus, SamplingParams
+from disagg.engine.request import Request, RequestState, SamplingParams
 from disagg.engine.scheduler import Scheduler
 from disagg.errors import RequestError
 
@@ -66,8 +66,8 @@ def test_out_of_pages_preempts_newest_and_recomputes() -> None:
     assert run_step(scheduler) == [("a", 0, 4), ("b", 0, 4)]  # all 4 pages in use
     assert run_step(scheduler) == [("a", 4, 1)]  # a needs a page: b is preempted
     b = scheduler.waiting[0]
-    assert (b.request_id, b.status, b.num_computed_tokens, b.page_ids) == (
-        "b", RequestStatus.WAITING, 0, [])
+    assert (b.request_id, b.state, b.num_computed_tokens, b.page_ids) == (
+        "b", RequestState.WAITING, 0, [])
     while scheduler.has_unfinished():
         run_step(scheduler)
     scheduler.allocator.check_invariants(expect_all_free=True)
@@ -105,7 +105,7 @@ def test_abort_frees_pages() -> None:
     run_step(scheduler)
     request = scheduler.abort_request("a")
     assert request is not None
-    assert request.status == RequestStatus.FINISHED_ABORTED
+    assert request.state == RequestState.FINISHED_ABORTED
     scheduler.allocator.check_invariants(expect_all_free=True)
     assert scheduler.abort_request("a") is None
 
@@ -129,6 +129,6 @@ def test_every_request_completes_within_limits(prompt_lens: list[int], chunk_siz
         assert all(n <= chunk_size for _, _, n in chunks)
         assert len({name for name, _, _ in chunks}) == len(chunks)
         scheduler.allocator.check_invariants()
-    assert all(r.status == RequestStatus.FINISHED_LENGTH and len(r.output_token_ids) == 3
+    assert all(r.state == RequestState.FINISHED_LENGTH and len(r.output_token_ids) == 3
                for r in requests)
     scheduler.allocator.check_invariants(expect_all_free=True)

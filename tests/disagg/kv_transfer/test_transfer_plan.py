@@ -105,6 +105,38 @@ def test_replicated_sources_spread_over_all_ranks() -> None:
     assert senders == {0, 1, 2, 3}
 
 
+@pytest.mark.parametrize("num_dst_sets", [2, 3, 4, 5, 8])
+@pytest.mark.parametrize("num_src_sets", [1, 2, 4])
+def test_every_source_set_sends_in_every_call(num_src_sets: int, num_dst_sets: int) -> None:
+    """Source sets come from a random permutation, not independent draws (S6c, S9a): with at
+    least as many destination sets, every call uses every source set, each as evenly as can
+    be; with fewer, no source set serves two destination sets."""
+    src = Sharding(num_src_sets, 1, replicated=True)
+    dst = Sharding(num_dst_sets, 1, replicated=True)
+    first_choices = set()
+    for seed in range(100):
+        sets = assign_source_sets(src, dst, random.Random(seed))
+        counts = [sets.count(i) for i in range(num_src_sets)]
+        assert max(counts) - min(counts) <= 1, (seed, sets)
+        first_choices.add(sets[0])
+    assert first_choices == set(range(num_src_sets))  # still random: any set may go first
+
+
+def test_fewer_destination_sets_get_distinct_sources() -> None:
+    """Four source sets, two destination sets: two different senders, at random."""
+    src, dst = Sharding(4, 1, replicated=True), Sharding(2, 1, replicated=True)
+    draws = [assign_source_sets(src, dst, random.Random(seed)) for seed in range(100)]
+    assert all(len(set(sets)) == 2 for sets in draws)
+    assert {i for sets in draws for i in sets} == {0, 1, 2, 3}
+
+
+def test_without_rng_set_j_serves_set_j() -> None:
+    """No rng: deterministic, destination set j from source set j modulo the source sets."""
+    src, dst = Sharding(2, 1, replicated=True), Sharding(5, 1, replicated=True)
+    assert assign_source_sets(src, dst) == [0, 1, 0, 1, 0]
+    assert assign_source_sets(Sharding(4, 4), Sharding(4, 4)) == [0]
+
+
 @given(prompt_len=st.integers(2, 200), page_size=st.integers(1, 17),
        chunks=st.lists(st.integers(1, 40), min_size=1, max_size=20))
 def test_pages_are_sent_once_whatever_the_chunking(prompt_len: int, page_size: int,

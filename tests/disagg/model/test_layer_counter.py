@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
-from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.llm_engine import EngineParts, LLMEngine
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.transformer import Transformer
 
@@ -22,7 +22,6 @@ def test_model_bumps_once_per_layer_per_forward() -> None:
     """Three engine steps of a 2-layer model move the counter to 6, bump by bump."""
     torch.manual_seed(0)
     config = ModelConfig.from_name("tiny")
-    model = Transformer(config)
     seen = []
 
     class RecordingCounter(LayerCounter):
@@ -30,8 +29,9 @@ def test_model_bumps_once_per_layer_per_forward() -> None:
             super().bump()
             seen.append(self.read())
 
-    model.layer_counter = RecordingCounter()
-    engine = LLMEngine(EngineConfig(config, CacheConfig(page_size=4, num_pages=16)), model)
+    model = Transformer(config, RecordingCounter())
+    engine = LLMEngine(EngineParts.build(
+        EngineConfig(config, CacheConfig(page_size=4, num_pages=16)), model))
     engine.add_request([1, 2, 3])
     for _ in range(3):
         engine.step()

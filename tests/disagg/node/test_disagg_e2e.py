@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from disagg.apps.demo import PromptSpec, run_demo
-from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, SchedulerConfig
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import load_model
@@ -46,11 +46,11 @@ def disaggregated_tokens(config: ClusterConfig, prompts: list[list[int]],
                          max_tokens: int) -> tuple[list[list[int]], dict[str, Any]]:
     specs = [PromptSpec(token_ids=p) for p in prompts]
     # A loaded CI machine can be slow; these tests are about tokens, not deadlines.
-    config = replace(config, extra_args=[*config.extra_args, "--kv-timeout", "900"])
+    config = replace(config, reliability=ReliabilityConfig(kv_timeout_s=900.0))
     result = run_demo(config, specs, max_tokens, exit_codes=True)
     assert result["exit_codes"] == [0] * (1 + config.num_decoders), result.get("logs")
     unfinished = [(r["request_id"], r["state"], r["detail"]) for r in result["requests"]
-                  if not r["state"].startswith("finished")]
+                  if r["state"] not in ("finished_length", "finished_stopped")]
     assert not unfinished, unfinished
     return [r["token_ids"] for r in result["requests"]], result
 
@@ -74,7 +74,7 @@ def test_cuda_nodes_match_a_cuda_single_node() -> None:
         pytest.skip("no CUDA device: the GPU serving path needs one")
     prompts = random_prompts([1, 2, 5, 17, 40, 9], vocab_size=512, seed=5)
     config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
-                           device="cuda", decode_args=["--cuda-graph"])
+                           device="cuda", cuda_graph=True)
     ours, result = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS, device="cuda")
     static = [v for k, v in result["metrics"]["decode-0"].items() if "static_decode_steps" in k]
@@ -86,7 +86,7 @@ def test_decoder_with_cuda_graph_matches_single_node() -> None:
     """`serve decode --cuda-graph`: decode steps take the static-buffer path, same tokens."""
     prompts = random_prompts([1, 2, 5, 17, 40, 9], vocab_size=512, seed=3)
     config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
-                           decode_args=["--cuda-graph"])
+                           cuda_graph=True)
     ours, result = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)
     static = [v for k, v in result["metrics"]["decode-0"].items() if "static_decode_steps" in k]

@@ -16,6 +16,7 @@ from dataclasses import dataclass, replace
 import pytest
 
 from disagg.config import CacheConfig, SchedulerConfig
+from disagg.engine.request import RequestState
 from disagg.errors import PeerMismatchError
 from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.messages import (
@@ -29,8 +30,9 @@ from disagg.kv_transfer.messages import (
     Reject,
     Submit,
 )
-from disagg.node.builder import NodeConfig, build_node
+from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode
+from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.router import Router
 
@@ -52,21 +54,31 @@ def start(node: PrefillNode | DecodeNode) -> threading.Thread:
     return thread
 
 
-def make_config(model: str = "tiny", cache: CacheConfig = CACHE, mode: str = "mixed",
-                chunk_size: int = 8) -> NodeConfig:
-    return NodeConfig(model, cache, SchedulerConfig(chunk_size=chunk_size,
-                                                    max_num_batched_tokens=chunk_size,
-                                                    mode=mode))  # type: ignore[arg-type]
+def make_prefill(model: str = "tiny", cache: CacheConfig = CACHE,
+                 chunk_size: int = 8) -> PrefillNode:
+    node = build_node(NodeConfig(model, cache, SchedulerConfig(
+        chunk_size=chunk_size, max_num_batched_tokens=chunk_size, mode="prefill_only"),
+        role=NodeRole.PREFILL))
+    assert isinstance(node, PrefillNode)
+    return node
+
+
+def make_decode(prefill: PrefillNode, model: str = "tiny", cache: CacheConfig = CACHE,
+                node_id: str = "decode-0") -> DecodeNode:
+    node = build_node(NodeConfig(model, cache, SchedulerConfig(chunk_size=8,
+                                                               max_num_batched_tokens=8),
+                                 role=NodeRole.DECODE, node_id=node_id,
+                                 prefillers=(prefill.address,)))
+    assert isinstance(node, DecodeNode)
+    return node
 
 
 @pytest.fixture
 def pair() -> Iterator[Pair]:
     """A prefiller and a decoder (tiny model) in threads, and a router to the decoder."""
-    engine, transfer, fingerprint, _ = build_node(make_config(mode="prefill_only"))
-    prefill = PrefillNode(engine, transfer, fingerprint)
+    prefill = make_prefill()
     threads = [start(prefill)]
-    engine, transfer, fingerprint, _ = build_node(make_config())
-    decode = DecodeNode(engine, transfer, fingerprint, [prefill.address])
+    decode = make_decode(prefill)
     threads.append(start(decode))
     router = Router([decode.address])
     yield Pair(prefill, decode, router)
@@ -90,8 +102,8 @@ def serve(router: Router, prompt: list[int], request_id: str = "ok", max_tokens:
         event = router.events.get(timeout=30)
         assert event.request_id == request_id, event
         tokens += event.token_ids
-        if event.state.startswith("finished") or event.state == "failed":
-            assert event.state != "failed", event.detail
+        if event.state.is_terminal():
+            assert event.state is not RequestState.FINISHED_FAILED, event.detail
             return tokens
 
 
@@ -103,12 +115,8 @@ def test_a_request_round_trips(pair: Pair) -> None:
 def test_mismatched_decoder_is_refused_by_name(pair: Pair) -> None:
     """A decoder with another page size is refused at handshake, naming the field; the
     prefiller keeps serving the good decoder."""
-    engine, transfer, fingerprint, _ = build_node(make_config(cache=replace(CACHE, page_size=8)))
-    try:
-        with pytest.raises(PeerMismatchError, match="page_size: decoder has 8, prefiller has 4"):
-            DecodeNode(engine, transfer, fingerprint, [pair.prefill.address], node_id="bad")
-    finally:
-        transfer.close()
+    with pytest.raises(PeerMismatchError, match="page_size: decoder has 8, prefiller has 4"):
+        make_decode(pair.prefill, cache=replace(CACHE, page_size=8), node_id="bad")
     assert len(serve(pair.router, [5, 6, 7, 8, 9])) == 4
 
 
@@ -154,15 +162,11 @@ def test_truncated_frame_from_a_vanishing_peer(pair: Pair) -> None:
 def test_layer_zero_is_posted_before_the_last_layer_runs() -> None:
     """Streaming is real (S3): in one chunk of a 4-layer model, layer 0's page writes are
     posted before the last layer's attention starts, and every layer is posted in order."""
-    engine, transfer, fingerprint, _ = build_node(
-        make_config("small", CacheConfig(page_size=16, num_pages=64), "prefill_only", 256))
-    prefill = PrefillNode(engine, transfer, fingerprint)
+    prefill = make_prefill("small", CacheConfig(page_size=16, num_pages=64), 256)
     last_layer_starts: list[float] = []
-    engine.model.layers[-1].self_attn.register_forward_pre_hook(
+    prefill.engine.model.layers[-1].self_attn.register_forward_pre_hook(
         lambda *_: last_layer_starts.append(time.perf_counter()))
-    engine, transfer, fingerprint, _ = build_node(
-        make_config("small", CacheConfig(page_size=16, num_pages=64)))
-    decode = DecodeNode(engine, transfer, fingerprint, [prefill.address])
+    decode = make_decode(prefill, "small", CacheConfig(page_size=16, num_pages=64))
     threads = [start(prefill), start(decode)]
     router = Router([decode.address])
     try:

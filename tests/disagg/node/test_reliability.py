@@ -15,16 +15,16 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, SchedulerConfig
 from disagg.engine.llm_engine import build_engine
-from disagg.engine.request import SamplingParams
+from disagg.engine.request import RequestState, SamplingParams
 from disagg.errors import ProtocolError
 from disagg.kv_transfer.channel import Channel
-from disagg.kv_transfer.decode_messenger import ReliabilityConfig
 from disagg.kv_transfer.messages import Hello, Reject, Submit
 from disagg.model.loading.registry import load_model
-from disagg.node.builder import NodeConfig, build_node
+from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode
+from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.router import Router
 
@@ -67,7 +67,7 @@ class Cluster:
             event = self.router.events.get(timeout=max(0.1, deadline - time.monotonic()))
             assert event.request_id not in final, f"second terminal state: {event}"
             tokens[event.request_id] += event.token_ids
-            if event.state.startswith("finished") or event.state == "failed":
+            if event.state.is_terminal():
                 final[event.request_id] = (event.state, tokens[event.request_id])
         return final
 
@@ -75,11 +75,13 @@ class Cluster:
 def start_prefiller(faults: str | None = None, transfer_timeout_s: float | None = None,
                     ) -> PrefillNode:
     config = NodeConfig("tiny", CACHE, SchedulerConfig(chunk_size=5, max_num_batched_tokens=5,
-                                                       mode="prefill_only"), faults=faults)
-    engine, transfer, fingerprint, _ = build_node(config)
+                                                       mode="prefill_only"),
+                        role=NodeRole.PREFILL, faults=faults)
+    node = build_node(config)
+    assert isinstance(node, PrefillNode)
     if transfer_timeout_s is not None:
-        transfer.timeout_s = transfer_timeout_s
-    return PrefillNode(engine, transfer, fingerprint)
+        node.transfer.timeout_s = transfer_timeout_s
+    return node
 
 
 @pytest.fixture
@@ -91,10 +93,11 @@ def make_cluster() -> Iterator:
              num_prefillers: int = 1, transfer_timeout_s: float | None = None) -> Cluster:
         prefillers = [start_prefiller(prefill_faults if i == 0 else None, transfer_timeout_s)
                       for i in range(num_prefillers)]
-        config = NodeConfig("tiny", CACHE, SchedulerConfig(), faults=decode_faults)
-        engine, transfer, fingerprint, _ = build_node(config)
-        decoder = DecodeNode(engine, transfer, fingerprint, [p.address for p in prefillers],
-                             reliability=FAST)
+        config = NodeConfig("tiny", CACHE, SchedulerConfig(), role=NodeRole.DECODE,
+                            prefillers=tuple(p.address for p in prefillers),
+                            faults=decode_faults, reliability=FAST)
+        decoder = build_node(config)
+        assert isinstance(decoder, DecodeNode)
         cluster = Cluster(prefillers, decoder, Router([decoder.address]))
         for node in [*prefillers, decoder]:
             thread = threading.Thread(target=node.run, daemon=True)
@@ -125,8 +128,9 @@ def assert_outcomes(final: dict[str, tuple[str, list[int]]]) -> None:
     """One terminal state each; every finished request decoded the reference tokens."""
     for i in range(len(PROMPTS)):
         state, tokens = final[f"r{i}"]
-        assert state in ("finished_length", "finished_stopped", "failed", "finished_aborted")
-        if state.startswith("finished_l") or state.startswith("finished_s"):
+        assert state in (*(RequestState.FINISHED_LENGTH, RequestState.FINISHED_STOPPED), RequestState.FINISHED_FAILED,
+                         RequestState.FINISHED_ABORTED)
+        if state in (RequestState.FINISHED_LENGTH, RequestState.FINISHED_STOPPED):
             assert tokens == REFERENCE[i], f"r{i} decoded garbage"
 
 
@@ -137,7 +141,7 @@ def test_lost_immediates_are_caught_by_deadline_and_retried(make_cluster: object
     final = cluster.run_all()
     assert cluster.decoder.transfer.injected["drop_imm"] > 0
     assert_outcomes(final)
-    assert sum(s == "finished_length" for s, _ in final.values()) >= 2
+    assert sum(s is RequestState.FINISHED_LENGTH for s, _ in final.values()) >= 2
 
 
 def test_duplicated_immediates_never_decode_garbage(make_cluster: object) -> None:
@@ -161,7 +165,7 @@ def test_delayed_and_reordered_writes_still_decode_exactly(make_cluster: object)
     cluster = make_cluster(prefill_faults="seed=3,delay=0.5,max_delay_s=0.05")
     final = cluster.run_all()
     assert cluster.prefillers[0].transfer.injected["delay"] > 0
-    assert all(state == "finished_length" for state, _ in final.values())
+    assert all(state is RequestState.FINISHED_LENGTH for state, _ in final.values())
     assert_outcomes(final)
 
 
@@ -172,7 +176,7 @@ def test_a_prefiller_that_stops_answering_fails_requests_in_bounded_time(
     start = time.monotonic()
     final = cluster.run_all(timeout_s=40)
     assert time.monotonic() - start < 40
-    assert any(state == "failed" for state, _ in final.values())
+    assert any(state is RequestState.FINISHED_FAILED for state, _ in final.values())
     assert_outcomes(final)
 
 
@@ -192,7 +196,7 @@ def test_dead_prefiller_requests_retry_on_another(make_cluster: object) -> None:
     while finished < len(PROMPTS):
         event = cluster.router.events.get(timeout=20)
         tokens.setdefault(event.request_id, []).extend(event.token_ids)
-        finished += event.state.startswith("finished") or event.state == "failed"
+        finished += event.state.is_terminal()
     assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == REFERENCE
 
 
@@ -200,7 +204,7 @@ def test_client_abort_frees_everything(make_cluster: object) -> None:
     """An abort right after submission ends that request as aborted; the others finish."""
     cluster = make_cluster(prefill_faults="seed=5,delay=1.0,max_delay_s=0.2")
     final = cluster.run_all(abort={"r3"})
-    assert final["r3"][0] in ("finished_aborted", "finished_length")
+    assert final["r3"][0] in (RequestState.FINISHED_ABORTED, RequestState.FINISHED_LENGTH)
     assert_outcomes(final)
 
 

@@ -18,18 +18,23 @@ import pytest
 import torch
 
 from disagg.apps.demo import PromptSpec, run_demo
-from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg.config import (
+    CacheConfig,
+    EngineConfig,
+    ReliabilityConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from disagg.engine.llm_engine import build_engine
-from disagg.engine.request import SamplingParams
-from disagg.kv_transfer.decode_messenger import ReliabilityConfig
+from disagg.engine.request import RequestState, SamplingParams
 from disagg.kv_transfer.draft_kv import draft_kv_pages
 from disagg.kv_transfer.messages import RequestEvent, Submit
 from disagg.kv_transfer.transfer_plan import expected_write_count
-from disagg.model.draft_heads import SpeculativeConfig
 from disagg.model.loading.registry import load_model
-from disagg.node.builder import NodeConfig, build_node
+from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode
 from disagg.node.local_cluster import ClusterConfig
+from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.router import Router
 
@@ -58,15 +63,17 @@ class Pair:
 
     def __init__(self, kind: str, reliability: ReliabilityConfig | None = None) -> None:
         scheduler = SchedulerConfig(chunk_size=5, max_num_batched_tokens=5, mode="prefill_only")
-        engine, transfer, fingerprint, _ = build_node(NodeConfig("tiny", CACHE, scheduler))
-        self.prefill = PrefillNode(engine, transfer, fingerprint)
+        prefill = build_node(NodeConfig("tiny", CACHE, scheduler, role=NodeRole.PREFILL))
+        assert isinstance(prefill, PrefillNode)
+        self.prefill = prefill
         spec = SpeculativeConfig(kind, 3, draft_layers=1)  # type: ignore[arg-type]
         config = NodeConfig("tiny", CACHE, SchedulerConfig(chunk_size=5,
                                                             max_num_batched_tokens=16),
-                            speculative=spec)
-        engine, transfer, fingerprint, _ = build_node(config)
-        self.decode = DecodeNode(engine, transfer, fingerprint, [self.prefill.address],
-                                 reliability=reliability)
+                            role=NodeRole.DECODE, prefillers=(prefill.address,),
+                            speculative=spec, reliability=reliability or ReliabilityConfig())
+        decode = build_node(config)
+        assert isinstance(decode, DecodeNode)
+        self.decode = decode
         self.threads = [threading.Thread(target=node.run, daemon=True)
                         for node in (self.prefill, self.decode)]
         for thread in self.threads:
@@ -82,7 +89,7 @@ class Pair:
         while len(done) < len(prompts):
             event = self.router.events.get(timeout=30)
             events[event.request_id].append(event)
-            if event.state.startswith("finished") or event.state == "failed":
+            if event.state.is_terminal():
                 done.add(event.request_id)
         return events
 
@@ -152,7 +159,7 @@ def test_a_missing_context_write_is_caught_by_the_deadline(
           lambda original, *args, on_done, on_error, **kw: on_done())  # reported, never sent
     start = time.monotonic()
     events = pair.serve([list(range(3, 9))])["r0"]
-    assert events[-1].state == "failed"
+    assert events[-1].state is RequestState.FINISHED_FAILED
     assert "did not arrive" in events[-1].detail
     assert time.monotonic() - start < 15
 
@@ -183,7 +190,7 @@ def test_a_duplicated_context_write_is_caught_by_the_checksum(
     assert draft_kv_pages(len(prompt), CACHE.page_size) == 1
     events = pair.serve([prompt])["r0"]
     assert any("KV checksum mismatch" in e.detail for e in events)
-    assert events[-1].state.startswith("finished")
+    assert events[-1].state in (RequestState.FINISHED_LENGTH, RequestState.FINISHED_STOPPED)
     assert [t for e in events for t in e.token_ids] == single_node([prompt])[0]
 
 
@@ -196,9 +203,8 @@ def test_processes_decode_the_single_node_tokens(kv_layout: str, kind: str, k: i
     single-node tokens, every node exits clean, and the totals carry the acceptance rate."""
     prompts = random_prompts([1, 2, 5, 17, 40, 9, 26], seed=k)
     config = ClusterConfig(model="tiny", num_decoders=2, kv_layout=kv_layout, page_size=4,
-                           chunk_size=7, decode_args=["--speculative", kind,
-                                                      "--num-draft-tokens", str(k),
-                                                      "--draft-layers", "1"])
+                           chunk_size=7,
+                           speculative=SpeculativeConfig(kind, k, draft_layers=1))
     result = run_demo(config, [PromptSpec(token_ids=p) for p in prompts], MAX_TOKENS,
                       exit_codes=True)
     assert result["exit_codes"] == [0, 0, 0], result.get("logs")

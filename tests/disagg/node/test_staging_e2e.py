@@ -15,18 +15,23 @@ from dataclasses import dataclass, replace
 
 import pytest
 
-from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg.config import (
+    CacheConfig,
+    EngineConfig,
+    ReliabilityConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from disagg.engine.llm_engine import build_engine
-from disagg.engine.request import SamplingParams
+from disagg.engine.request import RequestState, SamplingParams
 from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import context_slot_nbytes
-from disagg.kv_transfer.decode_messenger import ReliabilityConfig
 from disagg.kv_transfer.messages import Reject, Submit
-from disagg.model.draft_heads import SpeculativeConfig
 from disagg.model.loading.registry import load_model
-from disagg.node.builder import NodeConfig, build_node, open_transfer
+from disagg.node.builder import build_node, open_transfer
 from disagg.node.decode_node import DecodeNode
 from disagg.node.local_cluster import ClusterConfig
+from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.router import Router
 from tests.disagg.node.test_disagg_e2e import (
@@ -59,14 +64,18 @@ class Pair:
         while True:
             event = self.router.events.get(timeout=30)
             tokens += event.token_ids
-            if event.state.startswith("finished") or event.state == "failed":
+            if event.state.is_terminal():
                 return event.state, event.detail, tokens
 
 
-def node_config(mode: str, speculative: SpeculativeConfig | None = None) -> NodeConfig:
+def node_config(mode: str, speculative: SpeculativeConfig | None = None,
+                prefillers: tuple[str, ...] = ()) -> NodeConfig:
+    role = (NodeRole.PREFILL if mode == "prefill_only"
+            else NodeRole.DECODE if prefillers else NodeRole.MIXED)
     return NodeConfig("tiny", CACHE, SchedulerConfig(chunk_size=5, max_num_batched_tokens=5,
                                                      mode=mode),  # type: ignore[arg-type]
-                      kv_memory_path="staged", speculative=speculative)
+                      role=role, prefillers=prefillers, kv_memory_path="staged",
+                      speculative=speculative, reliability=FAST)
 
 
 @pytest.fixture
@@ -76,10 +85,9 @@ def make_staged_pair() -> Iterator[Callable[..., Pair]]:
     made: list[tuple[Pair, list[threading.Thread]]] = []
 
     def make(speculative: SpeculativeConfig | None = None) -> Pair:
-        engine, transfer, fingerprint, _ = build_node(node_config("prefill_only"))
-        prefill = PrefillNode(engine, transfer, fingerprint)
-        engine, transfer, fingerprint, _ = build_node(node_config("mixed", speculative))
-        decode = DecodeNode(engine, transfer, fingerprint, [prefill.address], reliability=FAST)
+        prefill = build_node(node_config("prefill_only"))
+        decode = build_node(node_config("mixed", speculative, (prefill.address,)))
+        assert isinstance(prefill, PrefillNode) and isinstance(decode, DecodeNode)
         threads = [threading.Thread(target=node.run, daemon=True) for node in (prefill, decode)]
         for thread in threads:
             thread.start()
@@ -118,7 +126,7 @@ def test_staged_nodes_decode_the_single_node_tokens(staged_pair: Pair) -> None:
     assert [tokens for _, _, tokens in results] == reference(PROMPTS)
     prefill, decode = staged_pair.prefill.messenger, staged_pair.decode.messenger
     assert all(kv.path.kind == "staged" for kv in decode.kv)
-    slot_nbytes = context_slot_nbytes(prefill.engine.model.config)
+    slot_nbytes = context_slot_nbytes(staged_pair.prefill.engine.model.config)
     # Every KV byte written was staged out; the context slots are host memory anyway.
     assert prefill.stats["staged_bytes"] == prefill.stats["bytes"] - len(PROMPTS) * slot_nbytes
     assert decode.kv[0].staged_bytes >= prefill.stats["staged_bytes"]
@@ -154,7 +162,7 @@ def test_skipping_a_staging_copy_fails_the_kv_checksum(
     noop: Callable[..., None] = lambda *args, **kwargs: None  # noqa: E731
     monkeypatch.setattr(RegisteredKV, skipped, noop)
     state, detail, tokens = staged_pair.serve(PROMPTS[2], "broken")
-    assert (state, tokens) == ("failed", [])
+    assert (state, tokens) == (RequestState.FINISHED_FAILED, [])
     assert "KV checksum mismatch" in detail
 
 

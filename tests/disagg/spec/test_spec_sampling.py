@@ -13,12 +13,11 @@ from __future__ import annotations
 import pytest
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from disagg.engine.llm_engine import LLMEngine, build_engine
 from disagg.engine.request import SamplingParams
-from disagg.model.draft_heads import SpeculativeConfig
 from disagg.model.loading.registry import init_random_weights
-from disagg.spec.speculator import enable_speculation
+from disagg.spec.speculator import Speculator, build_speculative_engine
 from tests.disagg.spec.test_verify import chi_square_p_value
 
 CONFIG = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=2,
@@ -27,13 +26,16 @@ PROMPT = [1, 2, 3]
 NUM_REQUESTS = 2000
 
 
-def make_engine(num_requests: int) -> LLMEngine:
+def make_engine(num_requests: int, spec: SpeculativeConfig | None = None) -> LLMEngine:
     weights = init_random_weights(CONFIG, seed=2)
     weights["lm_head.weight"] = weights["lm_head.weight"] * 12  # peaked, not one-hot
-    return build_engine(EngineConfig(
+    config = EngineConfig(
         CONFIG, CacheConfig(page_size=4, num_pages=4 * num_requests + 64),
         SchedulerConfig(max_num_seqs=num_requests, max_num_batched_tokens=8 * num_requests,
-                        chunk_size=64)), weights)
+                        chunk_size=64))
+    if spec is None:
+        return build_engine(config, weights)
+    return build_speculative_engine(config, weights, spec)
 
 
 def next_token_probs(sequences: list[list[int]]) -> torch.Tensor:
@@ -61,8 +63,9 @@ def test_speculative_samples_follow_the_target(kind: str, marginals: list[torch.
                                                ) -> None:
     """Output tokens 1 and 2 (from a speculative chunk) pass a chi-square test against the
     target's exact marginals; token 1 fails it against token 0's distribution."""
-    engine = make_engine(NUM_REQUESTS)
-    speculator = enable_speculation(engine, SpeculativeConfig(kind, 2, draft_layers=1))
+    engine = make_engine(NUM_REQUESTS, SpeculativeConfig(kind, 2, draft_layers=1))
+    speculator = engine.finisher
+    assert isinstance(speculator, Speculator)
     requests = [engine.add_request(PROMPT, SamplingParams(max_tokens=4, temperature=1.0,
                                                           seed=seed))
                 for seed in range(NUM_REQUESTS)]

@@ -14,19 +14,13 @@ from collections.abc import Callable
 import pytest
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
 from disagg.engine.llm_engine import LLMEngine, build_engine
 from disagg.engine.request import Request, SamplingParams
-from disagg.model.draft_heads import (
-    Span,
-    SpeculativeConfig,
-    build_mtp_head,
-    mtp_kv_cache,
-    span_metadata,
-)
+from disagg.model.draft_heads import Span, build_mtp_head, mtp_kv_cache, span_metadata
 from disagg.model.loading.registry import init_random_weights
 from disagg.spec.proposers import CatchUp, MTPProposer, mtp_catch_up
-from disagg.spec.speculator import Speculator, enable_speculation
+from disagg.spec.speculator import Speculator, build_speculative_engine
 
 CONFIG = ModelConfig.from_name("tiny")
 WEIGHTS = init_random_weights(CONFIG, seed=0)
@@ -36,12 +30,12 @@ MAX_TOKENS = 16
 
 def make_engine(kv_layout: str = "NHD", num_pages: int = 256, chunk_size: int = 7,
                 spec: SpeculativeConfig | None = None) -> LLMEngine:
-    engine = build_engine(EngineConfig(
+    config = EngineConfig(
         CONFIG, CacheConfig(page_size=4, num_pages=num_pages, kv_layout=kv_layout),
-        SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=32)), WEIGHTS)
-    if spec is not None:
-        enable_speculation(engine, spec)
-    return engine
+        SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=32))
+    if spec is None:
+        return build_engine(config, WEIGHTS)
+    return build_speculative_engine(config, WEIGHTS, spec)
 
 
 def prompts(lengths: list[int] = PROMPT_LENGTHS, seed: int = 0) -> list[list[int]]:
@@ -92,7 +86,7 @@ def test_greedy_tokens_equal_non_speculative(kv_layout: str, kind: str, k: int,
     """Every draft kind and count, both layouts, chunked prompts: the reference tokens."""
     engine = make_engine(kv_layout, spec=SpeculativeConfig(kind, k, draft_layers=1))
     assert run(engine, prompts()) == reference[kv_layout]
-    assert engine.speculator is not None
+    assert engine.finisher is not None
 
 
 def test_early_exit_accepts_some_drafts_and_saves_forwards() -> None:
@@ -105,8 +99,8 @@ def test_early_exit_accepts_some_drafts_and_saves_forwards() -> None:
 
 
 def speculator(engine: LLMEngine) -> Speculator:
-    assert isinstance(engine.speculator, Speculator)
-    return engine.speculator
+    assert isinstance(engine.finisher, Speculator)
+    return engine.finisher
 
 
 class Oracle:

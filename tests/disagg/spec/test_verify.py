@@ -10,10 +10,10 @@ from __future__ import annotations
 import pytest
 import torch
 
+from disagg.config import SpeculativeConfig
 from disagg.engine.request import SamplingParams
 from disagg.engine.sampling import apply_top_k_top_p
 from disagg.errors import ConfigError
-from disagg.model.draft_heads import SpeculativeConfig
 from disagg.spec.verify import propose_token, token_probs, verify, verify_greedy, verify_sampled
 
 

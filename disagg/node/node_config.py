@@ -1,0 +1,154 @@
+"""What one node is asked to be: `NodeConfig`, frozen, checked, and sent whole to its process.
+
+The CLI (`disagg serve prefill|decode|mixed`) and `LocalCluster` both build a `NodeConfig`;
+a child process receives it as one JSON document (`to_json` / `from_json`), never as flags
+to parse again, so what a node runs is exactly what its parent asked for.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import json
+import types
+import typing
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from disagg.config import (
+    CacheConfig,
+    ParallelConfig,
+    ReliabilityConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from disagg.errors import ConfigError
+
+# How the NIC reaches the KV (S5), as `transfer_core.staging` names it.
+MEMORY_PATHS = ("auto", "host", "hmem", "staged")
+
+
+class NodeRole(enum.Enum):
+    """The three kinds of node (S1, S2)."""
+
+    PREFILL = "prefill"  # prefills for decoders and streams their KV back (S2b)
+    DECODE = "decode"  # takes requests, gets their KV from prefillers, decodes (S2a)
+    MIXED = "mixed"  # a single node that prefills and decodes (the S1 baseline)
+
+
+def check_device(device: str, need_hardware: bool = True) -> str:
+    """`device` if it names cpu, cuda or cuda:N (and, with `need_hardware`, this machine has
+    it); else a `ConfigError` naming it."""
+    try:
+        parsed = torch.device(device)
+    except RuntimeError:
+        parsed = None
+    if parsed is None or parsed.type not in ("cpu", "cuda"):
+        raise ConfigError(f"unknown device {device!r}: expected cpu, cuda or cuda:N")
+    if need_hardware and parsed.type == "cuda" and not torch.cuda.is_available():
+        raise ConfigError(f"device {device!r}: torch sees no CUDA device on this machine")
+    return device
+
+
+def check_node_memory(device: str, kv_memory_path: str, need_hardware: bool = True) -> None:
+    """A `ConfigError` unless `device` is valid (see `check_device`) and `kv_memory_path` is
+    one of auto, host, hmem, staged and possible there (host is CPU only, hmem CUDA only)."""
+    on_cuda = torch.device(check_device(device, need_hardware)).type == "cuda"
+    if kv_memory_path not in MEMORY_PATHS:
+        raise ConfigError(f"unknown KV memory path {kv_memory_path!r}: expected "
+                          f"{', '.join(MEMORY_PATHS[:-1])} or {MEMORY_PATHS[-1]}")
+    if kv_memory_path == ("host" if on_cuda else "hmem"):
+        raise ConfigError(f"KV memory path {kv_memory_path!r} is impossible on {device}: use "
+                          "auto or staged")
+
+
+@dataclass(frozen=True, slots=True)
+class NodeConfig:
+    """Everything one node needs; the CLI and `LocalCluster` build it, nothing else."""
+
+    model: str
+    cache: CacheConfig = field(default_factory=CacheConfig)
+    scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    role: NodeRole = NodeRole.MIXED
+    node_id: str = "node-0"
+    listen: str = "127.0.0.1:0"  # control connections (port 0: any free port)
+    prefillers: tuple[str, ...] = ()  # decoder: its prefillers' host:port
+    provider: str = "tcp"  # an alias (tcp, shm, efa, verbs) or a libfabric provider name
+    fabric_node: str | None = "auto"  # fabric interface: "auto" = loopback for socket providers
+    threads: int | None = None  # torch intra-op threads for this node
+    faults: str | None = None  # a FaultPlan spec: test-only fault injection (issue 8)
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)  # decoder
+    lease_s: float = 300.0  # prefiller: a transfer older than this is stopped
+    metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
+    trace: str | None = None  # a Chrome trace: a file ({node_id} filled in) or a directory
+    speculative: SpeculativeConfig | None = None  # decoder: draft and verify (issue 6)
+    device: str = "cpu"  # where the model and its KV cache live: cpu, cuda, cuda:N
+    kv_memory_path: str = "auto"  # how the NIC reaches the KV: auto, host, hmem, staged (S5)
+    cuda_graph: bool = False  # decode steps through static buffers / CUDA graphs (S3b)
+
+    def __post_init__(self) -> None:
+        check_node_memory(self.device, self.kv_memory_path, need_hardware=False)
+        expected_mode = "prefill_only" if self.role is NodeRole.PREFILL else "mixed"
+        if self.scheduler.mode != expected_mode:
+            raise ConfigError(f"a {self.role.value} node schedules {expected_mode!r}, "
+                              f"not {self.scheduler.mode!r}")
+        if self.role is not NodeRole.DECODE and self.prefillers:
+            raise ConfigError(f"a {self.role.value} node takes no prefillers")
+        if self.role is NodeRole.DECODE and not self.prefillers:
+            raise ConfigError("a decode node needs at least one prefiller (host:port)")
+        if self.role is NodeRole.PREFILL and (self.speculative or self.cuda_graph):
+            raise ConfigError("a prefiller never decodes: --speculative and --cuda-graph are "
+                              "decoder options")
+
+    def to_json(self) -> str:
+        """This config as one JSON document (what a parent sends its child process)."""
+        return json.dumps(_encode(self))
+
+    @staticmethod
+    def from_json(text: str) -> NodeConfig:
+        """The config `to_json` wrote; a `ConfigError` naming what does not fit."""
+        try:
+            return _decode(NodeConfig, json.loads(text))
+        except (json.JSONDecodeError, TypeError, ValueError, KeyError) as error:
+            raise ConfigError(f"node config: {error}") from None
+
+
+def _encode(value: Any) -> Any:  # noqa: ANN401 - any config value
+    if dataclasses.is_dataclass(value):
+        return {f.name: _encode(getattr(value, f.name)) for f in dataclasses.fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, torch.dtype):
+        return str(value).removeprefix("torch.")
+    if isinstance(value, tuple):
+        return [_encode(item) for item in value]
+    return value
+
+
+def _decode(kind: Any, value: Any) -> Any:  # noqa: ANN401 - any config type
+    origin = typing.get_origin(kind)
+    if origin in (typing.Union, types.UnionType):
+        if value is None:
+            return None
+        kind = next(arg for arg in typing.get_args(kind) if arg is not type(None))
+        origin = typing.get_origin(kind)
+    if dataclasses.is_dataclass(kind):
+        hints = typing.get_type_hints(kind)
+        unknown = set(value) - set(hints)
+        if unknown:
+            raise ValueError(f"unknown fields {sorted(unknown)} of {kind.__name__}")
+        return kind(**{name: _decode(hints[name], item) for name, item in value.items()})
+    if origin is tuple:
+        (item_kind, *_) = typing.get_args(kind)
+        return tuple(_decode(item_kind, item) for item in value)
+    if kind is torch.dtype:
+        dtype = getattr(torch, value, None)
+        if not isinstance(dtype, torch.dtype):
+            raise ValueError(f"unknown dtype {value!r}")
+        return dtype
+    if isinstance(kind, type) and issubclass(kind, enum.Enum):
+        return kind(value)
+    return value

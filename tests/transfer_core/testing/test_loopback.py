@@ -1,0 +1,230 @@
+"""`LoopbackEngine`: the in-process test double of `TransferEngine` (S5, S4c).
+
+What the contract test (test_loopback_contract.py) cannot show, because the real engine has no
+such thing: inline delivery, the hold/release and drop_imm hooks, the fabric registry, and the
+failure paths a test double must still get right (gone peer, stale key, close with writes in
+flight, a raising callback).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import threading
+from collections.abc import Iterator
+
+import numpy as np
+import pytest
+import torch
+
+from transfer_core.errors import DescriptorError, PeerError, ProviderNotFoundError, TransferError
+from transfer_core.memory import EngineAddress, MemoryRegionDescriptor
+from transfer_core.staging import open_engine, register_kv
+from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
+
+PAGE = 256
+Pair = tuple[LoopbackEngine, LoopbackEngine]
+
+
+@pytest.fixture(params=[False, True], ids=["threaded", "inline"])
+def pair(request: pytest.FixtureRequest) -> Iterator[Pair]:
+    fabric = LoopbackFabric()
+    a = LoopbackEngine(fabric=fabric, deliver_inline=request.param)
+    b = LoopbackEngine(fabric=fabric, deliver_inline=request.param)
+    yield a, b
+    a.close()
+    b.close()
+
+
+def _regions(a: LoopbackEngine, b: LoopbackEngine, pages: int = 8) -> tuple:
+    src = np.arange(pages * PAGE, dtype=np.uint32).view(np.uint8)[: pages * PAGE].copy()
+    dst = np.zeros(pages * PAGE, np.uint8)
+    smr, _ = a.register_memory(src, name="src")
+    _, desc = b.register_memory(dst, name="dst")
+    return src.reshape(pages, PAGE), dst.reshape(pages, PAGE), smr, desc
+
+
+def _settle(*engines: LoopbackEngine) -> None:
+    assert engines[0].fabric.quiesce(10.0)
+
+
+def test_identity_and_wire_formats() -> None:
+    """Unique addresses that parse as EngineAddress; descriptors round-trip through bytes."""
+    fabric = LoopbackFabric()
+    with LoopbackEngine(fabric=fabric, num_domains=2) as a, LoopbackEngine(fabric=fabric) as b:
+        assert (a.provider, a.supports_hmem, a.num_domains, a.memory_path) == (
+            "loopback", False, 2, "auto"
+        )
+        assert a.address != b.address
+        assert len(EngineAddress.from_bytes(a.address).domains) == 2
+        _, desc = a.register_memory(bytearray(PAGE))
+        assert MemoryRegionDescriptor.from_bytes(desc.to_bytes()) == desc
+        endpoints = EngineAddress.from_bytes(a.address).domains
+        assert tuple(addr for addr, _ in desc.domains) == endpoints
+
+
+def test_inline_delivery_is_synchronous() -> None:
+    """deliver_inline: by the time submit returns, bytes landed, the counter fired and
+    on_done ran, all in the caller's thread."""
+    fabric = LoopbackFabric()
+    with LoopbackEngine(fabric=fabric, deliver_inline=True) as a, \
+            LoopbackEngine(fabric=fabric, deliver_inline=True) as b:  # fmt: skip
+        src, dst, smr, desc = _regions(a, b)
+        seen: list[str] = []
+        b.expect_imm_count(3, 4, lambda: seen.append(threading.current_thread().name))
+        a.submit_paged_writes(PAGE, smr, [0, 1, 2, 3], PAGE, 0, desc, [7, 5, 3, 1], PAGE, 0, 3,
+                              lambda: seen.append("done"))  # fmt: skip
+        assert seen == [threading.current_thread().name, "done"]
+        assert (dst[[7, 5, 3, 1]] == src[:4]).all()
+
+
+def test_threaded_callbacks_run_on_delivery_threads(pair: Pair) -> None:
+    """on_done on the sender's thread, the counter on the receiver's (inline: the caller's)."""
+    a, b = pair
+    _, _, smr, desc = _regions(a, b)
+    names: dict[str, str] = {}
+    b.expect_imm_count(1, 1, lambda: names.setdefault("reached", threading.current_thread().name))
+    a.submit_write(smr, 0, PAGE, 1, desc, 0,
+                   lambda: names.setdefault("done", threading.current_thread().name))  # fmt: skip
+    _settle(a, b)
+    if a.deliver_inline:
+        assert set(names.values()) == {threading.current_thread().name}
+    else:
+        assert names["done"] == a.delivery.thread.name
+        assert names["reached"] == b.delivery.thread.name
+
+
+def test_hold_keeps_writes_in_flight(pair: Pair) -> None:
+    """Between hold() and release() nothing lands, nothing is counted, on_done waits."""
+    a, b = pair
+    src, dst, smr, desc = _regions(a, b)
+    done = threading.Event()
+    a.hold()
+    a.submit_paged_writes(PAGE, smr, [0, 1], PAGE, 0, desc, [4, 6], PAGE, 0, 8, done.set)
+    _settle(a, b)
+    assert (a.held_writes(), b.imm_counted(8), done.is_set(), dst.any()) == (1, 0, False, False)
+    assert a.stats()[0].inflight == 2
+    a.release()
+    _settle(a, b)
+    assert (a.held_writes(), b.imm_counted(8), done.is_set()) == (0, 2, True)
+    assert (dst[[4, 6]] == src[:2]).all()
+
+
+def test_drop_imm_loses_immediates_not_bytes(pair: Pair) -> None:
+    """A dropped immediate is not counted, but its write's bytes land."""
+    a, b = pair
+    src, dst, smr, desc = _regions(a, b)
+    b.drop_imm(lambda imm: imm == 5)
+    a.submit_paged_writes(PAGE, smr, [0, 1, 2], PAGE, 0, desc, [0, 1, 2], PAGE, 0, 5)
+    a.submit_imm(6, desc)
+    _settle(a, b)
+    assert (b.imm_counted(5), b.imm_counted(6), b.dropped_imms) == (0, 1, 3)
+    assert (dst[:3] == src[:3]).all()
+    b.drop_imm(None)
+    a.submit_imm(5, desc)
+    _settle(a, b)
+    assert b.imm_counted(5) == 1
+
+
+def test_raising_callback_resurfaces_on_next_call(pair: Pair) -> None:
+    """As the real engine: the exception of on_done is raised by the owner's next call."""
+    a, b = pair
+    _, _, _, desc = _regions(a, b)
+
+    def boom() -> None:
+        raise RuntimeError("boom")
+
+    a.submit_imm(1, desc, boom)
+    _settle(a, b)
+    with pytest.raises(RuntimeError, match="boom"):
+        a.submit_imm(2, desc)
+
+
+def test_gone_peer_and_stale_key_fail_through_on_error(pair: Pair) -> None:
+    """A closed peer or an unregistered region: on_error gets a PeerError, once."""
+    a, b = pair
+    _, _, smr, desc = _regions(a, b)
+    b.unregister_memory(b.regions.lookup(desc.domains[0][1]))
+    errors: list[BaseException] = []
+    a.submit_write(smr, 0, PAGE, 1, desc, 0, on_error=errors.append)
+    fabric = a.fabric
+    c = LoopbackEngine(fabric=fabric, deliver_inline=a.deliver_inline)
+    _, gone = c.register_memory(np.zeros(PAGE, np.uint8))
+    c.close()
+    a.submit_imm(1, gone, on_error=errors.append)
+    _settle(a)
+    assert [type(e) for e in errors] == [PeerError, PeerError]
+    assert "not a writable region" in str(errors[0])
+    assert "unreachable" in str(errors[1])
+
+
+def test_forged_descriptor_writes_nothing_outside(pair: Pair) -> None:
+    """A descriptor claiming more bytes than the peer registered is refused by the 'NIC'."""
+    a, b = pair
+    _, dst, smr, desc = _regions(a, b, pages=2)
+    big = dataclasses.replace(desc, length=4 * PAGE)
+    errors: list[BaseException] = []
+    a.submit_write(smr, 0, PAGE, 1, big, 3 * PAGE, on_error=errors.append)
+    _settle(a, b)
+    assert [type(e) for e in errors] == [PeerError]
+    assert b.imm_counted(1) == 0
+    assert not dst.any()
+
+
+def test_close_fails_held_writes_and_refuses_work(pair: Pair) -> None:
+    """close() fails parked writes through on_error, then refuses every call; idempotent."""
+    a, b = pair
+    _, _, smr, desc = _regions(a, b)
+    a.hold()
+    errors: list[BaseException] = []
+    a.submit_write(smr, 0, PAGE, 1, desc, 0, on_error=errors.append)
+    a.close(drain_s=0.1)
+    a.close()
+    assert len(errors) == 1
+    assert "closed" in str(errors[0])
+    with pytest.raises(TransferError, match="closed"):
+        a.submit_imm(1, desc)
+    assert b.imm_counted(1) == 0
+
+
+def test_close_from_callback_is_refused() -> None:
+    """As the real engine: closing from its own thread raises instead of joining itself."""
+    fabric = LoopbackFabric()
+    with LoopbackEngine(fabric=fabric) as a:
+        _, desc = a.register_memory(np.zeros(PAGE, np.uint8))
+        caught: list[BaseException] = []
+
+        def close_inside() -> None:
+            try:
+                a.close()
+            except RuntimeError as exc:
+                caught.append(exc)
+
+        a.submit_imm(1, desc, close_inside)
+        assert fabric.quiesce(10.0)
+        assert "callback thread" in str(caught[0])
+
+
+def test_connect_checks_the_peer_and_counts_nothing(pair: Pair) -> None:
+    """connect() to a live peer counts nothing; garbage and gone peers raise at once."""
+    a, b = pair
+    a.connect(b.address)
+    a.connect(b.address)
+    assert (b.pending_imm_counts(), b.stats()[0].imms_received) == ({}, 0)
+    with pytest.raises(DescriptorError):
+        a.connect(b"garbage")
+    c = LoopbackEngine(fabric=a.fabric)
+    gone = c.address
+    c.close()
+    with pytest.raises(PeerError, match="no loopback engine"):
+        a.connect(gone)
+
+
+def test_fits_the_real_engines_factories() -> None:
+    """open_engine falls back from hmem like a real provider would; register_kv registers a
+    CPU KV tensor on the host path (it reads memory_path and supports_hmem)."""
+    with pytest.raises(ProviderNotFoundError):
+        LoopbackEngine(hmem=True)
+    with open_engine("tcp", True, LoopbackEngine, fabric=LoopbackFabric()) as engine:
+        kv = register_kv(engine, torch.zeros(2, 4, 8), "kv")
+        assert kv.path.kind == "host"
+        assert kv.descriptor.length == 2 * 4 * 8 * 4
