@@ -62,6 +62,7 @@ from transfer_core.poller import CounterPoller
 from transfer_core.staging import register_kv
 
 logger = logging.getLogger(__name__)
+CONNECT_TIMEOUT_S = 10.0  # warming a new decoder's fabric connection at handshake
 
 
 class PrefillMessenger:
@@ -108,8 +109,12 @@ class PrefillMessenger:
     # Peers and requests (engine thread).
 
     def add_peer(self, hello: Hello, channel: Channel) -> DecoderPeer:
-        """Accept a decoder whose handshake was validated; parse its descriptors."""
+        """Accept a decoder whose handshake was validated: parse its descriptors and open the
+        fabric connection to it (warm, before its first request)."""
         peer = parse_peer(hello, channel, self.num_layers, self._geometry, self._slots.slot_nbytes)
+        # tcp;ofi_rxm connects on the first write (25-80 ms); pay it now, not in a request's
+        # first layer. A peer we cannot reach fails its handshake with a TransferError.
+        self.transfer.connect(hello.engine_address, timeout_s=CONNECT_TIMEOUT_S)
         if hello.draft_kv_descriptor:
             self._draft_source().add_peer(hello, peer.num_pages)
         logger.info("decoder %s: its KV memory path is %s; ours is %s", peer.peer_id,

@@ -112,6 +112,15 @@ def test_a_request_round_trips(pair: Pair) -> None:
     assert len(serve(pair.router, list(range(1, 11)))) == 4
 
 
+def test_decoder_connection_is_warm_after_handshake(pair: Pair) -> None:
+    """Before any request the prefiller has posted one zero-byte write per domain to the
+    decoder: the connection tcp would otherwise open in a first request's KV writes."""
+    stats = pair.prefill.transfer.stats()
+    assert [s.writes_posted for s in stats] == [1] * len(stats)
+    assert [s.writes_completed for s in stats] == [1] * len(stats)
+    assert pair.decode.transfer.stats()[0].imms_received == 0  # it counted nothing
+
+
 def test_mismatched_decoder_is_refused_by_name(pair: Pair) -> None:
     """A decoder with another page size is refused at handshake, naming the field; the
     prefiller keeps serving the good decoder."""
