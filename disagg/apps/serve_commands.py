@@ -1,7 +1,7 @@
 """`disagg serve prefill|decode|mixed`: one node of a deployment per process (S2, S4).
 
 The options every node takes are defined once (`NODE_OPTIONS`); `node_command` gives them to
-each command beside its own and folds them into one `NodeConfig`, which `disagg.node.serve`
+each command beside its own, and builds one `NodeConfig` from both, which `disagg.node.serve`
 runs. `LocalCluster` builds the same `NodeConfig` and hands it to its children as JSON.
 """
 
@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import inspect
 from collections.abc import Callable
-from dataclasses import replace
 from typing import Annotated, Any
 
 import typer
@@ -79,8 +78,9 @@ def node_config(role: NodeRole, *, model: str, listen: str, node_id: str | None,
                 kv_layout: str, page_size: int, num_pages: int, chunk_size: int, provider: str,
                 threads: int, trace: str | None, tp: int, replicated_kv: bool,
                 faults: str | None, lease: float, metrics_port: int | None, device: str,
-                kv_memory_path: str) -> NodeConfig:
-    """The `NodeConfig` of a node of `role` from the shared options (threads 0: default)."""
+                kv_memory_path: str, **fields: Any) -> NodeConfig:  # noqa: ANN401
+    """The `NodeConfig` of a node of `role` from the shared options (threads 0: default)
+    and the `NodeConfig` fields of the command's own options."""
     mode = "prefill_only" if role is NodeRole.PREFILL else "mixed"
     return NodeConfig(
         model, CacheConfig(page_size=page_size, num_pages=num_pages,
@@ -90,21 +90,24 @@ def node_config(role: NodeRole, *, model: str, listen: str, node_id: str | None,
         ParallelConfig(tp, replicated_kv), role=role, node_id=node_id or f"{role.value}-0",
         listen=listen, provider=provider, threads=threads or None, faults=faults,
         lease_s=lease, metrics_port=metrics_port, trace=trace, device=device,
-        kv_memory_path=kv_memory_path)
+        kv_memory_path=kv_memory_path, **fields)
 
 
-def node_command(role: NodeRole) -> Callable[[Callable[..., None]], Callable[..., None]]:
-    """Give `command(config, **its_own_options)` every option in `NODE_OPTIONS` too; they
-    arrive folded into `config`, a `NodeConfig` of `role`."""
+NodeFields = dict[str, Any]
 
-    def decorate(command: Callable[..., None]) -> Callable[..., None]:
+
+def node_command(role: NodeRole) -> Callable[[Callable[..., NodeFields]], Callable[..., None]]:
+    """Give `command(**its_own_options)` every option in `NODE_OPTIONS` too. The command
+    returns the `NodeConfig` fields its own options set; the node then runs one `NodeConfig`
+    of `role`, built once from both (so the config is checked whole, never patched)."""
+
+    def decorate(command: Callable[..., NodeFields]) -> Callable[..., None]:
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
-               for name, p in inspect.signature(command, eval_str=True).parameters.items()
-               if name != "config"]
+               for p in inspect.signature(command, eval_str=True).parameters.values()]
 
         def wrapper(**options: Any) -> None:  # noqa: ANN401 - typer passes each option
             shared = {p.name: options.pop(p.name) for p in NODE_OPTIONS}
-            command(node_config(role, **shared), **options)
+            _run(node_config(role, **shared, **command(**options)))
 
         parameters = [*NODE_OPTIONS, *own]
         wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
@@ -123,31 +126,30 @@ def _run(config: NodeConfig) -> None:
 
 @serve_app.command("prefill")
 @node_command(NodeRole.PREFILL)
-def serve_prefill(config: NodeConfig) -> None:
+def serve_prefill() -> NodeFields:
     """Run a prefiller: prefill requests from decoders and stream their KV back."""
-    _run(config)
+    return {}
 
 
 @serve_app.command("decode")
 @node_command(NodeRole.DECODE)
 def serve_decode(
-    config: NodeConfig,
     prefiller: Annotated[list[str], typer.Option(help="A prefiller's host:port (repeatable)")],
     kv_timeout: KVTimeoutOption = 120.0,
     retry: Annotated[bool, typer.Option(
         help="Retry a dead prefiller's requests on another prefiller (else they fail)")] = True,
     speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
     draft_layers: DraftLayersOption = 0, cuda_graph: CudaGraphOption = False,
-) -> None:
+) -> NodeFields:
     """Run a decoder: take requests, get their KV from prefillers, decode them."""
     reliability = ReliabilityConfig(kv_timeout_s=kv_timeout, retry_on_prefiller_failure=retry)
-    _run(replace(config, prefillers=tuple(prefiller), reliability=reliability,
-                 speculative=speculative_config(speculative, num_draft_tokens, draft_layers),
-                 cuda_graph=cuda_graph))
+    return {"prefillers": tuple(prefiller), "reliability": reliability,
+            "speculative": speculative_config(speculative, num_draft_tokens, draft_layers),
+            "cuda_graph": cuda_graph}
 
 
 @serve_app.command("mixed")
 @node_command(NodeRole.MIXED)
-def serve_mixed(config: NodeConfig, cuda_graph: CudaGraphOption = False) -> None:
+def serve_mixed(cuda_graph: CudaGraphOption = False) -> NodeFields:
     """Run a single-node engine (prefill and decode mixed, S1) behind the router protocol."""
-    _run(replace(config, cuda_graph=cuda_graph))
+    return {"cuda_graph": cuda_graph}

@@ -1,0 +1,109 @@
+"""`NodeConfig`: checked when built, sent whole to a child as JSON, built the same way by
+every `serve` command."""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+import sys
+from collections.abc import Callable
+from dataclasses import replace
+from typing import Any
+
+import pytest
+import torch
+
+from disagg.apps import serve_commands
+from disagg.apps.cli import main
+from disagg.config import (
+    CacheConfig,
+    ParallelConfig,
+    ReliabilityConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
+from disagg.errors import ConfigError
+from disagg.node.node_config import NodeConfig, NodeRole
+
+DECODER = NodeConfig(
+    "tiny", CacheConfig(page_size=8, num_pages=64, kv_layout="HND", dtype=torch.bfloat16),
+    SchedulerConfig(chunk_size=32, max_num_batched_tokens=32), ParallelConfig(2, True),
+    role=NodeRole.DECODE, node_id="decode-7", listen="[::1]:0",
+    prefillers=("127.0.0.1:7000", "[::1]:7001"), provider="shm", threads=3,
+    reliability=ReliabilityConfig(kv_timeout_s=5.0, retry_on_prefiller_failure=False),
+    speculative=SpeculativeConfig(kind="mtp", num_draft_tokens=2), cuda_graph=True)
+
+
+def test_json_round_trip_keeps_every_field() -> None:
+    """Nested configs, enums, tuples and a torch dtype come back equal."""
+    assert NodeConfig.from_json(DECODER.to_json()) == DECODER
+
+
+@pytest.mark.parametrize(("edit", "message"), [
+    (lambda d: d.update(colour="red"), "unknown fields ['colour'] of NodeConfig"),
+    (lambda d: d.update(role="router"), "'router' is not a valid NodeRole"),
+    (lambda d: d["cache"].update(dtype="float7"), "unknown dtype 'float7'"),
+    (lambda d: d.update(prefillers=[]), "a decode node needs at least one prefiller"),
+])
+def test_a_config_that_does_not_fit_names_the_problem(
+        edit: Callable[[dict[str, Any]], None], message: str) -> None:
+    document = json.loads(DECODER.to_json())
+    edit(document)
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        NodeConfig.from_json(json.dumps(document))
+
+
+def test_a_prefiller_refuses_decoder_options() -> None:
+    with pytest.raises(ConfigError, match="a prefiller never decodes"):
+        NodeConfig("tiny", scheduler=SchedulerConfig(mode="prefill_only"),
+                   role=NodeRole.PREFILL, cuda_graph=True)
+
+
+def test_child_process_refuses_a_malformed_config() -> None:
+    """`python -m disagg.node.serve` reads its config from stdin and names what is wrong."""
+    child = subprocess.run([sys.executable, "-m", "disagg.node.serve"], input="{not json",
+                           capture_output=True, text=True, timeout=60)
+    assert child.returncode != 0
+    assert "node config:" in child.stderr
+
+
+@pytest.fixture
+def served(monkeypatch: pytest.MonkeyPatch) -> list[NodeConfig]:
+    """The configs `disagg serve ...` would run, instead of running them."""
+    configs: list[NodeConfig] = []
+    monkeypatch.setattr(serve_commands, "_run", configs.append)
+    return configs
+
+
+SHARED = ["--model", "tiny", "--page-size", "8", "--num-pages", "64", "--chunk-size", "32",
+          "--kv-layout", "HND", "--provider", "shm", "--listen", "[::1]:0", "--threads", "3"]
+
+
+@pytest.mark.parametrize(("role", "extra"), [
+    ("prefill", []), ("decode", ["--prefiller", "127.0.0.1:7000"]), ("mixed", [])])
+def test_every_serve_command_folds_the_shared_options_into_one_config(
+        served: list[NodeConfig], role: str, extra: list[str]) -> None:
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", role, *SHARED, *extra])
+    assert exit_info.value.code in (0, None)
+    [config] = served
+    assert config.role is NodeRole(role)
+    assert (config.cache.page_size, config.cache.num_pages, config.cache.kv_layout) == \
+        (8, 64, "HND")
+    assert (config.scheduler.chunk_size, config.provider, config.listen, config.threads) == \
+        (32, "shm", "[::1]:0", 3)
+    assert config.node_id == f"{role}-0"
+
+
+def test_decode_options_reach_the_config(served: list[NodeConfig]) -> None:
+    with pytest.raises(SystemExit):
+        main(["serve", "decode", "--model", "tiny", "--prefiller", "a:1", "--prefiller", "b:2",
+              "--kv-timeout", "5", "--no-retry", "--speculative", "mtp",
+              "--num-draft-tokens", "2"])
+    [config] = served
+    assert config.prefillers == ("a:1", "b:2")
+    assert config.reliability == replace(ReliabilityConfig(), kv_timeout_s=5.0,
+                                         retry_on_prefiller_failure=False)
+    assert config.speculative is not None
+    assert (config.speculative.kind, config.speculative.num_draft_tokens) == ("mtp", 2)
