@@ -9,13 +9,16 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import ProtocolError
 from disagg.kv_transfer.messages import (
     HEADER,
     MAGIC,
     PROTOCOL_VERSION,
     Hello,
+    KVFailed,
     KVRequest,
+    RequestEvent,
     Submit,
     decode,
     encode,
@@ -35,6 +38,28 @@ def test_round_trip_keeps_every_field() -> None:
     request = KVRequest("r1", 7, [1, 2, 3], [9, 4], 2)
     assert decode(encode(hello)) == hello
     assert decode(encode(request)) == request
+
+
+def test_states_and_causes_travel_as_enums() -> None:
+    """On the wire a state or cause is its enum value; it decodes to the enum member."""
+    event = RequestEvent("r1", RequestState.FINISHED_FAILED, cause=FailureCause.DEADLINE,
+                         detail="no KV in 5 s")
+    frame_bytes = encode(event)
+    assert b'"state":"finished_failed"' in frame_bytes
+    assert decode(frame_bytes) == event
+    assert decode(encode(KVFailed("r1", FailureCause.WRITE_FAILED, "EIO", 3))).cause is \
+        FailureCause.WRITE_FAILED
+
+
+@pytest.mark.parametrize(("payload", "message"), [
+    ({"request_id": "r", "state": "failed"}, "RequestEvent.state: 'failed' is not a RequestState"),
+    ({"request_id": "r", "state": "running", "cause": "gremlins"},
+     "RequestEvent.cause: 'gremlins' is not a FailureCause"),
+    ({"request_id": "r", "state": 3}, "RequestEvent.state: 3 is not a RequestState"),
+])
+def test_unknown_state_or_cause_is_refused(payload: dict[str, object], message: str) -> None:
+    with pytest.raises(ProtocolError, match=re.escape(message)):
+        decode(frame(RequestEvent.TYPE, payload))
 
 
 @pytest.mark.parametrize(("bad", "message"), [

@@ -1,0 +1,30 @@
+"""The request lifecycle vocabulary: one enum of states, one terminal set (S2)."""
+
+from __future__ import annotations
+
+import pytest
+
+from disagg.engine.request import TERMINAL_STATES, Request, RequestState, SamplingParams
+
+
+def test_terminal_states_are_the_finished_ones() -> None:
+    """Every FINISHED_* state is terminal and nothing else is: a request in any other state
+    still has a step, a transfer or a wait ahead of it."""
+    finished = {s for s in RequestState if s.name.startswith("FINISHED_")}
+    assert finished == TERMINAL_STATES
+    assert {s for s in RequestState if s.is_terminal()} == finished
+
+
+@pytest.mark.parametrize(("tokens", "state"), [
+    ([5], RequestState.RUNNING),
+    ([5, 6, 7], RequestState.FINISHED_LENGTH),
+    ([5, 2], RequestState.FINISHED_STOPPED),  # 2 is an EOS token
+])
+def test_appending_tokens_finishes_by_length_or_eos(tokens: list[int],
+                                                     state: RequestState) -> None:
+    request = Request("r", [1], SamplingParams(max_tokens=3), eos_token_ids=(2,))
+    request.state = RequestState.RUNNING
+    for token in tokens:
+        request.append_token(token)
+    assert request.state is state
+    assert request.is_finished == state.is_terminal()

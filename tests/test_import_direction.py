@@ -1,0 +1,148 @@
+"""The tree's import rules (docs/architecture.md, "Module map"), read from the source with `ast`.
+
+Every `import` counts, also those inside functions and under `TYPE_CHECKING`: a late import
+hides a dependency from the reader, it does not remove it.
+"""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Left to right: a layer may import itself and any layer to its left, never one to its right.
+LAYERS = ("leaves", "model", "engine", "spec", "kv_transfer", "node", "apps")
+LEAVES = ("disagg.config", "disagg.errors", "disagg.utils")
+# The simulator stands aside: it reads the engine's and the model's shapes and nothing else.
+SIM_MAY_IMPORT = {"leaves", "model", "engine", "sim"}
+
+
+def module_name(path: Path) -> str:
+    parts = list(path.relative_to(ROOT).with_suffix("").parts)
+    if parts[-1] == "__init__":
+        parts.pop()
+    return ".".join(parts)
+
+
+def imports_of(path: Path) -> set[str]:
+    """The `disagg` and `transfer_core` modules a file imports, as absolute names."""
+    name = module_name(path)
+    package = name if path.name == "__init__.py" else name.rpartition(".")[0]
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            found.add(base)
+            found.update(f"{base}.{alias.name}" for alias in node.names)
+    return {m for m in found if m.split(".")[0] in ("disagg", "transfer_core")}
+
+
+def source_files(package: str) -> list[Path]:
+    return sorted((ROOT / package).rglob("*.py"))
+
+
+def layer_of(module: str) -> str:
+    """The layer of a module under `disagg`; "" for the package root itself."""
+    if module == "disagg":
+        return ""
+    if module.startswith(LEAVES):
+        return "leaves"
+    return module.split(".")[1]
+
+
+def known_modules() -> set[str]:
+    return {module_name(p) for pkg in ("disagg", "transfer_core") for p in source_files(pkg)}
+
+
+def resolve(imported: str, known: set[str]) -> str:
+    """`disagg.engine.request.Request` -> `disagg.engine.request` (the longest module)."""
+    while imported not in known and "." in imported:
+        imported = imported.rpartition(".")[0]
+    return imported
+
+
+def test_layers_import_only_to_their_left() -> None:
+    known = known_modules()
+    wrong = []
+    for path in source_files("disagg"):
+        here = layer_of(module_name(path))
+        if here == "":
+            continue  # disagg/__init__.py gathers the public API from below
+        for imported in {resolve(m, known) for m in imports_of(path)}:
+            if imported.startswith("transfer_core"):
+                continue
+            there = layer_of(imported)
+            if here == "sim":
+                ok = there in SIM_MAY_IMPORT
+            elif there == "sim":
+                ok = here == "apps"
+            else:
+                ok = there in LAYERS and LAYERS.index(there) <= LAYERS.index(here)
+            if not ok:
+                wrong.append(f"{module_name(path)} ({here}) imports {imported} ({there})")
+    assert not wrong, "\n".join(wrong)
+
+
+def test_transfer_core_never_imports_disagg() -> None:
+    wrong = [f"{module_name(p)} imports {m}" for p in source_files("transfer_core")
+             for m in imports_of(p) if m.startswith("disagg")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_transfer_core_uses_its_test_doubles_only_in_them() -> None:
+    """`transfer_core.testing` builds on the engine; the engine never builds on it."""
+    wrong = [f"{module_name(p)} imports {m}" for p in source_files("transfer_core")
+             if "testing" not in p.parts for m in imports_of(p)
+             if m.startswith("transfer_core.testing")]
+    assert not wrong, "\n".join(wrong)
+
+
+def find_cycle(graph: dict[str, set[str]]) -> list[str]:
+    """One import circle of `graph`, or [] when there is none (iterative DFS)."""
+    state: dict[str, int] = {}  # 1: on the path, 2: done
+    for start in graph:
+        if state.get(start):
+            continue
+        path, stack = [start], [iter(sorted(graph[start]))]
+        state[start] = 1
+        while stack:
+            step = next(stack[-1], None)
+            if step is None:
+                state[path.pop()] = 2
+                stack.pop()
+            elif state.get(step) == 1:
+                return [*path[path.index(step):], step]
+            elif not state.get(step):
+                state[step] = 1
+                path.append(step)
+                stack.append(iter(sorted(graph.get(step, ()))))
+    return []
+
+
+@pytest.mark.parametrize("package", ["disagg", "transfer_core"])
+def test_no_import_circle(package: str) -> None:
+    """Between modules (a package's `__init__` re-exporting its modules does not count)."""
+    known = known_modules()
+    graph: dict[str, set[str]] = {}
+    for path in source_files(package):
+        if path.name == "__init__.py":
+            continue
+        name = module_name(path)
+        targets = {resolve(m, known) for m in imports_of(path)}
+        graph[name] = {t for t in targets if t != name and t in known
+                       and not (ROOT / Path(*t.split("."), "__init__.py")).exists()}
+    assert find_cycle(graph) == []
+
+
+def test_find_cycle_finds_one() -> None:
+    """The checker itself: a circle of three is found, a diamond is not a circle."""
+    assert find_cycle({"a": {"b"}, "b": {"c"}, "c": {"a"}}) == ["a", "b", "c", "a"]
+    assert find_cycle({"a": {"b", "c"}, "b": {"d"}, "c": {"d"}, "d": set()}) == []
