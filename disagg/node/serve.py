@@ -14,6 +14,7 @@ import logging
 import signal
 import sys
 
+from disagg.kv_transfer.channel import format_address, parse_address
 from disagg.node.builder import build_node
 from disagg.node.node_config import NodeConfig
 from disagg.utils.metrics import serve_metrics
@@ -28,9 +29,9 @@ def run_node(config: NodeConfig) -> None:
         signal.signal(signum, lambda *_: node.stop())
     ready = f"READY {node.address}"
     if config.metrics_port is not None:
-        host = node.address.rpartition(":")[0].strip("[]")
+        host, _ = parse_address(node.address)
         server = serve_metrics(node.metrics, (host, config.metrics_port))
-        ready += f" metrics={node.address.rpartition(':')[0]}:{server.server_address[1]}"
+        ready += f" metrics={format_address(host, server.server_address[1])}"
     sys.stdout.write(ready + "\n")
     sys.stdout.flush()
     try:

@@ -7,6 +7,7 @@ callback at scrape time (pages in use), and `serve_metrics` for a `/metrics` HTT
 from __future__ import annotations
 
 import bisect
+import socket
 import threading
 from collections.abc import Callable
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
@@ -117,7 +118,8 @@ def parse_metrics(text: str) -> dict[str, float]:
 
 
 def serve_metrics(metrics: Metrics, address: tuple[str, int]) -> ThreadingHTTPServer:
-    """Serve `GET /metrics` on `address` from a daemon thread; returns the server."""
+    """Serve `GET /metrics` on `address` (host, port; an IPv4 or IPv6 host) from a daemon
+    thread; returns the server."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the http.server API)
@@ -134,6 +136,10 @@ def serve_metrics(metrics: Metrics, address: tuple[str, int]) -> ThreadingHTTPSe
         def log_message(self, *args: object) -> None:
             pass  # scrapes are not worth a log line each
 
-    server = ThreadingHTTPServer(address, Handler)
+    class Server(ThreadingHTTPServer):
+        # http.server binds IPv4 unless told; an IPv6 literal ("::1") needs AF_INET6.
+        address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
+
+    server = Server(address, Handler)
     threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
     return server

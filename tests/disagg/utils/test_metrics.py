@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import socket
 import urllib.request
+
+import pytest
 
 from disagg.utils.metrics import Metrics, parse_metrics, serve_metrics
 
@@ -35,5 +38,29 @@ def test_endpoint_serves_the_current_values() -> None:
         with urllib.request.urlopen(url, timeout=5) as response:
             values = parse_metrics(response.read().decode())
         assert values['disagg_requests_total{state="finished_length"}'] == 1
+    finally:
+        server.shutdown()
+
+
+def has_ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as probe:
+            probe.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+@pytest.mark.skipif(not has_ipv6_loopback(), reason="no IPv6 loopback on this machine")
+def test_endpoint_serves_on_an_ipv6_host() -> None:
+    """A node listening on [::1] serves its metrics there too."""
+    metrics = Metrics()
+    metrics.inc("requests_total", state="finished_stopped")
+    server = serve_metrics(metrics, ("::1", 0))
+    try:
+        url = f"http://[::1]:{server.server_address[1]}/metrics"
+        with urllib.request.urlopen(url, timeout=5) as response:
+            values = parse_metrics(response.read().decode())
+        assert values['disagg_requests_total{state="finished_stopped"}'] == 1
     finally:
         server.shutdown()
