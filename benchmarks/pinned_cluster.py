@@ -1,7 +1,7 @@
 """Serving nodes pinned one per CPU core, and a watch on who else uses the CPU (S1).
 
-Glue for `benchmarks/disagg.py`, not a library. `PinnedCluster` is `disagg.node.local_cluster.LocalCluster`
-with two changes: each node is bound to its own core (what `taskset -c N` does, applied to every
+Glue for `benchmarks/disagg.py`, not a library. `PinnedCluster` is `LocalCluster`
+(`disagg/node/local_cluster.py`) with two changes: each node is bound to its own core (what `taskset -c N` does, applied to every
 thread of the process), and it can start the single-node baseline instead of a prefiller and a
 decoder: `serve mixed` engines behind the same router protocol. `wait_for_quiet` and `CpuMeter`
 read /proc so a result can say whether other work shared the cores while it was measured.
@@ -18,6 +18,7 @@ from typing import Literal
 
 from disagg.errors import ConfigError
 from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.node_config import NodeConfig, NodeRole
 
 Mode = Literal["mixed", "disagg"]
 
@@ -64,7 +65,8 @@ class PinnedCluster(LocalCluster):
         else:
             try:
                 names = [f"mixed-{i}" for i in range(len(self.cores))]
-                nodes = [self._spawn(name, ["serve", "mixed"]) for name in names]
+                nodes = [self._spawn(self.config.node_config(NodeRole.MIXED, name))
+                         for name in names]
                 self.decoder_addresses = [self._wait_ready(name, node)
                                           for name, node in zip(names, nodes, strict=True)]
             except BaseException:
@@ -75,13 +77,13 @@ class PinnedCluster(LocalCluster):
             pin_process(process.pid, core)
         return self
 
-    def _spawn(self, name: str, args: list[str]) -> subprocess.Popen[str]:
-        process = super()._spawn(name, args)
+    def _spawn(self, config: NodeConfig) -> subprocess.Popen[str]:
+        process = super()._spawn(config)
         core = self.cores[self._next_core]
         self._next_core += 1
         # Popen returns once the child has exec'd, before Python has started its threads.
         pin_process(process.pid, core)
-        self.node_cores[name] = core
+        self.node_cores[config.node_id] = core
         return process
 
     def affinity(self) -> dict[str, list[int]]:
