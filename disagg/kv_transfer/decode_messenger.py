@@ -311,7 +311,8 @@ class DecodeMessenger:
     def _quarantine(self, pending: PendingKV, writes_posted: int | None, verdict: Verdict,
                     grace_s: float) -> None:
         self._forget(pending)
-        self.quarantine.hold(pending.request, pending.imm, writes_posted, verdict, grace_s)
+        self.quarantine.hold(pending.request, pending.imm, writes_posted, verdict, grace_s,
+                             expected_writes=pending.expected_writes)
 
     def _forget(self, pending: PendingKV) -> None:
         del self.pending[pending.request.request_id]

@@ -73,15 +73,15 @@ class PageQuarantine:
         return len(self._held)
 
     def hold(self, request: Request, imm: int, writes_posted: int | None, verdict: Verdict,
-             grace_s: float = 0.0) -> None:
+             grace_s: float = 0.0, expected_writes: int = 0) -> None:
         """Take over `request`'s pinned pages; its counter for `imm` becomes the fence.
 
         `writes_posted` None: unknown, hold for `grace_s` (a dead peer's bytes in flight).
+        `expected_writes`: what the request's counter was armed for. A counter that is gone
+        has fired (nothing else removes it), consuming that many arrivals: they count too.
         """
-        counted = 0
         armed = self.transfer.remove_imm_count(imm)
-        if armed is not None:
-            counted = armed[0]
+        counted = expected_writes if armed is None else armed[0]
         now = time.monotonic()
         known = writes_posted is not None
         entry = Quarantined(request, list(request.page_ids), imm,

@@ -1,0 +1,248 @@
+"""A prefiller and a decoder messenger in one process, over a `LoopbackFabric` (S2-S4, issue 8).
+
+`Harness` wires both sides as `disagg.node.builder` does (layer counter into the prefiller's
+model and its messenger, the messenger as the prefill engine's observer, a decoder engine with
+its own messenger), but with `LoopbackEngine`s instead of libfabric and a `socket.socketpair()`
+for the control channel. Nothing runs in node threads: `pump()` does one turn of both node
+loops, in their order (prefiller: deliver the decoder's messages, step, poll, expire leases;
+decoder: deliver the prefiller's messages, poll, step), and `run_until` repeats it.
+Messages crossing the channel are logged per direction so tests can look at them.
+"""
+
+from __future__ import annotations
+
+import select
+import socket
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import torch
+
+from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, SchedulerConfig
+from disagg.engine.llm_engine import EngineParts, LLMEngine, build_engine, load_transformer
+from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
+from disagg.errors import RequestError
+from disagg.kv_transfer.channel import Channel
+from disagg.kv_transfer.decode_messenger import DecodeMessenger
+from disagg.kv_transfer.draft_kv import DraftKVSink
+from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest, Message
+from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
+from disagg.kv_transfer.prefill_messenger import PrefillMessenger
+from disagg.kv_transfer.transfer_context import DecoderPeer, Outcome
+from disagg.model.draft_heads import mtp_kv_cache
+from disagg.model.layer_counter import LayerCounter
+from disagg.model.loading.fingerprint import model_fingerprint
+from disagg.model.loading.registry import LoadedModel, load_model
+from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
+
+CACHE = CacheConfig(page_size=4, num_pages=64)
+PREFILL_CHUNK = 5  # not a multiple of the page size: chunks end mid-page
+MAX_TOKENS = 5
+_MODEL: list[LoadedModel] = []
+
+
+def tiny_model() -> LoadedModel:
+    """The "tiny" preset (random weights, seed 0), loaded once per process."""
+    if not _MODEL:
+        _MODEL.append(load_model("tiny"))
+    return _MODEL[0]
+
+
+def random_prompt(length: int, seed: int = 0) -> list[int]:
+    """`length` token ids in [3, vocab), avoiding the EOS id 0."""
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(3, tiny_model().config.vocab_size, (length,),
+                         generator=generator).tolist()
+
+
+def single_node_tokens(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:
+    """The reference: the same model as one mixed engine, greedy."""
+    loaded = tiny_model()
+    engine = build_engine(EngineConfig(loaded.config, CACHE), loaded.state_dict)
+    return engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].output_token_ids
+
+
+def never_build_draft() -> DraftSource:
+    """A draft-source factory for decoders that never ask for draft KV."""
+    raise AssertionError("the prefiller built a draft source nobody asked for")
+
+
+def receive_ready(channel: Channel) -> list[Message]:
+    """Every message already waiting on `channel` (never blocks on an empty socket)."""
+    messages = []
+    while select.select([channel.sock], [], [], 0)[0]:
+        messages.append(channel.recv())
+    return messages
+
+
+@dataclass
+class Harness:
+    """A prefill engine + messenger and a decode engine + messenger over one fabric."""
+
+    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
+    lease_s: float = 300.0
+    make_draft_source: DraftSourceFactory | None = never_build_draft
+    draft_kv: bool = False  # give the decoder an MTP cache (its Hello then asks for draft KV)
+    inline: bool = True  # loopback delivery in the caller's thread (deterministic)
+    connect: bool = True  # shake hands at construction
+    to_prefiller: list[Message] = field(default_factory=list)  # every message, in order
+    to_decoder: list[Message] = field(default_factory=list)
+    outcomes: list[Outcome] = field(default_factory=list)  # of every decode_messenger.poll()
+
+    def __post_init__(self) -> None:
+        loaded = tiny_model()
+        self.fabric = LoopbackFabric()
+        self.prefill_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
+        self.decode_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
+        prefill_config = EngineConfig(loaded.config, CACHE, SchedulerConfig(
+            chunk_size=PREFILL_CHUNK, max_num_batched_tokens=PREFILL_CHUNK, mode="prefill_only"))
+        self.counter = LayerCounter.for_device("cpu")
+        self.prefill_parts = EngineParts.build(prefill_config, load_transformer(
+            prefill_config, loaded.state_dict, self.counter))
+        self.prefill = PrefillMessenger(self.prefill_parts, self.prefill_transfer, self.counter,
+                                        wake=lambda: None,
+                                        make_draft_source=self.make_draft_source,
+                                        lease_s=self.lease_s)
+        self.prefill_engine = LLMEngine(self.prefill_parts, observers=[self.prefill])
+        decode_config = EngineConfig(loaded.config, CACHE, SchedulerConfig(
+            chunk_size=8, max_num_batched_tokens=16))
+        self.decode_parts = EngineParts.build(decode_config, load_transformer(
+            decode_config, loaded.state_dict))
+        sink = None
+        if self.draft_kv:
+            sink = DraftKVSink(mtp_kv_cache(loaded.config, CACHE, "cpu"), loaded.config,
+                               CACHE.page_size, self.decode_transfer)
+        self.decode = DecodeMessenger(self.decode_parts, self.decode_transfer, "decode-0",
+                                      model_fingerprint(loaded), wake=lambda: None,
+                                      draft_sink=sink, reliability=self.reliability)
+        self.decode_engine = LLMEngine(self.decode_parts)
+        self.free_pages = (self.prefill_parts.allocator.num_free,
+                           self.decode_parts.allocator.num_free)
+        a, b = socket.socketpair()
+        self.decode_channel = Channel(a, "prefill-0", secret=b"")  # b"": no HMAC, whatever env
+        self.prefill_channel = Channel(b, "decode-0", secret=b"")
+        self.extra_channels: list[Channel] = []
+        self.peer: DecoderPeer | None = None
+        if self.connect:
+            self.handshake()
+
+    def handshake(self) -> None:
+        """Hello over the channel, `add_peer`, HelloAck back, `add_prefiller`."""
+        self.decode_channel.send(self.decode.hello())
+        hello = self.prefill_channel.recv()
+        assert isinstance(hello, Hello)
+        self.peer = self.prefill.add_peer(hello, self.prefill_channel)
+        sharding = self.prefill_parts.kv_cache.sharding
+        self.prefill_channel.send(HelloAck("prefill-0", self.prefill_transfer.address,
+                                           sharding.tp, sharding.replicated))
+        ack = self.decode_channel.recv()
+        assert isinstance(ack, HelloAck)
+        self.decode.add_prefiller(self.decode_channel, ack)
+
+    def extra_peer(self, hello: Hello) -> tuple[DecoderPeer, Channel]:
+        """Another decoder connection to the prefiller; returns its peer and decoder-side end."""
+        a, b = socket.socketpair()
+        ours, theirs = Channel(a, "prefill-0", secret=b""), Channel(b, hello.node_id, secret=b"")
+        self.extra_channels += [ours, theirs]
+        return self.prefill.add_peer(hello, theirs), ours
+
+    def submit(self, prompt: list[int], request_id: str = "r0",
+               max_tokens: int = MAX_TOKENS) -> Request:
+        """A new request at the decoder, as `DecodeNode._submit` makes it."""
+        request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens),
+                          tiny_model().config.eos_token_ids)
+        self.decode.submit(request)
+        return request
+
+    # One turn of each node loop.
+
+    def deliver_to_prefiller(self) -> None:
+        """The prefill node's dispatch of a decoder's messages."""
+        assert self.peer is not None
+        for message in receive_ready(self.prefill_channel):
+            self.to_prefiller.append(message)
+            if isinstance(message, KVRequest):
+                try:
+                    self.prefill.start_request(message, self.peer)
+                except RequestError as error:
+                    self.prefill_channel.send(KVFailed(
+                        message.request_id, FailureCause.PREFILLER_REFUSED, str(error)))
+            elif isinstance(message, Cancel):
+                self.prefill.cancel(self.peer, message.request_id)
+
+    def step_prefiller(self) -> None:
+        """Step the prefill engine if it has work, then free and report what ended."""
+        if self.prefill_engine.has_unfinished():
+            self.prefill_engine.step()
+        self.prefill.poll()
+        self.prefill.expire_leases()
+
+    def deliver_to_decoder(self) -> None:
+        """The decode node's dispatch of a prefiller's messages."""
+        for message in receive_ready(self.decode_channel):
+            self.to_decoder.append(message)
+            if isinstance(message, KVFailed):
+                self.decode.on_kv_failed(message)
+
+    def step_decoder(self) -> None:
+        """Poll the decode messenger (release, deadlines, quarantine), then step the engine."""
+        self.outcomes += self.decode.poll()
+        if self.decode_engine.has_unfinished():
+            self.decode_engine.step()
+
+    def pump(self) -> None:
+        """One turn of the prefill node's loop, then one of the decode node's."""
+        self.deliver_to_prefiller()
+        self.step_prefiller()
+        self.deliver_to_decoder()
+        self.step_decoder()
+
+    def run_until(self, predicate: Callable[[], bool], timeout_s: float = 5.0) -> None:
+        """Pump until `predicate()` holds; fails the test after `timeout_s`."""
+        deadline = time.monotonic() + timeout_s
+        while not predicate():
+            if time.monotonic() > deadline:
+                raise AssertionError(f"not reached in {timeout_s:g} s; outcomes "
+                                     f"{[(o.state, o.cause) for o in self.outcomes]}")
+            busy = self.prefill_engine.has_unfinished() or self.decode_engine.has_unfinished()
+            self.pump()
+            if not busy:
+                time.sleep(0.001)  # waiting on a deadline or another thread: let it run
+
+    def run_to_end(self, request: Request, timeout_s: float = 5.0) -> None:
+        """Pump until `request` is terminal and both sides are idle."""
+        self.run_until(lambda: request.is_finished and self.idle(), timeout_s)
+
+    def idle(self) -> bool:
+        """Nothing in flight on either side, nothing scheduled."""
+        return (not self.prefill.has_work() and self.decode.idle()
+                and not self.prefill_engine.has_unfinished()
+                and not self.decode_engine.has_unfinished())
+
+    def outcomes_of(self, request_id: str) -> list[tuple[RequestState, FailureCause | None]]:
+        """(state, cause) of every outcome reported for `request_id`, in order."""
+        return [(o.state, o.cause) for o in self.outcomes if o.request.request_id == request_id]
+
+    def check_clean(self) -> None:
+        """No page, transfer, pending request or armed counter left on either side."""
+        assert self.fabric.quiesce(5.0)
+        assert self.prefill_transfer.held_writes() == 0
+        assert self.prefill.num_in_flight == 0
+        assert self.decode.idle()
+        assert not self.decode_transfer.pending_imm_counts()
+        assert (self.prefill_parts.allocator.num_free,
+                self.decode_parts.allocator.num_free) == self.free_pages
+        self.prefill_parts.allocator.check_invariants(expect_all_free=True)
+        self.decode_parts.allocator.check_invariants(expect_all_free=True)
+
+    def close(self) -> None:
+        """Land held writes, then close channels, messengers and engines (as a node does)."""
+        self.prefill_transfer.release()
+        self.fabric.quiesce(5.0)
+        for channel in [self.decode_channel, self.prefill_channel, *self.extra_channels]:
+            channel.close()
+        self.prefill.close()
+        self.decode.close()
+        self.prefill_transfer.close()
+        self.decode_transfer.close()

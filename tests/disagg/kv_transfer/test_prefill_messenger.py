@@ -1,0 +1,155 @@
+"""`PrefillMessenger` over the in-process loopback fabric (S2b, S3, S4b; issues 6 and 8).
+
+The prefiller side of `Harness`: the draft-KV plug-in is built only for decoders that ask,
+once; a cancelled or orphaned transfer posts nothing more, keeps its source pages while writes
+still read them, then frees them and tells the decoder how many writes completed.
+"""
+
+from __future__ import annotations
+
+from dataclasses import replace
+
+from disagg.engine.request import FailureCause, RequestState
+from disagg.kv_transfer.draft_kv import DraftKVSource, draft_kv_pages
+from disagg.kv_transfer.messages import KVFailed, KVRequest, Message
+from disagg.kv_transfer.plugins import DraftSource
+from disagg.kv_transfer.transfer_plan import expected_write_count
+from tests.disagg.kv_transfer.conftest import MakeHarness
+from tests.disagg.kv_transfer.messenger_harness import (
+    CACHE,
+    Harness,
+    random_prompt,
+    receive_ready,
+    tiny_model,
+)
+
+FAILED = RequestState.FINISHED_FAILED
+
+
+def prefill_pages_in_use(h: Harness) -> int:
+    return h.free_pages[0] - h.prefill_parts.allocator.num_free
+
+
+def kv_failures(messages: list[Message]) -> list[tuple[str, FailureCause, int]]:
+    """(request id, cause, writes posted) of every KVFailed in `messages`."""
+    return [(m.request_id, m.cause, m.writes_posted) for m in messages
+            if isinstance(m, KVFailed)]
+
+
+def test_decoder_without_draft_kv_never_builds_the_draft_source(
+        make_harness: MakeHarness) -> None:
+    """A Hello without a draft-KV descriptor: a whole request is prefilled and shipped and the
+    factory is never called (no MTP head is built for nobody)."""
+    calls: list[str] = []
+
+    def factory() -> DraftSource:
+        calls.append("built")
+        raise AssertionError("draft source built for a decoder that did not ask")
+
+    h = make_harness(make_draft_source=factory)
+    assert h.decode.hello().draft_kv_descriptor == b""
+    request = h.submit(random_prompt(9, seed=1))
+    h.run_to_end(request)
+    assert (calls, h.prefill.draft) == ([], None)
+    h.check_clean()
+
+
+def test_draft_source_is_built_once_when_a_decoder_first_asks(make_harness: MakeHarness) -> None:
+    """Not at construction; at the first Hello with a draft-KV descriptor; not again for a
+    second such decoder. Its pages then count in what the decoder expects."""
+    built: list[DraftSource] = []
+
+    def factory() -> DraftSource:
+        built.append(DraftKVSource(h.prefill_parts, h.prefill_transfer))
+        return built[-1]
+
+    h = make_harness(draft_kv=True, connect=False, make_draft_source=factory)
+    assert (built, h.prefill.draft) == ([], None)
+    h.handshake()
+    assert len(built) == 1
+    assert h.prefill.draft is built[0]
+    h.extra_peer(replace(h.decode.hello(), node_id="decode-1"))
+    assert len(built) == 1
+    request = h.submit(random_prompt(14, seed=2))
+    h.run_to_end(request)
+    (outcome,) = h.outcomes
+    assert outcome.state is RequestState.RUNNING
+    assert outcome.receipt is not None
+    plain = expected_write_count(14, CACHE.page_size, tiny_model().config.num_layers)
+    assert outcome.receipt.writes == plain + draft_kv_pages(14, CACHE.page_size)
+    assert len(built) == 1
+    h.check_clean()
+
+
+def test_cancel_posts_nothing_more_and_frees_pages_once_writes_completed(
+        make_harness: MakeHarness) -> None:
+    """Cancelled after its first chunk, with that chunk's writes parked in flight: no later
+    chunk, page or context write is posted; the source pages stay allocated while the parked
+    writes read them, and are freed once they completed; the decoder is told CANCELLED with
+    the count of writes that completed."""
+    h = make_harness()
+    h.submit(random_prompt(13, seed=3))
+    imm = h.decode.pending["r0"].imm
+    h.prefill_transfer.hold()
+    h.run_until(lambda: h.prefill_transfer.held_writes() > 0)
+    posted, in_use = h.prefill.stats["writes"], prefill_pages_in_use(h)
+    assert (posted, in_use) == (2, 2)  # page 0 of both layers; pages 0-1 hold chunk 1
+    assert h.peer is not None
+    h.prefill.cancel(h.peer, "r0")
+    for _ in range(3):
+        h.step_prefiller()
+    assert not h.prefill_engine.has_unfinished()
+    assert h.prefill_transfer.held_writes() == posted
+    assert h.prefill.stats["writes"] == posted
+    assert prefill_pages_in_use(h) == in_use  # the parked writes still read them
+    assert h.prefill.num_in_flight == 1
+    assert receive_ready(h.decode_channel) == []  # not before the writes completed
+    h.prefill_transfer.release()
+    h.step_prefiller()
+    assert (h.prefill.num_in_flight, prefill_pages_in_use(h)) == (0, 0)
+    (ended,) = h.prefill.recent
+    assert (ended.request.state, ended.cause) == (FAILED, FailureCause.CANCELLED)
+    assert h.decode_transfer.imm_counted(imm) == posted  # the parked ones, nothing more
+    h.deliver_to_decoder()
+    assert kv_failures(h.to_decoder) == [("r0", FailureCause.CANCELLED, posted)]
+
+
+def test_late_cancel_is_answered_with_the_writes_completed(make_harness: MakeHarness) -> None:
+    """A Cancel for a transfer that already finished (its counter should have fired) gets
+    KVFailed with the writes it completed, the decoder's fence; an unknown id gets -1."""
+    h = make_harness()
+    request = h.submit(random_prompt(7, seed=4))
+    h.run_to_end(request)
+    assert h.peer is not None
+    h.prefill.cancel(h.peer, "r0")
+    h.prefill.cancel(h.peer, "never-sent")
+    writes = expected_write_count(7, CACHE.page_size, tiny_model().config.num_layers)
+    assert kv_failures(receive_ready(h.decode_channel)) == [
+        ("r0", FailureCause.CANCELLED, writes), ("never-sent", FailureCause.CANCELLED, -1)]
+
+
+def test_fail_peer_ends_every_request_of_that_peer_only(make_harness: MakeHarness) -> None:
+    """A gone decoder: its request mid-prefill and its queued one end FINISHED_FAILED with
+    DECODER_GONE and their pages are freed; another decoder's request is shipped as usual."""
+    h = make_harness()
+    h.submit(random_prompt(13, seed=5), "r0")
+    h.submit(random_prompt(9, seed=6), "r1")
+    other, other_channel = h.extra_peer(replace(h.decode.hello(), node_id="decode-1"))
+    other_prompt = random_prompt(10, seed=7)
+    h.prefill.start_request(KVRequest("x0", 999, other_prompt, [60, 61, 62], 15), other)
+    h.deliver_to_prefiller()
+    h.step_prefiller()  # r0's first chunk
+    assert h.prefill.num_in_flight == 3
+    assert h.peer is not None
+    h.prefill.fail_peer(h.peer, "decoder gone: test")
+    h.run_until(lambda: h.prefill.num_in_flight == 0 and not h.prefill_engine.has_unfinished())
+    ended = {t.request_id: (t.request.state, t.cause) for t in h.prefill.recent}
+    assert ended == {"r0": (FAILED, FailureCause.DECODER_GONE),
+                     "r1": (FAILED, FailureCause.DECODER_GONE),
+                     "x0": (RequestState.FINISHED_TRANSFERRED, None)}
+    assert prefill_pages_in_use(h) == 0
+    assert h.prefill.stats["failed"] == 2
+    assert sorted(r for r, _, _ in kv_failures(h.to_decoder)) == ["r0", "r1"]
+    assert receive_ready(other_channel) == []  # the other decoder is told nothing
+    assert h.decode_transfer.imm_counted(999) == expected_write_count(
+        10, CACHE.page_size, tiny_model().config.num_layers)
