@@ -2,9 +2,9 @@
 
     python benchmarks/first_write.py [--provider tcp|shm|all] [--reps N] [--json] [--no-wait-idle]
 
-tcp;ofi_rxm connects lazily, so the first write to a peer also pays for the connection
-(notes G11). A spawned receiver process opens a fresh engine (a new peer) for every sample;
-the sender, one engine for the whole run, alternates the two cases in one run:
+tcp;ofi_rxm connects lazily, so the first write to a peer also pays for the connection. A
+spawned receiver process opens a fresh engine (a new peer) for every sample; the sender, one
+engine for the whole run, alternates the two cases in one run:
 
 * cold: submit a 4 KiB write with an immediate at once;
 * warm: `connect(peer.address)` first (timed on its own), then the same write.

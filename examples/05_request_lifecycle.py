@@ -13,6 +13,7 @@ import tempfile
 import time
 from pathlib import Path
 
+from disagg.engine.request import RequestState
 from disagg.kv_transfer.messages import RequestEvent, Submit
 from disagg.node.local_cluster import ClusterConfig, LocalCluster
 from disagg.node.router import Router
@@ -22,15 +23,15 @@ Timeline = list[tuple[float, str, str]]  # (time.time(), where, what)
 
 
 def describe_event(event: RequestEvent) -> str:
-    """One line for a router event."""
-    if event.state == "waiting_for_kv":
+    """One line for a router event (`event.state` is a `RequestState`)."""
+    if event.state is RequestState.WAITING_FOR_KV:
         return f"waiting for KV, {event.kv_writes_received} writes landed so far"
-    if event.state == "decoding" and event.kv_writes:
+    if event.state is RequestState.RUNNING and event.kv_writes:
         return (f"counter fired: {event.kv_writes} writes, {event.kv_bytes} bytes, "
                 f"{event.kv_wait_ms:.1f} ms after the KVRequest left")
     if event.token_ids:
-        return f"{event.state}: token {event.token_ids[0]}"
-    return event.state
+        return f"{event.state.value}: token {event.token_ids[0]}"
+    return event.state.value
 
 
 def describe_trace(node: str, event: dict) -> str | None:
@@ -68,8 +69,9 @@ def main() -> None:
         timeline: Timeline = []
         with LocalCluster(config) as cluster:
             router = Router(cluster.decoder_addresses)
-            # A warm-up request first: the first write to a decoder also opens the
-            # connection to it, tens of milliseconds that are not part of a request's life.
+            # A warm-up request first, so the one-time costs of each node's first steps stay
+            # out of the timeline. (Not the fabric connection: the prefiller opened that at
+            # handshake, with `TransferEngine.connect`.)
             serve(router, "warm-up", [])
             time.sleep(0.1)
             start = time.time()

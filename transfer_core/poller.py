@@ -50,32 +50,33 @@ except ImportError as exc:  # pragma: no cover - only without a build
 # are visible before the counter store and acquire on the reader is all that is needed. On
 # weakly ordered CPUs (aarch64) torch's plain store gives no release order; a writer there that
 # needs the guarantee should bump with `bump_release(counter)` from this module.
-# GPU. The counter is a word of mapped pinned host memory (`cuda_host.MappedCounter`); a
-# kernel captured in the CUDA graph does `add_(1)` on its device alias after layer i's output
-# projection. On one stream a kernel starts only after the previous one has completed, so when
-# the bump kernel runs, the kernel that appended layer i's KV (several kernels earlier, before
-# attention) has finished and its writes sit in GPU memory (L2 is the point of coherence for
-# device memory, and PCIe peer reads by a NIC or copy-engine reads go through it). The bump is
-# a posted PCIe write into host memory; x86 DMA is cache coherent, so the acquire load sees it
-# without flushes. Hence a NIC that starts reading layer i's KV after the host saw the count is
-# reading a completed kernel's output. Honest limits: (1) the CUDA docs promise this visibility
-# to third-party readers only after a host-side synchronisation (event or stream sync); the
-# argument above relies on kernel completion in stream order, which is how the hardware works,
-# not a documented contract. (2) `__threadfence_system()` orders the writes of the calling
-# thread, as seen by all observers including the host and peers, before its later writes; it
-# is cumulative, so a bump kernel doing `__threadfence_system()` before its store would make
-# the ordering formal, but torch's `add_` does not issue it, and a fence in the KV-append
-# kernel alone would not order writes of other threads. (3) Programmatic dependent launch or
-# running the bump on another stream would break the argument. (4) With TP, the leader's bump
-# follows the output projection's all-reduce, which cannot finish before every rank has
-# entered it, i.e. after each rank's own KV append kernel has completed (S3c). Never use
-# write-combined memory for counters: the CPU reads them.
+# GPU. The counter is a word of mapped pinned host memory
+# (`transfer_core.cuda.mapped_counter.MappedCounter`); a kernel captured in the CUDA graph does
+# `add_(1)` on its device alias after layer i's output projection. On one stream a kernel starts
+# only after the previous one has completed, so when the bump kernel runs, the kernel that appended
+# layer i's KV (several kernels earlier, before attention) has finished and its writes sit in GPU
+# memory (L2 is the point of coherence for device memory, and PCIe peer reads by a NIC or
+# copy-engine reads go through it). The bump is a posted PCIe write into host memory; x86 DMA is
+# cache coherent, so the acquire load sees it without flushes. Hence a NIC that starts reading layer
+# i's KV after the host saw the count is reading a completed kernel's output. Honest limits: (1) the
+# CUDA docs promise this visibility to third-party readers only after a host-side synchronisation
+# (event or stream sync); the argument above relies on kernel completion in stream order, which is
+# how the hardware works, not a documented contract. (2) `__threadfence_system()` orders the writes
+# of the calling thread, as seen by all observers including the host and peers, before its later
+# writes; it is cumulative, so a bump kernel doing `__threadfence_system()` before its store would
+# make the ordering formal, but torch's `add_` does not issue it, and a fence in the KV-append
+# kernel alone would not order writes of other threads. (3) Programmatic dependent launch or running
+# the bump on another stream would break the argument. (4) With TP, the leader's bump follows the
+# output projection's all-reduce, which cannot finish before every rank has entered it, i.e. after
+# each rank's own KV append kernel has completed (S3c). Never use write-combined memory for
+# counters: the CPU reads them.
 
 logger = logging.getLogger(__name__)
 
 
 class HasHostAddress(Protocol):
-    """A counter living in memory the CPU can read, e.g. `cuda_host.MappedCounter`."""
+    """A counter living in memory the CPU can read, e.g.
+    `transfer_core.cuda.mapped_counter.MappedCounter`."""
 
     @property
     def host_address(self) -> int: ...

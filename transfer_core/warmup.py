@@ -1,11 +1,11 @@
 """Opening a peer's connection ahead of the first real write (S5; keeps S4c's counts exact).
 
 `tcp;ofi_rxm` (and `verbs;ofi_rxm`) connect lazily: the first write to a new peer waits for
-the connection, 25-80 ms on loopback (notes G11). `Warmup` lets an engine pay that at
-handshake instead. Every engine registers, per domain, a tiny "probe" region that nothing
-ever reads, and publishes its (key, raddr) in its `EngineAddress`; warming a peer is one
-zero-byte `fi_write` into it per (our domain, the peer domain it maps to). Why this and not
-the alternatives:
+the connection, tens of ms on loopback (`benchmarks/first_write.py` measures it). `Warmup` lets
+an engine pay that at handshake instead. Every engine registers, per domain, a tiny "probe"
+region that nothing ever reads, and publishes its (key, raddr) in its `EngineAddress`; warming
+a peer is one zero-byte `fi_write` into it per (our domain, the peer domain it maps to). Why
+this and not the alternatives:
 
 * no FI_REMOTE_CQ_DATA, so the target's CQ gets no entry (no FI_RMA_EVENT is asked for) and
   its `ImmCounterMap` counts nothing: a decoder counting a request's immediates stays exact;

@@ -1,3 +1,3 @@
-"""Programs: the `disagg` CLI, the demo, generate, plan, figures. The library never imports
-this package.
+"""Programs: the `disagg` CLI, the demo (and its deployment presets), generate, plan, figures.
+The library never imports this package.
 """

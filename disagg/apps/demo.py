@@ -3,8 +3,9 @@ view (S1, S2, S3, S4, S8).
 
 Every request goes to the least-loaded decoder, which pins pages and asks the prefiller for the
 KV; the prefiller streams it layer by layer over libfabric; the decoder decodes. The live view
-shows each request's state (waiting for KV with writes landed, decoding, done), its text, TTFT
-and tokens/s, and the transfer figures. `run_demo` returns the JSON the `--json` flag prints.
+shows each request's `RequestState` (waiting for KV with writes landed, running, finished),
+its text, TTFT and tokens/s, and the transfer figures. `run_demo` returns the JSON the `--json`
+flag prints.
 """
 
 from __future__ import annotations

@@ -4,7 +4,7 @@ The runner packs every chunk's tokens on one axis, computes where each token's K
 and slot), and tells attention which rows belong to which request. It returns the hidden states
 and logits of the rows that sample, so a prefiller can ship them (S4a) and an engine can sample.
 Given `DecodeGraphs`, pure-decode batches that fit a bucket take its static-buffer path (CUDA
-graphs on a GPU, `graph_runner.py`); everything else runs here, eagerly.
+graphs on a GPU, `cuda_graphs.py`); everything else runs here, eagerly.
 """
 
 from __future__ import annotations

@@ -97,7 +97,7 @@ class Scheduler:
         """Advance each chunk's request and append sampled tokens.
 
         Returns the requests that left the running set: finished ones (pages freed) and, in
-        prefill-only mode, those whose prompt is now computed (status TRANSFERRING: their pages
+        prefill-only mode, those whose prompt is now computed (state TRANSFERRING: their pages
         stay allocated until the messenger has written them out, S4b).
         """
         done = []

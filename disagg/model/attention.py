@@ -78,9 +78,9 @@ def _batched_decode(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
                     meta: AttentionMetadata, scale: float) -> torch.Tensor:
     """All requests decode one token: gather a padded ``[batch, heads, max_kv, dim]`` and mask.
 
-    This is the attention a captured decode graph replays (`graph_runner.py`), so it must stay
-    graph-safe: shapes come from the page table's shape alone, lengths only enter as a mask,
-    and nothing reads a tensor value on the host.
+    This is the attention a captured decode graph replays (`disagg/engine/cuda_graphs.py`), so
+    it must stay graph-safe: shapes come from the page table's shape alone, lengths only enter
+    as a mask, and nothing reads a tensor value on the host.
     """
     page_table, kv_lens = meta.decode_page_table, meta.decode_kv_lens
     assert page_table is not None

@@ -5,7 +5,7 @@ NOTE on the step. Drafts are proposed at the end of a step, for every request wh
 computed, and stored in `request.spec_token_ids`; the scheduler then gives the request a chunk
 of 1 + k tokens (its last real token and the drafts) and reserves their pages like any
 prefill chunk. After the target's forward, the k + 1 rows' logits verify the drafts
-(`speculative.verify`), `Scheduler.accept_tokens` appends the accepted ones plus one token from
+(`verify.verify`), `Scheduler.accept_tokens` appends the accepted ones plus one token from
 the target, moves `num_computed_tokens` back over the rejected ones and frees pages past the
 next position. So between steps a request holds no page beyond those its next forward writes,
 and the page allocator's invariants hold after every step. Greedy output is token for token the

@@ -1,2 +1,3 @@
-"""Leaf utilities every layer may use: Chrome traces, merging them, node metrics.
+"""Leaf utilities every layer may use: Chrome traces, merging them, node metrics, optional
+dependencies.
 """

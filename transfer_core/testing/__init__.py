@@ -1,2 +1,2 @@
-"""Test doubles of the transfer engine: fault injection (and an in-process loopback).
+"""Test doubles of the transfer engine: fault injection, and an in-process loopback engine.
 """

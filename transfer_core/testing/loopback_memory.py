@@ -131,7 +131,7 @@ class WritePart:
         target, peer_domain = found
         region = target.regions.lookup(key)
         if region is None or not region.writable:
-            # tcp;ofi_rxm drops the connection on an unknown key (notes G6): a peer error.
+            # tcp;ofi_rxm drops the connection on an unknown key (`warmup.py`): a peer error.
             self.fail(PeerError(f"region {dst.name!r}: key {key} is not a writable region "
                                 "at the peer"))  # fmt: skip
             return

