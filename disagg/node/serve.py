@@ -6,18 +6,36 @@ once it accepts control connections (the demo and the tests wait for that line),
 until a Shutdown message, SIGTERM or Ctrl-C, and always releases the fabric (endpoints,
 registrations, shm files) on the way out. `python -m disagg.node.serve` reads the node's
 `NodeConfig` as one JSON document on stdin: how a parent hands its child the exact config.
+With a metrics port the node also answers `GET /metrics` and `GET /health` there
+(`health_report`: 200 while it runs, 503 once it stops).
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import signal
 import sys
+import threading
+from typing import Any
 
 from disagg.kv_transfer.channel import format_address, parse_address
+from disagg.node.base import NodeBase
 from disagg.node.builder import build_node
 from disagg.node.node_config import NodeConfig
 from disagg.utils.metrics import serve_metrics
+
+
+def node_state(node: NodeBase) -> str:
+    """The node's own view of its health while it runs: "ok". The hook for checks of a node's
+    own ("unhealthy" for a decoder with no live prefiller is a later issue's)."""
+    return "ok"
+
+
+def health_report(config: NodeConfig, state: str) -> dict[str, Any]:
+    """The `/health` body: who answers and its state ("ok": 200, any other state: 503)."""
+    return {"node_id": config.node_id, "role": config.role.value, "state": state,
+            "pid": os.getpid()}
 
 
 def run_node(config: NodeConfig) -> None:
@@ -28,9 +46,14 @@ def run_node(config: NodeConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: node.stop())
     ready = f"READY {node.address}"
+    stopping = threading.Event()  # set once run() returns: /health says "stopping" then
+
+    def health() -> dict[str, Any]:
+        return health_report(config, "stopping" if stopping.is_set() else node_state(node))
+
     if config.metrics_port is not None:
         host, _ = parse_address(node.address)
-        server = serve_metrics(node.metrics, (host, config.metrics_port))
+        server = serve_metrics(node.metrics, (host, config.metrics_port), health)
         ready += f" metrics={format_address(host, server.server_address[1])}"
     sys.stdout.write(ready + "\n")
     sys.stdout.flush()
@@ -40,6 +63,7 @@ def run_node(config: NodeConfig) -> None:
             # Asked to stop when idle: prove that nothing leaked (a non-zero exit otherwise).
             node.check_clean()
     finally:
+        stopping.set()
         node.close()
 
 

@@ -1,140 +1,205 @@
-"""Counters, gauges and histograms a node exposes, in Prometheus' text format (issue 8).
+"""A node's counters, histograms and gauges in Prometheus' text format, and its `/health`
+(issue 8).
 
-Small on purpose: a `Metrics` registry per node, thread-safe increments, gauges read through a
-callback at scrape time (pages in use), and `serve_metrics` for a `/metrics` HTTP endpoint.
+Each node owns a `Metrics`: a small layer over its own `prometheus_client.CollectorRegistry`,
+never the process-wide default one (several nodes share one test process). Counters and
+histograms are prometheus_client's, made on first use; gauges and counters kept elsewhere (a
+messenger's stats) are callbacks read at scrape time. Every name gets the `disagg_` prefix.
+A node's own collector yields them all, leaving out the `_created` timestamps prometheus_client
+adds to counters and histograms, so a scrape holds values only (sums over keys stay sums).
+
+`serve_metrics` answers `GET /metrics` and `GET /health` on the node's metrics port;
+`parse_metrics` reads a scrape back into a dict through prometheus_client's parser.
 """
 
 from __future__ import annotations
 
-import bisect
+import json
 import socket
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+from typing import Any
+from urllib.parse import urlsplit
+
+from prometheus_client import (
+    CONTENT_TYPE_PLAIN_0_0_4,
+    CollectorRegistry,
+    Counter,
+    Histogram,
+    generate_latest,
+)
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
+from prometheus_client.parser import text_string_to_metric_families
+from prometheus_client.registry import Collector
 
 DEFAULT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
 
 
 class Metrics:
-    """A registry: `inc("name", labels)`, `observe("name", seconds)`, `gauge("name", fn)`."""
+    """One node's registry: `inc("name", labels)`, `observe("name", seconds)`,
+    `gauge("name", fn)`, `counter_from("name", fn)`; `registry` is what a scrape collects."""
 
     def __init__(self, prefix: str = "disagg") -> None:
         self.prefix = prefix
+        self.registry = CollectorRegistry()
         self._lock = threading.Lock()
-        self._counters: dict[tuple[str, tuple[tuple[str, str], ...]], float] = {}
-        self._histograms: dict[str, list[float]] = {}  # name -> bucket counts + [sum, count]
-        self._gauges: dict[str, Callable[[], float]] = {}
-        self._counter_fns: set[str] = set()
+        self._kinds: dict[str, str] = {}  # name -> counter, histogram, gauge or counter_from
+        self._owned: dict[str, Counter | Histogram] = {}  # counters and histograms
+        self._reads: dict[str, Callable[[], float]] = {}  # gauges and counters kept elsewhere
         self._help: dict[str, str] = {}
+        self.registry.register(_Collector(self))
 
     def describe(self, name: str, text: str) -> None:
-        """Help text shown for `name`."""
+        """Help text shown for `name` (call it before the metric's first use)."""
         self._help[name] = text
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
-        """Add `amount` to a counter (one series per label set)."""
-        key = (name, tuple(sorted(labels.items())))
-        with self._lock:
-            self._counters[key] = self._counters.get(key, 0.0) + amount
+        """Add `amount` to a counter, one series per label set; the label names are fixed by
+        the first call. A name without `_total` is exposed with it (Prometheus' rule)."""
+        counter = self._metric(name, "counter", tuple(sorted(labels)))
+        (counter.labels(**labels) if labels else counter).inc(amount)
 
     def observe(self, name: str, value: float) -> None:
-        """Record one value (seconds) in a histogram."""
-        with self._lock:
-            counts = self._histograms.setdefault(name, [0.0] * (len(DEFAULT_BUCKETS) + 2))
-            index = bisect.bisect_left(DEFAULT_BUCKETS, value)
-            for bucket in range(index, len(DEFAULT_BUCKETS)):
-                counts[bucket] += 1
-            counts[-2] += value
-            counts[-1] += 1
+        """Record one value (seconds) in a histogram with `DEFAULT_BUCKETS`."""
+        self._metric(name, "histogram", ()).observe(value)
 
     def gauge(self, name: str, read: Callable[[], float]) -> None:
         """A value read at scrape time."""
-        self._gauges[name] = read
+        self._claim(name, "gauge")
+        self._reads[name] = read
 
     def counter_from(self, name: str, read: Callable[[], float]) -> None:
         """A counter kept elsewhere (e.g. a messenger's stats), read at scrape time."""
-        self._gauges[name] = read
-        self._counter_fns.add(name)
+        self._claim(name, "counter_from")
+        self._reads[name] = read
 
     def value(self, name: str, **labels: str) -> float:
-        """A counter's current value (0 if never incremented)."""
-        with self._lock:
-            return self._counters.get((name, tuple(sorted(labels.items()))), 0.0)
+        """A counter's or gauge's current value, a histogram's count (0 if never used)."""
+        if name in self._reads:
+            return float(self._reads[name]())
+        metric = self._owned.get(name)
+        for family in metric.collect() if metric is not None else ():
+            for sample in family.samples:
+                if sample.name in (f"{family.name}_total", f"{family.name}_count") \
+                        and sample.labels == labels:
+                    return sample.value
+        return 0.0
 
     def snapshot(self) -> dict[str, float]:
-        """Every counter and gauge as `name{labels}` -> value (for JSON output)."""
+        """Every counter and gauge, each histogram's `_count` and `_sum`, as `name{labels}` ->
+        value with the prefix left off (for JSON output)."""
         out = {}
-        with self._lock:
-            for (name, labels), value in sorted(self._counters.items()):
-                out[name + _labels(labels)] = value
-            for name, counts in self._histograms.items():
-                out[f"{name}_count"], out[f"{name}_sum"] = counts[-1], counts[-2]
-        for name, read in self._gauges.items():
-            out[name] = float(read())
+        for family in self.registry.collect():
+            for sample in family.samples:
+                if sample.name != f"{family.name}_bucket":
+                    name = sample.name.removeprefix(f"{self.prefix}_")
+                    out[sample_key(name, sample.labels)] = sample.value
         return out
 
     def render(self) -> str:
-        """Prometheus text exposition format."""
-        lines = []
+        """Prometheus text exposition format (`generate_latest` of this node's registry)."""
+        return generate_latest(self.registry).decode()
+
+    def collect(self) -> Iterator[Metric]:
+        """Every family, gauges read now (what this node's registry yields at a scrape)."""
         with self._lock:
-            counters = sorted(self._counters.items())
-            histograms = {name: list(c) for name, c in self._histograms.items()}
-        seen = set()
-        for (name, labels), value in counters:
-            full = f"{self.prefix}_{name}"
-            if name not in seen:
-                seen.add(name)
-                lines += [f"# HELP {full} {self._help.get(name, name)}", f"# TYPE {full} counter"]
-            lines.append(f"{full}{_labels(labels)} {value:g}")
-        for name, counts in histograms.items():
-            full = f"{self.prefix}_{name}"
-            lines += [f"# HELP {full} {self._help.get(name, name)}", f"# TYPE {full} histogram"]
-            for bound, count in zip(DEFAULT_BUCKETS, counts, strict=False):
-                lines.append(f'{full}_bucket{{le="{bound:g}"}} {count:g}')
-            lines += [f'{full}_bucket{{le="+Inf"}} {counts[-1]:g}', f"{full}_sum {counts[-2]:g}",
-                      f"{full}_count {counts[-1]:g}"]
-        for name, read in self._gauges.items():
-            full = f"{self.prefix}_{name}"
-            kind = "counter" if name in self._counter_fns else "gauge"
-            lines += [f"# HELP {full} {self._help.get(name, name)}", f"# TYPE {full} {kind}",
-                      f"{full} {float(read()):g}"]
-        return "\n".join(lines) + "\n"
+            owned, reads = list(self._owned.values()), list(self._reads.items())
+        for metric in owned:
+            for family in metric.collect():
+                created = f"{family.name}_created"
+                family.samples = [s for s in family.samples if s.name != created]
+                yield family
+        for name, read in reads:
+            kind = CounterMetricFamily if self._kinds[name] == "counter_from" else GaugeMetricFamily
+            yield kind(self._full(name), self._help.get(name, name), value=float(read()))
+
+    def _metric(self, name: str, kind: str, labelnames: tuple[str, ...]) -> Any:
+        metric = self._owned.get(name)
+        if metric is not None and self._kinds[name] == kind:
+            return metric
+        with self._lock:
+            self._claim_locked(name, kind)
+            if name not in self._owned:
+                full, text = self._full(name), self._help.get(name, name)
+                # registry=None: this node's collector yields it, not the default registry.
+                self._owned[name] = (Counter(full, text, labelnames, registry=None)
+                                     if kind == "counter" else
+                                     Histogram(full, text, buckets=DEFAULT_BUCKETS, registry=None))
+            return self._owned[name]
+
+    def _claim(self, name: str, kind: str) -> None:
+        with self._lock:
+            self._claim_locked(name, kind)
+
+    def _claim_locked(self, name: str, kind: str) -> None:
+        known = self._kinds.setdefault(name, kind)
+        if known != kind:
+            raise ValueError(f"metric {name!r} is a {known}, not a {kind}")
+
+    def _full(self, name: str) -> str:
+        return f"{self.prefix}_{name}"
 
 
-def _labels(labels: tuple[tuple[str, str], ...]) -> str:
+class _Collector(Collector):
+    """Adapts `Metrics` to the registry (its own `describe` means something else)."""
+
+    def __init__(self, metrics: Metrics) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        return self.metrics.collect()
+
+
+def sample_key(name: str, labels: dict[str, str]) -> str:
+    """`name{a="x",b="y"}` (labels sorted, as the exposition writes them), or `name`."""
     if not labels:
-        return ""
-    return "{" + ",".join(f'{k}="{v}"' for k, v in labels) + "}"
+        return name
+    return name + "{" + ",".join(f'{k}="{v}"' for k, v in sorted(labels.items())) + "}"
 
 
 def parse_metrics(text: str) -> dict[str, float]:
-    """Prometheus text back into `name{labels}` -> value (comments skipped)."""
-    values = {}
-    for line in text.splitlines():
-        if line and not line.startswith("#"):
-            name, _, value = line.rpartition(" ")
-            values[name] = float(value)
-    return values
+    """A scrape back into `name{labels}` -> value, one entry per sample, read by
+    prometheus_client's own text parser."""
+    return {sample_key(sample.name, sample.labels): sample.value
+            for family in text_string_to_metric_families(text) for sample in family.samples}
 
 
-def serve_metrics(metrics: Metrics, address: tuple[str, int]) -> ThreadingHTTPServer:
+def health_reply(health: Callable[[], dict[str, Any]]) -> tuple[int, bytes]:
+    """(HTTP status, JSON body) for `GET /health`: 200 when the report's state is "ok", 503
+    otherwise; a report that raises is a 503 with state "error", never a dead endpoint."""
+    try:
+        report = dict(health())
+    except Exception as error:  # noqa: BLE001 (any failure of the probe means unhealthy)
+        report = {"state": "error", "error": repr(error)}
+    return (200 if report.get("state") == "ok" else 503), json.dumps(report).encode()
+
+
+def serve_metrics(metrics: Metrics, address: tuple[str, int],
+                  health: Callable[[], dict[str, Any]] | None = None) -> ThreadingHTTPServer:
     """Serve `GET /metrics` on `address` (host, port; an IPv4 or IPv6 host) from a daemon
-    thread; returns the server."""
+    thread, and `GET /health` (the JSON `health()` returns) when `health` is given; any other
+    path is a 404. Returns the server (`shutdown()` stops it)."""
 
     class Handler(BaseHTTPRequestHandler):
         def do_GET(self) -> None:  # noqa: N802 (the http.server API)
-            if self.path != "/metrics":
+            path = urlsplit(self.path).path
+            if path == "/metrics":
+                self._reply(200, generate_latest(metrics.registry), CONTENT_TYPE_PLAIN_0_0_4)
+            elif path == "/health" and health is not None:
+                self._reply(*health_reply(health), content_type="application/json")
+            else:
                 self.send_error(404)
-                return
-            body = metrics.render().encode()
-            self.send_response(200)
-            self.send_header("Content-Type", "text/plain; version=0.0.4")
+
+        def _reply(self, status: int, body: bytes, content_type: str) -> None:
+            self.send_response(status)
+            self.send_header("Content-Type", content_type)
             self.send_header("Content-Length", str(len(body)))
             self.end_headers()
             self.wfile.write(body)
 
         def log_message(self, *args: object) -> None:
-            pass  # scrapes are not worth a log line each
+            pass  # scrapes and probes are not worth a log line each
 
     class Server(ThreadingHTTPServer):
         # http.server binds IPv4 unless told; an IPv6 literal ("::1") needs AF_INET6.
