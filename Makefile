@@ -6,7 +6,7 @@ STAMP := $(VENV)/.installed
 # constraints.txt: a changed pin must reinstall, like a changed dependency range.
 BUILD_INPUTS := pyproject.toml constraints.txt setup.py $(wildcard transfer_core/pyfabric/*.h transfer_core/pyfabric/*.c.in transfer_core/pyfabric/_build.py transfer_core/_poller_build.py)
 
-.PHONY: install demo test test-fast bench clean
+.PHONY: install demo serve test test-fast bench clean
 
 install: $(STAMP)
 
@@ -20,6 +20,10 @@ $(STAMP): $(BUILD_INPUTS) scripts/install_system_deps.sh
 
 demo: install
 	$(VENV)/bin/disagg demo --model smollm2-135m --decoders 3 --max-tokens 32
+
+# The OpenAI-compatible API on 127.0.0.1:8000, in front of 1 prefiller + 1 decoder (Ctrl-C stops).
+serve: install
+	$(VENV)/bin/disagg serve cluster --model smollm2-135m --prefillers 1 --decoders 1
 
 test: install
 	$(PY) -m pytest -q

@@ -1,10 +1,11 @@
 """Serving nodes pinned one per CPU core, and a watch on who else uses the CPU (S1).
 
 Glue for `benchmarks/disagg.py`, not a library. `PinnedCluster` is `LocalCluster`
-(`disagg/node/local_cluster.py`) with two changes: each node is bound to its own core (what `taskset -c N` does, applied to every
-thread of the process), and it can start the single-node baseline instead of a prefiller and a
-decoder: `serve mixed` engines behind the same router protocol. `wait_for_quiet` and `CpuMeter`
-read /proc so a result can say whether other work shared the cores while it was measured.
+(`disagg/node/local_cluster.py`) with each node bound to its own core (what `taskset -c N`
+does, applied to every thread of the process); `mode="mixed"` starts the single-node baseline
+(`num_mixed` engines behind the same router protocol) instead of a prefiller and a decoder.
+`wait_for_quiet` and `CpuMeter` read /proc so a result can say whether other work shared the
+cores while it was measured.
 """
 
 from __future__ import annotations
@@ -13,12 +14,12 @@ import os
 import subprocess
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Literal
 
 from disagg.errors import ConfigError
 from disagg.node.local_cluster import ClusterConfig, LocalCluster
-from disagg.node.node_config import NodeConfig, NodeRole
+from disagg.node.node_config import NodeConfig
 
 Mode = Literal["mixed", "disagg"]
 
@@ -48,6 +49,8 @@ class PinnedCluster(LocalCluster):
     engines. Node i runs on `cores[i]`; the router connects to `decoder_addresses` either way."""
 
     def __init__(self, config: ClusterConfig, mode: Mode, cores: list[int]) -> None:
+        if mode == "mixed":
+            config = replace(config, num_mixed=len(cores))
         super().__init__(config)
         available = os.sched_getaffinity(0)
         if not set(cores) <= available or len(set(cores)) != len(cores):
@@ -60,18 +63,7 @@ class PinnedCluster(LocalCluster):
         self._next_core = 0
 
     def __enter__(self) -> PinnedCluster:
-        if self.mode == "disagg":
-            super().__enter__()
-        else:
-            try:
-                names = [f"mixed-{i}" for i in range(len(self.cores))]
-                nodes = [self._spawn(self.config.node_config(NodeRole.MIXED, name))
-                         for name in names]
-                self.decoder_addresses = [self._wait_ready(name, node)
-                                          for name, node in zip(names, nodes, strict=True)]
-            except BaseException:
-                self.stop()
-                raise
+        super().__enter__()
         # Pin again now that every thread exists: covers any thread that raced the first pin.
         for process, core in zip(self.processes, self.node_cores.values(), strict=True):
             pin_process(process.pid, core)

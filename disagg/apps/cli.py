@@ -14,6 +14,7 @@ import typer
 from rich.console import Console
 from rich.markup import escape
 
+from disagg.apps import front_door_commands  # noqa: F401 - adds serve cluster|router
 from disagg.apps.figures.commands import register as register_figures
 from disagg.apps.options import (
     ChunkOption,

@@ -58,6 +58,7 @@ class ClusterConfig:
     trace_dir: str | None = None  # each node writes <node_id>.json here (a Chrome trace)
     device: str = "cpu"  # every node's model and KV cache: cpu, cuda or cuda:N
     kv_memory_path: str = "auto"  # how each node's NIC reaches its KV: auto, host, hmem, staged
+    num_mixed: int = 0  # > 0: that many single-node mixed engines instead (the S1 baseline)
 
     def node_config(self, role: NodeRole, node_id: str,
                     prefillers: tuple[str, ...] = ()) -> NodeConfig:
@@ -93,6 +94,8 @@ class LocalCluster:
         self.metrics_addresses: dict[str, str] = {}  # node name -> host:port of /metrics
 
     def __enter__(self) -> LocalCluster:
+        if self.config.num_mixed > 0:
+            return self._start_mixed()
         try:
             prefill_names = [f"prefill-{i}" for i in range(self.config.num_prefillers)]
             prefillers = [self._spawn(self.config.node_config(NodeRole.PREFILL, name))
@@ -110,6 +113,23 @@ class LocalCluster:
             self.stop()
             raise
         return self
+
+    def _start_mixed(self) -> LocalCluster:
+        """`num_mixed` single-node engines behind the same router protocol as decoders."""
+        try:
+            names = [f"mixed-{i}" for i in range(self.config.num_mixed)]
+            nodes = [self._spawn(self.config.node_config(NodeRole.MIXED, name))
+                     for name in names]
+            self.decoder_addresses = [self._wait_ready(name, process)
+                                      for name, process in zip(names, nodes, strict=True)]
+        except BaseException:
+            self.stop()
+            raise
+        return self
+
+    def roles(self) -> dict[str, NodeRole]:
+        """Node name -> its role, for every node started."""
+        return {name: NodeRole(name.split("-")[0]) for name in self.names}
 
     def __exit__(self, *exc: object) -> None:
         self.stop()

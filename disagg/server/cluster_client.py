@@ -1,0 +1,138 @@
+"""The front door's handle on the cluster: `Router` events turned into one asyncio stream per
+request (S2a), with admission control.
+
+The router reads every decoder's `RequestEvent`s into one thread-safe queue. A dispatcher
+thread hands each event to the asyncio queue of its request, on the server's event loop. A
+request that its caller stops reading (a client that went away, a stop string) is aborted in
+the cluster, so nothing keeps generating for nobody. At most `max_in_flight` requests are in
+the cluster at once; one more is refused (HTTP 429) rather than queued without bound.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import queue
+import threading
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from disagg.errors import PeerClosedError
+from disagg.kv_transfer.messages import RequestEvent, Submit
+from disagg.node.router import Router
+from disagg.server.errors import Overloaded, Unavailable
+
+
+@dataclass(frozen=True, slots=True)
+class Sampling:
+    """What a request asks of the decoder (the `Submit` fields besides the prompt)."""
+
+    max_tokens: int
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0
+    seed: int | None = None
+
+
+class RequestStream:
+    """The events of one submitted request, until a terminal one."""
+
+    def __init__(self, client: ClusterClient, request_id: str) -> None:
+        self.client = client
+        self.request_id = request_id
+        self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
+        self.loop = asyncio.get_running_loop()
+        self.received = False  # any event yet: the decoder has taken it
+        self.finished = False
+
+    async def events(self) -> AsyncIterator[RequestEvent]:
+        try:
+            while not self.finished:
+                event = await self.queue.get()
+                self.received = True
+                self.finished = event.state.is_terminal()
+                yield event
+        finally:
+            self.close()
+
+    def close(self) -> None:
+        """Stop listening; a request not finished yet is aborted in the cluster."""
+        self.client.release(self.request_id)
+        if not self.finished:
+            self.finished = True
+            self.client.router.abort(self.request_id)
+
+
+class ClusterClient:
+    """Submit requests to the decoders behind a `Router` and stream their events."""
+
+    def __init__(self, router: Router, max_in_flight: int = 256) -> None:
+        self.router = router
+        self.max_in_flight = max_in_flight
+        self._streams: dict[str, RequestStream] = {}
+        self._lock = threading.Lock()
+        self._ids = itertools.count()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._dispatch, name="front-door-events",
+                                        daemon=True)
+        self._thread.start()
+
+    @property
+    def num_in_flight(self) -> int:
+        with self._lock:
+            return len(self._streams)
+
+    @property
+    def num_waiting(self) -> int:
+        """Requests submitted that no decoder has answered yet."""
+        with self._lock:
+            return sum(not stream.received for stream in self._streams.values())
+
+    def decoders_alive(self) -> list[bool]:
+        return list(self.router.alive)
+
+    def open(self, prompt_token_ids: list[int], sampling: Sampling) -> RequestStream:
+        """Admit and submit one request now (event loop thread): `Overloaded` past the
+        in-flight limit, `Unavailable` with no live decoder. Iterate the stream it returns;
+        leaving it unfinished (or `close()`) aborts the request in the cluster."""
+        request_id = f"http-{next(self._ids)}"
+        stream = RequestStream(self, request_id)
+        with self._lock:
+            if len(self._streams) >= self.max_in_flight:
+                raise Overloaded(f"{self.max_in_flight} requests are in flight; try again later")
+            self._streams[request_id] = stream
+        seed = -1 if sampling.seed is None else sampling.seed
+        try:
+            self.router.submit(Submit(request_id, prompt_token_ids, sampling.max_tokens,
+                                      sampling.temperature, sampling.top_p, sampling.top_k,
+                                      seed))
+        except PeerClosedError as error:
+            self.release(request_id)
+            raise Unavailable(f"no decoder can take the request: {error}") from None
+        return stream
+
+    def release(self, request_id: str) -> None:
+        """Stop dispatching `request_id`'s events (its stream is done with them)."""
+        with self._lock:
+            self._streams.pop(request_id, None)
+
+    def _dispatch(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                event = self.router.events.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            with self._lock:
+                stream = self._streams.get(event.request_id)
+            if stream is None:
+                continue  # a request whose caller left: its abort is on the way
+            try:
+                stream.loop.call_soon_threadsafe(stream.queue.put_nowait, event)
+            except RuntimeError:
+                continue  # that event loop closed: the server is stopping
+
+    def close(self) -> None:
+        """Stop dispatching and close the router's connections (the decoders keep running)."""
+        self._stopped.set()
+        self._thread.join(timeout=5)
+        self.router.close()

@@ -1,0 +1,116 @@
+"""Starting the front door: `disagg serve cluster` (a local cluster and its HTTP API) and
+`disagg serve router` (the HTTP API in front of nodes started elsewhere).
+
+Both print one line `READY http://HOST:PORT` once the server accepts connections, serve until
+SIGINT or SIGTERM, then close the router; `serve cluster` then stops every node it started,
+each checking on its way out that it leaked nothing.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import sys
+from dataclasses import dataclass
+
+import uvicorn
+
+from disagg.kv_transfer.channel import format_address
+from disagg.model.loading.registry import load_model
+from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.router import Router
+from disagg.server.app import FrontDoor, build_app
+from disagg.server.chat_template import ChatTemplate
+from disagg.server.cluster_client import ClusterClient
+from disagg.server.health import NodeInfo, check_nodes
+from disagg.server.metrics import ServerMetrics
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True, slots=True)
+class HTTPConfig:
+    """Where the API listens and how much it admits."""
+
+    host: str = "127.0.0.1"
+    port: int = 8000
+    max_in_flight: int = 256  # one more is answered 429
+    model_name: str | None = None  # the name clients use (default: the --model spec)
+
+
+def make_front_door(model_spec: str, router: Router, nodes: list[NodeInfo],
+                    http: HTTPConfig, max_request_tokens: int | None = None) -> FrontDoor:
+    """The API's state: the model's tokenizer and chat template, the client, the metrics."""
+    loaded = load_model(model_spec)  # the tokenizer and template; the weights are dropped
+    template = None
+    if getattr(loaded, "chat_template", None) and loaded.tokenizer is not None:
+
+        template = ChatTemplate.for_tokenizer(loaded.chat_template, loaded.tokenizer)
+    client = ClusterClient(router, http.max_in_flight)
+    name = http.model_name or model_spec
+    metrics_nodes = {n.name: n.metrics_address for n in nodes if n.metrics_address}
+    metrics = ServerMetrics(name, lambda: metrics_nodes, lambda: client.num_waiting)
+    return FrontDoor(name, loaded.config, loaded.tokenizer, template, client, metrics,
+                     lambda: check_nodes(nodes), max_request_tokens)
+
+
+def serve_http(door: FrontDoor, http: HTTPConfig) -> None:
+    """Run the API until SIGINT/SIGTERM (uvicorn's own handlers)."""
+    server = uvicorn.Server(uvicorn.Config(build_app(door), host=http.host, port=http.port,
+                                           log_level="warning", lifespan="off",
+                                           timeout_graceful_shutdown=5))
+
+    async def main() -> None:
+        serving = asyncio.create_task(server.serve())
+        while not server.started and not serving.done():
+            await asyncio.sleep(0.05)
+        if server.started:
+            host, port = server.servers[0].sockets[0].getsockname()[:2]
+            sys.stdout.write(f"READY http://{format_address(host, port)}\n")
+            sys.stdout.flush()
+        await serving
+
+    # uvicorn stops on SIGINT or SIGTERM, then raises the signal again to the handler it found:
+    # a KeyboardInterrupt for both, caught here, so the caller still stops its nodes cleanly.
+    signal.signal(signal.SIGTERM, _interrupt)
+    try:
+        asyncio.run(main())
+    except KeyboardInterrupt:
+        pass
+    finally:
+        door.client.close()
+
+
+def _interrupt(*_: object) -> None:
+    raise KeyboardInterrupt
+
+
+def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig) -> None:
+    """Start the cluster's processes, then the API in front of its decoders."""
+    with LocalCluster(cluster_config) as cluster:
+        roles = cluster.roles()
+        router = Router(cluster.decoder_addresses)
+        addresses = dict(zip(cluster.names, [*cluster.prefiller_addresses,
+                                             *cluster.decoder_addresses], strict=False))
+        decoders = [n for n in cluster.names if roles[n].value != "prefill"]
+        nodes = [NodeInfo(name, roles[name].value, addresses.get(name, ""),
+                          cluster.metrics_addresses.get(name), process,
+                          _router_alive(router, decoders.index(name))
+                          if name in decoders else None)
+                 for name, process in zip(cluster.names, cluster.processes, strict=True)]
+        cache_tokens = cluster_config.num_pages * cluster_config.page_size
+        serve_http(make_front_door(cluster_config.model, router, nodes, http, cache_tokens),
+                   http)
+
+
+def serve_router(model_spec: str, decoder_addresses: list[str], http: HTTPConfig) -> None:
+    """The API in front of decoders (or mixed nodes) started by hand, maybe on other hosts."""
+    router = Router(decoder_addresses)
+    nodes = [NodeInfo(f"decoder-{i}", "decode", address, connected=_router_alive(router, i))
+             for i, address in enumerate(decoder_addresses)]
+    serve_http(make_front_door(model_spec, router, nodes, http), http)
+
+
+def _router_alive(router: Router, index: int):  # noqa: ANN202 - a closure
+    return lambda: router.alive[index]
