@@ -1,0 +1,132 @@
+"""benchmarks/serving.py: the stream, the numbers from synthetic observations, and one toy-sized
+run against both `serve cluster` modes end to end."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+from argparse import Namespace
+from pathlib import Path
+from types import ModuleType, SimpleNamespace
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+BENCH = ROOT / "benchmarks"
+
+
+def _load(name: str) -> ModuleType:
+    # By path, not via sys.path: benchmarks/disagg.py would shadow the `disagg` package.
+    if name in sys.modules:
+        return sys.modules[name]
+    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
+    assert spec is not None
+    assert spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    sys.modules[name] = module
+    spec.loader.exec_module(module)
+    return module
+
+
+for _dependency in ("disagg_report", "pinned_cluster"):
+    _load(_dependency)
+report = _load("serving_report")
+serving = _load("serving")
+
+
+def _observed(kind: str, sent: float, token_times: list[float], max_tokens: int,
+              error: str | None = None) -> SimpleNamespace:
+    arrival = SimpleNamespace(at_s=sent, kind=kind, prompt=[1] * 8, max_tokens=max_tokens)
+    return SimpleNamespace(arrival=arrival, sent=sent, token_times=token_times,
+                           chunks=len(set(token_times)), end=token_times[-1] if token_times
+                           else sent + 0.1, finish_reason=None if error else "length",
+                           usage_tokens=len(token_times), error=error)
+
+
+def test_stream_is_seeded_and_mixes_short_and_long() -> None:
+    args = serving.parse_args(["--num-requests", "200", "--rate", "2", "--seed", "3"])
+    stream = serving.make_stream(args, vocab_size=512)
+    assert stream == serving.make_stream(args, vocab_size=512)
+    assert [a.at_s for a in stream] == sorted(a.at_s for a in stream)
+    longs = [a for a in stream if a.kind == "long"]
+    assert 20 < len(longs) < 60  # 20% of 200
+    assert all(256 <= len(a.prompt) <= 512 for a in longs)
+    assert all(8 <= len(a.prompt) <= 32 for a in stream if a.kind == "short")
+    assert 60 < stream[-1].at_s < 140  # 199 gaps of mean 0.5 s
+    assert all(16 <= t < 512 for a in stream for t in a.prompt)
+
+
+def test_summary_counts_latencies_and_groups_gaps_by_batch() -> None:
+    """TTFT from the send time, gaps between tokens (0 ms inside one chunk), failures apart."""
+    observed = [_observed("short", 0.0, [0.1, 0.2, 0.3, 0.4], 4),
+                _observed("long", 0.25, [1.0, 1.0, 1.5], 4),  # two tokens in one chunk
+                _observed("short", 2.0, [], 4, error="APIError: boom")]
+    quiet = SimpleNamespace(quiet=True, others=0.0)
+    run = {"observed": observed, "quiet": quiet, "cpu_cores": {"front door": 0.1, "client": 0.1,
+                                                               "others": 0.0},
+           "affinity": {}, "server_exit_code": 0, "server_log_tail": ""}
+    summary = report.mode_summary(run)
+    assert (summary["requested"], summary["completed"], summary["failed"]) == (3, 2, 1)
+    assert (summary["output_tokens"], summary["expected_tokens"]) == (7, 8)
+    assert summary["finished_early"] == 1
+    assert summary["multi_token_chunks"] == 1
+    assert summary["ttft_ms"]["p50"] == pytest.approx(100.0)
+    assert summary["ttft_long_ms"]["p99"] == pytest.approx(750.0)
+    assert summary["itl_ms"]["max"] == pytest.approx(500.0)
+    assert summary["itl_ms"]["p50"] == pytest.approx(100.0)
+    assert summary["requests_per_s"] == pytest.approx(2 / 2.1)
+    by_batch = summary["itl_by_decoding_ms"]
+    assert by_batch[1]["gaps"] == 5
+    assert by_batch[1]["p99"] == pytest.approx(500.0)
+
+
+def test_table_prints_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
+    def run() -> dict:
+        return {"observed": [_observed("short", 0.0, [0.1, 0.2, 0.3], 3)],
+                "quiet": SimpleNamespace(quiet=True, others=0.0),
+                "cpu_cores": {"decode-0": 0.5, "front door": 0.1, "client": 0.1, "others": 0.0},
+                "affinity": {}, "server_exit_code": 0, "server_log_tail": ""}
+
+    args = Namespace(model="tiny", num_requests=1, rate=1.0, long_fraction=0.2,
+                     long_len=[256, 512], max_tokens=3, out=None, json=False, modes=[])
+    result = report.summarize(args, {"disagg": run(), "mixed": run()})
+    report.print_table(json.loads(json.dumps(result)))  # as read back from the JSON file
+    out = capsys.readouterr().out
+    for word in ("disagg", "mixed", "goal"):
+        assert word in out
+
+
+@pytest.mark.slow
+@pytest.mark.fabric
+def test_benchmark_runs_both_modes_and_reports_every_key(tmp_path: Path) -> None:
+    """A handful of tiny-model requests through both `serve cluster` modes over HTTP."""
+    if len(os.sched_getaffinity(0)) < 2:
+        pytest.skip("the benchmark pins its two nodes to two cores")
+    out = tmp_path / "serving.json"
+    command = [sys.executable, str(BENCH / "serving.py"), "--model", "tiny",
+               "--num-requests", "6", "--rate", "10", "--long-len", "48", "96",
+               "--max-tokens", "6", "--page-size", "4", "--num-pages", "256",
+               "--chunk-size", "32", "--warmup", "1", "--quiet-wait-s", "0", "--out", str(out)]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=120, cwd=ROOT)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "ITL p99 / p50" in done.stdout
+    result = json.loads(out.read_text())
+    assert set(result["modes"]) == {"disagg", "mixed"}
+    for name, mode in result["modes"].items():
+        assert (mode["requested"], mode["completed"], mode["failed"]) == (6, 6, 0), name
+        if not mode["finished_early"]:
+            assert mode["output_tokens"] == mode["expected_tokens"] == 6 * 6, name
+        assert mode["usage_mismatches"] == 0, name
+        assert mode["server_exit_code"] == 0, name
+        for key in ("ttft_ms", "itl_ms", "e2e_ms", "requests_per_s", "output_tokens_per_s",
+                    "itl_p99_over_p50", "itl_by_decoding_ms", "cpu_cores", "per_request"):
+            assert key in mode, (name, key)
+        for key in ("ttft_ms", "itl_ms", "e2e_ms"):
+            assert 0 <= mode[key]["p50"] <= mode[key]["p99"], (name, key)
+        assert {"front door", "client", "others"} <= set(mode["cpu_cores"])
+    assert result["modes"]["disagg"]["affinity"] == {"prefill-0": [0], "decode-0": [1]}
+    assert result["modes"]["mixed"]["affinity"] == {"mixed-0": [0], "mixed-1": [1]}
+    assert set(result["goal"]) >= {"disagg_itl_p99_over_p50", "target", "met"}
