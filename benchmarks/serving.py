@@ -8,6 +8,8 @@ client. (a) "disagg": `serve cluster --prefillers 1 --decoders 1`; (b) "mixed":
 through `GET /health`); the front door process and this client are not pinned: they share
 those cores, and the result says how much CPU each used. Each token's time is the arrival of
 the stream chunk that carried it (a chunk's `token_ids` extension lists its tokens).
+`--stream steady` replays instead the schedule of the in-process benchmark (benchmarks/disagg.py),
+whose goal is read in its steady window (a decode batch of about constant size).
 Run: `python benchmarks/serving.py [--model tiny] [--out serving.json]` (defaults: ~3.5 min).
 """
 
@@ -66,17 +68,33 @@ class Observed:
     error: str | None = None
 
 
+# `--stream steady`: the in-process benchmark's schedule (benchmarks/disagg.py defaults): short
+# prompts with long outputs start together, then long prompts arrive at a fixed interval while
+# they decode, so the decode batch stays about the same size in the window the goal is read in.
+STEADY = {"num_short": 4, "short_len": 16, "short_max_tokens": 320, "num_long": 14,
+          "long_len": 512, "long_max_tokens": 32, "first_long_s": 2.0, "interval_s": 2.5}
+
+
 def make_stream(args: argparse.Namespace, vocab_size: int) -> list[Arrival]:
-    """The seeded stream: exponential gaps at `rate`, short or long prompts."""
+    """The seeded stream: exponential gaps at `rate`, short or long prompts (or `STEADY`)."""
     rng = random.Random(args.seed)
+
+    def prompt(length: int) -> list[int]:
+        # Skip the lowest ids: special tokens (BOS, EOS) live there in most vocabularies.
+        return [rng.randrange(min(16, vocab_size - 1), vocab_size) for _ in range(length)]
+
+    if args.stream == "steady":
+        s = STEADY
+        return ([Arrival(0.0, "short", prompt(s["short_len"]), s["short_max_tokens"])
+                 for _ in range(s["num_short"])]
+                + [Arrival(s["first_long_s"] + i * s["interval_s"], "long",
+                           prompt(s["long_len"]), s["long_max_tokens"])
+                   for i in range(s["num_long"])])
     at, stream = 0.0, []
     for _ in range(args.num_requests):
         kind = "long" if rng.random() < args.long_fraction else "short"
         low, high = args.long_len if kind == "long" else args.short_len
-        # Skip the lowest ids: special tokens (BOS, EOS) live there in most vocabularies.
-        prompt = [rng.randrange(min(16, vocab_size - 1), vocab_size)
-                  for _ in range(rng.randint(low, high))]
-        stream.append(Arrival(at, kind, prompt, args.max_tokens))
+        stream.append(Arrival(at, kind, prompt(rng.randint(low, high)), args.max_tokens))
         at += rng.expovariate(args.rate)
     return stream
 
@@ -194,6 +212,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
     add("--model", default="smollm2-135m", help="smollm2-135m, tiny, small or a checkpoint dir")
+    add("--stream", choices=["poisson", "steady"], default="poisson",
+        help="poisson: the seeded stream below; steady: the in-process benchmark's schedule")
     add("--modes", nargs="+", choices=["disagg", "mixed"], default=["disagg", "mixed"])
     add("--rate", type=float, default=0.5, help="mean arrivals per second (Poisson)")
     add("--num-requests", type=int, default=40)

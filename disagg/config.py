@@ -96,6 +96,9 @@ class CacheConfig:
     # Who allocates the cache: torch's allocator, or cuMem (CUDA only: exportable to another
     # process by fd and GPUDirect-RDMA capable where the GPU supports it, S5a).
     memory: KVMemory = "torch"
+    # Keep full pages after their request ends and reuse them for prompts that start with the
+    # same tokens (`engine/prefix_cache.py`); across the split, on both sides.
+    prefix_caching: bool = True
 
     def __post_init__(self) -> None:
         check_kv_layout(self.kv_layout)

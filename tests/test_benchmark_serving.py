@@ -59,6 +59,25 @@ def test_stream_is_seeded_and_mixes_short_and_long() -> None:
     assert all(16 <= t < 512 for a in stream for t in a.prompt)
 
 
+def test_steady_stream_is_the_in_process_schedule() -> None:
+    """Four short prompts with long outputs at once, then long prompts every 2.5 s."""
+    stream = serving.make_stream(serving.parse_args(["--stream", "steady"]), vocab_size=512)
+    shorts = [a for a in stream if a.kind == "short"]
+    longs = [a for a in stream if a.kind == "long"]
+    assert [(a.at_s, len(a.prompt), a.max_tokens) for a in shorts] == [(0.0, 16, 320)] * 4
+    assert [a.at_s for a in longs] == [2.0 + 2.5 * i for i in range(14)]
+    assert {(len(a.prompt), a.max_tokens) for a in longs} == {(512, 32)}
+
+
+def test_steady_gaps_lie_between_the_first_and_last_long_first_tokens() -> None:
+    """Gaps before the first long prompt's first token or after the last one's are left out."""
+    observed = [_observed("short", 0.0, [0.1, 0.5, 1.0, 1.2, 3.0], 5),
+                _observed("long", 0.4, [0.9, 1.1], 2), _observed("long", 0.6, [1.3, 1.4], 2)]
+    gaps, window = report.steady_itl(observed)
+    assert window == [0.9, 1.3]
+    assert gaps == pytest.approx([200.0, 200.0])  # 1.0 -> 1.2 (short), 0.9 -> 1.1 (long)
+
+
 def test_summary_counts_latencies_and_groups_gaps_by_batch() -> None:
     """TTFT from the send time, gaps between tokens (0 ms inside one chunk), failures apart."""
     observed = [_observed("short", 0.0, [0.1, 0.2, 0.3, 0.4], 4),
@@ -90,7 +109,7 @@ def test_table_prints_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
                 "cpu_cores": {"decode-0": 0.5, "front door": 0.1, "client": 0.1, "others": 0.0},
                 "affinity": {}, "server_exit_code": 0, "server_log_tail": ""}
 
-    args = Namespace(model="tiny", num_requests=1, rate=1.0, long_fraction=0.2,
+    args = Namespace(model="tiny", stream="poisson", num_requests=1, rate=1.0, long_fraction=0.2,
                      long_len=[256, 512], max_tokens=3, out=None, json=False, modes=[])
     result = report.summarize(args, {"disagg": run(), "mixed": run()})
     report.print_table(json.loads(json.dumps(result)))  # as read back from the JSON file

@@ -24,6 +24,7 @@ from disagg.engine.batch import Batch, ForwardOutput, TokenEvent
 from disagg.engine.cuda_graphs import DecodeGraphs, useful_batch_sizes
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.page_allocator import PageAllocator
+from disagg.engine.prefix_cache import PrefixCache, cache_salt
 from disagg.engine.request import Request, SamplingParams
 from disagg.engine.sampling import sample_token
 from disagg.engine.scheduler import Scheduler
@@ -73,7 +74,12 @@ class EngineParts:
         # allocator never manages it, so no request gets it and leak checks stay exact.
         cache = config.cache
         num_request_pages = cache.num_pages - 1 if config.cuda_graph else cache.num_pages
-        allocator = PageAllocator(num_request_pages)
+        prefix_cache = None
+        if cache.prefix_caching:
+            salt = cache_salt(repr(model.config), cache.kv_layout, cache.page_size,
+                              str(cache.dtype))
+            prefix_cache = PrefixCache(cache.page_size, salt)
+        allocator = PageAllocator(num_request_pages, prefix_cache)
         max_model_len = min(model.config.max_position_embeddings,
                             num_request_pages * cache.page_size)
         scheduler = Scheduler(config.scheduler, allocator, cache.page_size, max_model_len)

@@ -101,6 +101,12 @@ class Request:
     prefill_context: tuple[torch.Tensor, torch.Tensor] | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # Prefix caching: prompt tokens whose KV was found in this node's cache at admission, the
+    # chained digests of the request's first full pages (registered or found, in order), and
+    # whether admission may take cached pages at all (an MTP draft head must see every token).
+    num_cached_tokens: int = 0
+    page_digests: list[bytes] = field(default_factory=list)
+    reuse_prefix: bool = True
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

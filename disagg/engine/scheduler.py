@@ -8,6 +8,9 @@ token sampled last step. So a step naturally mixes prefill chunks with decodes (
 of S1), and the chunk that closes a request's gap is the one whose last row is sampled.
 Running requests go first, oldest first, so decodes are not starved by new prompts; when pages
 run out the newest unpinned running request is preempted (its pages freed, recomputed later).
+With a prefix cache, a request admitted with no pages first takes the cached pages of its
+longest cached prefix and starts computing after them (never its last token: that one must run
+to be sampled); full pages are registered as soon as their tokens' KV is computed.
 """
 
 from __future__ import annotations
@@ -18,6 +21,7 @@ from collections import deque
 from disagg.config import SchedulerConfig
 from disagg.engine.batch import Batch, ScheduledChunk
 from disagg.engine.page_allocator import PageAllocator
+from disagg.engine.prefix_cache import ROOT
 from disagg.engine.request import Request, RequestState
 from disagg.errors import RequestError
 
@@ -77,9 +81,13 @@ class Scheduler:
         # Then admit waiting requests while budget, sequence slots and pages allow.
         while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
             request = self.waiting[0]
+            hit = self.take_cached_prefix(request)
             num_tokens = self._chunk_len(request, budget)
             if num_tokens == 0 or not self._reserve_pages(request, num_tokens, None):
+                if hit:  # hold nothing while waiting: the pages may serve someone else
+                    self.release_cached_prefix(request)
                 break
+            self.record_lookup(request)
             self.waiting.popleft()
             request.state = RequestState.RUNNING
             self.running.append(request)
@@ -91,7 +99,48 @@ class Scheduler:
         """Run a request whose pages already hold `num_computed_tokens` tokens of KV (S2c)."""
         assert request.page_ids and request.num_computed_tokens > 0, "nothing was prefilled"
         request.state = RequestState.RUNNING
+        self.register_pages(request)
         self.running.append(request)
+
+    # Prefix caching (a no-op without a cache).
+
+    def take_cached_prefix(self, request: Request) -> int:
+        """Give a request that holds no pages the cached pages of its longest cached prefix,
+        all its tokens but the last at most; returns the tokens they hold."""
+        cache = self.allocator.cache
+        if cache is None or not request.reuse_prefix or request.page_ids:
+            return 0
+        pages = cache.match(request.all_token_ids, (request.num_tokens - 1) // self.page_size)
+        self.allocator.share(pages)
+        request.page_ids = pages
+        request.page_digests = [cache.digest_of(page) for page in pages]
+        request.num_computed_tokens = request.num_cached_tokens = len(pages) * self.page_size
+        return request.num_cached_tokens
+
+    def release_cached_prefix(self, request: Request) -> None:
+        """Undo `take_cached_prefix` for a request that could not start after all."""
+        self.allocator.free(request.page_ids)
+        request.page_ids, request.page_digests = [], []
+        request.num_computed_tokens = request.num_cached_tokens = 0
+
+    def record_lookup(self, request: Request) -> None:
+        """Count an admitted request's prompt and hit tokens (the cache's hit rate)."""
+        if self.allocator.cache is not None and request.reuse_prefix:
+            self.allocator.cache.record_lookup(request.num_prompt_tokens,
+                                               request.num_cached_tokens)
+
+    def register_pages(self, request: Request) -> None:
+        """Register the request's full pages whose KV is now computed and final."""
+        cache = self.allocator.cache
+        size = self.page_size
+        full = min(request.num_computed_tokens, request.num_tokens) // size
+        if cache is None or full <= len(request.page_digests):
+            return
+        tokens = request.all_token_ids
+        for index in range(len(request.page_digests), full):
+            parent = request.page_digests[-1] if request.page_digests else ROOT
+            request.page_digests.append(cache.register(
+                request.page_ids[index], parent, tuple(tokens[index * size:(index + 1) * size])))
 
     def postprocess(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
         """Advance each chunk's request and append sampled tokens.
@@ -104,6 +153,7 @@ class Scheduler:
         for chunk in batch.chunks:
             request = chunk.request
             request.num_computed_tokens += chunk.num_tokens
+            self.register_pages(request)
             if chunk.samples and self.config.mode == "prefill_only":
                 request.state = RequestState.TRANSFERRING
                 self.running.remove(request)
@@ -136,6 +186,7 @@ class Scheduler:
             if request.is_finished:
                 break
         request.num_computed_tokens = request.num_tokens - 1
+        self.register_pages(request)
         if request.is_finished:
             self._release(request)
             return
@@ -194,7 +245,7 @@ class Scheduler:
         logger.info("preempting %s (out of pages); it will be recomputed", request.request_id)
         self.running.remove(request)
         self.allocator.free(request.page_ids)
-        request.page_ids = []
+        request.page_ids, request.page_digests = [], []
         request.num_computed_tokens = 0
         request.state = RequestState.WAITING
         self.waiting.appendleft(request)

@@ -67,14 +67,17 @@ def context_checksum(slot: torch.Tensor, model: ModelConfig) -> float:
     return float(bits.view(torch.float64)[0])
 
 
-def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int) -> float:
-    """A float64 sum of every K/V value of the first `num_tokens` tokens, all layers and heads.
+def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
+                first_page: int = 0) -> float:
+    """A float64 sum of every K/V value of the first `num_tokens` tokens, all layers and heads,
+    leaving out the pages before `first_page` (those a decoder held already: prefix caching).
 
     It depends only on the logical values, not on the layout or the sharding, so a prefiller
     and a decoder holding the same KV compute the same number: the decoder's check that the
     counter did not fire early (a duplicated immediate) or over corrupted pages (issue 8).
     """
-    pages = torch.tensor(page_ids, dtype=torch.int64, device=kv_cache.device)
+    pages = torch.tensor(page_ids[first_page:], dtype=torch.int64, device=kv_cache.device)
+    num_tokens -= first_page * kv_cache.page_size
     total = torch.zeros((), dtype=torch.float64, device=kv_cache.device)  # one sync, at the end
     for layer in range(kv_cache.num_layers):
         k, v = kv_cache.gather(layer, pages, num_tokens)

@@ -137,19 +137,25 @@ class DecodeMessenger:
         self._start_waiting()
 
     def _start_waiting(self) -> None:
-        allocator, page_size = self._parts.allocator, self._parts.kv_cache.page_size
+        allocator, scheduler = self._parts.allocator, self._parts.scheduler
         while self.waiting:
             request = self.waiting[0]
-            if request.num_prompt_tokens == 1:
-                # Nothing to prefill: the one token is an ordinary prefill step here.
+            # Pages of the longest cached prefix first: their KV is here, nobody writes them.
+            held = scheduler.take_cached_prefix(request)
+            if held >= request.num_prompt_tokens - 1:
+                # Nothing to prefill (a one-token prompt, or all but the last token cached): the
+                # last token is an ordinary step here (S8).
                 self.waiting.popleft()
-                self._parts.scheduler.add_request(request)
+                scheduler.release_cached_prefix(request)
+                scheduler.add_request(request)
                 continue
-            needed = num_pages(request.num_prompt_tokens, page_size)
+            needed = num_pages(request.num_prompt_tokens, self._page_size) - len(request.page_ids)
             if not allocator.can_allocate(needed) or not self._free_slots:
+                scheduler.release_cached_prefix(request)  # hold nothing while waiting
                 return
             self.waiting.popleft()
-            request.page_ids = allocator.allocate(needed, pinned=True)
+            scheduler.record_lookup(request)
+            request.page_ids += allocator.allocate(needed, pinned=True)
             self._request_kv(request)
 
     def _request_kv(self, request: Request) -> None:
@@ -163,7 +169,7 @@ class DecodeMessenger:
         slot = self._free_slots.pop()
         index = min(live, key=self._load.__getitem__)
         expected = expected_write_count(request.num_prompt_tokens, page_size, config.num_layers,
-                                        self._page_writes[index])
+                                        self._page_writes[index], request.num_cached_tokens)
         if self.draft_kv is not None:
             expected += self.draft_kv.expected_writes(request.num_prompt_tokens)
         now = time.monotonic()
@@ -173,7 +179,8 @@ class DecodeMessenger:
         # Arm the counter before asking: writes may land before this line would otherwise run.
         self.transfer.expect_imm_count(imm, expected, lambda: self._on_ready(request.request_id))
         message = KVRequest(request.request_id, imm, request.prompt_token_ids,
-                            request.page_ids, slot)
+                            request.page_ids, slot, request.num_cached_tokens,
+                            request.kv_attempts)
         try:
             self.prefillers[index].send(message)
         except PeerClosedError:
@@ -218,10 +225,19 @@ class DecodeMessenger:
         self._start_waiting()
         return outcomes
 
+    @property
+    def _page_size(self) -> int:
+        return self._parts.kv_cache.page_size
+
+    def _held_pages(self, request: Request) -> int:
+        """Leading pages found in this node's prefix cache: never written by a prefiller."""
+        return request.num_cached_tokens // self._page_size
+
     def _stage_in(self, request: Request) -> None:
-        pages = num_pages(request.num_prompt_tokens - 1, self._parts.kv_cache.page_size)
+        # Only the written pages: a held page's shadow is stale (its KV may be computed here).
+        pages = num_pages(request.num_prompt_tokens - 1, self._page_size)
         for kv in self.kv:
-            kv.stage_in(request.page_ids[:pages])
+            kv.stage_in(request.page_ids[self._held_pages(request):pages])
         if self.draft_kv is not None:
             self.draft_kv.stage_in(request)
 
@@ -229,7 +245,8 @@ class DecodeMessenger:
         config = self._parts.model.config
         expected = context_checksum(self.context[pending.context_slot], config)
         request = pending.request
-        got = kv_checksum(self._parts.kv_cache, request.page_ids, request.num_prompt_tokens - 1)
+        got = kv_checksum(self._parts.kv_cache, request.page_ids, request.num_prompt_tokens - 1,
+                          self._held_pages(request))
         if self.draft_kv is not None:
             got += self.draft_kv.checksum(request)
         if got != expected:
@@ -335,14 +352,16 @@ class DecodeMessenger:
 
     def _receipt(self, pending: PendingKV) -> KVReceipt:
         cache, model = self._parts.kv_cache, self._parts.model.config
-        pages = num_pages(pending.request.num_prompt_tokens - 1, cache.page_size)
+        request = pending.request
+        pages = num_pages(request.num_prompt_tokens - 1, cache.page_size) - self._held_pages(
+            request)
         kv_nbytes = sum(shard.page_nbytes for shard in cache.shards)
         nbytes = pages * model.num_layers * kv_nbytes + context_slot_nbytes(model)
         wait_ms = (time.monotonic() - pending.started_at) * 1e3
         return KVReceipt(pending.expected_writes, nbytes, wait_ms)
 
     def _release(self, request: Request) -> None:
-        self._parts.allocator.unpin(request.page_ids)
+        self._parts.allocator.unpin(request.page_ids[self._held_pages(request):])
         request.num_computed_tokens = request.num_prompt_tokens - 1
         self._parts.scheduler.add_prefilled(request)
 

@@ -88,8 +88,12 @@ class KVRequest(Message):
     request_id: str
     imm: int  # carried by every write of this request; the decoder counts it (S4c)
     prompt_token_ids: list[int]  # the whole prompt; the prefiller computes all but the last
-    dst_page_ids: list[int]
+    dst_page_ids: list[int]  # one per page of the prefilled tokens, the held ones included
     context_slot: int
+    # Prompt tokens whose KV the decoder holds already (whole pages from its prefix cache): the
+    # prefiller writes only the pages after them, and the checksum covers only those.
+    num_cached_tokens: int = 0
+    attempt: int = 1  # a retry (2, ...) is computed afresh: the KV sent before was wrong or lost
 
 
 @dataclass(frozen=True, slots=True)
@@ -156,6 +160,7 @@ class RequestEvent(Message):
     detail: str = ""
     num_draft_tokens: int = 0  # speculative decoding so far: drafts verified (issue 6)
     num_accepted_tokens: int = 0  # ... and accepted
+    num_cached_tokens: int = 0  # prompt tokens found in the decoder's prefix cache
 
 
 @dataclass(frozen=True, slots=True)

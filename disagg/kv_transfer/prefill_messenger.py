@@ -51,7 +51,7 @@ from disagg.kv_transfer.transfer_plan import (
     PageGeometry,
     PageWrite,
     assign_source_sets,
-    pages_completed_by_chunk,
+    pages_to_send,
     plan_page_writes,
 )
 from disagg.model.layer_counter import LayerCounter
@@ -159,10 +159,16 @@ class PrefillMessenger:
         check_kv_request(message, peer, self.kv_cache.page_size,
                          self._parts.model.config.vocab_size)
         request = Request(key, prefill_token_ids(prompt), SamplingParams(max_tokens=1))
+        # An MTP head runs over every prefilled position, so its decoder's requests never
+        # start from cached pages (they still leave theirs in the cache); nor does a retry,
+        # whose first KV may have been wrong here.
+        request.reuse_prefix = not peer.wants_draft_kv and message.attempt == 1
         self._parts.scheduler.add_request(request)
-        self._transfers[key] = Transfer(key, message.request_id, request, peer, message.imm,
-                                        list(message.dst_page_ids), message.context_slot,
-                                        self._plan(peer), received_at=time.time())
+        held = message.num_cached_tokens // self.kv_cache.page_size
+        self._transfers[key] = Transfer(
+            key, message.request_id, request, peer, message.imm, list(message.dst_page_ids),
+            message.context_slot, self._plan(peer), num_held_pages=held, num_sent_pages=held,
+            received_at=time.time())
 
     def fail_peer(self, peer: DecoderPeer, reason: str) -> None:
         """The decoder is gone: nothing more is written to it; its requests end as failed
@@ -209,7 +215,8 @@ class PrefillMessenger:
     # Forward pass hooks.
 
     def on_batch(self, batch: Batch) -> None:
-        """Before a forward (S3a): plan the pages each chunk completes."""
+        """Before a forward (S3a): plan the pages each chunk completes, and with a request's
+        first chunk those it found in this node's prefix cache (the decoder lacks them)."""
         plan = []
         for chunk in batch.chunks:
             transfer = self._transfers.get(chunk.request.request_id)
@@ -217,10 +224,10 @@ class PrefillMessenger:
                 continue
             request = chunk.request
             transfer.first_scheduled_at = transfer.first_scheduled_at or time.time()
-            indices = pages_completed_by_chunk(chunk.start, chunk.end,
-                                               request.num_prompt_tokens,
-                                               self.kv_cache.page_size)
+            indices = pages_to_send(transfer.num_sent_pages, chunk.start, chunk.end,
+                                    request.num_prompt_tokens, self.kv_cache.page_size)
             if indices:
+                transfer.num_sent_pages = indices.stop
                 plan.append(PlannedWrite(transfer, [request.page_ids[i] for i in indices],
                                          [transfer.dst_page_ids[i] for i in indices]))
         with self._lock:
@@ -308,7 +315,9 @@ class PrefillMessenger:
             draft.submit(transfer, lambda err=None, n=0: self._write_done(transfer, err, n))
         slot = self._slots.take(self.wait_timeout_s)
         request = transfer.request
-        checksum = kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens)
+        # The decoder's own pages are neither sent nor summed.
+        checksum = kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens,
+                               transfer.num_held_pages)
         if draft is not None:
             checksum += draft.checksum(transfer)
         pack_context(self._slots.buffer[slot], output.hidden_states[row], output.logits[row],

@@ -74,7 +74,8 @@ class PageQuarantine:
 
     def hold(self, request: Request, imm: int, writes_posted: int | None, verdict: Verdict,
              grace_s: float = 0.0, expected_writes: int = 0) -> None:
-        """Take over `request`'s pinned pages; its counter for `imm` becomes the fence.
+        """Take over `request`'s pinned pages (and free the others, prefix-cache hits); its
+        counter for `imm` becomes the fence.
 
         `writes_posted` None: unknown, hold for `grace_s` (a dead peer's bytes in flight).
         `expected_writes`: what the request's counter was armed for. A counter that is gone
@@ -84,9 +85,12 @@ class PageQuarantine:
         counted = expected_writes if armed is None else armed[0]
         now = time.monotonic()
         known = writes_posted is not None
-        entry = Quarantined(request, list(request.page_ids), imm,
-                            now + (self.timeout_s if known else grace_s), verdict, known)
-        request.page_ids = []
+        # Pages from the prefix cache are never written by a prefiller: they go back at once.
+        pinned = [p for p in request.page_ids if self.allocator.is_pinned(p)]
+        self.allocator.free([p for p in request.page_ids if not self.allocator.is_pinned(p)])
+        entry = Quarantined(request, pinned, imm, now + (self.timeout_s if known else grace_s),
+                            verdict, known)
+        request.page_ids, request.page_digests = [], []
         self._held[imm] = entry
         if writes_posted is None:
             return

@@ -43,6 +43,7 @@ class DecoderPeer:
     page_nbytes: int  # of one rank's page
     layer_nbytes: int  # of one rank's layer
     kv_memory_path: str = ""  # how the decoder's NIC reaches its KV (host, hmem, staged)
+    wants_draft_kv: bool = False  # it drafts with an MTP head whose KV we ship (issue 6)
 
 
 @dataclass
@@ -57,6 +58,8 @@ class Transfer:
     dst_page_ids: list[int]
     context_slot: int
     page_writes: list[PageWrite]  # the plan for every page and layer (S6)
+    num_held_pages: int = 0  # leading pages the decoder holds already (its prefix cache)
+    num_sent_pages: int = 0  # pages below this one are held there or planned here
     pending_writes: int = 0
     all_submitted: bool = False
     error: str | None = None  # what went wrong, for logs and the decoder
@@ -105,7 +108,7 @@ def parse_peer(hello: Hello, channel: Channel, num_layers: int, geometry: PageGe
                            f"are not {num_layers} layers of whole {page_nbytes}-byte pages")
     return DecoderPeer(hello.node_id, channel, kv, context, sharding, peer_pages,
                        context.length // slot_nbytes, page_nbytes, layer_nbytes,
-                       hello.kv_memory_path)
+                       hello.kv_memory_path, bool(hello.draft_kv_descriptor))
 
 
 def stage_out_layer(kv: list[RegisteredKV], plan: list[PlannedWrite], layer: int) -> int:
@@ -131,6 +134,11 @@ def check_kv_request(message: KVRequest, peer: DecoderPeer, page_size: int,
     if len(prompt) < 2:
         raise RequestError(f"request {request_id}: a prompt of {len(prompt)} tokens needs no "
                            "prefill (the decoder runs its last token)")
+    cached = message.num_cached_tokens
+    if cached < 0 or cached % page_size or cached >= len(prompt) - 1:
+        raise RequestError(f"request {request_id}: num_cached_tokens={cached} is not a whole "
+                           f"number of {page_size}-token pages below the {len(prompt) - 1} "
+                           "prefilled tokens")
     if len(message.dst_page_ids) < num_pages(len(prompt) - 1, page_size):
         raise RequestError(f"request {request_id}: {len(message.dst_page_ids)} destination "
                            f"pages for {len(prompt) - 1} tokens")
@@ -143,6 +151,8 @@ def check_kv_request(message: KVRequest, peer: DecoderPeer, page_size: int,
                            f"outside [0, {peer.num_context_slots})")
     if any(not 0 <= t < vocab_size for t in prompt):
         raise RequestError(f"request {request_id}: token ids outside [0, {vocab_size})")
+    if message.attempt < 1:
+        raise RequestError(f"request {request_id}: attempt {message.attempt} is not >= 1")
     if not 0 <= message.imm < 2**32:
         raise RequestError(f"request {request_id}: imm {message.imm} not 32-bit")
 

@@ -4,6 +4,9 @@ A page is written once, when it is complete: either all its tokens are computed,
 the last prefilled token. So the number of writes depends only on the prompt length, never on
 how the prefiller chunked it, and the decoder can compute its expected count up front.
 Writes per request = pages of the prefilled tokens x layers + one context write (S4a, S8).
+With prefix caching the decoder says how many leading tokens (whole pages) it holds already;
+those pages are never written, and the count drops by them. Pages the prefiller found in its
+own cache are sent with the request's first chunk, as complete pages.
 """
 
 from __future__ import annotations
@@ -42,19 +45,39 @@ def pages_completed_by_chunk(start: int, end: int, num_prefill_tokens: int,
     return range(first, end // page_size)
 
 
+def pages_to_send(num_sent: int, start: int, end: int, num_prefill_tokens: int,
+                  page_size: int) -> range:
+    """Indices of the pages to write after the forward of chunk `[start, end)`, when pages
+    below `num_sent` were written (or are held by the decoder) already: every page up to the
+    last one the chunk completes. The pages between `num_sent` and the chunk's start were
+    found in the prefiller's cache; they go with the first chunk.
+
+    >>> list(pages_to_send(0, 8, 10, 10, page_size=4))  # pages 0, 1 were cached here
+    [0, 1, 2]
+    >>> list(pages_to_send(2, 0, 10, 10, page_size=4))  # the decoder holds pages 0, 1
+    [2]
+    """
+    return range(num_sent, pages_completed_by_chunk(start, end, num_prefill_tokens,
+                                                    page_size).stop)
+
+
 def expected_write_count(num_prompt_tokens: int, page_size: int, num_layers: int,
-                         page_writes: int = 1) -> int:
+                         page_writes: int = 1, num_cached_tokens: int = 0) -> int:
     """Writes a decoder counts before a request is ready: the prefill covers every prompt
     token but the last (S8), `page_writes` writes per page per layer (1 when sharding matches;
-    see `plan_page_writes`), plus the context write.
+    see `plan_page_writes`) for the pages after the `num_cached_tokens` the decoder holds
+    (whole pages), plus the context write.
 
     >>> expected_write_count(num_prompt_tokens=33, page_size=16, num_layers=30)  # 2 pages
     61
+    >>> expected_write_count(33, 16, 30, num_cached_tokens=16)  # the first page is held
+    31
     """
     num_prefill_tokens = num_prompt_tokens - 1
-    if num_prefill_tokens <= 0:
+    if num_prefill_tokens <= num_cached_tokens:
         return 0
-    return num_pages(num_prefill_tokens, page_size) * num_layers * page_writes + CONTEXT_WRITES
+    pages = num_pages(num_prefill_tokens, page_size) - num_cached_tokens // page_size
+    return pages * num_layers * page_writes + CONTEXT_WRITES
 
 
 # Sharded transfers (S6, S7): which bytes of a page go from which source rank to which

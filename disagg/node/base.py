@@ -19,8 +19,23 @@ from typing import Any
 from disagg.engine.batch import TokenEvent
 from disagg.engine.llm_engine import LLMEngine
 from disagg.kv_transfer.channel import Channel, format_address, listen
+from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
+
+
+def add_cache_metrics(metrics: Metrics, engine: LLMEngine) -> None:
+    """What every node says of its KV pages: in use, and its prefix cache's hits (in tokens,
+    as vLLM counts them: hits / queries is the hit rate)."""
+    allocator = engine.allocator
+    metrics.gauge("pages_in_use", lambda: allocator.num_used)
+    cache = allocator.cache
+    if cache is None:
+        return
+    metrics.gauge("prefix_cache_pages", lambda: len(cache))
+    metrics.counter_from("prefix_cache_queries_total", lambda: cache.queried_tokens)
+    metrics.counter_from("prefix_cache_hits_total", lambda: cache.hit_tokens)
+    metrics.counter_from("prefix_cache_evictions_total", lambda: cache.evictions)
 
 
 @dataclass(frozen=True, slots=True)

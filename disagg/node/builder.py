@@ -99,6 +99,12 @@ def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEng
 def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
                  tracer: Tracer) -> DecodeNode:
     engine_config = _engine_config(config, loaded)
+    mtp = config.speculative is not None and config.speculative.kind == "mtp"
+    if mtp and engine_config.cache.prefix_caching:
+        # The MTP head keeps its own KV per page, shipped with the target's: a page reused
+        # from the cache would come without it. So an MTP decoder caches no prefixes.
+        logger.info("prefix caching is off on this decoder: its MTP head needs every page")
+        engine_config = engine_config.with_cache(prefix_caching=False)
     parts = EngineParts.build(engine_config, load_transformer(engine_config, loaded.state_dict))
     speculator = None if config.speculative is None else Speculator(parts, config.speculative)
     sink = None

@@ -35,7 +35,7 @@ from disagg.kv_transfer.messages import (
     Submit,
 )
 from disagg.kv_transfer.transfer_context import Outcome
-from disagg.node.base import Inbox, NodeBase, Wake
+from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
@@ -74,8 +74,8 @@ def decode_metrics(node: DecodeNode) -> Metrics:
     metrics = Metrics()
     metrics.describe("kv_transfer_seconds", "from asking a prefiller to the KV counter firing")
     metrics.describe("failures_total", "KV transfers that failed, by cause")
-    allocator, messenger = node.engine.allocator, node.messenger
-    metrics.gauge("pages_in_use", lambda: allocator.num_pages - allocator.num_free)
+    messenger = node.messenger
+    add_cache_metrics(metrics, node.engine)
     metrics.gauge("requests_waiting_for_kv", lambda: len(messenger.pending))
     metrics.gauge("quarantined_requests", lambda: len(messenger.quarantine))
     metrics.counter_from("quarantine_forced_releases_total",
@@ -274,7 +274,8 @@ class DecodeNode(NodeBase):
             return
         received, _ = self.messenger.received_writes(request.request_id)
         self._send(channel, RequestEvent(request.request_id, state, token_ids or [],
-                                         kv_writes_received=received, detail=detail, **kv))
+                                         kv_writes_received=received, detail=detail,
+                                         num_cached_tokens=request.num_cached_tokens, **kv))
         if state.is_terminal():
             del self._clients[request.request_id]
             self.metrics.inc("requests_total", state=state.value)

@@ -32,7 +32,7 @@ from disagg.kv_transfer.messages import (
 )
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.kv_transfer.transfer_context import DecoderPeer
-from disagg.node.base import Inbox, NodeBase, Wake
+from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
@@ -97,8 +97,7 @@ class PrefillNode(NodeBase):
         for name in self.messenger.stats:
             self.metrics.counter_from(f"{name}_total",
                                       lambda name=name: self.messenger.stats[name])
-        allocator = engine.allocator
-        self.metrics.gauge("pages_in_use", lambda: allocator.num_pages - allocator.num_free)
+        add_cache_metrics(self.metrics, engine)
         self.metrics.gauge("transfers_in_flight", lambda: self.messenger.num_in_flight)
         self._listen(listen_address)
         self._stop = threading.Event()
