@@ -27,7 +27,10 @@ from disagg.apps.options import (
     ModelOption,
     NumPagesOption,
     PageSizeOption,
+    PrefixCachingOption,
     ProviderOption,
+    RoutingMarginOption,
+    RoutingOption,
     SpeculativeOption,
     speculative_config,
 )
@@ -146,7 +149,8 @@ def demo(
     speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
     draft_layers: DraftLayersOption = 0,
     device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
-    cuda_graph: CudaGraphOption = False,
+    cuda_graph: CudaGraphOption = False, prefix_caching: PrefixCachingOption = True,
+    routing: RoutingOption = "prefix", routing_margin: RoutingMarginOption = 4,
 ) -> None:
     """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
     from rich.live import Live
@@ -168,7 +172,9 @@ def demo(
                             device=device, kv_memory_path=kv_memory_path,
                             speculative=speculative_config(speculative, num_draft_tokens,
                                                            draft_layers),
-                            cuda_graph=cuda_graph)
+                            cuda_graph=cuda_graph, prefix_caching=prefix_caching,
+                            routing=routing, routing_margin=routing_margin)
+    cluster.router_config()  # an unknown policy fails here, before any process starts
     if deployment is not None:  # before anything starts: a conflicting flag fails here
         cluster = apply_deployment(cluster, deployment, explicit_fields(ctx))
     specs = load_prompts(prompts_file)

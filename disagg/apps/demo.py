@@ -66,6 +66,7 @@ class DemoRequest:
     kv_writes: int = 0
     kv_bytes: int = 0
     kv_wait_ms: float = 0.0
+    cached_tokens: int = 0  # prompt tokens the decoder found in its prefix cache (issue 18)
     cause: FailureCause | None = None
     detail: str = ""
     stream: StreamDecoder | None = None
@@ -96,6 +97,7 @@ class DemoRequest:
                 "text": self.text, "state": self.state.value, "decoder": self.decoder,
                 "ttft_ms": self.ttft_ms, "tpot_ms": self.tpot_ms, "kv_writes": self.kv_writes,
                 "kv_bytes": self.kv_bytes, "kv_wait_ms": self.kv_wait_ms,
+                "cached_tokens": self.cached_tokens,
                 "cause": self.cause.value if self.cause else None, "detail": self.detail,
                 "draft_tokens": self.draft_tokens, "accepted_tokens": self.accepted_tokens}
 
@@ -157,6 +159,7 @@ def apply_event(request: DemoRequest, event: RequestEvent, now: float) -> None:
     if event.kv_writes:
         request.kv_writes, request.kv_bytes = event.kv_writes, event.kv_bytes
         request.kv_wait_ms = event.kv_wait_ms
+    request.cached_tokens = max(request.cached_tokens, event.num_cached_tokens)
     request.detail = event.detail or request.detail
     request.cause = event.cause or request.cause
     if event.num_draft_tokens:
@@ -184,6 +187,7 @@ def totals(requests: list[DemoRequest], wall_s: float) -> dict[str, Any]:
             "tokens_per_s": tokens / wall_s if wall_s else 0.0,
             "ttft_ms_p50": ttfts[len(ttfts) // 2] if ttfts else None,
             "kv_writes": sum(r.kv_writes for r in requests), "kv_bytes": kv_bytes,
+            "cached_tokens": sum(r.cached_tokens for r in requests),
             "draft_tokens": drafts, "accepted_tokens": accepted,
             "acceptance_rate": accepted / drafts if drafts else None}
 
@@ -225,7 +229,7 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
     clock = time.time() - time.monotonic()
     try:
         with LocalCluster(replace(cluster_config, trace_dir=trace_dir)) as cluster:
-            router = Router(cluster.decoder_addresses)
+            router = Router(cluster.decoder_addresses, cluster_config.router_config())
             started = time.monotonic()
             for request in requests:
                 request.submitted_at = time.monotonic()

@@ -18,7 +18,10 @@ from disagg.apps.options import (
     ModelOption,
     NumPagesOption,
     PageSizeOption,
+    PrefixCachingOption,
     ProviderOption,
+    RoutingMarginOption,
+    RoutingOption,
     SpeculativeOption,
     speculative_config,
 )
@@ -53,7 +56,8 @@ def serve_cluster(
     speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
     draft_layers: DraftLayersOption = 0,
     device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
-    cuda_graph: CudaGraphOption = False,
+    cuda_graph: CudaGraphOption = False, prefix_caching: PrefixCachingOption = True,
+    routing: RoutingOption = "prefix", routing_margin: RoutingMarginOption = 4,
 ) -> None:
     """Start a local cluster (processes over libfabric) and the OpenAI API in front of it."""
     from disagg.node.local_cluster import ClusterConfig
@@ -73,7 +77,9 @@ def serve_cluster(
         chunk_size=chunk_size, provider=provider, prefill_tp=prefill_tp, decode_tp=decode_tp,
         replicated_kv=replicated, device=device, kv_memory_path=kv_memory_path,
         speculative=speculative_config(speculative, num_draft_tokens, draft_layers),
-        cuda_graph=cuda_graph)
+        cuda_graph=cuda_graph, prefix_caching=prefix_caching, routing=routing,
+        routing_margin=routing_margin)
+    cluster.router_config()  # an unknown policy fails here, before any process starts
     run(cluster, HTTPConfig(host, port, max_in_flight, served_model_name))
 
 
@@ -84,9 +90,15 @@ def serve_router(
     model: ModelOption = "smollm2-135m",
     host: HostOption = "127.0.0.1", port: PortOption = 8000,
     max_in_flight: MaxInFlightOption = 256, served_model_name: ServedNameOption = None,
+    routing: RoutingOption = "prefix", routing_margin: RoutingMarginOption = 4,
+    page_size: Annotated[int, typer.Option(
+        help="The decoders' page size: the blocks prefix routing compares")] = 16,
 ) -> None:
     """The OpenAI API in front of decoders started with `disagg serve decode|mixed`."""
+    from disagg.node.prefix_index import RoutingConfig
     from disagg.server.launch import HTTPConfig
     from disagg.server.launch import serve_router as run
 
-    run(model, decoder, HTTPConfig(host, port, max_in_flight, served_model_name))
+    routing_config = RoutingConfig.parse(routing, routing_margin, page_size)
+    run(model, decoder, HTTPConfig(host, port, max_in_flight, served_model_name),
+        routing_config)

@@ -58,3 +58,11 @@ MemoryPathOption = Annotated[str, typer.Option(
     help="How the NIC reaches the KV (S5): auto, host (CPU), hmem (FI_HMEM) or staged")]
 CudaGraphOption = Annotated[bool, typer.Option(
     help="Decode steps through static buffers, replayed as CUDA graphs on a GPU (S3b)")]
+PrefixCachingOption = Annotated[bool, typer.Option(
+    "--prefix-caching/--no-prefix-caching",
+    help="Keep full KV pages after a request and reuse them for prompts with the same prefix")]
+RoutingOption = Annotated[str, typer.Option(
+    help="How the router picks a decoder: prefix (the longest cached prefix, unless past "
+         "--routing-margin of the least loaded) or least-loaded")]
+RoutingMarginOption = Annotated[int, typer.Option(
+    help="Requests in flight beyond the least-loaded decoder that a cached prefix may cost")]

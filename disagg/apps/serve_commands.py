@@ -29,6 +29,7 @@ from disagg.apps.options import (
     ModelOption,
     NumPagesOption,
     PageSizeOption,
+    PrefixCachingOption,
     ProviderOption,
     ReplicatedOption,
     SpeculativeOption,
@@ -71,6 +72,7 @@ NODE_OPTIONS = [
     _option("metrics_port", MetricsPortOption, None),
     _option("device", DeviceOption, "cpu"),
     _option("kv_memory_path", MemoryPathOption, "auto"),
+    _option("prefix_caching", PrefixCachingOption, True),
 ]
 
 
@@ -78,13 +80,15 @@ def node_config(role: NodeRole, *, model: str, listen: str, node_id: str | None,
                 kv_layout: str, page_size: int, num_pages: int, chunk_size: int, provider: str,
                 threads: int, trace: str | None, tp: int, replicated_kv: bool,
                 faults: str | None, lease: float, metrics_port: int | None, device: str,
-                kv_memory_path: str, **fields: Any) -> NodeConfig:  # noqa: ANN401
+                kv_memory_path: str, prefix_caching: bool,
+                **fields: Any) -> NodeConfig:  # noqa: ANN401
     """The `NodeConfig` of a node of `role` from the shared options (threads 0: default)
     and the `NodeConfig` fields of the command's own options."""
     mode = "prefill_only" if role is NodeRole.PREFILL else "mixed"
     return NodeConfig(
         model, CacheConfig(page_size=page_size, num_pages=num_pages,
-                           kv_layout=kv_layout),  # type: ignore[arg-type]  # checked there
+                           kv_layout=kv_layout,  # type: ignore[arg-type]  # checked there
+                           prefix_caching=prefix_caching),
         SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=chunk_size,
                         mode=mode),  # type: ignore[arg-type]
         ParallelConfig(tp, replicated_kv), role=role, node_id=node_id or f"{role.value}-0",

@@ -29,6 +29,7 @@ from disagg.errors import DisaggError
 from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.messages import Shutdown
 from disagg.node.node_config import NodeConfig, NodeRole
+from disagg.node.prefix_index import RoutingConfig
 from disagg.utils.metrics import parse_metrics
 
 logger = logging.getLogger(__name__)
@@ -59,6 +60,13 @@ class ClusterConfig:
     device: str = "cpu"  # every node's model and KV cache: cpu, cuda or cuda:N
     kv_memory_path: str = "auto"  # how each node's NIC reaches its KV: auto, host, hmem, staged
     num_mixed: int = 0  # > 0: that many single-node mixed engines instead (the S1 baseline)
+    prefix_caching: bool = True  # every node keeps and reuses full pages (issue 18)
+    routing: str = "prefix"  # how a router in front of it picks a decoder (`router_config`)
+    routing_margin: int = 4
+
+    def router_config(self) -> RoutingConfig:
+        """What a router in front of this cluster does; its blocks are the nodes' pages."""
+        return RoutingConfig.parse(self.routing, self.routing_margin, self.page_size)
 
     def node_config(self, role: NodeRole, node_id: str,
                     prefillers: tuple[str, ...] = ()) -> NodeConfig:
@@ -67,7 +75,8 @@ class ClusterConfig:
         mode = "prefill_only" if role is NodeRole.PREFILL else "mixed"
         return NodeConfig(
             self.model, CacheConfig(page_size=self.page_size, num_pages=self.num_pages,
-                                    kv_layout=self.kv_layout),  # type: ignore[arg-type]
+                                    kv_layout=self.kv_layout,  # type: ignore[arg-type]
+                                    prefix_caching=self.prefix_caching),
             SchedulerConfig(chunk_size=self.chunk_size,
                             max_num_batched_tokens=self.chunk_size,
                             mode=mode),  # type: ignore[arg-type]

@@ -164,7 +164,8 @@ async def serve(door: FrontDoor, request: Request, body: SamplingFields, prompt:
               else responses.completion_choice(text, reason, ids))
     return JSONResponse(envelope.wrap("chat.completion" if chat else "text_completion",
                                       [choice], usage=responses.usage(
-                                          len(prompt), generation.completion_tokens)))
+                                          len(prompt), generation.completion_tokens,
+                                          generation.cached_tokens)))
 
 
 class ClientGone(Exception):
@@ -242,7 +243,7 @@ async def stream_chunks(door: FrontDoor, generation: Generation,
         reason = generation.finish_reason or "error"
         if include_usage:
             yield responses.sse(envelope.wrap(kind, [], usage=responses.usage(
-                prompt_tokens, generation.completion_tokens)))
+                prompt_tokens, generation.completion_tokens, generation.cached_tokens)))
         yield responses.DONE
     except APIError as error:  # headers are sent: the error goes in the stream
         reason = "error"
@@ -256,4 +257,4 @@ async def stream_chunks(door: FrontDoor, generation: Generation,
 
 def finish(door: FrontDoor, generation: Generation, prompt_tokens: int, reason: str) -> None:
     door.metrics.running.dec()
-    door.metrics.record(generation.timings, prompt_tokens, reason)
+    door.metrics.record(generation.timings, prompt_tokens, reason, generation.cached_tokens)

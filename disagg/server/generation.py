@@ -83,6 +83,7 @@ class Generation:
     stops: list[str]
     timings: Timings = field(default_factory=Timings)
     completion_tokens: int = 0
+    cached_tokens: int = 0  # prompt tokens the decoder found in its prefix cache
     finish_reason: str | None = None
 
     async def deltas(self) -> AsyncIterator[Delta]:
@@ -98,6 +99,7 @@ class Generation:
         async for event in self.stream.events():
             now = time.monotonic()
             self.timings.first_event = self.timings.first_event or now
+            self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)
             self._check(event)
             text = ""
             for token in event.token_ids:

@@ -19,6 +19,7 @@ import uvicorn
 from disagg.kv_transfer.channel import format_address
 from disagg.model.loading.registry import load_model
 from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.prefix_index import RoutingConfig
 from disagg.node.router import Router
 from disagg.server.app import FrontDoor, build_app
 from disagg.server.chat_template import ChatTemplate
@@ -90,7 +91,7 @@ def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig) -> None:
     """Start the cluster's processes, then the API in front of its decoders."""
     with LocalCluster(cluster_config) as cluster:
         roles = cluster.roles()
-        router = Router(cluster.decoder_addresses)
+        router = Router(cluster.decoder_addresses, cluster_config.router_config())
         addresses = dict(zip(cluster.names, [*cluster.prefiller_addresses,
                                              *cluster.decoder_addresses], strict=False))
         decoders = [n for n in cluster.names if roles[n].value != "prefill"]
@@ -104,9 +105,10 @@ def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig) -> None:
                    http)
 
 
-def serve_router(model_spec: str, decoder_addresses: list[str], http: HTTPConfig) -> None:
+def serve_router(model_spec: str, decoder_addresses: list[str], http: HTTPConfig,
+                 routing: RoutingConfig | None = None) -> None:
     """The API in front of decoders (or mixed nodes) started by hand, maybe on other hosts."""
-    router = Router(decoder_addresses)
+    router = Router(decoder_addresses, routing)
     nodes = [NodeInfo(f"decoder-{i}", "decode", address, connected=_router_alive(router, i))
              for i, address in enumerate(decoder_addresses)]
     serve_http(make_front_door(model_spec, router, nodes, http), http)

@@ -3,8 +3,9 @@
 Request-level series come from the HTTP layer (`disagg:time_to_first_token_seconds`,
 `disagg:inter_token_latency_seconds`, `disagg:e2e_request_latency_seconds`,
 `disagg:request_queue_time_seconds`, running and waiting gauges, prompt and generation token
-counters, `disagg:request_success_total` by finish reason); KV-transfer and page series are
-gathered from each node's own `/metrics` at scrape time and re-labelled with the node's name.
+counters, cached prompt tokens, `disagg:request_success_total` by finish reason); KV-transfer,
+page and prefix-cache series are gathered from each node's own `/metrics` at scrape time and
+re-labelled with the node's name.
 Every series carries `model_name`.
 """
 
@@ -32,6 +33,9 @@ NODE_SERIES = {
     "disagg_kv_transfer_seconds_sum": "disagg:kv_transfer_seconds_sum",
     "disagg_kv_transfer_seconds_count": "disagg:kv_transfer_seconds_count",
     "disagg_transfers_in_flight": "disagg:kv_transfers_in_flight",
+    "disagg_prefix_cache_queries_total": "disagg:prefix_cache_queries_total",
+    "disagg_prefix_cache_hits_total": "disagg:prefix_cache_hits_total",
+    "disagg_prefix_cache_pages": "disagg:prefix_cache_pages",
 }
 
 
@@ -92,6 +96,9 @@ class ServerMetrics:
             waiting_gauge.set_function(waiting)
         self.prompt_tokens = Counter("disagg:prompt_tokens", "Prompt tokens of admitted "
                                      "requests", labels, registry=self.registry).labels(model_name)
+        self.cached_tokens = Counter("disagg:prompt_tokens_cached", "Prompt tokens found in a "
+                                     "decoder's prefix cache (neither computed nor moved)",
+                                     labels, registry=self.registry).labels(model_name)
         self.generation_tokens = Counter("disagg:generation_tokens", "Tokens generated", labels,
                                          registry=self.registry).labels(model_name)
         self.finished = Counter("disagg:request_success", "Requests finished, by finish reason "
@@ -100,9 +107,11 @@ class ServerMetrics:
         if nodes is not None:
             self.registry.register(NodeCollector(model_name, nodes))
 
-    def record(self, timings: Timings, prompt_tokens: int, reason: str) -> None:
+    def record(self, timings: Timings, prompt_tokens: int, reason: str,
+               cached_tokens: int = 0) -> None:
         """One request ended (`reason`: stop, length, abort or error)."""
         self.prompt_tokens.inc(prompt_tokens)
+        self.cached_tokens.inc(cached_tokens)
         self.generation_tokens.inc(len(timings.token_times))
         self.finished.labels(self.model_name, reason).inc()
         if timings.first_event is not None:

@@ -15,7 +15,7 @@ import select
 import socket
 import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 import torch
 
@@ -86,6 +86,9 @@ class Harness:
     draft_kv: bool = False  # give the decoder an MTP cache (its Hello then asks for draft KV)
     inline: bool = True  # loopback delivery in the caller's thread (deterministic)
     connect: bool = True  # shake hands at construction
+    kv_layout: str = "NHD"
+    prefill_prefix_caching: bool = True  # each side's prefix cache (issue 18)
+    decode_prefix_caching: bool = True
     to_prefiller: list[Message] = field(default_factory=list)  # every message, in order
     to_decoder: list[Message] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # of every decode_messenger.poll()
@@ -95,7 +98,11 @@ class Harness:
         self.fabric = LoopbackFabric()
         self.prefill_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
         self.decode_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
-        prefill_config = EngineConfig(loaded.config, CACHE, SchedulerConfig(
+        prefill_cache = replace(CACHE, kv_layout=self.kv_layout,
+                                prefix_caching=self.prefill_prefix_caching)
+        decode_cache = replace(CACHE, kv_layout=self.kv_layout,  # as the builder does for MTP
+                               prefix_caching=self.decode_prefix_caching and not self.draft_kv)
+        prefill_config = EngineConfig(loaded.config, prefill_cache, SchedulerConfig(
             chunk_size=PREFILL_CHUNK, max_num_batched_tokens=PREFILL_CHUNK, mode="prefill_only"))
         self.counter = LayerCounter.for_device("cpu")
         self.prefill_parts = EngineParts.build(prefill_config, load_transformer(
@@ -105,7 +112,7 @@ class Harness:
                                         make_draft_source=self.make_draft_source,
                                         lease_s=self.lease_s)
         self.prefill_engine = LLMEngine(self.prefill_parts, observers=[self.prefill])
-        decode_config = EngineConfig(loaded.config, CACHE, SchedulerConfig(
+        decode_config = EngineConfig(loaded.config, decode_cache, SchedulerConfig(
             chunk_size=8, max_num_batched_tokens=16))
         self.decode_parts = EngineParts.build(decode_config, load_transformer(
             decode_config, loaded.state_dict))

@@ -67,7 +67,31 @@ def test_without_stop_strings_nothing_is_aborted() -> None:
         status, reply = post(address, "/v1/completions", BODY)
     assert (status, reply["choices"][0]["text"]) == (200, "hello world")
     assert router.aborted == []
-    assert reply["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4}
+    assert reply["usage"] == {"prompt_tokens": 2, "completion_tokens": 2, "total_tokens": 4,
+                              "prompt_tokens_details": {"cached_tokens": 0}}
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_cached_prompt_tokens_reach_usage_and_metrics(stream: bool) -> None:
+    """The decoder's `num_cached_tokens` becomes `usage.prompt_tokens_details.cached_tokens`
+    (streamed: in the final usage chunk) and the cached-tokens counter."""
+    def script(message: Submit) -> list[RequestEvent]:
+        return [RequestEvent(message.request_id, RUN, words("hello"), num_cached_tokens=16),
+                RequestEvent(message.request_id, LENGTH, words("world"), num_cached_tokens=16)]
+
+    body = {**BODY, "prompt": list(range(1, 20)), "stream": stream,
+            "stream_options": {"include_usage": True}} if stream else {**BODY, "prompt":
+                                                                       list(range(1, 20))}
+    with running_app(FakeRouter(script), tokenizer=word_tokenizer()) as (address, door):
+        status, reply = post(address, "/v1/completions", body)
+        metrics = door.metrics.registry.get_sample_value("disagg:prompt_tokens_cached_total",
+                                                         {"model_name": door.model_name})
+    if stream:
+        reply = json.loads([e for e in reply.split("\n\n") if '"usage":{' in e][-1][6:])
+    assert status == 200
+    assert reply["usage"]["prompt_tokens_details"] == {"cached_tokens": 16}
+    assert reply["usage"]["prompt_tokens"] == 19
+    assert metrics == 16
 
 
 def test_past_the_admission_limit_is_429() -> None:

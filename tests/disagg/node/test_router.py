@@ -1,0 +1,139 @@
+"""The router's choice of decoder: least loaded, or KV-aware (issue 18), over real control
+connections to stand-in decoders that record what they were sent."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import pytest
+
+from disagg.engine.request import RequestState
+from disagg.kv_transfer.channel import Channel, format_address, listen
+from disagg.kv_transfer.messages import RequestEvent, Submit
+from disagg.node.prefix_index import (
+    PrefixIndex,
+    RoutingConfig,
+    RoutingPolicy,
+    block_digests,
+    pick_decoder,
+)
+from disagg.node.router import Router
+
+
+class FakeDecoder:
+    """Accepts the router's connection, records each Submit; `finish` answers one."""
+
+    def __init__(self) -> None:
+        self._server = listen("127.0.0.1:0")
+        host, port = self._server.getsockname()[:2]
+        self.address = format_address(host, port)
+        self.submits: list[Submit] = []
+        self.channel: Channel | None = None
+        threading.Thread(target=self._serve, daemon=True).start()
+
+    def _serve(self) -> None:
+        sock, _ = self._server.accept()
+        self.channel = Channel(sock, "router")
+        while True:
+            try:
+                message = self.channel.recv()
+            except Exception:  # noqa: BLE001 - the router closed: the test is over
+                return
+            if isinstance(message, Submit):
+                self.submits.append(message)
+
+    def finish(self, request_id: str, output: list[int]) -> None:
+        assert self.channel is not None
+        self.channel.send(RequestEvent(request_id, RequestState.RUNNING, output[:-1]))
+        self.channel.send(RequestEvent(request_id, RequestState.FINISHED_LENGTH, output[-1:]))
+
+
+def submit(router: Router, request_id: str, prompt: list[int]) -> int:
+    return router.submit(Submit(request_id, prompt, max_tokens=4))
+
+
+def wait_for_terminal(router: Router, count: int) -> None:
+    seen = 0
+    while seen < count:
+        seen += router.events.get(timeout=5).state.is_terminal()
+
+
+@pytest.fixture
+def decoders() -> list[FakeDecoder]:
+    return [FakeDecoder() for _ in range(3)]
+
+
+def test_a_follow_up_goes_where_its_prefix_went(decoders: list[FakeDecoder]) -> None:
+    """Turn 2 of a conversation (turn 1 + answer + more) follows turn 1, though that decoder
+    is busier than the others (within the margin); a stranger goes to the least loaded."""
+    router = Router([d.address for d in decoders], RoutingConfig(load_margin=4, block_size=4))
+    busy = submit(router, "busy", list(range(100, 120)))
+    turn1 = list(range(1, 18))
+    first = submit(router, "t1", turn1)
+    assert first != busy  # no match anywhere: least loaded
+    submit(router, "other", list(range(200, 220)))  # keeps another decoder busy
+    decoders[first].finish("t1", [50, 51, 52, 53])
+    wait_for_terminal(router, 1)
+    strangers = iter(range(10))
+    while router.in_flight[first] <= min(router.in_flight):  # make `first` the busiest
+        submit(router, f"x{next(strangers)}", list(range(300, 320)))
+    turn2 = turn1 + [50, 51, 52, 53] + [7, 8, 9]
+    # Turn 1 and the answer but its last token (not computed): 20 tokens, five blocks.
+    assert router.index.matched_tokens(first, block_digests(turn2, 4)) == 20
+    assert submit(router, "t2", turn2) == first
+    router.close()
+
+
+def test_a_decoder_loaded_past_the_margin_loses_its_prefix(decoders: list[FakeDecoder]) -> None:
+    router = Router([d.address for d in decoders], RoutingConfig(load_margin=1, block_size=4))
+    prompt = list(range(1, 30))
+    first = submit(router, "a", prompt)
+    assert submit(router, "b", prompt) == first  # 1 more in flight than the idle ones: within
+    third = submit(router, "c", prompt)  # 2 more than the least loaded: past the margin
+    assert third != first
+    router.close()
+
+
+def test_least_loaded_ignores_prefixes(decoders: list[FakeDecoder]) -> None:
+    router = Router([d.address for d in decoders],
+                    RoutingConfig(RoutingPolicy.LEAST_LOADED, block_size=4))
+    prompt = list(range(1, 30))
+    assert sorted(submit(router, f"r{i}", prompt) for i in range(3)) == [0, 1, 2]
+    router.close()
+
+
+def test_a_dead_decoder_is_forgotten(decoders: list[FakeDecoder]) -> None:
+    router = Router([d.address for d in decoders], RoutingConfig(block_size=4))
+    prompt = list(range(1, 30))
+    first = submit(router, "a", prompt)
+    deadline = time.monotonic() + 5
+    while decoders[first].channel is None and time.monotonic() < deadline:
+        time.sleep(0.01)
+    decoders[first].channel.close()  # type: ignore[union-attr]
+    assert router.events.get(timeout=5).state is RequestState.FINISHED_FAILED
+    assert router.index.matched_tokens(first, block_digests(prompt, 4)) == 0
+    assert submit(router, "b", prompt) != first
+    router.close()
+
+
+def test_the_index_is_bounded_and_forgets_the_oldest_blocks() -> None:
+    index = PrefixIndex(1, block_size=2, capacity=3)
+    old, new = block_digests([1, 2, 3, 4], 2), block_digests([5, 6, 7, 8], 2)
+    index.add(0, old)
+    index.add(0, new)
+    assert index.matched_tokens(0, new) == 4
+    assert index.matched_tokens(0, old) == 0  # its first block went first
+
+
+def test_ties_go_to_the_least_loaded() -> None:
+    assert pick_decoder([0, 1], load=[3, 1], matched=[16, 16], margin=8) == 1
+    assert pick_decoder([0, 1], load=[3, 1], matched=[0, 0], margin=8) == 1
+
+
+def test_an_unknown_policy_is_a_config_error() -> None:
+    from disagg.errors import ConfigError
+
+    with pytest.raises(ConfigError, match="round-robin"):
+        RoutingConfig.parse("round-robin")
+    assert RoutingConfig.parse("least-loaded").policy is RoutingPolicy.LEAST_LOADED
