@@ -114,10 +114,9 @@ class DecodeMessenger:
         """Use a prefiller whose handshake succeeded; returns its index."""
         cache = self._parts.kv_cache
         theirs = Sharding(ack.tp, cache.num_kv_heads, ack.replicated_kv)
-        geometry = PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
-                                cache.shards[0].element_size)
         # The prefiller plans with the same function: both sides agree on the count (S6b).
-        self._page_writes.append(writes_per_page(theirs, cache.sharding, geometry))
+        self._page_writes.append(writes_per_page(theirs, cache.sharding,
+                                                 PageGeometry.of(cache)))
         self.prefillers.append(channel)
         self.alive.append(True)
         self._load.append(0)

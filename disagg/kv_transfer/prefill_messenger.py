@@ -49,10 +49,8 @@ from disagg.kv_transfer.transfer_context import (
 )
 from disagg.kv_transfer.transfer_plan import (
     PageGeometry,
-    PageWrite,
-    assign_source_sets,
     pages_to_send,
-    plan_page_writes,
+    plan_request,
 )
 from disagg.model.layer_counter import LayerCounter
 from disagg.utils.trace import Tracer
@@ -111,7 +109,8 @@ class PrefillMessenger:
     def add_peer(self, hello: Hello, channel: Channel) -> DecoderPeer:
         """Accept a decoder whose handshake was validated: parse its descriptors and open the
         fabric connection to it (warm, before its first request)."""
-        peer = parse_peer(hello, channel, self.num_layers, self._geometry, self._slots.slot_nbytes)
+        peer = parse_peer(hello, channel, self.num_layers, PageGeometry.of(self.kv_cache),
+                          self._slots.slot_nbytes)
         # tcp;ofi_rxm connects on the first write (25-80 ms); pay it now, not in a request's
         # first layer. A peer we cannot reach fails its handshake with a TransferError.
         self.transfer.connect(hello.engine_address, timeout_s=CONNECT_TIMEOUT_S)
@@ -135,21 +134,6 @@ class PrefillMessenger:
         """Requests being prefilled or transferred."""
         return len(self._transfers)
 
-    @property
-    def _geometry(self) -> PageGeometry:
-        cache = self.kv_cache
-        return PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
-                            cache.shards[0].element_size)
-
-    def _plan(self, peer: DecoderPeer) -> list[PageWrite]:
-        """This request's page plan. Equal shardings: rank i to rank i (S6a); otherwise a
-        random source replica set per destination set, so every source device sends (S6c)."""
-        ours = self.kv_cache.sharding
-        matched = ours == peer.sharding and not ours.replicated
-        rng = None if matched else self._rng
-        return plan_page_writes(ours, peer.sharding, self._geometry,
-                                assign_source_sets(ours, peer.sharding, rng))
-
     def start_request(self, message: KVRequest, peer: DecoderPeer) -> None:
         """Validate a decoder's request and queue its prefill; raises `RequestError`."""
         key = f"{peer.peer_id}/{message.request_id}"
@@ -167,7 +151,9 @@ class PrefillMessenger:
         held = message.num_cached_tokens // self.kv_cache.page_size
         self._transfers[key] = Transfer(
             key, message.request_id, request, peer, message.imm, list(message.dst_page_ids),
-            message.context_slot, self._plan(peer), num_held_pages=held, num_sent_pages=held,
+            message.context_slot, plan_request(self.kv_cache.sharding, peer.sharding,
+                                               PageGeometry.of(self.kv_cache), self._rng),
+            num_held_pages=held, num_sent_pages=held,
             received_at=time.time())
 
     def fail_peer(self, peer: DecoderPeer, reason: str) -> None:

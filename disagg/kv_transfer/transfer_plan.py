@@ -14,6 +14,7 @@ from __future__ import annotations
 import random
 from dataclasses import dataclass
 
+from disagg.model.kv_cache import KVCache
 from disagg.model.sharding import Sharding
 
 CONTEXT_WRITES = 1  # hidden state + logits of the last prefilled position, one slot
@@ -113,6 +114,12 @@ class PageGeometry:
     head_dim: int
     element_size: int
 
+    @staticmethod
+    def of(cache: KVCache) -> PageGeometry:
+        """The geometry of `cache`'s pages."""
+        return PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
+                            cache.shards[0].element_size)
+
     def page_nbytes(self, num_heads: int) -> int:
         """Bytes of one page (K and V) on a rank holding `num_heads` heads."""
         return 2 * self.page_size * num_heads * self.head_dim * self.element_size
@@ -176,6 +183,15 @@ def plan_page_writes(src: Sharding, dst: Sharding, geometry: PageGeometry,
                            for (s_off, nbytes), (d_off, _) in zip(src_segments, dst_segments,
                                                                    strict=True)]
     return writes
+
+
+def plan_request(ours: Sharding, theirs: Sharding, geometry: PageGeometry,
+                 rng: random.Random) -> list[PageWrite]:
+    """One request's page plan. Equal shardings: rank i to rank i (S6a); otherwise a random
+    source replica set per destination set, so every source device sends (S6c)."""
+    matched = ours == theirs and not ours.replicated
+    return plan_page_writes(ours, theirs, geometry,
+                            assign_source_sets(ours, theirs, None if matched else rng))
 
 
 def _head_runs(src: Sharding, dst: Sharding, source_set: list[int], dst_rank: int
