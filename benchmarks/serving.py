@@ -100,13 +100,14 @@ def make_stream(args: argparse.Namespace, vocab_size: int) -> list[Arrival]:
 
 
 class Server:
-    """`disagg serve cluster` in one mode, its nodes pinned one per core."""
+    """`disagg serve cluster` with `flags` (see `MODE_FLAGS`), its nodes pinned one per core
+    (`args.cores`, which must list one core per node)."""
 
-    def __init__(self, args: argparse.Namespace, mode: str, log: Path) -> None:
+    def __init__(self, args: argparse.Namespace, flags: list[str], log: Path) -> None:
         command = [sys.executable, "-m", "disagg.apps.cli", "serve", "cluster",
                    "--model", args.model, "--port", "0", "--served-model-name", "bench",
                    "--page-size", str(args.page_size), "--num-pages", str(args.num_pages),
-                   "--chunk-size", str(args.chunk_size), *MODE_FLAGS[mode]]
+                   "--chunk-size", str(args.chunk_size), *flags]
         env = dict(os.environ, **({} if args.malloc_defaults else MALLOC_TUNING))
         self.log = log
         with log.open("w") as stderr:
@@ -188,7 +189,7 @@ async def replay(url: str, stream: list[Arrival], warmup: int, timeout_s: float
 def run_mode(args: argparse.Namespace, mode: str, stream: list[Arrival]) -> dict[str, Any]:
     """Start the server, wait for a quiet machine, replay the stream, stop it."""
     with tempfile.TemporaryDirectory(prefix=f"serving-{mode}-") as scratch:
-        server = Server(args, mode, Path(scratch) / "server.log")
+        server = Server(args, MODE_FLAGS[mode], Path(scratch) / "server.log")
         try:
             pids = {**dict(server.nodes), "front door": server.process.pid, "client": os.getpid()}
             quiet = wait_for_quiet(list(pids.values()), args.quiet_wait_s)
