@@ -50,10 +50,11 @@ def describe_trace(node: str, event: dict) -> str | None:
     return None
 
 
-def serve(router: Router, request_id: str, timeline: Timeline) -> None:
-    """Send the prompt and record the router's events until the request ends."""
-    router.submit(Submit(request_id, PROMPT, max_tokens=4))
-    timeline.append((time.time(), "router", f"submit {request_id}: {len(PROMPT)} tokens"))
+def serve(router: Router, request_id: str, timeline: Timeline,
+          prompt: list[int] = PROMPT) -> None:
+    """Send `prompt` and record the router's events until the request ends."""
+    router.submit(Submit(request_id, prompt, max_tokens=4))
+    timeline.append((time.time(), "router", f"submit {request_id}: {len(prompt)} tokens"))
     while True:
         event = router.events.get(timeout=60)
         timeline.append((time.time(), "router", describe_event(event)))
@@ -71,8 +72,9 @@ def main() -> None:
             router = Router(cluster.decoder_addresses)
             # A warm-up request first, so the one-time costs of each node's first steps stay
             # out of the timeline. (Not the fabric connection: the prefiller opened that at
-            # handshake, with `TransferEngine.connect`.)
-            serve(router, "warm-up", [])
+            # handshake, with `TransferEngine.connect`.) Another prompt: the prefix cache
+            # would otherwise hand req-1 the warm-up's pages (tutorial 11).
+            serve(router, "warm-up", [], prompt=list(range(200, 240)))
             time.sleep(0.1)
             start = time.time()
             serve(router, "req-1", timeline)

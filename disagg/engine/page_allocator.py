@@ -1,4 +1,4 @@
-"""Which KV pages are free, which requests hold them, and which must not move (S2a, S4b).
+"""Which KV pages are free, which requests hold them, and which must not move (S2a, S4b, X2a).
 
 A *pinned* page is non-evictable: its request waits for KV that another node is writing into it
 (S2a), so the scheduler may not preempt that request and nobody may free the page until it is

@@ -1,4 +1,4 @@
-"""Full pages kept after their request ends, found again by what they hold (prefix caching).
+"""Full pages kept after their request ends, found again by what they hold (prefix caching, X2a).
 
 A full page is named by a chained digest: SHA-256 of the salt (model, layout, page size), the
 parent page's digest and the page's own token ids. So one digest names a whole prefix, and two

@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill under a token budget (S1, S3a).
+"""Continuous batching with chunked prefill under a token budget (S1, S3a, X2a).
 
 NOTE on the algorithm. There is no "prefill phase" or "decode phase" in the state: each request
 only has `num_computed_tokens` (K/V in the cache) and `num_tokens` (prompt plus outputs), and

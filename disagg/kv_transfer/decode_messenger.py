@@ -9,6 +9,8 @@ with every prompt token but the last already computed; the engine's next step ru
 prompt token as an ordinary decode step (S8). No message says "done": the writes' immediates do.
 KV memory the NIC cannot reach is staged (S5): writes land in a host shadow, copied into the
 cache when the counter fires, before the checksum and the release (`transfer_core.staging`).
+With prefix caching (X2b) the request first takes the pages of its longest cached prefix; the
+prefiller is asked only for the rest, or not at all when all but the last token is here.
 
 Failures (issue 8): a request whose KV misses its deadline is cancelled at the prefiller and
 retried once; a client abort cancels it; a dead prefiller's requests are retried elsewhere or

@@ -6,9 +6,11 @@ plans, per request, the pages those chunks complete. The model bumps a layer cou
 layer's attention output projection; a `CounterPoller` thread sees every bump and posts that
 layer's page writes at once, while the forward moves on (S3b). After the request's last chunk
 it writes the context slot (hidden state and logits, S4a), and when every write has completed
-it frees the source pages and finishes the request (S4b). Every write carries the request's
-immediate value; the decoder counts them (S4c). KV memory the NIC cannot read is staged: a
-layer's pages are copied to a host shadow just before they are posted (S5, `staging.py`).
+it frees the source pages and finishes the request (S4b). Pages the decoder holds already are
+never written; pages found in this node's prefix cache go with the first chunk (X2b). Every
+write carries the request's immediate value; the decoder counts them (S4c). KV memory the NIC
+cannot read is staged: a layer's pages are copied to a host shadow just before they are posted
+(S5, `staging.py`).
 Threads: the engine's (plans, context, frees), the poller's (staging, page writes), the transfer
 engine's (completions, which only count). Wired once by the node's builder: the model bumps the
 counter given here, the engine tells this `StepObserver` of every step, `wake` rings the node's

@@ -1,4 +1,5 @@
-"""Which pages to write after each chunk, and how many writes a decoder must expect (S3, S4c).
+"""Which pages to write after each chunk, and how many writes a decoder must expect (S3, S4c,
+X2b).
 
 A page is written once, when it is complete: either all its tokens are computed, or it holds
 the last prefilled token. So the number of writes depends only on the prompt length, never on

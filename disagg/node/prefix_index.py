@@ -1,4 +1,4 @@
-"""The router's estimate of what each decoder has cached, for KV-aware routing (issue 18).
+"""The router's estimate of what each decoder has cached, for KV-aware routing (X2c).
 
 The router never asks the decoders what they hold: it remembers, per decoder, the chained
 digests of the token blocks it has sent there (prompts when routed, prompts plus outputs when

@@ -1,4 +1,4 @@
-"""The router: sends each request to a decoder and collects its events (S2a).
+"""The router: sends each request to a decoder and collects its events (S2a, X2c).
 
 Requests start at decoders; the router only picks which one: the least loaded, or (the
 default) the one most likely to hold the prompt's prefix in its cache unless it is loaded past
