@@ -8,6 +8,7 @@ below `num_tokens` (prompt plus generated tokens).
 from __future__ import annotations
 
 import enum
+import math
 from dataclasses import dataclass, field
 
 import torch
@@ -57,6 +58,9 @@ class FailureCause(enum.Enum):
     ABORTED = "aborted"  # the client gave up
 
 
+GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM's do)
+
+
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     """How to pick each next token. `temperature == 0` means greedy."""
@@ -72,8 +76,13 @@ class SamplingParams:
     def __post_init__(self) -> None:
         if self.max_tokens <= 0:
             raise RequestError(f"max_tokens must be positive, got {self.max_tokens}")
-        if self.temperature < 0:
-            raise RequestError(f"temperature must be >= 0, got {self.temperature}")
+        if not math.isfinite(self.temperature) or self.temperature < 0:
+            raise RequestError(f"temperature must be finite and >= 0, got {self.temperature}")
+        if self.temperature < GREEDY_BELOW:
+            # Logits divided by so small a temperature overflow to inf: it is greedy anyway.
+            object.__setattr__(self, "temperature", 0.0)
+        if self.seed is not None and not 0 <= self.seed < 2**63:
+            raise RequestError(f"seed must be in [0, 2**63), got {self.seed}")
         if not 0 < self.top_p <= 1:
             raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
         if self.top_k < 0:

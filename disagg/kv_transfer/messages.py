@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import ProtocolError
 
-PROTOCOL_VERSION = 1
+PROTOCOL_VERSION = 2  # 2: prefix caching's fields (KVRequest, RequestEvent), Submit.ignore_eos
 MAGIC = b"DG"
 HEADER = struct.Struct("!2sBBI")  # magic, version, type (| TAGGED), payload length
 TAGGED = 0x80  # set in the type byte when an HMAC tag follows the payload
@@ -142,6 +142,7 @@ class Submit(Message):
     top_p: float = 1.0
     top_k: int = 0
     seed: int = -1  # -1: unseeded
+    ignore_eos: bool = False  # generate max_tokens whatever the model says (load generators)
 
 
 @dataclass(frozen=True, slots=True)

@@ -89,6 +89,14 @@ def decode_metrics(node: DecodeNode) -> Metrics:
     return metrics
 
 
+def sampling_params(message: Submit) -> SamplingParams:
+    """What a router's `Submit` asks for; `RequestError` for values no sampler can take."""
+    return SamplingParams(max_tokens=message.max_tokens, temperature=message.temperature,
+                          top_p=message.top_p, top_k=message.top_k,
+                          seed=None if message.seed < 0 else message.seed,
+                          ignore_eos=message.ignore_eos)
+
+
 class DecodeNode(NodeBase):
     """One decoder, fed by one or more prefillers."""
 
@@ -251,10 +259,8 @@ class DecodeNode(NodeBase):
                          detail="aborted by the client")
 
     def _submit(self, channel: Channel, message: Submit) -> None:
-        params = SamplingParams(max_tokens=message.max_tokens, temperature=message.temperature,
-                                top_p=message.top_p, top_k=message.top_k,
-                                seed=None if message.seed < 0 else message.seed)
         try:
+            params = sampling_params(message)
             request = Request(message.request_id, list(message.prompt_token_ids), params,
                               self.engine.model.config.eos_token_ids)
             self._clients[request.request_id] = channel

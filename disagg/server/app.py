@@ -80,7 +80,8 @@ class FrontDoor:
                                  f"a decoder's KV cache of {cache} tokens", param)
         temperature = 1.0 if body.temperature is None else body.temperature
         return Sampling(max_tokens, temperature,
-                        1.0 if body.top_p is None else body.top_p, max(body.top_k, 0), body.seed)
+                        1.0 if body.top_p is None else body.top_p, max(body.top_k, 0), body.seed,
+                        body.ignore_eos)
 
 
 def build_app(door: FrontDoor) -> FastAPI:
@@ -150,7 +151,7 @@ async def serve(door: FrontDoor, request: Request, body: SamplingFields, prompt:
     door.metrics.running.inc()
     if body.stream:
         chunks = stream_chunks(door, generation, envelope, len(prompt), chat,
-                               body.include_usage(), request)
+                               body.include_usage(), request, body.continuous_usage())
         return StreamingResponse(chunks, media_type="text/event-stream")
     try:
         text, ids = await until_done_or_gone(request, collect(generation))
@@ -224,14 +225,22 @@ async def wait_disconnect(request: Request) -> None:
 
 async def stream_chunks(door: FrontDoor, generation: Generation,
                         envelope: responses.Envelope, prompt_tokens: int, chat: bool,
-                        include_usage: bool, request: Request) -> AsyncIterator[bytes]:
+                        include_usage: bool, request: Request,
+                        continuous_usage: bool = False) -> AsyncIterator[bytes]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
+
+    def running_usage() -> dict[str, Any]:  # vLLM's continuous_usage_stats: usage so far
+        if include_usage and continuous_usage:
+            return {"usage": responses.usage(prompt_tokens, generation.completion_tokens,
+                                             generation.cached_tokens)}
+        return extra
+
     reason = "abort"  # unless the loop below ends the request
     try:
         if chat:
             first = responses.chat_delta({"role": "assistant", "content": ""}, None)
-            yield responses.sse(envelope.wrap(kind, [first], **extra))
+            yield responses.sse(envelope.wrap(kind, [first], **running_usage()))
         async for delta in while_connected(request, generation.deltas()):
             if chat:
                 content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
@@ -239,7 +248,7 @@ async def stream_chunks(door: FrontDoor, generation: Generation,
             else:
                 choice = responses.completion_choice(delta.text, delta.finish_reason,
                                                      delta.token_ids)
-            yield responses.sse(envelope.wrap(kind, [choice], **extra))
+            yield responses.sse(envelope.wrap(kind, [choice], **running_usage()))
         reason = generation.finish_reason or "error"
         if include_usage:
             yield responses.sse(envelope.wrap(kind, [], usage=responses.usage(

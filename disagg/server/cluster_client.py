@@ -32,6 +32,7 @@ class Sampling:
     top_p: float = 1.0
     top_k: int = 0
     seed: int | None = None
+    ignore_eos: bool = False
 
 
 class RequestStream:
@@ -105,7 +106,7 @@ class ClusterClient:
         try:
             self.router.submit(Submit(request_id, prompt_token_ids, sampling.max_tokens,
                                       sampling.temperature, sampling.top_p, sampling.top_k,
-                                      seed))
+                                      seed, sampling.ignore_eos))
         except PeerClosedError as error:
             self.release(request_id)
             raise Unavailable(f"no decoder can take the request: {error}") from None

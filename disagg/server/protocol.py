@@ -2,8 +2,10 @@
 
 Field names, types and defaults follow the OpenAI API reference. Fields we do not implement
 are accepted only at their "off" value (`n` 1, `logprobs` null, ...), so a client never gets a
-silently different answer; `top_k` is an extension (0 or -1: off). Unknown fields are ignored,
-as most OpenAI-compatible servers do, since clients send fields of newer API versions.
+silently different answer. Extensions, as vLLM and SGLang take them: `top_k` (0 or -1: off),
+`ignore_eos` (load generators ask for exactly `max_tokens`), `stream_options.
+continuous_usage_stats` (usage in every chunk). Unknown fields are ignored, as most
+OpenAI-compatible servers do, since clients send fields of newer API versions.
 """
 
 from __future__ import annotations
@@ -26,6 +28,7 @@ class StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
 
     include_usage: bool = False
+    continuous_usage_stats: bool = False
 
 
 class SamplingFields(BaseModel):
@@ -47,6 +50,7 @@ class SamplingFields(BaseModel):
     frequency_penalty: Literal[0, 0.0] | None = None
     logit_bias: None = None
     user: str | None = None
+    ignore_eos: bool = False
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -58,6 +62,9 @@ class SamplingFields(BaseModel):
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
+
+    def continuous_usage(self) -> bool:
+        return self.stream_options is not None and self.stream_options.continuous_usage_stats
 
 
 class CompletionRequest(SamplingFields):

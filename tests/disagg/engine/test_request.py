@@ -28,3 +28,29 @@ def test_appending_tokens_finishes_by_length_or_eos(tokens: list[int],
         request.append_token(token)
     assert request.state is state
     assert request.is_finished == state.is_terminal()
+
+
+@pytest.mark.parametrize(("fields", "message"), [
+    ({"temperature": float("nan")}, "temperature must be finite"),
+    ({"temperature": float("inf")}, "temperature must be finite"),
+    ({"seed": 2**70}, "seed must be in"),
+    ({"seed": -1}, "seed must be in"),
+    ({"max_tokens": 0}, "max_tokens must be positive"),
+])
+def test_sampling_values_no_sampler_can_take_are_refused(fields: dict, message: str) -> None:
+    from disagg.errors import RequestError
+
+    with pytest.raises(RequestError, match=message):
+        SamplingParams(**fields)
+
+
+def test_a_vanishing_temperature_samples_greedily() -> None:
+    """Logits / 1e-300 overflow to inf (softmax NaN): such a temperature is greedy."""
+    import torch
+
+    from disagg.engine.sampling import sample_token
+
+    params = SamplingParams(temperature=1e-300, seed=3)
+    assert params.temperature == 0.0
+    logits = torch.tensor([0.1, 2.0, 1.9])
+    assert sample_token(logits, params, torch.Generator().manual_seed(3)) == 1

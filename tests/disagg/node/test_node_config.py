@@ -107,3 +107,18 @@ def test_decode_options_reach_the_config(served: list[NodeConfig]) -> None:
                                          retry_on_prefiller_failure=False)
     assert config.speculative is not None
     assert (config.speculative.kind, config.speculative.num_draft_tokens) == ("mtp", 2)
+
+
+def test_a_submit_becomes_the_sampling_it_asks_for() -> None:
+    """Every sampling field of the wire message reaches the request, `ignore_eos` included;
+    a value no sampler can take is a `RequestError` (answered, never a crash)."""
+    from disagg.errors import RequestError
+    from disagg.kv_transfer.messages import Submit
+    from disagg.node.decode_node import sampling_params
+
+    params = sampling_params(Submit("r", [1, 2], 7, 0.5, 0.9, 3, 11, ignore_eos=True))
+    assert (params.max_tokens, params.temperature, params.top_p, params.top_k, params.seed,
+            params.ignore_eos) == (7, 0.5, 0.9, 3, 11, True)
+    assert sampling_params(Submit("r", [1], 4)).seed is None
+    with pytest.raises(RequestError):
+        sampling_params(Submit("r", [1], 0))

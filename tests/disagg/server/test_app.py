@@ -156,3 +156,24 @@ def test_unknown_paths_answer_in_the_openai_error_shape(path: str) -> None:
         status, reply = post(address, path, BODY)
     assert status == 404
     assert set(reply["error"]) == {"message", "type", "param", "code"}
+
+
+def test_ignore_eos_reaches_the_decoder() -> None:
+    """vLLM's extension, which load generators send to get exactly `max_tokens`."""
+    router = FakeRouter(script_of((words("hello"), LENGTH)))
+    with running_app(router, tokenizer=word_tokenizer()) as (address, _):
+        post(address, "/v1/completions", {**BODY, "ignore_eos": True})
+        post(address, "/v1/completions", BODY)
+    assert [s.ignore_eos for s in router.submitted] == [True, False]
+
+
+def test_continuous_usage_stats_puts_usage_in_every_chunk() -> None:
+    router = FakeRouter(script_of((words("hello"), RUN), (words("world"), LENGTH)))
+    options = {"include_usage": True, "continuous_usage_stats": True}
+    with running_app(router, tokenizer=word_tokenizer()) as (address, _):
+        status, raw = post(address, "/v1/completions",
+                           {**BODY, "stream": True, "stream_options": options})
+    chunks = [json.loads(e[6:]) for e in raw.split("\n\n") if e.startswith("data: {")]
+    assert status == 200
+    assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 2]  # the last: usage only
+    assert chunks[-1]["choices"] == []
