@@ -128,3 +128,26 @@ def test_a_bad_num_cached_tokens_is_refused_by_the_prefiller(make_harness: MakeH
             h.prefill.start_request(message, h.peer)
     assert not h.prefill_engine.has_unfinished()
     h.check_clean()
+
+
+def test_pages_whose_writes_are_in_flight_survive_any_eviction(make_harness: MakeHarness) -> None:
+    """The prefiller found a request's first pages in its cache and is sending them: while the
+    writes are parked, allocating every free page (evicting every cached page nobody holds)
+    never hands out one of them, and once the writes land the request decodes right."""
+    h = make_harness(decode_prefix_caching=False)
+    prompt = random_prompt(18, seed=9)
+    serve(h, prompt, "warm")  # the prefiller now caches 4 full pages of this prompt
+    h.prefill_transfer.hold()
+    request = h.submit(prompt, "r")
+    h.run_until(lambda: not h.prefill_engine.has_unfinished() and h.prefill.num_in_flight == 1)
+    (transfer,) = h.prefill._transfers.values()
+    allocator = h.prefill_parts.allocator
+    in_flight = transfer.request.page_ids
+    assert transfer.request.num_cached_tokens == 16 and h.prefill_transfer.held_writes() > 0
+    taken = allocator.allocate(allocator.num_free)  # every empty page, every evictable one
+    assert not set(taken) & set(in_flight)
+    allocator.free(taken)
+    h.prefill_transfer.release()
+    h.run_to_end(request)
+    assert request.output_token_ids == single_node_tokens(prompt)
+    h.check_clean()
