@@ -141,9 +141,10 @@ def test_demo_trace_has_every_kind_per_process(tmp_path: Path,
                                for n in (13, 30, 7)))
     out = tmp_path / "demo.json"
     with pytest.raises(SystemExit) as exit_info:
+        # Least-loaded: the prompts share a prefix, which prefix routing keeps on one decoder.
         main(["demo", "--model", "tiny", "--decoders", "2", "--max-tokens", "4", "--page-size",
               "4", "--chunk-size", "8", "--prompts-file", str(prompts), "--json",
-              "--trace", str(out)])
+              "--trace", str(out), "--routing", "least-loaded"])
     assert exit_info.value.code in (0, None)
     capsys.readouterr()
     trace = json.loads(out.read_text())
