@@ -8,6 +8,8 @@ token sampled last step. So a step naturally mixes prefill chunks with decodes (
 of S1), and the chunk that closes a request's gap is the one whose last row is sampled.
 Running requests go first, oldest first, so decodes are not starved by new prompts; when pages
 run out the newest unpinned running request is preempted (its pages freed, recomputed later).
+A prefiller never preempts: its pages may be read by RDMA writes already posted, so it admits
+a request only with every page it will need.
 With a prefix cache, a request admitted with no pages first takes the cached pages of its
 longest cached prefix and starts computing after them (never its last token: that one must run
 to be sampled); full pages are registered as soon as their tokens' KV is computed.
@@ -83,7 +85,11 @@ class Scheduler:
             request = self.waiting[0]
             hit = self.take_cached_prefix(request)
             num_tokens = self._chunk_len(request, budget)
-            if num_tokens == 0 or not self._reserve_pages(request, num_tokens, None):
+            # A prefiller reserves a request's every page up front: its pages are written out
+            # while it is still being prefilled (S3), so it must never be preempted (S4b).
+            reserve = (request.num_tokens - request.num_computed_tokens
+                       if self.config.mode == "prefill_only" else num_tokens)
+            if num_tokens == 0 or not self._reserve_pages(request, reserve, None):
                 if hit:  # hold nothing while waiting: the pages may serve someone else
                     self.release_cached_prefix(request)
                 break
@@ -235,6 +241,8 @@ class Scheduler:
         return True
 
     def _pick_victim(self, scheduled: set[int]) -> Request | None:
+        if self.config.mode == "prefill_only":
+            return None  # its requests hold all their pages from admission: nothing to take
         for request in reversed(self.running):
             pinned = any(self.allocator.is_pinned(p) for p in request.page_ids)
             if id(request) not in scheduled and not pinned:

@@ -90,6 +90,28 @@ def test_pinned_requests_are_never_preempted() -> None:
     assert a.page_ids == []
 
 
+def test_a_prefiller_admits_a_request_only_with_all_its_pages_and_never_preempts() -> None:
+    """Prefill-only: a prompt's pages are written out chunk by chunk while it is prefilled, so
+    a running request must never lose them. A second prompt that would need them waits until
+    the first is done, chunks of both never interleave into a preemption."""
+    config = SchedulerConfig(max_num_seqs=8, max_num_batched_tokens=8, chunk_size=4,
+                             mode="prefill_only")
+    scheduler = Scheduler(config, PageAllocator(6), page_size=2, max_model_len=4096)
+    a, b = make_request("a", 10, max_tokens=1), make_request("b", 4, max_tokens=1)
+    scheduler.add_request(a)
+    scheduler.add_request(b)
+    assert run_step(scheduler) == [("a", 0, 4)]  # b's 2 pages are not there: a holds 5 of 6
+    assert len(a.page_ids) == 5 and list(scheduler.waiting) == [b]
+    pages = list(a.page_ids)
+    while a in scheduler.running:
+        run_step(scheduler)
+        assert a.page_ids == pages or a not in scheduler.running  # never taken from a
+    assert a.state is RequestState.TRANSFERRING
+    scheduler.allocator.free(a.page_ids)  # the messenger frees them once its writes are done
+    a.page_ids = []
+    assert run_step(scheduler) == [("b", 0, 4)]
+
+
 def test_prompt_too_long_is_refused() -> None:
     """A request that can never fit in the cache is refused with a reason, not queued."""
     scheduler = make_scheduler(num_pages=2, page_size=4)

@@ -89,6 +89,8 @@ class Harness:
     kv_layout: str = "NHD"
     prefill_prefix_caching: bool = True  # each side's prefix cache (issue 18)
     decode_prefix_caching: bool = True
+    prefill_num_pages: int = CACHE.num_pages
+    prefill_budget: int = PREFILL_CHUNK  # tokens per prefill step (chunks stay PREFILL_CHUNK)
     to_prefiller: list[Message] = field(default_factory=list)  # every message, in order
     to_decoder: list[Message] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # of every decode_messenger.poll()
@@ -98,12 +100,13 @@ class Harness:
         self.fabric = LoopbackFabric()
         self.prefill_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
         self.decode_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
-        prefill_cache = replace(CACHE, kv_layout=self.kv_layout,
+        prefill_cache = replace(CACHE, kv_layout=self.kv_layout, num_pages=self.prefill_num_pages,
                                 prefix_caching=self.prefill_prefix_caching)
         decode_cache = replace(CACHE, kv_layout=self.kv_layout,  # as the builder does for MTP
                                prefix_caching=self.decode_prefix_caching and not self.draft_kv)
         prefill_config = EngineConfig(loaded.config, prefill_cache, SchedulerConfig(
-            chunk_size=PREFILL_CHUNK, max_num_batched_tokens=PREFILL_CHUNK, mode="prefill_only"))
+            chunk_size=PREFILL_CHUNK, max_num_batched_tokens=self.prefill_budget,
+            mode="prefill_only"))
         self.counter = LayerCounter.for_device("cpu")
         self.prefill_parts = EngineParts.build(prefill_config, load_transformer(
             prefill_config, loaded.state_dict, self.counter))

@@ -20,6 +20,7 @@ from tests.disagg.kv_transfer.messenger_harness import (
     Harness,
     random_prompt,
     receive_ready,
+    single_node_tokens,
     tiny_model,
 )
 
@@ -153,3 +154,19 @@ def test_fail_peer_ends_every_request_of_that_peer_only(make_harness: MakeHarnes
     assert receive_ready(other_channel) == []  # the other decoder is told nothing
     assert h.decode_transfer.imm_counted(999) == expected_write_count(
         10, CACHE.page_size, tiny_model().config.num_layers)
+
+
+def test_a_prefiller_short_of_pages_never_frees_pages_it_is_still_sending(
+        make_harness: MakeHarness) -> None:
+    """Four 30-token prompts at once into a prefiller of 20 pages (each needs 8), prefilled
+    side by side (a budget of four chunks): it used to preempt a request whose pages had
+    writes posted, reuse those pages and rewrite them, so the decoder's counter fired early
+    (a checksum failure and a retry). Now requests wait for pages instead: no retry, and
+    every request decodes the single-node tokens."""
+    h = make_harness(prefill_num_pages=20, prefill_budget=20)
+    prompts = [random_prompt(30, seed=40 + i) for i in range(4)]
+    requests = [h.submit(p, f"r{i}") for i, p in enumerate(prompts)]
+    h.run_until(lambda: all(r.is_finished for r in requests) and h.idle(), timeout_s=20)
+    assert [o.cause for o in h.outcomes] == [None] * 4  # each released once, never retried
+    assert [r.output_token_ids for r in requests] == [single_node_tokens(p) for p in prompts]
+    h.check_clean()
