@@ -163,6 +163,10 @@ class DecodeMessenger:
         config, page_size = self._parts.model.config, self._parts.kv_cache.page_size
         live = [i for i, alive in enumerate(self.alive) if alive]
         if not live:
+            # Nothing was asked of anyone, so no write can land: the pages go back at once.
+            self._parts.allocator.unpin(request.page_ids[self._held_pages(request):])
+            self._parts.allocator.free(request.page_ids)
+            request.page_ids, request.page_digests = [], []
             self._outcomes.append(self._drop(request, Verdict(
                 RequestState.FINISHED_FAILED, FailureCause.NO_PREFILLER, "no prefiller is alive")))
             return

@@ -209,3 +209,17 @@ def test_kv_corrupted_in_flight_fails_the_checksum_and_is_retried(
     assert h.outcomes_of("r0") == [(WAITING_FOR_KV, FailureCause.CHECKSUM), (RUNNING, None)]
     assert request.output_token_ids == single_node_tokens(prompt)
     h.check_clean()
+
+
+def test_a_request_no_prefiller_can_take_fails_and_gives_its_pages_back(
+        make_harness: MakeHarness) -> None:
+    """Every prefiller is gone: the request fails (NO_PREFILLER) at once and its pages,
+    pinned for KV nobody will write, are free again (they used to stay pinned for good)."""
+    h = make_harness()
+    h.decode.prefiller_gone(0, "test: gone")
+    request = h.submit(random_prompt(9, seed=21))
+    h.run_until(lambda: bool(h.outcomes_of("r0")))
+    assert request.is_finished
+    assert h.outcomes_of("r0") == [(FAILED, FailureCause.NO_PREFILLER)]
+    assert decoder_pages_in_use(h) == 0
+    h.check_clean()
