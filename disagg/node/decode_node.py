@@ -259,6 +259,12 @@ class DecodeNode(NodeBase):
                          detail="aborted by the client")
 
     def _submit(self, channel: Channel, message: Submit) -> None:
+        if message.request_id in self._clients:
+            # Refused by a Reject, not a RequestEvent: an event for that id would end the
+            # request already in flight, as far as its router can tell.
+            self._send(channel, Reject(f"request {message.request_id!r} is already in flight "
+                                       "on this decoder"))
+            return
         try:
             params = sampling_params(message)
             request = Request(message.request_id, list(message.prompt_token_ids), params,
