@@ -181,6 +181,7 @@ def demo(
     if as_json:
         result = run_demo(cluster, specs, max_tokens, temperature, trace=trace)
         sys.stdout.write(json.dumps(result) + "\n")
+        _exit_if_failed(result)
         return
     err_console.print(f"starting 1 prefiller and {cluster.num_decoders} decoders "
                       f"({cluster.model}, {cluster.provider})...")
@@ -196,6 +197,16 @@ def demo(
                       f"({t['acceptance_rate']:.0%})")
     if trace:
         err_console.print(f"trace: {trace} (open it in https://ui.perfetto.dev)")
+    _exit_if_failed(result)
+
+
+def _exit_if_failed(result: dict) -> None:
+    """A demo whose requests failed is not a success: exit 1 (the output says which)."""
+    failed = result["totals"]["failed"]
+    if failed:
+        err_console.print(f"[bold red]{failed} of {result['totals']['requests']} requests "
+                          "failed[/bold red]", highlight=False)
+        raise SystemExit(1)
 
 
 @app.command()

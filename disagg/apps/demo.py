@@ -123,16 +123,26 @@ def load_prompts(path: str | None) -> list[PromptSpec]:
             raise ConfigError(f"{path}:{number}: not JSON ({error})") from None
         if not isinstance(item, dict) or ("prompt" in item) == ("prompt_token_ids" in item):
             raise ConfigError(f"{path}:{number}: need exactly one of prompt, prompt_token_ids")
-        specs.append(PromptSpec(item.get("prompt"), item.get("prompt_token_ids"),
-                                item.get("max_tokens")))
+        max_tokens = item.get("max_tokens")
+        if max_tokens is not None and (type(max_tokens) is not int or max_tokens < 1):
+            raise ConfigError(f"{path}:{number}: max_tokens must be a whole number >= 1, got "
+                              f"{max_tokens!r}")
+        ids = item.get("prompt_token_ids")
+        if ids is not None and (not isinstance(ids, list)
+                                or any(type(t) is not int for t in ids)):
+            raise ConfigError(f"{path}:{number}: prompt_token_ids must be a list of integers")
+        specs.append(PromptSpec(item.get("prompt"), ids, max_tokens))
     if not specs:
         raise ConfigError(f"prompts file {path} has no prompts")
     return specs
 
 
 def make_requests(specs: list[PromptSpec], tokenizer: Tokenizer | None, vocab_size: int,
-                  max_tokens: int) -> list[DemoRequest]:
-    """Tokenize and validate every prompt up front, so a bad one fails before any process."""
+                  max_tokens: int, max_request_tokens: int | None = None) -> list[DemoRequest]:
+    """Tokenize and validate every prompt up front, so a bad one fails before any process;
+    `max_request_tokens`: what a decoder can hold of one request (prompt plus output)."""
+    if max_tokens < 1:
+        raise ConfigError(f"--max-tokens must be at least 1, got {max_tokens}")
     requests = []
     for i, spec in enumerate(specs):
         if spec.token_ids is not None:
@@ -146,9 +156,14 @@ def make_requests(specs: list[PromptSpec], tokenizer: Tokenizer | None, vocab_si
             ids = tokenizer.encode(spec.text or "")
         if not ids or any(not isinstance(t, int) or not 0 <= t < vocab_size for t in ids):
             raise ConfigError(f"prompt {i}: empty or token ids outside [0, {vocab_size})")
+        budget = spec.max_tokens or max_tokens
+        # The last generated token is sampled, never stored: it needs no slot.
+        if max_request_tokens is not None and len(ids) + budget - 1 > max_request_tokens:
+            raise ConfigError(f"prompt {i}: {len(ids)} tokens + {budget} to generate do not fit "
+                              f"a decoder's {max_request_tokens} (--num-pages x --page-size, "
+                              "or the model's context)")
         stream = StreamDecoder(tokenizer, skip_special_tokens=True) if tokenizer else None
-        requests.append(DemoRequest(f"req-{i}", spec.text, list(ids),
-                                    spec.max_tokens or max_tokens, stream=stream))
+        requests.append(DemoRequest(f"req-{i}", spec.text, list(ids), budget, stream=stream))
     return requests
 
 
@@ -221,8 +236,14 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
     and the tail of its log. With `trace`, every process records a Chrome trace and one
     merged trace (router, prefiller, decoders on one clock) is written to that path.
     """
+    if trace is not None and not Path(trace).resolve().parent.is_dir():
+        raise ConfigError(f"--trace {trace}: directory {Path(trace).resolve().parent} does not "
+                          "exist")  # checked now: the merged trace is written at the very end
     loaded = load_model(cluster_config.model)
-    requests = make_requests(specs, loaded.tokenizer, loaded.config.vocab_size, max_tokens)
+    limit = min(cluster_config.num_pages * cluster_config.page_size,
+                loaded.config.max_position_embeddings)
+    requests = make_requests(specs, loaded.tokenizer, loaded.config.vocab_size, max_tokens,
+                             limit)
     by_id = {r.request_id: r for r in requests}
     trace_dir = tempfile.mkdtemp(prefix="disagg-trace-") if trace else None
     tracer = Tracer(f"{trace_dir}/router.json" if trace_dir else None, "router")

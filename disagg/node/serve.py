@@ -19,6 +19,7 @@ import sys
 import threading
 from typing import Any
 
+from disagg.errors import ConfigError
 from disagg.kv_transfer.channel import format_address, parse_address
 from disagg.node.base import NodeBase
 from disagg.node.builder import build_node
@@ -51,13 +52,17 @@ def run_node(config: NodeConfig) -> None:
     def health() -> dict[str, Any]:
         return health_report(config, "stopping" if stopping.is_set() else node_state(node))
 
-    if config.metrics_port is not None:
-        host, _ = parse_address(node.address)
-        server = serve_metrics(node.metrics, (host, config.metrics_port), health)
-        ready += f" metrics={format_address(host, server.server_address[1])}"
-    sys.stdout.write(ready + "\n")
-    sys.stdout.flush()
     try:
+        if config.metrics_port is not None:
+            host, _ = parse_address(node.address)
+            try:
+                server = serve_metrics(node.metrics, (host, config.metrics_port), health)
+            except OSError as error:
+                raise ConfigError(f"--metrics-port {config.metrics_port}: cannot listen on "
+                                  f"{host}: {error.strerror or error}") from None
+            ready += f" metrics={format_address(host, server.server_address[1])}"
+        sys.stdout.write(ready + "\n")
+        sys.stdout.flush()
         node.run()
         if node.shutdown_requested:
             # Asked to stop when idle: prove that nothing leaked (a non-zero exit otherwise).

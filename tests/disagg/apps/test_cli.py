@@ -127,3 +127,67 @@ def test_cuda_device_without_cuda_exits_2(capsys: pytest.CaptureFixture[str]) ->
     code, _, err = run_cli(["demo", "--model", "tiny", "--device", "cuda"], capsys)
     assert code == 2
     assert "torch sees no CUDA device" in err
+
+
+def _prompts_file(tmp_path: Path, line: str) -> str:
+    path = tmp_path / "prompts.jsonl"
+    path.write_text(line + "\n")
+    return str(path)
+
+
+@pytest.mark.parametrize(("extra", "line", "message"), [
+    (["--max-tokens", "0"], None, "--max-tokens must be at least 1, got 0"),
+    (["--trace", "/no/such/dir/t.json"], None, "directory /no/such/dir does not exist"),
+    (["--num-pages", "1", "--page-size", "4"], None, "do not fit a decoder's 4"),
+    ([], '{"prompt_token_ids": [true, 2]}', "prompt_token_ids must be a list of integers"),
+    ([], '{"prompt_token_ids": [1, 2], "max_tokens": "x"}', "max_tokens must be a whole number"),
+    ([], '{"prompt_token_ids": [1, 2], "max_tokens": 0}', "max_tokens must be a whole number"),
+    (["--routing", "round-robin"], None, "unknown routing policy 'round-robin'"),
+])
+def test_demo_input_that_cannot_work_exits_2_before_any_process(
+        extra: list[str], line: str | None, message: str, tmp_path: Path,
+        capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch) -> None:
+    """Each of these used to start the cluster and end in a traceback after the work, in
+    every request failing with exit 0, or in a dropped router connection."""
+    import disagg.node.local_cluster as local_cluster
+
+    def no_cluster(*_: object) -> None:
+        raise AssertionError("a process was started for input that cannot work")
+
+    monkeypatch.setattr(local_cluster.LocalCluster, "__enter__", no_cluster)
+    prompts = ["--prompts-file", _prompts_file(tmp_path, line)] if line else []
+    code, _, err = run_cli(["demo", "--model", "tiny", "--decoders", "1", *prompts, *extra],
+                           capsys)
+    assert code == 2
+    assert message in err
+    assert "Traceback" not in err
+
+
+def test_a_demo_whose_requests_failed_exits_1(capsys: pytest.CaptureFixture[str],
+                                              monkeypatch: pytest.MonkeyPatch) -> None:
+    """The demo's JSON still comes out, and the exit code says that requests failed."""
+    import disagg.apps.demo as demo
+
+    result = {"requests": [], "totals": {"requests": 3, "failed": 2}}
+    monkeypatch.setattr(demo, "run_demo", lambda *args, **kwargs: result)
+    code, out, err = run_cli(["demo", "--model", "tiny", "--decoders", "1", "--json"], capsys)
+    assert (code, json.loads(out)) == (1, result)
+    assert "2 of 3 requests failed" in err
+
+
+@pytest.mark.slow
+@pytest.mark.fabric
+def test_a_busy_metrics_port_is_one_line_and_exit_2() -> None:
+    """It used to end in a traceback from http.server (with the node left open)."""
+    import socket
+    import subprocess
+    import sys
+
+    with socket.create_server(("127.0.0.1", 0)) as busy:
+        port = busy.getsockname()[1]
+        done = subprocess.run([sys.executable, "-m", "disagg.apps.cli", "serve", "mixed",
+                               "--model", "tiny", "--metrics-port", str(port)],
+                              capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2
+    assert f"--metrics-port {port}: cannot listen on 127.0.0.1" in done.stderr
+    assert "Traceback" not in done.stderr
