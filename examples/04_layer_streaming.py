@@ -91,6 +91,7 @@ def main() -> None:
     pages = torch.tensor(request.page_ids)
     same = torch.equal(remote[:, pages], cache.buffer[:, pages])
     print(f"decoder's copy of the request's pages equals the prefiller's: {same}")
+    assert same, "the pages that arrived differ from the prefiller's"
     sender.close()
     receiver.close()
 

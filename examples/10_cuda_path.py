@@ -54,6 +54,7 @@ def main() -> None:
     model.layer_counter = NullLayerCounter()
     stats = graphed_engine.runner.graph_stats
     print(f"device {device}: tokens equal eager: {graphed == eager}")
+    assert graphed == eager, "the static-buffer decode steps changed the tokens"
     print(f"steps: {stats['static']} static-buffer decode steps ({stats['replays']} graph "
           f"replays, {stats['captures']} captures), {stats['eager']} eager (prefill) steps")
     steps = stats["static"] + stats["eager"]
@@ -83,6 +84,7 @@ def main() -> None:
         print(f"3. memory path: {src.path.kind} ({src.path.reason})")
         print(f"   {len(pages)} pages x {config.num_layers} layers arrived equal: {same}; "
               f"staged {src.staged_bytes} bytes out, {dst.staged_bytes} in")
+        assert same, "the pages that arrived differ from the ones sent"
         src.close(sender)
         dst.close(receiver)
     while graphed_engine.has_unfinished():

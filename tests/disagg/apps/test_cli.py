@@ -19,11 +19,28 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
     return exit_info.value.code or 0, out, err
 
 
+COMMANDS = [["simulate"], ["plan-cluster"], ["calibrate"], ["figures"], ["generate"], ["demo"],
+            ["plan"], ["bench"], ["bench", "transfer"], ["serve"], ["serve", "prefill"],
+            ["serve", "decode"], ["serve", "mixed"], ["serve", "cluster"], ["serve", "router"]]
+
+
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
-    """`disagg --help` names each command."""
+    """`disagg --help` and `disagg serve --help` name each of their commands."""
     code, out, _ = run_cli(["--help"], capsys)
     assert code == 0
-    assert all(name in out for name in ("generate", "bench"))
+    assert all(name in out for [name, *rest] in COMMANDS if not rest)
+    _, out, _ = run_cli(["serve", "--help"], capsys)
+    assert all(rest[0] in out for [name, *rest] in COMMANDS if name == "serve" and rest)
+
+
+@pytest.mark.parametrize("command", COMMANDS, ids=" ".join)
+def test_every_command_has_working_help(command: list[str],
+                                        capsys: pytest.CaptureFixture[str]) -> None:
+    """Each command's options parse and its help prints (an import or option error in any
+    command shows here, not in a user's first run)."""
+    code, out, err = run_cli([*command, "--help"], capsys)
+    assert (code, err) == (0, "")
+    assert "Usage:" in out
 
 
 def test_generate_json_is_one_object(capsys: pytest.CaptureFixture[str]) -> None:

@@ -17,10 +17,10 @@ import pytest
 
 from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, SchedulerConfig
 from disagg.engine.llm_engine import build_engine
-from disagg.engine.request import RequestState, SamplingParams
+from disagg.engine.request import FailureCause, RequestState, SamplingParams
 from disagg.errors import ProtocolError
 from disagg.kv_transfer.channel import Channel
-from disagg.kv_transfer.messages import Hello, Reject, Submit
+from disagg.kv_transfer.messages import Hello, Reject, RequestEvent, Submit
 from disagg.model.loading.registry import load_model
 from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode
@@ -52,6 +52,7 @@ class Cluster:
     decoder: DecodeNode
     router: Router
     threads: list[threading.Thread] = field(default_factory=list)
+    retries: list[tuple[str, FailureCause]] = field(default_factory=list)  # (id, why) each
 
     def run_all(self, timeout_s: float = 30.0, abort: set[str] = frozenset()
                 ) -> dict[str, tuple[str, list[int]]]:
@@ -66,10 +67,16 @@ class Cluster:
         while len(final) < len(PROMPTS):
             event = self.router.events.get(timeout=max(0.1, deadline - time.monotonic()))
             assert event.request_id not in final, f"second terminal state: {event}"
+            self.note_retry(event)
             tokens[event.request_id] += event.token_ids
             if event.state.is_terminal():
                 final[event.request_id] = (event.state, tokens[event.request_id])
         return final
+
+    def note_retry(self, event: RequestEvent) -> None:
+        """A request sent back to wait for its KV, with a cause: the decoder retries it."""
+        if event.state is RequestState.WAITING_FOR_KV and event.cause is not None:
+            self.retries.append((event.request_id, event.cause))
 
 
 def start_prefiller(faults: str | None = None, transfer_timeout_s: float | None = None,
@@ -142,6 +149,7 @@ def test_lost_immediates_are_caught_by_deadline_and_retried(make_cluster: object
     assert cluster.decoder.transfer.injected["drop_imm"] > 0
     assert_outcomes(final)
     assert sum(s is RequestState.FINISHED_LENGTH for s, _ in final.values()) >= 2
+    assert {cause for _, cause in cluster.retries} == {FailureCause.DEADLINE}  # retried
 
 
 def test_duplicated_immediates_never_decode_garbage(make_cluster: object) -> None:
@@ -186,8 +194,11 @@ def test_dead_prefiller_requests_retry_on_another(make_cluster: object) -> None:
                            transfer_timeout_s=30.0)
     for i, prompt in enumerate(PROMPTS):
         cluster.router.submit(Submit(f"r{i}", prompt, MAX_TOKENS))
-    time.sleep(0.3)
     dead = cluster.prefillers[0]
+    deadline = time.monotonic() + 10
+    while not dead.messenger.num_in_flight:  # it holds requests mid-transfer (its writes vanish)
+        assert time.monotonic() < deadline, "no request reached the prefiller"
+        time.sleep(0.01)
     dead.stop()
     for channel in dead._channels:  # the process dies: its connections drop at once
         channel.close()
@@ -195,16 +206,19 @@ def test_dead_prefiller_requests_retry_on_another(make_cluster: object) -> None:
     finished = 0
     while finished < len(PROMPTS):
         event = cluster.router.events.get(timeout=20)
+        cluster.note_retry(event)
         tokens.setdefault(event.request_id, []).extend(event.token_ids)
         finished += event.state.is_terminal()
     assert [tokens[f"r{i}"] for i in range(len(PROMPTS))] == REFERENCE
+    assert FailureCause.PREFILLER_DIED in {cause for _, cause in cluster.retries}
 
 
 def test_client_abort_frees_everything(make_cluster: object) -> None:
     """An abort right after submission ends that request as aborted; the others finish."""
     cluster = make_cluster(prefill_faults="seed=5,delay=1.0,max_delay_s=0.2")
     final = cluster.run_all(abort={"r3"})
-    assert final["r3"][0] in (RequestState.FINISHED_ABORTED, RequestState.FINISHED_LENGTH)
+    # Every write is delayed: the abort, right behind the Submit, always lands first.
+    assert final["r3"] == (RequestState.FINISHED_ABORTED, [])
     assert_outcomes(final)
 
 
