@@ -35,6 +35,7 @@ from disagg.node.prefill_node import PrefillNode
 from disagg.spec.speculator import Speculator
 from disagg.utils.trace import Tracer, trace_path
 from transfer_core.engine import TransferEngine
+from transfer_core.shm_sweep import sweep_dead_shm_files
 from transfer_core.staging import open_engine
 from transfer_core.testing.faults import FaultPlan, FaultyTransferEngine
 
@@ -133,6 +134,8 @@ def open_transfer(config: NodeConfig) -> TransferEngine:
     want_hmem = (torch.device(config.device).type == "cuda"
                  and config.kv_memory_path in ("auto", "hmem"))
     kwargs: dict[str, object] = {"node": config.fabric_node, "memory_path": config.kv_memory_path}
+    if "shm" in config.provider:
+        sweep_dead_shm_files()  # what nodes killed with SIGKILL left behind (16 MiB each)
     if config.faults:
         return open_engine(config.provider, want_hmem, FaultyTransferEngine,
                            faults=FaultPlan.parse(config.faults), **kwargs)
