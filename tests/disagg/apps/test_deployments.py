@@ -57,7 +57,7 @@ def started(monkeypatch: pytest.MonkeyPatch) -> list[ClusterConfig]:
 
     def fake_run_demo(cluster: ClusterConfig, *args: Any, **kwargs: Any) -> dict[str, Any]:
         clusters.append(cluster)
-        return {}
+        return {"requests": [], "totals": {"requests": 0, "failed": 0}}
 
     monkeypatch.setattr(demo_module, "run_demo", fake_run_demo)
     return clusters
