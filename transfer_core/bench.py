@@ -100,7 +100,7 @@ class _Sender:
         rng = np.random.default_rng(seed)
         self.src = rng.integers(0, 256, size=(num_pages, page_bytes), dtype=np.uint8)
         self.perm = rng.permutation(num_pages)
-        self.src_mr, _ = self.engine.register_memory(self.src, name="bench-src")
+        self.src_mr, _ = self.engine.register_memory(self.src, name="bench-src", remote_write=False)
         self.ack = np.zeros(8, dtype=np.uint8)
         _, self.ack_desc = self.engine.register_memory(self.ack, name="bench-ack")
         self.errors: list[BaseException] = []

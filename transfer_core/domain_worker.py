@@ -6,13 +6,17 @@ thread then runs finished ops' callbacks and hands immediate counts to the engin
 must run even on a pure receiver: progress is manual (the target's polling moves the data).
 Every submitted op reaches its `on_finish` exactly once, also on close or fatal error;
 `Completion` folds the ops of one transfer (one per domain) into one on_done/on_error.
+Memory keys are random (or the provider's own), never sequential: a key is all a peer needs to
+write a region.
 """
 
 from __future__ import annotations
 
+import errno
 import itertools
 import logging
 import os
+import secrets
 import threading
 import time
 from collections import deque
@@ -20,6 +24,7 @@ from collections.abc import Callable
 
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.pyfabric import (
+    FabricError,
     FabricStack,
     Info,
     MemoryRegistration,
@@ -45,6 +50,10 @@ DEFAULT_MAX_INFLIGHT = 64
 # close()'s interrupt (submissions are taken inside it), so the budget only bounds how often an
 # idle thread comes back for the GIL, which it would take from the engine thread.
 _BUDGET_NS = 1_000_000_000
+# A requested key already in use: libfabric 1.17 says FI_ENOKEY on every provider here; EEXIST
+# is what a provider keeping keys in a plain map may say. Each retry draws a fresh random key.
+_DUPLICATE_KEY = {lib.FI_ENOKEY, errno.EEXIST}
+_KEY_ATTEMPTS = 8
 _PEER_ERRNOS = {
     lib.FI_ENOTCONN,
     lib.FI_ECONNREFUSED,
@@ -92,6 +101,11 @@ class Completion:
             self._report(error)  # nobody listens: surface it on the owner's next call
 
 
+def random_key(key_size: int) -> int:
+    """A random memory key of `key_size` bytes (at most 64 bits), from `secrets`."""
+    return secrets.randbits(8 * min(key_size, 8))
+
+
 def error_for(err: int, what: str) -> TransferError:
     """Map a negative fi errno from a write's completion to the exception `on_error` gets."""
     base = fabric_error(what, err)
@@ -124,7 +138,6 @@ class DomainWorker:
         cap = max_inflight or min(DEFAULT_MAX_INFLIGHT, max(1, info.tx_size // 2))
         self._worker = Worker(self.stack.endpoint, self.stack.cq, cap)
         self._ids = itertools.count(1)
-        self._keys = itertools.count(1)
         self._ops: dict[int, OnFinish] = {}
         self._peers: dict[bytes, int] = {}
         self._lock = threading.Lock()
@@ -143,12 +156,26 @@ class DomainWorker:
     def register(
         self, ptr: int, length: int, access: int, cuda_device: int | None
     ) -> MemoryRegistration:
-        """Register with this domain. Without FI_MR_PROV_KEY keys must be unique per domain."""
-        prov_key = bool(self.info.mr_mode & lib.FI_MR_PROV_KEY)
-        key = 0 if prov_key else next(self._keys)
-        return MemoryRegistration(
-            self.stack.domain, ptr, length, access, key, self.stack.endpoint, cuda_device
-        )
+        """Register with this domain under a key nobody can guess: the provider's own under
+        FI_MR_PROV_KEY, else a random one of the provider's key size. Sequential keys let any
+        process on the fabric write a peer's KV (key 1, offset 0), so they are never used.
+        Keys must be unique per domain: a duplicate (FI_ENOKEY, or EEXIST) draws another."""
+        if self.info.mr_mode & lib.FI_MR_PROV_KEY:
+            return MemoryRegistration(
+                self.stack.domain, ptr, length, access, 0, self.stack.endpoint, cuda_device
+            )
+        attempts = 0
+        while True:
+            key = random_key(self.info.mr_key_size)
+            attempts += 1
+            try:
+                return MemoryRegistration(
+                    self.stack.domain, ptr, length, access, key, self.stack.endpoint, cuda_device
+                )
+            except FabricError as exc:
+                if exc.errno not in _DUPLICATE_KEY or attempts == _KEY_ATTEMPTS:
+                    raise
+                logger.info("domain %d: memory key %#x is taken, drawing another", self.index, key)
 
     def peer(self, address: bytes) -> int:
         """fi_addr of a remote endpoint, inserted into the AV on first use. Raises

@@ -128,11 +128,16 @@ class TransferEngine:
     # -- memory -----------------------------------------------------------------------------
 
     def register_memory(
-        self, buffer: Any, name: str | None = None
+        self, buffer: Any, name: str | None = None, *, remote_write: bool = True
     ) -> tuple[MemoryRegion, MemoryRegionDescriptor]:
         """Register a bytes-like object, numpy array or contiguous torch tensor with every
-        domain. Read-only buffers can only be write sources. CUDA tensors need `hmem=True`
-        and a provider with FI_HMEM (Debian's libfabric has none)."""
+        domain. CUDA tensors need `hmem=True` and a provider with FI_HMEM (Debian's has none).
+
+        `remote_write=False` registers a region that is only ever a write source (a
+        prefiller's KV): no FI_REMOTE_WRITE, so a peer holding its key still cannot write it
+        (tcp;ofi_rxm and shm enforce it: nothing lands, though the sender sees success; tcp
+        then drops the connection), and its descriptor says read-only. Read-only buffers are
+        sources anyway."""
         self._check_open()
         buf = resolve_buffer(buffer)
         if buf.cuda_device is not None and not self.supports_hmem:
@@ -140,7 +145,8 @@ class TransferEngine:
                 f"provider {self.provider!r} was opened without FI_HMEM: cannot register CUDA "
                 "memory (use TransferEngine(hmem=True) with a CUDA-enabled libfabric)"
             )
-        access = lib.FI_WRITE | (lib.FI_REMOTE_WRITE if buf.writable else 0)
+        writable = buf.writable and remote_write
+        access = lib.FI_WRITE | (lib.FI_REMOTE_WRITE if writable else 0)
         name = name or f"mr{next(self._names)}"
         registrations = []
         try:
@@ -156,7 +162,7 @@ class TransferEngine:
             base=buf.ptr,
             length=buf.nbytes,
             virt_addr=bool(self._info.mr_mode & lib.FI_MR_VIRT_ADDR),
-            writable=buf.writable,
+            writable=writable,
             domains=tuple(
                 (w.address, r.key) for w, r in zip(self._domains, registrations, strict=True)
             ),
@@ -284,6 +290,12 @@ class TransferEngine:
     def imm_counted(self, imm: int) -> int:
         """Arrivals of `imm` counted here and not yet consumed by a fired expectation."""
         return self._counters.counted(imm)
+
+    @property
+    def dropped_imms(self) -> int:
+        """Arrivals of values nobody expected, thrown away: past `imm_counter`'s bound on such
+        values or kept past its time (a flood, or late writes of a forgotten request)."""
+        return self._counters.dropped
 
     def stats(self) -> list[Stats]:
         """Per-domain counters of the C worker (writes, EAGAIN returns, immediates, ...)."""

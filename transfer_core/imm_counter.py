@@ -6,35 +6,72 @@ of writes has landed the request is ready. Writes may land before the decoder re
 expectation, so arrivals without an expectation are kept and count towards it. A counter
 fires exactly once and is then removed. Pure Python, thread-safe; callbacks run outside the
 lock through `fire`, so the engine can route them to its own thread.
+
+Anyone who can reach the endpoint can send immediates (S5), so what is kept for values nobody
+expects is bounded: at most `max_unarmed` distinct values, each for `unarmed_ttl_s`; arrivals
+beyond that are dropped and counted in `dropped`. `random_imm` draws the values a receiver
+arms, so that a sender cannot guess them.
 """
 
 from __future__ import annotations
 
 import logging
+import secrets
 import threading
+import time
+from collections import OrderedDict
 from collections.abc import Callable
 
 logger = logging.getLogger(__name__)
 
 Callback = Callable[[], None]
+MAX_IMM = 2**32 - 1
+# Early arrivals are legitimate only for a moment (a counter re-armed by the quarantine, or a
+# write racing its expectation): a few thousand distinct values for half a minute is plenty.
+MAX_UNARMED_IMMS = 4096
+UNARMED_IMM_TTL_S = 30.0
 
 
 def _call(callback: Callback) -> None:
     callback()
 
 
+def random_imm(in_use: Callable[[int], bool], attempts: int = 64) -> int:
+    """A random 32-bit immediate value, never 0, for which `in_use` is False."""
+    for _ in range(attempts):
+        imm = secrets.randbelow(MAX_IMM) + 1
+        if not in_use(imm):
+            return imm
+    raise RuntimeError(f"no free immediate value in {attempts} random draws")
+
+
 class ImmCounterMap:
     """imm value -> (arrivals so far, expected count, on_reached)."""
 
-    def __init__(self, fire: Callable[[Callback], None] = _call) -> None:
+    def __init__(
+        self,
+        fire: Callable[[Callback], None] = _call,
+        max_unarmed: int = MAX_UNARMED_IMMS,
+        unarmed_ttl_s: float = UNARMED_IMM_TTL_S,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        if max_unarmed < 0 or unarmed_ttl_s < 0:
+            raise ValueError(f"max_unarmed and unarmed_ttl_s must be >= 0, got "
+                             f"{max_unarmed}, {unarmed_ttl_s}")  # fmt: skip
         self._fire = fire
+        self._max_unarmed = max_unarmed
+        self._ttl_s = unarmed_ttl_s
+        self._clock = clock
         self._lock = threading.Lock()
         self._counts: dict[int, int] = {}
         self._expected: dict[int, tuple[int, Callback]] = {}
+        # Values counted with no expectation, oldest first: imm -> when it was first seen.
+        self._unarmed: OrderedDict[int, float] = OrderedDict()
+        self.dropped = 0  # arrivals thrown away: over the bound, or kept past their time
 
     def expect(self, imm: int, count: int, on_reached: Callback) -> tuple[int, int] | None:
         """Fire `on_reached` once `count` arrivals of `imm` have been seen (including any that
-        came before this call), then forget the counter.
+        came before this call, unless they were kept past their time), then forget the counter.
 
         Replacing an unfinished expectation discards it and its arrivals, and returns them as
         `(counted, expected)`; otherwise returns None.
@@ -42,6 +79,8 @@ class ImmCounterMap:
         if count < 1:
             raise ValueError(f"expected count must be >= 1, got {count} for imm {imm}")
         with self._lock:
+            self._expire()
+            self._unarmed.pop(imm, None)
             previous = self._expected.pop(imm, None)
             replaced = None
             if previous is not None:
@@ -61,15 +100,18 @@ class ImmCounterMap:
         Returns `(counted, expected)` if an expectation was pending, else None."""
         with self._lock:
             counted = self._counts.pop(imm, 0)
+            self._unarmed.pop(imm, None)
             previous = self._expected.pop(imm, None)
         return None if previous is None else (counted, previous[0])
 
     def on_imm(self, imm: int, n: int = 1) -> None:
         """Record `n` arrivals of `imm` (the progress loop reports them batched per value)."""
         with self._lock:
+            target = self._expected.get(imm)
+            if target is None and not self._keep_unarmed(imm, n):
+                return
             counted = self._counts.get(imm, 0) + n
             self._counts[imm] = counted
-            target = self._expected.get(imm)
             if target is None or counted < target[0]:
                 return
             del self._expected[imm]
@@ -86,10 +128,39 @@ class ImmCounterMap:
         with self._lock:
             return {imm: (self._counts.get(imm, 0), c) for imm, (c, _) in self._expected.items()}
 
+    def unarmed(self) -> int:
+        """Distinct values counted with no expectation (at most `max_unarmed`)."""
+        with self._lock:
+            return len(self._unarmed)
+
+    def _keep_unarmed(self, imm: int, n: int) -> bool:
+        """Lock held: whether arrivals of an unexpected `imm` may be kept; else drop them."""
+        self._expire()
+        if imm not in self._unarmed:
+            if len(self._unarmed) >= self._max_unarmed:
+                self.dropped += n
+                if self.dropped == n or self.dropped % 4096 < n:  # once, then every 4096
+                    logger.warning("immediates of unexpected values dropped: %d so far "
+                                   "(%d values kept)", self.dropped, len(self._unarmed))
+                return False
+            self._unarmed[imm] = self._clock()
+        return True
+
+    def _expire(self) -> None:
+        """Lock held: drop the arrivals of unexpected values kept longer than the TTL."""
+        now = self._clock()
+        while self._unarmed:
+            imm, since = next(iter(self._unarmed.items()))
+            if now - since < self._ttl_s:
+                return
+            del self._unarmed[imm]
+            self.dropped += self._counts.pop(imm, 0)
+
     def _take(self, imm: int, count: int) -> None:
         """Consume `count` arrivals (lock held). Surplus ones are kept for a later expectation:
         they mean an imm value was reused before its writes all landed, so say so."""
         leftover = self._counts.pop(imm) - count
         if leftover:
             logger.warning("imm %d: %d more arrivals than the %d expected", imm, leftover, count)
-            self._counts[imm] = leftover
+            if self._keep_unarmed(imm, leftover):
+                self._counts[imm] = leftover

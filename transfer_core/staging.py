@@ -179,12 +179,15 @@ class RegisteredKV:
 
 
 def register_kv(engine: TransferEngine, tensor: torch.Tensor, name: str,
-                path: MemoryPath | str | None = None) -> RegisteredKV:
+                path: MemoryPath | str | None = None, *,
+                remote_write: bool = True) -> RegisteredKV:
     """Register a KV tensor ``[num_layers, num_pages, ...]`` through its memory path.
 
     `path` is a `MemoryPath`, or what to ask `choose_memory_path` for (None: the engine's
     `memory_path`). Staged tensors get a zeroed shadow of the same shape and dtype in host
-    memory, pinned when CUDA is present, and a dedicated copy stream on CUDA.
+    memory, pinned when CUDA is present, and a dedicated copy stream on CUDA. `remote_write`
+    says whether peers write this KV (a decoder's) or only read from it (a prefiller's):
+    sources are registered without FI_REMOTE_WRITE (`TransferEngine.register_memory`).
     """
     if tensor.dim() < 2:
         raise ValueError(f"a KV tensor is [num_layers, num_pages, ...], got {tuple(tensor.shape)}")
@@ -195,21 +198,22 @@ def register_kv(engine: TransferEngine, tensor: torch.Tensor, name: str,
         chosen = choose_memory_path(tensor, engine, requested)
     if requested == "auto" and chosen.kind == "hmem":
         try:
-            return _register(engine, tensor, name, chosen)
+            return _register(engine, tensor, name, chosen, remote_write)
         except FabricError as error:
             # FI_HMEM may cover other device kinds only (Debian's shm: system memory).
             chosen = MemoryPath("staged", f"registering {tensor.device} memory failed: {error}")
-    return _register(engine, tensor, name, chosen)
+    return _register(engine, tensor, name, chosen, remote_write)
 
 
 def _register(engine: TransferEngine, tensor: torch.Tensor, name: str,
-              path: MemoryPath) -> RegisteredKV:
+              path: MemoryPath, remote_write: bool) -> RegisteredKV:
     shadow, stream = None, None
     if path.kind == "staged":
         pin = torch.cuda.is_available()
         shadow = torch.zeros(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
         if tensor.device.type == "cuda":
             stream = torch.cuda.Stream(tensor.device)
-    region, descriptor = engine.register_memory(tensor if shadow is None else shadow, name)
+    region, descriptor = engine.register_memory(tensor if shadow is None else shadow, name,
+                                                remote_write=remote_write)
     logger.info("KV region %s: %s (%s)", name, path.kind, path.reason)
     return RegisteredKV(tensor, region, descriptor, path, shadow, _stream=stream)

@@ -18,6 +18,9 @@ this and not the alternatives:
 
 Idempotent: a (domain, peer endpoint) pair that succeeded is never warmed again; concurrent
 callers wait on the same attempt; a failed attempt is forgotten, so a retry posts again.
+The probe's key is public (it is in the address), so anyone can write its 64 bytes or send
+immediates through it: the receiver's immediates are random and bounded for that reason (S5,
+`imm_counter.py`), and nothing reads the probe.
 """
 
 from __future__ import annotations

@@ -14,9 +14,8 @@ from typing import Any
 
 import numpy as np
 
+from transfer_core.imm_counter import MAX_IMM
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_pages, check_range
-
-MAX_IMM = 2**32 - 1
 
 
 def as_indices(pages: Any, what: str) -> np.ndarray:

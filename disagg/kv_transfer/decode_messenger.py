@@ -23,7 +23,6 @@ once: `wake` rings the node's inbox, and a speculating decoder passes its draft-
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import time
@@ -37,9 +36,11 @@ from disagg.errors import PeerClosedError
 from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import (
     allocate_context_buffer,
-    context_checksum,
+    clear_proof,
     context_slot_nbytes,
     kv_checksum,
+    new_nonce,
+    slot_matches,
     unpack_context,
 )
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest
@@ -54,6 +55,7 @@ from disagg.kv_transfer.transfer_plan import (
 )
 from disagg.model.sharding import Sharding
 from transfer_core.engine import TransferEngine
+from transfer_core.imm_counter import random_imm
 from transfer_core.staging import register_kv
 
 logger = logging.getLogger(__name__)
@@ -82,10 +84,9 @@ class DecodeMessenger:
                    for rank, shard in enumerate(parts.kv_cache.shards)]
         self.context = allocate_context_buffer(config, num_context_slots)
         self._context_region, self._context_descriptor = transfer.register_memory(
-            self.context, name="decode-ctx")
+            self.context, name="decode-ctx", remote_write=True)
         self.draft_kv = draft_sink  # the MTP head's cache, when this decoder drafts with one
-        self._free_slots = list(range(num_context_slots))
-        self._imms = itertools.count(1)
+        self._free_slots = list(range(num_context_slots - 1))  # the last proves (`read_proof`)
         self.prefillers: list[Channel] = []
         self.alive: list[bool] = []
         self._page_writes: list[int] = []  # writes per page per layer, per prefiller
@@ -99,6 +100,7 @@ class DecodeMessenger:
     def hello(self) -> Hello:
         """This decoder's handshake: model, cache geometry, fabric address, descriptors."""
         config, cache = self._parts.model.config, self._parts.kv_cache
+        clear_proof(self.context)  # the prefiller's answer to this Hello lands there (S5)
         return Hello(
             node_id=self.node_id, model=self.model_fingerprint,
             dtype=str(cache.dtype).removeprefix("torch."), page_size=cache.page_size,
@@ -170,8 +172,9 @@ class DecodeMessenger:
             self._outcomes.append(self._drop(request, Verdict(
                 RequestState.FINISHED_FAILED, FailureCause.NO_PREFILLER, "no prefiller is alive")))
             return
-        imm = next(self._imms) % 2**32
-        slot = self._free_slots.pop()
+        imm = random_imm(lambda v: v in self.quarantine or self.transfer.imm_counted(v) > 0
+                         or any(p.imm == v for p in self.pending.values()))
+        slot, nonce = self._free_slots.pop(), new_nonce()
         index = min(live, key=self._load.__getitem__)
         expected = expected_write_count(request.num_prompt_tokens, page_size, config.num_layers,
                                         self._page_writes[index], request.num_cached_tokens)
@@ -179,13 +182,14 @@ class DecodeMessenger:
             expected += self.draft_kv.expected_writes(request.num_prompt_tokens)
         now = time.monotonic()
         self.pending[request.request_id] = PendingKV(
-            request, imm, slot, expected, index, now, now + self.reliability.kv_timeout_s)
+            request, imm, slot, expected, index, now, now + self.reliability.kv_timeout_s,
+            nonce=nonce)
         self._load[index] += 1
         # Arm the counter before asking: writes may land before this line would otherwise run.
         self.transfer.expect_imm_count(imm, expected, lambda: self._on_ready(request.request_id))
         message = KVRequest(request.request_id, imm, request.prompt_token_ids,
                             request.page_ids, slot, request.num_cached_tokens,
-                            request.kv_attempts)
+                            request.kv_attempts, nonce)
         try:
             self.prefillers[index].send(message)
         except PeerClosedError:
@@ -247,17 +251,13 @@ class DecodeMessenger:
             self.draft_kv.stage_in(request)
 
     def _checksum_matches(self, pending: PendingKV) -> bool:
-        config = self._parts.model.config
-        expected = context_checksum(self.context[pending.context_slot], config)
         request = pending.request
         got = kv_checksum(self._parts.kv_cache, request.page_ids, request.num_prompt_tokens - 1,
                           self._held_pages(request))
         if self.draft_kv is not None:
             got += self.draft_kv.checksum(request)
-        if got != expected:
-            logger.warning("request %s: KV checksum %r, prefiller sent %r", request.request_id,
-                           got, expected)
-        return got == expected
+        return slot_matches(self.context[pending.context_slot], self._parts.model.config,
+                            pending.nonce, got, request.request_id)
 
     def _check_deadlines(self) -> None:
         now = time.monotonic()

@@ -61,7 +61,9 @@ class DraftKVSource:
         self.head = build_mtp_head(model.config).to(config.device)
         self.kv_cache = mtp_kv_cache(model.config, config.cache, config.device)
         self.transfer = transfer
-        self.kv = register_kv(transfer, self.kv_cache.buffer, "prefill-mtp", kv_memory_path)
+        # A source only: no peer may write it (S5).
+        self.kv = register_kv(transfer, self.kv_cache.buffer, "prefill-mtp", kv_memory_path,
+                              remote_write=False)
         self._peers: dict[str, MemoryRegionDescriptor] = {}  # decoders that draft with MTP
 
     @property
@@ -148,7 +150,8 @@ class DraftKVSink:
         self._model = model
         self.page_size = page_size
         self.kv_cache = kv_cache
-        self.kv = register_kv(transfer, kv_cache.buffer, "decode-mtp", kv_memory_path)
+        self.kv = register_kv(transfer, kv_cache.buffer, "decode-mtp", kv_memory_path,
+                              remote_write=True)  # prefillers write the head's pages here
         self.descriptor = self.kv.descriptor.to_bytes()
 
     def expected_writes(self, num_prompt_tokens: int) -> int:

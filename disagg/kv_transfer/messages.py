@@ -20,7 +20,7 @@ from typing import Any, ClassVar
 from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import ProtocolError
 
-PROTOCOL_VERSION = 2  # 2: prefix caching's fields (KVRequest, RequestEvent), Submit.ignore_eos
+PROTOCOL_VERSION = 3  # 3: the handshake proof (HelloProof), KVRequest.nonce; the channel preface
 MAGIC = b"DG"
 HEADER = struct.Struct("!2sBBI")  # magic, version, type (| TAGGED), payload length
 TAGGED = 0x80  # set in the type byte when an HMAC tag follows the payload
@@ -71,6 +71,15 @@ class HelloAck(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class HelloProof(Message):
+    """The decoder echoes the nonce the prefiller wrote into its proof slot after Hello: it owns
+    the memory its Hello named. The prefiller takes no request before this (S5)."""
+
+    TYPE: ClassVar[int] = 8
+    nonce: int
+
+
+@dataclass(frozen=True, slots=True)
 class Reject(Message):
     """The sender refuses the connection or a message, and says why; it may then close."""
 
@@ -94,6 +103,7 @@ class KVRequest(Message):
     # prefiller writes only the pages after them, and the checksum covers only those.
     num_cached_tokens: int = 0
     attempt: int = 1  # a retry (2, ...) is computed afresh: the KV sent before was wrong or lost
+    nonce: int = 0  # random, 64-bit: packed next to the KV checksum, which the decoder checks
 
 
 @dataclass(frozen=True, slots=True)
@@ -180,8 +190,8 @@ class Shutdown(Message):
 
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
-    cls.TYPE: cls for cls in (Hello, HelloAck, Reject, KVRequest, KVFailed, Cancel, Heartbeat,
-                              Submit, RequestEvent, Abort, Shutdown)
+    cls.TYPE: cls for cls in (Hello, HelloAck, HelloProof, Reject, KVRequest, KVFailed, Cancel,
+                              Heartbeat, Submit, RequestEvent, Abort, Shutdown)
 }
 _JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str, "bool": bool,
                "list[int]": list, "list[bytes]": list}
@@ -228,7 +238,9 @@ def decode_payload(cls: type[Message], body: bytes) -> Message:
     """Build `cls` from a JSON payload, checking every field's presence and type."""
     try:
         payload = json.loads(body)
-    except (UnicodeDecodeError, json.JSONDecodeError) as error:
+    except (ValueError, RecursionError) as error:
+        # ValueError: not UTF-8, not JSON, or an integer past Python's digit limit;
+        # RecursionError: nesting deeper than the parser's stack (a hostile payload).
         raise ProtocolError(f"{cls.__name__}: payload is not JSON ({error})") from None
     if not isinstance(payload, dict):
         raise ProtocolError(f"{cls.__name__}: payload is not an object")

@@ -38,7 +38,7 @@ from disagg.kv_transfer.context_slot import (
     pack_context,
     prefill_token_ids,
 )
-from disagg.kv_transfer.messages import Hello, KVFailed, KVRequest
+from disagg.kv_transfer.messages import Hello, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
 from disagg.kv_transfer.transfer_context import (
     DecoderPeer,
@@ -80,9 +80,10 @@ class PrefillMessenger:
         self.kv_cache = parts.kv_cache
         self.num_layers = parts.model.config.num_layers
         self.wait_timeout_s = wait_timeout_s
-        # One region per TP rank, as one process registering every GPU's KV (S5a); its path
-        # (host, hmem, staged) defaults to the transfer engine's `memory_path`.
-        self._kv = [register_kv(transfer, shard.buffer, f"prefill-kv{rank}", kv_memory_path)
+        # One region per TP rank, as one process registering every GPU's KV (S5a), no peer may
+        # write (S5); its path (host, hmem, staged) defaults to the engine's `memory_path`.
+        self._kv = [register_kv(transfer, shard.buffer, f"prefill-kv{rank}", kv_memory_path,
+                                remote_write=False)
                     for rank, shard in enumerate(self.kv_cache.shards)]
         self._rng = random.Random(0)
         self._slots = ContextSlots(transfer, parts.model.config, num_context_slots)
@@ -109,18 +110,25 @@ class PrefillMessenger:
     # Peers and requests (engine thread).
 
     def add_peer(self, hello: Hello, channel: Channel) -> DecoderPeer:
-        """Accept a decoder whose handshake was validated: parse its descriptors and open the
-        fabric connection to it (warm, before its first request)."""
+        """A decoder whose handshake was validated: parse its descriptors, open the fabric
+        connection (warm, before its first request), write its proof (`accept_proof`, S5)."""
         peer = parse_peer(hello, channel, self.num_layers, PageGeometry.of(self.kv_cache),
                           self._slots.slot_nbytes)
         # tcp;ofi_rxm connects on the first write (25-80 ms); pay it now, not in a request's
         # first layer. A peer we cannot reach fails its handshake with a TransferError.
         self.transfer.connect(hello.engine_address, timeout_s=CONNECT_TIMEOUT_S)
+        peer.proof = self._slots.write_proof(hello, peer.context)
         if hello.draft_kv_descriptor:
-            self._draft_source().add_peer(hello, peer.num_pages)
+            self._draft_source()  # built before HelloAck; told of the peer once it proved
         logger.info("decoder %s: its KV memory path is %s; ours is %s", peer.peer_id,
                     peer.kv_memory_path or "unknown", self._kv[0].path.kind)
         return peer
+
+    def accept_proof(self, peer: DecoderPeer, hello: Hello, proof: HelloProof) -> None:
+        """The decoder's answer to HelloAck (S5): only now are its requests taken."""
+        self._slots.check_proof(peer, proof)
+        if hello.draft_kv_descriptor:
+            self._draft_source().add_peer(hello, peer.num_pages)
 
     def _draft_source(self) -> DraftSource:
         """The draft-KV plug-in, built on the first decoder that asks for it."""
@@ -155,7 +163,7 @@ class PrefillMessenger:
             key, message.request_id, request, peer, message.imm, list(message.dst_page_ids),
             message.context_slot, plan_request(self.kv_cache.sharding, peer.sharding,
                                                PageGeometry.of(self.kv_cache), self._rng),
-            num_held_pages=held, num_sent_pages=held,
+            nonce=message.nonce, num_held_pages=held, num_sent_pages=held,
             received_at=time.time())
 
     def fail_peer(self, peer: DecoderPeer, reason: str) -> None:
@@ -301,15 +309,12 @@ class PrefillMessenger:
             with self._lock:
                 transfer.pending_writes += 1
             draft.submit(transfer, lambda err=None, n=0: self._write_done(transfer, err, n))
-        slot = self._slots.take(self.wait_timeout_s)
-        request = transfer.request
-        # The decoder's own pages are neither sent nor summed.
+        slot, request = self._slots.take(self.wait_timeout_s), transfer.request
         checksum = kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens,
-                               transfer.num_held_pages)
-        if draft is not None:
-            checksum += draft.checksum(transfer)
+                               transfer.num_held_pages)  # held pages: neither sent nor summed
+        checksum += draft.checksum(transfer) if draft is not None else 0.0
         pack_context(self._slots.buffer[slot], output.hidden_states[row], output.logits[row],
-                     checksum)
+                     checksum, transfer.nonce)
         if self._slots.submit(slot, transfer.imm, transfer.peer.context, transfer.context_slot,
                               lambda error: self._write_done(transfer, error, 1)):
             self._count(writes=1, nbytes=self._slots.slot_nbytes)

@@ -72,6 +72,10 @@ class PageQuarantine:
     def __len__(self) -> int:
         return len(self._held)
 
+    def __contains__(self, imm: object) -> bool:
+        """Whether a request with immediate value `imm` is held here (its value is in use)."""
+        return imm in self._held
+
     def hold(self, request: Request, imm: int, writes_posted: int | None, verdict: Verdict,
              grace_s: float = 0.0, expected_writes: int = 0) -> None:
         """Take over `request`'s pinned pages (and free the others, prefix-cache hits); its

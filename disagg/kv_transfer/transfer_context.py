@@ -44,6 +44,8 @@ class DecoderPeer:
     layer_nbytes: int  # of one rank's layer
     kv_memory_path: str = ""  # how the decoder's NIC reaches its KV (host, hmem, staged)
     wants_draft_kv: bool = False  # it drafts with an MTP head whose KV we ship (issue 6)
+    proof: int = 0  # the nonce written into its proof slot at handshake, for it to echo (S5)
+    proven: bool = False  # it echoed it: only now are its requests taken
 
 
 @dataclass
@@ -58,6 +60,7 @@ class Transfer:
     dst_page_ids: list[int]
     context_slot: int
     page_writes: list[PageWrite]  # the plan for every page and layer (S6)
+    nonce: int = 0  # the decoder's, packed next to the KV checksum (S5)
     num_held_pages: int = 0  # leading pages the decoder holds already (its prefix cache)
     num_sent_pages: int = 0  # pages below this one are held there or planned here
     pending_writes: int = 0
@@ -131,6 +134,9 @@ def check_kv_request(message: KVRequest, peer: DecoderPeer, page_size: int,
                      vocab_size: int) -> None:
     """Refuse a request whose prompt, pages, slot or immediate the peer could not mean."""
     prompt, request_id = message.prompt_token_ids, message.request_id
+    if not peer.proven:
+        raise RequestError(f"request {request_id}: decoder {peer.peer_id} has not proved it "
+                           "owns the memory its Hello names (no HelloProof)")
     if len(prompt) < 2:
         raise RequestError(f"request {request_id}: a prompt of {len(prompt)} tokens needs no "
                            "prefill (the decoder runs its last token)")
@@ -155,6 +161,8 @@ def check_kv_request(message: KVRequest, peer: DecoderPeer, page_size: int,
         raise RequestError(f"request {request_id}: attempt {message.attempt} is not >= 1")
     if not 0 <= message.imm < 2**32:
         raise RequestError(f"request {request_id}: imm {message.imm} not 32-bit")
+    if not 0 <= message.nonce < 2**64:
+        raise RequestError(f"request {request_id}: nonce {message.nonce} not 64-bit")
 
 
 def trace_transfer(tracer: Tracer, t: Transfer) -> None:
@@ -180,6 +188,7 @@ class PendingKV:
     deadline: float = float("inf")  # time.monotonic() by which the KV must have arrived
     cancel: Verdict | None = None  # what happens once the Cancel sent is answered
     cancel_deadline: float = float("inf")  # by when the prefiller must have answered it
+    nonce: int = 0  # sent with the request; its context slot must carry it back (S5)
 
 
 @dataclass(frozen=True, slots=True)

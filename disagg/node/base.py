@@ -3,11 +3,16 @@
 Reader threads and transfer callbacks never touch the engine: they put typed items in the
 node's `Inbox` (`Wake`, or the node's own message records), and the engine thread drains it and
 dispatches on the item's type. `close()` releases connections first (so no new work arrives
-while the fabric drains), then the messenger, the transfer engine and the tracer.
+while the fabric drains), then the messenger, the transfer engine and the tracer. One accept
+loop serves both nodes (S2): at most `MAX_CONNECTIONS` live connections, each read by its own
+thread, which closes and forgets its channel however it ends; running out of descriptors
+(EMFILE) pauses accepting, never ends it.
 """
 
 from __future__ import annotations
 
+import contextlib
+import logging
 import queue
 import socket
 import threading
@@ -22,6 +27,10 @@ from disagg.kv_transfer.channel import Channel, format_address, listen
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
+
+logger = logging.getLogger(__name__)
+MAX_CONNECTIONS = 256  # live accepted connections per node: each holds a reader thread
+ACCEPT_BACKOFF_S = 0.1  # after a failed accept (out of descriptors): wait, then retry
 
 
 def add_cache_metrics(metrics: Metrics, engine: LLMEngine) -> None:
@@ -88,6 +97,72 @@ class NodeBase:
         host, port = self._server.getsockname()[:2]
         self.address = format_address(host, port)
 
+    def _start_accepting(self, serve: Callable[[Channel], None], kind: str,
+                         max_connections: int = MAX_CONNECTIONS) -> threading.Thread:
+        """Accept connections until `close()`, each served by `serve(channel)` in its own
+        thread; `kind` names the peers in logs and channel names ("decoder", "router").
+        Past `max_connections` live ones, a new connection is closed at once."""
+        slots = threading.BoundedSemaphore(max_connections)
+        thread = threading.Thread(target=self._accept_loop, args=(serve, kind, slots),
+                                  daemon=True, name=f"{kind}-accept")
+        thread.start()
+        return thread
+
+    def _accept_loop(self, serve: Callable[[Channel], None], kind: str,
+                     slots: threading.BoundedSemaphore) -> None:
+        last_error = 0
+        while True:
+            try:
+                sock, peer = self._server.accept()
+            except OSError as error:
+                if self._stop.is_set() or self._server.fileno() < 0:
+                    return  # close() shut the server socket: we are shutting down
+                # Out of descriptors (EMFILE, ENFILE) or an aborted connection: readers that
+                # end free descriptors, so wait a little and accept again.
+                if error.errno != last_error:
+                    logger.warning("accepting %s connections failed: %s; retrying", kind, error)
+                last_error = error.errno or 0
+                time.sleep(ACCEPT_BACKOFF_S)
+                continue
+            last_error = 0
+            name = format_address(peer[0], peer[1])
+            if not slots.acquire(blocking=False):
+                logger.warning("refusing %s %s: at the limit of live connections", kind, name)
+                sock.close()
+                continue
+            try:
+                channel = Channel(sock, f"{kind} {name}")
+            except OSError as error:  # it died between accept and setsockopt
+                logger.info("dropping %s %s: %s", kind, name, error)
+                sock.close()
+                slots.release()
+                continue
+            self._channels.append(channel)
+            try:
+                threading.Thread(target=self._serve_connection, args=(serve, channel, slots),
+                                 daemon=True, name=f"{kind}-{peer[1]}").start()
+            except RuntimeError as error:  # no thread to spare: as if over the cap
+                logger.warning("dropping %s %s: %s", kind, name, error)
+                channel.close()
+                self._forget(channel)
+                slots.release()
+
+    def _serve_connection(self, serve: Callable[[Channel], None], channel: Channel,
+                          slots: threading.BoundedSemaphore) -> None:
+        """One reader thread: whatever ends it (the peer leaving, bad input, a bug, which
+        still propagates), its channel is closed and forgotten and its slot freed."""
+        try:
+            serve(channel)
+        finally:
+            channel.close()
+            self._forget(channel)
+            slots.release()
+
+    def _forget(self, channel: Channel) -> None:
+        """Drop a channel that has ended from `_channels` (so a peer that left costs nothing)."""
+        with contextlib.suppress(ValueError):  # never added, or forgotten already
+            self._channels.remove(channel)
+
     def _traced_step(self) -> list[TokenEvent]:
         """One engine step, recorded as a `step` span when a batch ran."""
         start, num_steps = time.time(), self.engine.num_steps
@@ -105,8 +180,10 @@ class NodeBase:
     def close(self) -> None:
         """Close connections, the messenger and the fabric."""
         self._stop.set()
+        with contextlib.suppress(OSError):  # shutdown wakes the accept loop; close may not
+            self._server.shutdown(socket.SHUT_RDWR)
         self._server.close()
-        for channel in self._channels:
+        for channel in list(self._channels):  # readers forget theirs as they end
             channel.close()
         self.messenger.close()
         self.transfer.close()

@@ -22,7 +22,8 @@ from typing import Any
 from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
-from disagg.kv_transfer.channel import Channel, format_address, start_heartbeats
+from disagg.kv_transfer.channel import Channel, start_heartbeats
+from disagg.kv_transfer.context_slot import read_proof
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.messages import (
     Abort,
@@ -39,6 +40,7 @@ from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
+from transfer_core.errors import TransferError
 
 logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.05
@@ -122,7 +124,7 @@ class DecodeNode(NodeBase):
                                                         strict=True) if alive],
                          self._stop, HEARTBEAT_INTERVAL_S)
         self._listen(listen_address)
-        threading.Thread(target=self._accept_loop, name="decode-accept", daemon=True).start()
+        self._start_accepting(self._read_router, "router")
 
     def _connect_prefiller(self, address: str) -> None:
         channel = Channel.connect(address)
@@ -135,36 +137,38 @@ class DecodeNode(NodeBase):
         if not isinstance(reply, HelloAck):
             channel.close()
             raise ProtocolError(f"prefiller {address} answered {type(reply).__name__}")
+        try:  # echo the nonce it wrote into our proof slot: we own what our Hello named (S5)
+            channel.send(read_proof(self.messenger.context, self.transfer.num_domains))
+        except TransferError:
+            channel.close()
+            raise
         index = self.messenger.add_prefiller(channel, reply)
         threading.Thread(target=self._read_prefiller, args=(channel, index), daemon=True,
                          name=f"decode-prefiller-{index}").start()
 
     def _read_prefiller(self, channel: Channel, index: int) -> None:
-        while True:
-            try:
-                message = channel.recv()
-            except (PeerClosedError, ProtocolError) as error:
-                self.inbox.put(PrefillerGone(index, str(error)))
-                return
-            if isinstance(message, KVFailed):
-                self.inbox.put(FromPrefiller(message))
-            elif isinstance(message, Heartbeat):
-                continue  # recv() already noted that the prefiller is alive
-            elif isinstance(message, Reject):
-                logger.warning("prefiller %s rejected a message: %s", channel.peer,
-                               message.reason)
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, peer = self._server.accept()
-            except OSError:
-                return  # closed: shutting down
-            channel = Channel(sock, f"router {format_address(peer[0], peer[1])}")
-            self._channels.append(channel)
-            threading.Thread(target=self._read_router, args=(channel,), daemon=True).start()
+        reason = "its reader thread failed"  # kept if an exception escapes (it propagates)
+        try:
+            while True:
+                try:
+                    message = channel.recv()
+                except (PeerClosedError, ProtocolError) as error:
+                    reason = str(error)
+                    return
+                if isinstance(message, KVFailed):
+                    self.inbox.put(FromPrefiller(message))
+                elif isinstance(message, Heartbeat):
+                    continue  # recv() already noted that the prefiller is alive
+                elif isinstance(message, Reject):
+                    logger.warning("prefiller %s rejected a message: %s", channel.peer,
+                                   message.reason)
+        finally:  # however it ends, the connection is closed and forgotten
+            channel.close()
+            self._forget(channel)
+            self.inbox.put(PrefillerGone(index, reason))
 
     def _read_router(self, channel: Channel) -> None:
+        """Reader thread of one router connection (`_start_accepting` closes it after)."""
         while True:
             try:
                 message = channel.recv()

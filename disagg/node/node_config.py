@@ -2,13 +2,16 @@
 
 The CLI (`disagg serve prefill|decode|mixed`) and `LocalCluster` both build a `NodeConfig`;
 a child process receives it as one JSON document (`to_json` / `from_json`), never as flags
-to parse again, so what a node runs is exactly what its parent asked for.
+to parse again, so what a node runs is exactly what its parent asked for. A node listening
+off loopback needs the cluster secret (`check_listen_secret`): without it anyone who can reach
+the port could send it any control message.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import enum
+import ipaddress
 import json
 import types
 import typing
@@ -25,6 +28,7 @@ from disagg.config import (
     SpeculativeConfig,
 )
 from disagg.errors import ConfigError
+from disagg.kv_transfer.channel import SECRET_ENV, cluster_secret, parse_address
 
 # How the NIC reaches the KV (S5), as `transfer_core.staging` names it.
 MEMORY_PATHS = ("auto", "host", "hmem", "staged")
@@ -50,6 +54,23 @@ def check_device(device: str, need_hardware: bool = True) -> str:
     if need_hardware and parsed.type == "cuda" and not torch.cuda.is_available():
         raise ConfigError(f"device {device!r}: torch sees no CUDA device on this machine")
     return device
+
+
+def check_listen_secret(listen: str) -> None:
+    """A `ConfigError` if `listen` is malformed, or is not a loopback address while the
+    environment holds no cluster secret. A host name other than localhost counts as off
+    loopback: it is not resolved here, and it could name any interface."""
+    try:
+        host, _ = parse_address(listen)
+    except ValueError as error:
+        raise ConfigError(str(error)) from None
+    try:
+        loopback = ipaddress.ip_address(host).is_loopback
+    except ValueError:  # a host name
+        loopback = host == "localhost"
+    if not loopback and cluster_secret() is None:
+        raise ConfigError(f"listening on {listen} (not a loopback address) needs the cluster "
+                          f"secret: set {SECRET_ENV} to the same value on every node")
 
 
 def check_node_memory(device: str, kv_memory_path: str, need_hardware: bool = True) -> None:
@@ -91,6 +112,7 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         check_node_memory(self.device, self.kv_memory_path, need_hardware=False)
+        check_listen_secret(self.listen)
         expected_mode = "prefill_only" if self.role is NodeRole.PREFILL else "mixed"
         if self.scheduler.mode != expected_mode:
             raise ConfigError(f"a {self.role.value} node schedules {expected_mode!r}, "

@@ -18,13 +18,14 @@ from dataclasses import dataclass
 from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause
 from disagg.errors import PeerClosedError, ProtocolError, RequestError
-from disagg.kv_transfer.channel import Channel, format_address, start_heartbeats
+from disagg.kv_transfer.channel import Channel, start_heartbeats
 from disagg.kv_transfer.context_slot import context_slot_nbytes
 from disagg.kv_transfer.messages import (
     Cancel,
     Heartbeat,
     Hello,
     HelloAck,
+    HelloProof,
     KVFailed,
     KVRequest,
     Reject,
@@ -72,12 +73,13 @@ class ShutdownAsked:
 
 
 def hello_mismatches(hello: Hello, expected: Hello) -> list[str]:
-    """Fields where a decoder's handshake differs from what this prefiller runs."""
+    """Fields where a decoder's handshake differs from what this prefiller runs: each names
+    the field and the decoder's own value, never the expected one (a stranger learns nothing
+    of this prefiller from a refusal)."""
     checked = ("model", "dtype", "page_size", "kv_layout", "num_layers", "num_kv_heads",
                "head_dim", "context_slot_nbytes")
-    return [f"{name}: decoder has {getattr(hello, name)!r}, prefiller has "
-            f"{getattr(expected, name)!r}" for name in checked
-            if getattr(hello, name) != getattr(expected, name)]
+    return [f"{name}: decoder has {getattr(hello, name)!r}, not what this prefiller runs"
+            for name in checked if getattr(hello, name) != getattr(expected, name)]
 
 
 class PrefillNode(NodeBase):
@@ -106,7 +108,7 @@ class PrefillNode(NodeBase):
         self._peers: list[DecoderPeer] = []
         start_heartbeats(lambda: [peer.channel for peer in list(self._peers)], self._stop,
                          HEARTBEAT_INTERVAL_S)
-        threading.Thread(target=self._accept_loop, name="prefill-accept", daemon=True).start()
+        self._start_accepting(self._serve_decoder, "decoder")
 
     def expected_hello(self) -> Hello:
         """The handshake fields a decoder must match (addresses and descriptors aside)."""
@@ -115,17 +117,6 @@ class PrefillNode(NodeBase):
         return Hello(self.node_id, self.fingerprint, dtype, cache.page_size, cache.kv_layout,
                      config.num_layers, config.num_kv_heads, config.head_dim, b"", [], b"",
                      context_slot_nbytes(config))
-
-    def _accept_loop(self) -> None:
-        while not self._stop.is_set():
-            try:
-                sock, peer = self._server.accept()
-            except OSError:
-                return  # the server socket was closed: we are shutting down
-            channel = Channel(sock, format_address(peer[0], peer[1]))
-            self._channels.append(channel)
-            threading.Thread(target=self._serve_decoder, args=(channel,), daemon=True,
-                             name=f"prefill-peer-{peer[1]}").start()
 
     def _serve_decoder(self, channel: Channel) -> None:
         """Reader thread of one decoder: handshake, then forward its messages to the inbox."""
@@ -143,35 +134,45 @@ class PrefillNode(NodeBase):
                 channel.send(Reject("peer mismatch: " + "; ".join(mismatches)))
                 channel.close()
                 return
-            peer = self.messenger.add_peer(hello, channel)
-            self.inbox.put(DecoderJoined(peer))
+            peer = self.messenger.add_peer(hello, channel)  # writes its proof slot (S5)
             sharding = self.engine.kv_cache.sharding
             channel.send(HelloAck(self.node_id, self.transfer.address, sharding.tp,
                                   sharding.replicated))
+            proof = channel.recv()  # nothing else is taken before it: it owns what it named
+            if not isinstance(proof, HelloProof):
+                raise ProtocolError(f"expected HelloProof after HelloAck, got "
+                                    f"{type(proof).__name__}")
+            self.messenger.accept_proof(peer, hello, proof)
+            self.inbox.put(DecoderJoined(peer))
         except (ProtocolError, RequestError, TransferError) as error:
             self._refuse(channel, str(error))
             return
         except PeerClosedError:
             channel.close()
             return
+        reason = "its reader thread failed"  # kept if an exception escapes (it propagates)
+        try:
+            reason = self._read_decoder(channel, peer)
+        finally:
+            self.inbox.put(DecoderGone(peer, reason))
+
+    def _read_decoder(self, channel: Channel, peer: DecoderPeer) -> str:
+        """Forward a joined decoder's messages to the inbox; returns why it ended."""
         while True:
             try:
                 message = channel.recv()
             except ProtocolError as error:
                 self._refuse(channel, str(error))
-                self.inbox.put(DecoderGone(peer, f"protocol error: {error}"))
-                return
+                return f"protocol error: {error}"
             except PeerClosedError as error:
-                self.inbox.put(DecoderGone(peer, str(error)))
-                return
+                return str(error)
             if isinstance(message, Heartbeat):
                 continue  # recv() already noted that the decoder is alive
             if isinstance(message, KVRequest | Cancel | Shutdown):
                 self.inbox.put(FromDecoder(peer, message))
             else:
                 self._refuse(channel, f"unexpected {type(message).__name__} from a decoder")
-                self.inbox.put(DecoderGone(peer, "protocol error"))
-                return
+                return "protocol error"
 
     def _refuse(self, channel: Channel, reason: str) -> None:
         logger.warning("closing connection to %s: %s", channel.peer, reason)

@@ -6,18 +6,24 @@ cross-process behaviour is in test_engine_two_process.py.
 
 from __future__ import annotations
 
+import dataclasses
+import functools
 import os
 import threading
 from collections.abc import Iterator
+from types import SimpleNamespace
 
 import numpy as np
 import pytest
 import torch
 
-from transfer_core import memory
+from transfer_core import domain_worker, memory
+from transfer_core import engine as engine_module
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
-from transfer_core.memory import EngineAddress
+from transfer_core.imm_counter import ImmCounterMap
+from transfer_core.memory import EngineAddress, MemoryRegionDescriptor
+from transfer_core.pyfabric import lib
 
 PAGE = 4096
 Engines = tuple[TransferEngine, TransferEngine]
@@ -179,3 +185,93 @@ def test_close_from_callback_is_refused(engines: Engines) -> None:
     a.submit_imm(1, desc, close_inside)
     _wait(ran)
     assert "callback thread" in str(errors[0])
+
+
+# Who can write what (issue 15): keys, access flags, immediates nobody expects.
+
+
+def _forged(desc: MemoryRegionDescriptor) -> MemoryRegionDescriptor:
+    """What an attacker holding the key sends: the descriptor, claiming it is writable."""
+    return dataclasses.replace(desc, writable=True)
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_memory_keys_are_random_64_bit(provider: str) -> None:
+    """Keys are drawn at random from 64 bits, distinct within a domain: not 1, 2, 3, ..."""
+    with TransferEngine(provider, num_domains=2) as a:
+        keys = [key for _ in range(6)
+                for _, key in a.register_memory(np.zeros(PAGE, np.uint8))[1].domains]
+    assert len(set(keys)) == len(keys)
+    assert max(keys) > 2**40  # sequential keys from 1 stay tiny (odds of failing: 2^-144)
+
+
+def test_a_duplicate_key_draws_another(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A key the provider reports as taken (FI_ENOKEY) is redrawn; the region registers."""
+    draws = iter([0xC0FFEE, 0xC0FFEE, 0xBEEF])
+    with TransferEngine("tcp") as a:
+        monkeypatch.setattr(domain_worker, "random_key", lambda _size: next(draws))
+        _, first = a.register_memory(np.zeros(PAGE, np.uint8))
+        _, second = a.register_memory(np.zeros(PAGE, np.uint8))
+    assert (first.domains[0][1], second.domains[0][1]) == (0xC0FFEE, 0xBEEF)
+
+
+def test_provider_chosen_keys_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under FI_MR_PROV_KEY the binding requests key 0 and uses what fi_mr_key says."""
+    requested: list[int] = []
+    monkeypatch.setattr(domain_worker, "MemoryRegistration",
+                        lambda *args: requested.append(args[4]) or SimpleNamespace(key=77))
+    worker = SimpleNamespace(info=SimpleNamespace(mr_mode=lib.FI_MR_PROV_KEY),
+                             stack=SimpleNamespace(domain=None, endpoint=None))
+    register = domain_worker.DomainWorker.register
+    registration = register(worker, 4096, 64, 0, None)  # type: ignore[arg-type]
+    assert (requested, registration.key) == ([0], 77)
+
+
+@pytest.mark.parametrize("provider", ["tcp", "shm"])
+def test_source_without_remote_write_cannot_be_written(provider: str) -> None:
+    """A region registered with remote_write=False says read-only, and a peer that writes it
+    anyway, with its real key, lands nothing: no byte, no immediate (the provider enforces
+    the missing FI_REMOTE_WRITE; tcp then drops the connection, shm completes silently). The
+    same write into a writable region of the same engine lands."""
+    with TransferEngine(provider) as a, TransferEngine(provider) as b:
+        src_mr, _ = a.register_memory(np.full(PAGE, 7, np.uint8), remote_write=False)
+        source = np.zeros(PAGE, np.uint8)
+        _, source_desc = b.register_memory(source, remote_write=False)
+        target = np.zeros(PAGE, np.uint8)
+        _, target_desc = b.register_memory(target)
+        assert (source_desc.writable, target_desc.writable) == (False, True)
+        with pytest.raises(ValueError, match="read-only"):
+            a.submit_write(src_mr, 0, PAGE, 5, source_desc, 0)
+        landed = threading.Event()
+        b.expect_imm_count(6, 1, landed.set)
+        a.submit_write(src_mr, 0, PAGE, 6, target_desc, 0)
+        _wait(landed)
+        finished = threading.Event()
+        a.submit_write(src_mr, 0, PAGE, 5, _forged(source_desc), 0, finished.set,
+                       lambda _error: finished.set())
+        _wait(finished)
+        threading.Event().wait(0.3)  # give a wrongly placed write time to show up
+        assert (b.imm_counted(5), int(source.max()), int(target.min())) == (0, 0, 7)
+
+
+def test_unexpected_immediates_are_bounded_and_counted(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A flood of immediates for values nobody armed keeps at most the bound of values; the
+    rest are dropped and counted in `dropped_imms`. Kept ones still count once armed."""
+    monkeypatch.setattr(engine_module, "ImmCounterMap",
+                        functools.partial(ImmCounterMap, max_unarmed=8))
+    with TransferEngine("tcp") as a, TransferEngine("tcp") as b:
+        _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
+        sent = [threading.Event() for _ in range(40)]
+        for imm, event in enumerate(sent, start=1):
+            a.submit_imm(imm, desc, event.set)
+        for event in sent:
+            _wait(event)
+        for _ in range(2000):
+            if b.dropped_imms + sum(b.imm_counted(i) for i in range(1, 41)) == 40:
+                break
+            threading.Event().wait(0.002)
+        assert b.dropped_imms == 32
+        assert [i for i in range(1, 41) if b.imm_counted(i)] == list(range(1, 9))
+        reached = threading.Event()
+        b.expect_imm_count(3, 1, reached.set)
+        _wait(reached)

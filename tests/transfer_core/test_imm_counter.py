@@ -1,4 +1,5 @@
-"""Unit tests of `ImmCounterMap` (S4c): expected counts, early arrivals, exactly-once firing."""
+"""Unit tests of `ImmCounterMap` (S4c): expected counts, early arrivals, exactly-once firing,
+and the bound on values nobody expects (S5); `random_imm`."""
 
 from __future__ import annotations
 
@@ -8,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from transfer_core.imm_counter import ImmCounterMap
+from transfer_core.imm_counter import ImmCounterMap, random_imm
 
 
 class _Recorder:
@@ -149,3 +150,69 @@ def test_concurrent_arrivals_fire_each_counter_once() -> None:
         t.join()
     assert all(h.calls == 1 for h in hits.values())
     assert counters.pending() == {}
+
+
+# Immediates nobody expects (issue 15): kept for a while, bounded, then dropped and counted.
+
+
+class _Clock:
+    """A settable monotonic clock."""
+
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def test_unexpected_values_are_bounded_and_dropped() -> None:
+    """At most `max_unarmed` distinct unexpected values are kept; arrivals of further values
+    are dropped and counted. Armed values are never limited; a kept value still counts."""
+    counters, hit = ImmCounterMap(max_unarmed=3), _Recorder()
+    counters.expect(100, 2, hit)
+    for imm in range(1, 11):
+        counters.on_imm(imm, 2)
+    assert (counters.unarmed(), counters.dropped) == (3, 14)
+    assert [counters.counted(i) for i in (1, 2, 3, 4)] == [2, 2, 2, 0]
+    counters.on_imm(2)  # a kept value keeps counting
+    counters.on_imm(100, 2)  # an armed one is not limited
+    assert (hit.calls, counters.counted(2)) == (1, 3)
+    counters.expect(1, 2, hit)  # an early arrival that is later armed still counts
+    assert (hit.calls, counters.unarmed()) == (2, 2)
+
+
+def test_unexpected_values_expire() -> None:
+    """Arrivals nobody armed within the TTL are dropped (and counted): a later expectation of
+    that value starts from zero, and their slot is free again."""
+    clock = _Clock()
+    counters, hit = ImmCounterMap(max_unarmed=2, unarmed_ttl_s=10.0, clock=clock), _Recorder()
+    counters.on_imm(7, 3)
+    clock.now = 5.0
+    counters.on_imm(8)
+    clock.now = 12.0
+    counters.on_imm(9)  # 7 expires, making room for 9
+    assert (counters.counted(7), counters.counted(9), counters.dropped) == (0, 1, 3)
+    counters.expect(8, 1, hit)  # 8 is 7 s old: still counts
+    assert hit.calls == 1
+    counters.expect(7, 3, hit)
+    assert (hit.calls, counters.pending()) == (1, {7: (0, 3)})
+
+
+def test_surplus_arrivals_are_bounded_too() -> None:
+    """Arrivals past a fired expectation become unexpected ones, under the same bound."""
+    counters, hit = ImmCounterMap(max_unarmed=1), _Recorder()
+    counters.on_imm(1)
+    counters.expect(2, 1, hit)
+    counters.on_imm(2, 4)
+    assert (hit.calls, counters.counted(2), counters.dropped) == (1, 0, 3)
+
+
+def test_random_imm_is_never_zero_and_avoids_values_in_use() -> None:
+    """Random 32-bit values, never 0, none that `in_use` claims; a full space raises."""
+    values = {random_imm(lambda _: False) for _ in range(200)}
+    assert len(values) == 200 and 0 not in values and max(values) <= 2**32 - 1
+    assert max(values) > 2**24  # not sequential from 1
+    taken = set(values)
+    assert random_imm(taken.__contains__) not in taken
+    with pytest.raises(RuntimeError, match="no free immediate"):
+        random_imm(lambda _: True)

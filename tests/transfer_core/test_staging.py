@@ -122,6 +122,19 @@ def test_host_path_registers_the_tensor_itself(engine: TransferEngine) -> None:
         registered.close(engine)
 
 
+@pytest.mark.parametrize("path", ["host", "staged"])
+def test_sources_register_without_remote_write(engine: TransferEngine, path: str) -> None:
+    """A prefiller's KV (remote_write=False) is read-only to peers on either path, the shadow
+    included; a decoder's (the default) is writable."""
+    source = register_kv(engine, make_kv(), "src-kv", path, remote_write=False)
+    target = register_kv(engine, make_kv(), "dst-kv", path)
+    try:
+        assert (source.descriptor.writable, target.descriptor.writable) == (False, True)
+    finally:
+        source.close(engine)
+        target.close(engine)
+
+
 @pytest.fixture
 def staged(engine: TransferEngine) -> Iterator[RegisteredKV]:
     registered = register_kv(engine, make_kv(), "staged-kv", "staged")
@@ -213,10 +226,10 @@ def test_auto_falls_back_to_staging_when_hmem_registration_fails(
     """auto chose hmem but the provider refuses the device memory: staged, with the error."""
     kv = make_kv()
 
-    def refuse_the_tensor(buffer: Any, name: str) -> Any:
+    def refuse_the_tensor(buffer: Any, name: str, *, remote_write: bool) -> Any:
         if buffer is kv:
             raise FabricError("fi_mr_regattr", 95, "Operation not supported")
-        return engine.register_memory(buffer, name)
+        return engine.register_memory(buffer, name, remote_write=remote_write)
 
     hmem_engine = SimpleNamespace(memory_path="auto", register_memory=refuse_the_tensor)
     monkeypatch.setattr(staging, "choose_memory_path",

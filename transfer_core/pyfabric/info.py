@@ -92,6 +92,11 @@ class Info:
         return int(self._raw.domain_attr.mr_mode)
 
     @property
+    def mr_key_size(self) -> int:
+        """Bytes of a memory key (what a requested key may use); 8 where the provider says 0."""
+        return int(self._raw.domain_attr.mr_key_size) or 8
+
+    @property
     def cq_data_size(self) -> int:
         return int(self._raw.domain_attr.cq_data_size)
 

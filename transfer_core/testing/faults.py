@@ -4,7 +4,10 @@ It wraps the real engine and the real fabric: every operation still happens, unl
 plan says otherwise. Faults: delayed (hence reordered) operations, failed writes (reported
 through `on_error`, nothing posted), lost and duplicated immediates on the receiving side, and a
 peer that stops answering (after N operations its submissions are swallowed and time out).
-One seeded `random.Random` drives every decision, in the order operations are made.
+One seeded `random.Random` drives every decision, in the order operations are made. Faults
+act on the request data path, writes that carry an immediate: a write without one (the
+ownership proof a prefiller writes at handshake, S5) is posted as it is and counts as no
+operation, so a fault plan never stops a node from joining.
 """
 
 from __future__ import annotations
@@ -98,7 +101,11 @@ class FaultyTransferEngine(TransferEngine):
             on_error(error)
 
     def submit_write(self, *args: Any, **kwargs: Any) -> None:
-        """As `TransferEngine.submit_write`, through the fault plan."""
+        """As `TransferEngine.submit_write`, through the fault plan if it carries an imm."""
+        imm = args[3] if len(args) > 3 else kwargs.get("imm_data")
+        if imm is None:  # a handshake's ownership proof: posted as it is (see the docstring)
+            super().submit_write(*args, **kwargs)
+            return
         self._sender_fault(super().submit_write, args, kwargs)
 
     def submit_paged_writes(self, *args: Any, **kwargs: Any) -> None:

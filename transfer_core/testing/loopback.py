@@ -78,7 +78,7 @@ class LoopbackEngine:
         self.timeout_s = timeout_s
         self.fabric = fabric or default_fabric()
         self.deliver_inline = deliver_inline
-        self.dropped_imms = 0
+        self._hook_dropped = 0
         self._drop: Callable[[int], bool] | None = None
         self._errors = OwnerErrors()
         self._lock = threading.Lock()
@@ -113,12 +113,13 @@ class LoopbackEngine:
     # -- memory -----------------------------------------------------------------------------
 
     def register_memory(
-        self, buffer: Any, name: str | None = None
+        self, buffer: Any, name: str | None = None, *, remote_write: bool = True
     ) -> tuple[MemoryRegion, MemoryRegionDescriptor]:
         """As `TransferEngine.register_memory`: host memory only, the descriptor holds the
-        region's VA (like shm's FI_MR_VIRT_ADDR) and one (endpoint, key) per domain."""
+        region's VA (like shm's FI_MR_VIRT_ADDR) and one (endpoint, key) per domain; a write
+        into a region registered without `remote_write` lands nothing, as on tcp and shm."""
         self._check_open()
-        return self.regions.register(buffer, name)
+        return self.regions.register(buffer, name, remote_write)
 
     def unregister_memory(self, region: MemoryRegion) -> None:
         self.regions.unregister(region)
@@ -194,6 +195,11 @@ class LoopbackEngine:
     def imm_counted(self, imm: int) -> int:
         return self._counters.counted(imm)
 
+    @property
+    def dropped_imms(self) -> int:
+        """As `TransferEngine.dropped_imms`, plus the arrivals `drop_imm` lost."""
+        return self._hook_dropped + self._counters.dropped
+
     def stats(self) -> list[Stats]:
         """Per domain: writes posted and completed, immediates received (no EAGAIN here)."""
         with self._lock:
@@ -215,7 +221,7 @@ class LoopbackEngine:
 
     def drop_imm(self, predicate: Callable[[int], bool] | None) -> None:
         """Arriving immediates whose value matches are not counted (the bytes still land);
-        `None` stops dropping. `dropped_imms` counts the lost ones."""
+        `None` stops dropping. `dropped_imms` counts the lost ones too."""
         self._drop = predicate
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -255,7 +261,7 @@ class LoopbackEngine:
         dropped = drop is not None and drop(imm)
         with self._lock:
             self._stats[d][2] += count
-            self.dropped_imms += count if dropped else 0
+            self._hook_dropped += count if dropped else 0
         if not dropped:
             self._counters.on_imm(imm, count)
 

@@ -24,9 +24,18 @@ from disagg.engine.llm_engine import EngineParts, LLMEngine, build_engine, load_
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import RequestError
 from disagg.kv_transfer.channel import Channel
+from disagg.kv_transfer.context_slot import read_proof
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.draft_kv import DraftKVSink
-from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest, Message
+from disagg.kv_transfer.messages import (
+    Cancel,
+    Hello,
+    HelloAck,
+    HelloProof,
+    KVFailed,
+    KVRequest,
+    Message,
+)
 from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.kv_transfer.transfer_context import DecoderPeer, Outcome
@@ -138,24 +147,36 @@ class Harness:
             self.handshake()
 
     def handshake(self) -> None:
-        """Hello over the channel, `add_peer`, HelloAck back, `add_prefiller`."""
+        """As the nodes shake hands: Hello over the channel, `add_peer` (which writes the proof
+        slot), HelloAck back, the decoder's `HelloProof` from its own memory, `accept_proof`,
+        `add_prefiller`."""
         self.decode_channel.send(self.decode.hello())
         hello = self.prefill_channel.recv()
         assert isinstance(hello, Hello)
-        self.peer = self.prefill.add_peer(hello, self.prefill_channel)
+        peer = self.prefill.add_peer(hello, self.prefill_channel)
         sharding = self.prefill_parts.kv_cache.sharding
         self.prefill_channel.send(HelloAck("prefill-0", self.prefill_transfer.address,
                                            sharding.tp, sharding.replicated))
         ack = self.decode_channel.recv()
         assert isinstance(ack, HelloAck)
+        self.decode_channel.send(read_proof(self.decode.context, self.decode_transfer.num_domains))
+        proof = self.prefill_channel.recv()
+        assert isinstance(proof, HelloProof)
+        self.prefill.accept_proof(peer, hello, proof)
+        self.peer = peer
         self.decode.add_prefiller(self.decode_channel, ack)
 
     def extra_peer(self, hello: Hello) -> tuple[DecoderPeer, Channel]:
-        """Another decoder connection to the prefiller; returns its peer and decoder-side end."""
+        """Another decoder connection to the prefiller, proved with this decoder's memory (its
+        Hello names this decoder's regions); returns its peer and decoder-side end."""
         a, b = socket.socketpair()
         ours, theirs = Channel(a, "prefill-0", secret=b""), Channel(b, hello.node_id, secret=b"")
         self.extra_channels += [ours, theirs]
-        return self.prefill.add_peer(hello, theirs), ours
+        self.decode.hello()  # clears the proof slot, as a decoder's Hello does
+        peer = self.prefill.add_peer(hello, theirs)
+        proof = read_proof(self.decode.context, self.decode_transfer.num_domains)
+        self.prefill.accept_proof(peer, hello, proof)
+        return peer, ours
 
     def submit(self, prompt: list[int], request_id: str = "r0",
                max_tokens: int = MAX_TOKENS) -> Request:

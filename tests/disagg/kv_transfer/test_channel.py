@@ -1,4 +1,6 @@
-"""Addresses of control connections: host:port, [ipv6]:port, and a real IPv6 round trip (S2)."""
+"""Addresses of control connections: host:port, [ipv6]:port, and a real IPv6 round trip (S2).
+The channel's defences (nonces, sequence numbers, limits, timeouts) are in
+test_channel_defences.py."""
 
 from __future__ import annotations
 

@@ -19,6 +19,7 @@ from disagg.config import CacheConfig, SchedulerConfig
 from disagg.engine.request import RequestState
 from disagg.errors import PeerMismatchError
 from disagg.kv_transfer.channel import Channel
+from disagg.kv_transfer.context_slot import read_proof
 from disagg.kv_transfer.messages import (
     HEADER,
     MAGIC,
@@ -114,26 +115,31 @@ def test_a_request_round_trips(pair: Pair) -> None:
 
 def test_decoder_connection_is_warm_after_handshake(pair: Pair) -> None:
     """Before any request the prefiller has posted one zero-byte write per domain to the
-    decoder: the connection tcp would otherwise open in a first request's KV writes."""
+    decoder: the connection tcp would otherwise open in a first request's KV writes. (Plus
+    the ownership proof: one 8-byte write per decoder endpoint, S5.)"""
     stats = pair.prefill.transfer.stats()
-    assert [s.writes_posted for s in stats] == [1] * len(stats)
-    assert [s.writes_completed for s in stats] == [1] * len(stats)
+    proofs = pair.decode.transfer.num_domains
+    assert sum(s.writes_posted for s in stats) == len(stats) + proofs
+    assert sum(s.writes_completed for s in stats) == len(stats) + proofs
     assert pair.decode.transfer.stats()[0].imms_received == 0  # it counted nothing
 
 
 def test_mismatched_decoder_is_refused_by_name(pair: Pair) -> None:
-    """A decoder with another page size is refused at handshake, naming the field; the
-    prefiller keeps serving the good decoder."""
-    with pytest.raises(PeerMismatchError, match="page_size: decoder has 8, prefiller has 4"):
+    """A decoder with another page size is refused at handshake, naming the field but not
+    the prefiller's value; the prefiller keeps serving the good decoder."""
+    with pytest.raises(PeerMismatchError, match="page_size: decoder has 8, not what") as error:
         make_decode(pair.prefill, cache=replace(CACHE, page_size=8), node_id="bad")
+    assert "4" not in str(error.value).split("page_size")[1]  # the expected value stays home
     assert len(serve(pair.router, [5, 6, 7, 8, 9])) == 4
 
 
 def rogue_channel(pair: Pair) -> Channel:
-    """A second connection that shakes hands with the decoder's own (valid) descriptors."""
+    """A second connection that shakes hands with the decoder's own (valid) descriptors, and
+    proves it owns them (it shares the decoder's process, so it reads its proof slot)."""
     channel = Channel.connect(pair.prefill.address)
     channel.send(replace(pair.decode.messenger.hello(), node_id="rogue"))
     assert isinstance(channel.recv(), HelloAck)
+    channel.send(read_proof(pair.decode.messenger.context, pair.decode.transfer.num_domains))
     return channel
 
 

@@ -122,3 +122,35 @@ def test_a_submit_becomes_the_sampling_it_asks_for() -> None:
     assert sampling_params(Submit("r", [1], 4)).seed is None
     with pytest.raises(RequestError):
         sampling_params(Submit("r", [1], 0))
+
+
+@pytest.mark.parametrize("listen", ["0.0.0.0:7000", "[::]:0", "10.1.2.3:7000", "node-3:7000"])
+def test_listening_off_loopback_needs_the_secret(monkeypatch: pytest.MonkeyPatch,
+                                                 listen: str) -> None:
+    """Off loopback (a host name counts as off) a node without DISAGG_CLUSTER_SECRET is
+    refused at once, naming the address and the variable; with the secret it is built."""
+    monkeypatch.delenv("DISAGG_CLUSTER_SECRET", raising=False)
+    with pytest.raises(ConfigError, match=rf"{re.escape(listen)} .*DISAGG_CLUSTER_SECRET"):
+        replace(DECODER, listen=listen)
+    monkeypatch.setenv("DISAGG_CLUSTER_SECRET", "s3cret")
+    assert replace(DECODER, listen=listen).listen == listen
+
+
+@pytest.mark.parametrize("listen", ["127.0.0.1:0", "127.0.0.2:7000", "[::1]:0", "localhost:0"])
+def test_loopback_needs_no_secret(monkeypatch: pytest.MonkeyPatch, listen: str) -> None:
+    monkeypatch.delenv("DISAGG_CLUSTER_SECRET", raising=False)
+    assert replace(DECODER, listen=listen).listen == listen
+
+
+def test_serve_off_loopback_without_the_secret_is_one_line_and_exit_2(
+        served: list[NodeConfig], monkeypatch: pytest.MonkeyPatch,
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """`disagg serve prefill --listen 0.0.0.0:7000` without the secret: one error line, exit 2,
+    and no node started."""
+    monkeypatch.delenv("DISAGG_CLUSTER_SECRET", raising=False)
+    with pytest.raises(SystemExit) as exit_info:
+        main(["serve", "prefill", "--model", "tiny", "--listen", "0.0.0.0:7000"])
+    assert exit_info.value.code == 2
+    [line] = capsys.readouterr().err.strip().splitlines()
+    assert "DISAGG_CLUSTER_SECRET" in line and "0.0.0.0:7000" in line
+    assert not served

@@ -157,6 +157,21 @@ def test_gone_peer_and_stale_key_fail_through_on_error(pair: Pair) -> None:
     assert "unreachable" in str(errors[1])
 
 
+def test_region_without_remote_write_lands_nothing(pair: Pair) -> None:
+    """As on tcp and shm: a write into a region registered with remote_write=False, by a peer
+    holding its real key, completes at the sender and lands no byte and no immediate. Keys
+    are random, not 1, 2, 3."""
+    a, b = pair
+    _, _, smr, _ = _regions(a, b)
+    source = np.zeros(PAGE, np.uint8)
+    _, desc = b.register_memory(source, remote_write=False)
+    assert not desc.writable and desc.domains[0][1] > 2**32
+    done = threading.Event()
+    a.submit_write(smr, 0, PAGE, 4, dataclasses.replace(desc, writable=True), 0, done.set)
+    _settle(a, b)
+    assert done.is_set() and (b.imm_counted(4), int(source.max())) == (0, 0)
+
+
 def test_forged_descriptor_writes_nothing_outside(pair: Pair) -> None:
     """A descriptor claiming more bytes than the peer registered is refused by the 'NIC'."""
     a, b = pair
