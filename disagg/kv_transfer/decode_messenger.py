@@ -41,7 +41,6 @@ from disagg.kv_transfer.context_slot import (
     kv_checksum,
     new_nonce,
     slot_matches,
-    unpack_context,
 )
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest
 from disagg.kv_transfer.plugins import DraftSink
@@ -114,17 +113,23 @@ class DecodeMessenger:
             draft_kv_descriptor=self.draft_kv.descriptor if self.draft_kv else b"",
             kv_memory_path=self.kv[0].path.kind)
 
-    def add_prefiller(self, channel: Channel, ack: HelloAck) -> int:
-        """Use a prefiller whose handshake succeeded; returns its index."""
+    def add_prefiller(self, channel: Channel, ack: HelloAck, index: int | None = None) -> int:
+        """Use a prefiller whose handshake succeeded; returns its index. With `index`, that
+        prefiller is back (a new handshake after it was lost, whose requests were all
+        quarantined then): it takes requests again."""
         cache = self._parts.kv_cache
         theirs = Sharding(ack.tp, cache.num_kv_heads, ack.replicated_kv)
         # The prefiller plans with the same function: both sides agree on the count (S6b).
-        self._page_writes.append(writes_per_page(theirs, cache.sharding,
-                                                 PageGeometry.of(cache)))
-        self.prefillers.append(channel)
-        self.alive.append(True)
-        self._load.append(0)
-        return len(self.prefillers) - 1
+        page_writes = writes_per_page(theirs, cache.sharding, PageGeometry.of(cache))
+        if index is None:  # a new one: each list grows by one
+            for items in (self.prefillers, self._page_writes, self.alive, self._load):
+                items.append(None)
+            index = len(self.prefillers) - 1
+        elif self.alive[index]:
+            raise ValueError(f"prefiller {index} is still in use")
+        self.prefillers[index], self._page_writes[index] = channel, page_writes
+        self.alive[index], self._load[index] = True, 0
+        return index
 
     def submit(self, request: Request) -> None:
         """A new request (S2a): start its transfer now, or queue it until pages free up.
@@ -369,13 +374,6 @@ class DecodeMessenger:
         self._parts.allocator.unpin(request.page_ids[self._held_pages(request):])
         request.num_computed_tokens = request.num_prompt_tokens - 1
         self._parts.scheduler.add_prefilled(request)
-
-    def context_of(self, request_id: str) -> tuple | None:
-        """The shipped (hidden state, logits) of a pending request, for tests and S4a users."""
-        pending = self.pending.get(request_id)
-        if pending is None:
-            return None
-        return unpack_context(self.context[pending.context_slot], self._parts.model.config)
 
     def received_writes(self, request_id: str) -> tuple[int, int]:
         """(writes landed, writes expected) of a pending request, for progress displays."""

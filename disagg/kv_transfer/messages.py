@@ -175,6 +175,16 @@ class RequestEvent(Message):
 
 
 @dataclass(frozen=True, slots=True)
+class Status(Message):
+    """Decoder -> router, on connect and on every change: whether it takes new requests (a
+    decoder with prefillers but none alive does not, until one is back)."""
+
+    TYPE: ClassVar[int] = 9
+    accepting: bool
+    reason: str = ""
+
+
+@dataclass(frozen=True, slots=True)
 class Abort(Message):
     """Router -> decoder: the client gave up on this request."""
 
@@ -191,7 +201,7 @@ class Shutdown(Message):
 
 MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls for cls in (Hello, HelloAck, HelloProof, Reject, KVRequest, KVFailed, Cancel,
-                              Heartbeat, Submit, RequestEvent, Abort, Shutdown)
+                              Heartbeat, Submit, RequestEvent, Status, Abort, Shutdown)
 }
 _JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str, "bool": bool,
                "list[int]": list, "list[bytes]": list}

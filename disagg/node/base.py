@@ -173,6 +173,10 @@ class NodeBase:
                                  num_seqs=len(batch.chunks))
         return events
 
+    def health_state(self) -> str:
+        """What `/health` says while the node runs: "ok" (200), or why not (503)."""
+        return "ok"
+
     def stop(self) -> None:
         """Ask `run` to return."""
         self._stop.set()

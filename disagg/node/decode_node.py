@@ -21,9 +21,8 @@ from typing import Any
 
 from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
-from disagg.errors import PeerClosedError, PeerMismatchError, ProtocolError, RequestError
+from disagg.errors import PeerClosedError, ProtocolError, RequestError
 from disagg.kv_transfer.channel import Channel, start_heartbeats
-from disagg.kv_transfer.context_slot import read_proof
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.messages import (
     Abort,
@@ -33,14 +32,15 @@ from disagg.kv_transfer.messages import (
     Reject,
     RequestEvent,
     Shutdown,
+    Status,
     Submit,
 )
 from disagg.kv_transfer.transfer_context import Outcome
 from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics
+from disagg.node.prefiller_link import PrefillerBack, Reconnector, handshake
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
-from transfer_core.errors import TransferError
 
 logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.05
@@ -69,6 +69,7 @@ class PrefillerGone:
 
     index: int
     reason: str
+    channel: Channel | None = None  # which connection (a newer one may have replaced it)
 
 
 def decode_metrics(node: DecodeNode) -> Metrics:
@@ -117,32 +118,26 @@ class DecodeNode(NodeBase):
         self._channels: list[Channel] = []
         self._clients: dict[str, Channel] = {}  # request id -> the router that sent it
         self._last_progress = 0.0
-        for address in prefillers:
-            self._connect_prefiller(address)
+        for address in prefillers:  # a prefiller that refuses us stops the node here
+            self._use_prefiller(*self._handshake(address))
+        self._links = Reconnector(list(prefillers), self._handshake, self.inbox.put, self._stop)
+        self._routers: list[Channel] = []  # they hear our Status and heartbeats
+        self._status = Status(True)
         messenger = self.messenger
         start_heartbeats(lambda: [c for c, alive in zip(messenger.prefillers, messenger.alive,
-                                                        strict=True) if alive],
+                                                        strict=True) if alive] + self._routers,
                          self._stop, HEARTBEAT_INTERVAL_S)
         self._listen(listen_address)
         self._start_accepting(self._read_router, "router")
 
-    def _connect_prefiller(self, address: str) -> None:
-        channel = Channel.connect(address)
+    def _handshake(self, address: str) -> tuple[Channel, HelloAck]:
+        channel, ack = handshake(address, self.messenger, self.transfer)
         self._channels.append(channel)
-        channel.send(self.messenger.hello())
-        reply = channel.recv()
-        if isinstance(reply, Reject):
-            channel.close()
-            raise PeerMismatchError(f"prefiller {address} refused this decoder: {reply.reason}")
-        if not isinstance(reply, HelloAck):
-            channel.close()
-            raise ProtocolError(f"prefiller {address} answered {type(reply).__name__}")
-        try:  # echo the nonce it wrote into our proof slot: we own what our Hello named (S5)
-            channel.send(read_proof(self.messenger.context, self.transfer.num_domains))
-        except TransferError:
-            channel.close()
-            raise
-        index = self.messenger.add_prefiller(channel, reply)
+        return channel, ack
+
+    def _use_prefiller(self, channel: Channel, ack: HelloAck, index: int | None = None) -> None:
+        """Send requests to a prefiller that shook hands (`index`: one that is back)."""
+        index = self.messenger.add_prefiller(channel, ack, index)
         threading.Thread(target=self._read_prefiller, args=(channel, index), daemon=True,
                          name=f"decode-prefiller-{index}").start()
 
@@ -165,23 +160,43 @@ class DecodeNode(NodeBase):
         finally:  # however it ends, the connection is closed and forgotten
             channel.close()
             self._forget(channel)
-            self.inbox.put(PrefillerGone(index, reason))
+            self.inbox.put(PrefillerGone(index, reason, channel))
 
     def _read_router(self, channel: Channel) -> None:
-        """Reader thread of one router connection (`_start_accepting` closes it after)."""
-        while True:
-            try:
-                message = channel.recv()
-            except ProtocolError as error:
-                self._send(channel, Reject(str(error)))
-                channel.close()
-                return
-            except PeerClosedError:
-                return
-            if isinstance(message, Submit | Abort | Shutdown):
-                self.inbox.put(FromRouter(channel, message))
-            else:
-                self._send(channel, Reject(f"unexpected {type(message).__name__}"))
+        """Reader thread of one router connection (`_start_accepting` closes it after); the
+        router hears this node's `Status` first, and heartbeats from then on."""
+        self._send(channel, self._status)  # before it is on the heartbeat list: first
+        self._routers.append(channel)
+        try:
+            while True:
+                try:
+                    message = channel.recv()
+                except ProtocolError as error:
+                    self._send(channel, Reject(str(error)))
+                    return
+                except PeerClosedError:
+                    return
+                if isinstance(message, Submit | Abort | Shutdown):
+                    self.inbox.put(FromRouter(channel, message))
+                else:
+                    self._send(channel, Reject(f"unexpected {type(message).__name__}"))
+        finally:
+            self._routers.remove(channel)
+
+    def health_state(self) -> str:
+        """"ok", or "no_prefiller" while this decoder has prefillers but none alive."""
+        return "ok" if self._status.accepting else "no_prefiller"
+
+    def _announce_status(self) -> None:
+        """Tell every router when this decoder stops or starts taking requests."""
+        alive = not self.messenger.prefillers or any(self.messenger.alive)
+        if alive == self._status.accepting:
+            return
+        self._status = Status(alive, "" if alive else "no live prefiller")
+        logger.warning("%s new requests (%s)", "taking" if alive else "refusing",
+                       self._status.reason or "a prefiller is back")
+        for channel in list(self._routers):
+            self._send(channel, self._status)
 
     def run(self) -> None:
         """The engine loop, until `stop()` or a Shutdown message."""
@@ -195,6 +210,7 @@ class DecodeNode(NodeBase):
                 self._step()
             self._report_progress()
             self._keep_alive()
+            self._announce_status()
 
     def _report_outcome(self, outcome: Outcome) -> None:
         request, state, cause = outcome.request, outcome.state, outcome.cause
@@ -248,8 +264,12 @@ class DecodeNode(NodeBase):
                 self._stop.set()
             case FromPrefiller(message):
                 self.messenger.on_kv_failed(message)
-            case PrefillerGone(index, reason):
-                self.messenger.prefiller_gone(index, reason)
+            case PrefillerGone(index, reason, channel):
+                if channel is None or self.messenger.prefillers[index] is channel:
+                    self.messenger.prefiller_gone(index, reason)
+                    self._links.lost(index)  # and try to reach it again
+            case PrefillerBack(index, channel, ack):
+                self._use_prefiller(channel, ack, index)
             case _:
                 raise TypeError(f"decode node: no handler for {item!r}")
 

@@ -3,18 +3,23 @@
 Requests start at decoders; the router only picks which one: the least loaded, or (the
 default) the one most likely to hold the prompt's prefix in its cache unless it is loaded past
 the least-loaded one by a margin (`prefix_index.py`). One reader thread per decoder turns its
-`RequestEvent`s into a single queue the caller drains.
+`RequestEvent`s into a single queue the caller drains. Only decoders that take requests are
+picked: connected (a lost one is tried again with backoff, and re-admitted when it answers),
+accepting (a decoder with no live prefiller says so in a `Status`), and not silent (one whose
+heartbeats stopped, frozen or cut off, leaves the rotation until they resume).
 """
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
+import time
 
 from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import PeerClosedError, ProtocolError
 from disagg.kv_transfer.channel import Channel
-from disagg.kv_transfer.messages import Abort, RequestEvent, Shutdown, Submit
+from disagg.kv_transfer.messages import Abort, Heartbeat, RequestEvent, Shutdown, Status, Submit
 from disagg.node.prefix_index import (
     PrefixIndex,
     RoutingConfig,
@@ -24,14 +29,24 @@ from disagg.node.prefix_index import (
 )
 
 
+logger = logging.getLogger(__name__)
+SILENCE_S = 5.0  # a decoder that sent heartbeats and then nothing this long leaves the rotation
+RECONNECT_FIRST_S = 0.5
+RECONNECT_MAX_S = 8.0
+
+
 class Router:
     """Routing over decoder control connections."""
 
     def __init__(self, decoder_addresses: list[str],
                  routing: RoutingConfig | None = None) -> None:
+        self.addresses = list(decoder_addresses)
         self.decoders = [Channel.connect(address) for address in decoder_addresses]
         self.in_flight = [0] * len(self.decoders)
-        self.alive = [True] * len(self.decoders)
+        self.alive = [True] * len(self.decoders)  # connected
+        self.accepting = [True] * len(self.decoders)  # as its last `Status` said
+        self._beating = [False] * len(self.decoders)  # it sends heartbeats (ours all do)
+        self._closed = threading.Event()
         self.events: queue.Queue[RequestEvent] = queue.Queue()
         self.routing = routing or RoutingConfig()
         self.index = PrefixIndex(len(self.decoders), self.routing.block_size)
@@ -47,9 +62,11 @@ class Router:
         digests = (block_digests(message.prompt_token_ids, self.index.block_size)
                    if self.routing.policy is RoutingPolicy.PREFIX else [])
         with self._lock:
-            live = [i for i, alive in enumerate(self.alive) if alive]
+            live = [i for i in range(len(self.decoders)) if self.takes_requests(i)]
             if not live:
-                raise PeerClosedError("no decoder is alive")
+                raise PeerClosedError("no decoder is alive" if not any(self.alive) else
+                                      "no decoder is taking requests (no live prefiller, or "
+                                      "silent)")
             if self.routing.policy is RoutingPolicy.PREFIX:
                 matched = [self.index.matched_tokens(i, digests) for i in range(len(self.alive))]
                 index = pick_decoder(live, self.in_flight, matched, self.routing.load_margin)
@@ -65,6 +82,13 @@ class Router:
         except PeerClosedError:
             self._decoder_died(index, "send failed")
         return index
+
+    def takes_requests(self, index: int) -> bool:
+        """Connected, accepting (its `Status`), and not silent: a decoder whose heartbeats
+        stopped (frozen, or cut off) leaves the rotation until they resume."""
+        silent = (self._beating[index]
+                  and time.monotonic() - self.decoders[index].last_received > SILENCE_S)
+        return self.alive[index] and self.accepting[index] and not silent
 
     def abort(self, request_id: str) -> bool:
         """Tell the request's decoder that the client gave up; False if it is not in flight."""
@@ -86,6 +110,15 @@ class Router:
                 if not channel.closed:
                     self._decoder_died(index, str(error))
                 return
+            if isinstance(event, Status):
+                if event.accepting != self.accepting[index]:
+                    logger.warning("decoder %d %s", index, "takes requests again" if
+                                   event.accepting else f"refuses requests: {event.reason}")
+                self.accepting[index] = event.accepting
+                continue
+            if isinstance(event, Heartbeat):
+                self._beating[index] = True
+                continue
             if not isinstance(event, RequestEvent):
                 continue
             with self._lock:
@@ -117,6 +150,29 @@ class Router:
             self.events.put(RequestEvent(request_id, RequestState.FINISHED_FAILED,
                                          cause=FailureCause.DECODER_DIED,
                                          detail=f"decoder {index} died: {reason}"))
+        threading.Thread(target=self._reconnect, args=(index,), daemon=True,
+                         name=f"router-reconnect-{index}").start()
+
+    def _reconnect(self, index: int) -> None:
+        """Try a lost decoder again, waits doubling up to `RECONNECT_MAX_S`, until it answers
+        (restarted, or reachable again) or the router closes; then route to it again."""
+        wait = RECONNECT_FIRST_S
+        while not self._closed.wait(wait):
+            try:
+                channel = Channel.connect(self.addresses[index], timeout_s=wait)
+            except PeerClosedError:
+                wait = min(2 * wait, RECONNECT_MAX_S)
+                continue
+            with self._lock:
+                if self._closed.is_set():
+                    channel.close()
+                    return
+                self.decoders[index] = channel
+                self.alive[index], self.accepting[index], self._beating[index] = True, True, False
+            logger.warning("decoder %d (%s) is back", index, self.addresses[index])
+            threading.Thread(target=self._read, args=(index, channel), daemon=True,
+                             name=f"router-{index}").start()
+            return
 
     def shutdown(self) -> None:
         """Ask every decoder to exit, then close the connections."""
@@ -128,6 +184,9 @@ class Router:
         self.close()
 
     def close(self) -> None:
-        """Close the connections (the decoders keep running)."""
-        for channel in self.decoders:
+        """Close the connections (the decoders keep running) and stop reconnecting."""
+        self._closed.set()
+        with self._lock:
+            channels = list(self.decoders)
+        for channel in channels:
             channel.close()

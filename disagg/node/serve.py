@@ -28,9 +28,9 @@ from disagg.utils.metrics import serve_metrics
 
 
 def node_state(node: NodeBase) -> str:
-    """The node's own view of its health while it runs: "ok". The hook for checks of a node's
-    own ("unhealthy" for a decoder with no live prefiller is a later issue's)."""
-    return "ok"
+    """The node's own view of its health while it runs: "ok", or why not (a decoder whose
+    prefillers are all gone says "no_prefiller")."""
+    return node.health_state()
 
 
 def health_report(config: NodeConfig, state: str) -> dict[str, Any]:

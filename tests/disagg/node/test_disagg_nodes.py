@@ -29,6 +29,7 @@ from disagg.kv_transfer.messages import (
     KVFailed,
     KVRequest,
     Reject,
+    Status,
     Submit,
 )
 from disagg.node.builder import build_node
@@ -212,6 +213,7 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
     while not tokens:  # wait until it is decoding
         tokens += pair.router.events.get(timeout=30).token_ids
     other = Channel.connect(pair.decode.address)
+    assert other.recv() == Status(True)  # what a decoder tells every router first
     other.send(Submit("dup", [3, 4, 5], 4))
     reply = other.recv()
     assert isinstance(reply, Reject) and "'dup' is already in flight" in reply.reason

@@ -10,7 +10,9 @@ import pytest
 
 from disagg.engine.request import RequestState
 from disagg.kv_transfer.channel import Channel, format_address, listen
-from disagg.kv_transfer.messages import RequestEvent, Submit
+import disagg.node.router as router_module
+from disagg.errors import PeerClosedError
+from disagg.kv_transfer.messages import Heartbeat, RequestEvent, Status, Submit
 from disagg.node.prefix_index import (
     PrefixIndex,
     RoutingConfig,
@@ -22,7 +24,8 @@ from disagg.node.router import Router
 
 
 class FakeDecoder:
-    """Accepts the router's connection, records each Submit; `finish` answers one."""
+    """Accepts the router's connections (one at a time), records each Submit; `finish`
+    answers one, `send` sends anything."""
 
     def __init__(self) -> None:
         self._server = listen("127.0.0.1:0")
@@ -30,18 +33,28 @@ class FakeDecoder:
         self.address = format_address(host, port)
         self.submits: list[Submit] = []
         self.channel: Channel | None = None
+        self.connections = 0
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
-        sock, _ = self._server.accept()
-        self.channel = Channel(sock, "router")
         while True:
             try:
-                message = self.channel.recv()
-            except Exception:  # noqa: BLE001 - the router closed: the test is over
+                sock, _ = self._server.accept()
+            except OSError:
                 return
-            if isinstance(message, Submit):
-                self.submits.append(message)
+            self.channel = Channel(sock, "router")
+            self.connections += 1
+            while True:
+                try:
+                    message = self.channel.recv()
+                except Exception:  # noqa: BLE001 - the router or the test closed it
+                    break
+                if isinstance(message, Submit):
+                    self.submits.append(message)
+
+    def send(self, message: object) -> None:
+        assert self.channel is not None
+        self.channel.send(message)  # type: ignore[arg-type]
 
     def finish(self, request_id: str, output: list[int]) -> None:
         assert self.channel is not None
@@ -110,6 +123,7 @@ def test_a_dead_decoder_is_forgotten(decoders: list[FakeDecoder]) -> None:
     deadline = time.monotonic() + 5
     while decoders[first].channel is None and time.monotonic() < deadline:
         time.sleep(0.01)
+    decoders[first]._server.close()  # gone for good: no reconnection
     decoders[first].channel.close()  # type: ignore[union-attr]
     assert router.events.get(timeout=5).state is RequestState.FINISHED_FAILED
     assert router.index.matched_tokens(first, block_digests(prompt, 4)) == 0
@@ -137,3 +151,60 @@ def test_an_unknown_policy_is_a_config_error() -> None:
     with pytest.raises(ConfigError, match="round-robin"):
         RoutingConfig.parse("round-robin")
     assert RoutingConfig.parse("least-loaded").policy is RoutingPolicy.LEAST_LOADED
+
+
+
+def wait_until(predicate, timeout_s: float = 10.0) -> None:  # noqa: ANN001
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, "not reached in time"
+        time.sleep(0.01)
+
+
+def test_a_decoder_that_refuses_requests_leaves_the_rotation_until_it_takes_them_again(
+        decoders: list[FakeDecoder]) -> None:
+    """`Status(False)` (a decoder whose prefillers are gone): nothing is routed there, and
+    with every decoder refusing, submit fails (the front door's 503); `Status(True)` again:
+    it is back."""
+    router = Router([d.address for d in decoders[:2]], RoutingConfig(block_size=4))
+    wait_until(lambda: decoders[0].channel is not None and decoders[1].channel is not None)
+    decoders[0].send(Status(False, "no live prefiller"))
+    wait_until(lambda: not router.accepting[0])
+    assert {submit(router, f"r{i}", [i] * 9) for i in range(4)} == {1}
+    decoders[1].send(Status(False, "no live prefiller"))
+    wait_until(lambda: not router.accepting[1])
+    with pytest.raises(PeerClosedError, match="no decoder is taking requests"):
+        submit(router, "refused", [5] * 9)
+    decoders[0].send(Status(True))
+    wait_until(lambda: router.accepting[0])
+    assert submit(router, "back", [6] * 9) == 0
+    router.close()
+
+
+def test_a_silent_decoder_leaves_the_rotation_until_its_heartbeats_resume(
+        decoders: list[FakeDecoder], monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder that sent heartbeats and then fell silent (frozen) gets no new requests."""
+    monkeypatch.setattr(router_module, "SILENCE_S", 0.3)
+    router = Router([d.address for d in decoders[:2]], RoutingConfig(block_size=4))
+    wait_until(lambda: decoders[0].channel is not None)
+    decoders[0].send(Heartbeat())
+    wait_until(lambda: router._beating[0])
+    time.sleep(0.4)  # the silence itself is what is tested
+    assert not router.takes_requests(0) and router.takes_requests(1)
+    assert {submit(router, f"r{i}", [i] * 9) for i in range(3)} == {1}
+    decoders[0].send(Heartbeat())
+    wait_until(lambda: router.takes_requests(0))
+    router.close()
+
+
+def test_a_lost_decoder_is_reconnected_and_readmitted(decoders: list[FakeDecoder]) -> None:
+    router = Router([decoders[0].address], RoutingConfig(block_size=4))
+    wait_until(lambda: decoders[0].channel is not None)
+    first = decoders[0].channel
+    assert submit(router, "a", [1] * 9) == 0
+    first.close()  # type: ignore[union-attr]  # the decoder went away (restarted, say)
+    assert router.events.get(timeout=5).state is RequestState.FINISHED_FAILED  # "a" is lost
+    wait_until(lambda: router.alive[0] and decoders[0].connections == 2)
+    assert submit(router, "b", [2] * 9) == 0
+    wait_until(lambda: [s.request_id for s in decoders[0].submits] == ["a", "b"])
+    router.close()
