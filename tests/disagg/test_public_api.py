@@ -6,6 +6,8 @@ import subprocess
 import sys
 import textwrap
 
+import pytest
+
 import disagg
 from disagg.engine.request import RequestState
 
@@ -25,6 +27,7 @@ def test_the_package_example_runs_to_a_terminal_state() -> None:
     assert len(request.output_token_ids) == 8  # type: ignore[attr-defined]
 
 
+@pytest.mark.slow  # a fresh interpreter importing torch: about 1.5 s
 def test_importing_disagg_loads_neither_fabric_nor_cli() -> None:
     """A library user pays for the engine only: no libfabric binding, typer or node code."""
     probe = ("import sys, disagg; print(sorted(m for m in sys.modules if m.startswith("

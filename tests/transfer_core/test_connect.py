@@ -84,6 +84,7 @@ def test_garbage_and_foreign_addresses_are_refused(engines: Engines) -> None:
         a.connect(bare)
 
 
+@pytest.mark.slow  # waits out the provider's connect timeout: about 2 s
 def test_gone_peer_raises_a_transfer_error(engines: Engines) -> None:
     """A peer that closed: shm knows at once (PeerError), tcp gives up at the timeout; twice,
     since a failed warm-up is not remembered as done."""

@@ -77,6 +77,9 @@ print(json.dumps(report))
 '''
 
 
+pytestmark = pytest.mark.slow  # a child interpreter without matplotlib: about 2 s
+
+
 @pytest.fixture(scope="module")
 def report(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Any]:
     """What the interpreter without matplotlib saw; its cwd is an empty directory."""

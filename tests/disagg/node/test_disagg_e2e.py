@@ -55,6 +55,7 @@ def disaggregated_tokens(config: ClusterConfig, prompts: list[list[int]],
     return [r["token_ids"] for r in result["requests"]], result
 
 
+@pytest.mark.slow  # real processes: about 4 s
 def test_tiny_one_decoder_matches_single_node() -> None:
     """Prompts of 1 to 40 tokens, chunked mid-page, decode the single-node tokens."""
     prompts = random_prompts([1, 2, 5, 17, 40, 9], vocab_size=512)

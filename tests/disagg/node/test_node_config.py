@@ -60,6 +60,7 @@ def test_a_prefiller_refuses_decoder_options() -> None:
                    role=NodeRole.PREFILL, cuda_graph=True)
 
 
+@pytest.mark.slow  # a child process that loads torch: about 2 s
 def test_child_process_refuses_a_malformed_config() -> None:
     """`python -m disagg.node.serve` reads its config from stdin and names what is wrong."""
     child = subprocess.run([sys.executable, "-m", "disagg.node.serve"], input="{not json",

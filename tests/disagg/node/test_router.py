@@ -202,6 +202,7 @@ def test_a_lost_decoder_is_reconnected_and_readmitted(decoders: list[FakeDecoder
     wait_until(lambda: decoders[0].channel is not None)
     first = decoders[0].channel
     assert submit(router, "a", [1] * 9) == 0
+    wait_until(lambda: len(decoders[0].submits) == 1)
     first.close()  # type: ignore[union-attr]  # the decoder went away (restarted, say)
     assert router.events.get(timeout=5).state is RequestState.FINISHED_FAILED  # "a" is lost
     wait_until(lambda: router.alive[0] and decoders[0].connections == 2)

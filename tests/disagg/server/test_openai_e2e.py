@@ -22,7 +22,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from disagg import CacheConfig, EngineConfig, SamplingParams, build_engine, load_model
 
-pytestmark = pytest.mark.fabric
+# Slow: a whole cluster and its front door start once for the module (about 10 s in all).
+pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
 MODEL = "tiny"
 
