@@ -31,6 +31,16 @@ class ProtocolError(DisaggError):
     """A control message is malformed, truncated, of an unknown type or version."""
 
 
+class InvalidMessage(ProtocolError):
+    """A whole, authentic frame whose payload is wrong (a field missing, of the wrong type or
+    out of range): the stream is intact, so only that message is refused. `request_id` is the
+    payload's, when it names one, so the request can be failed alone."""
+
+    def __init__(self, message: str, request_id: str | None = None) -> None:
+        super().__init__(message)
+        self.request_id = request_id
+
+
 class PeerMismatchError(DisaggError):
     """A peer's model, dtype, page size, layout or protocol version differs from ours."""
 

@@ -13,12 +13,13 @@ from __future__ import annotations
 import base64
 import enum
 import json
+import math
 import struct
 from dataclasses import MISSING, asdict, dataclass, field, fields
 from typing import Any, ClassVar
 
 from disagg.engine.request import FailureCause, RequestState
-from disagg.errors import ProtocolError
+from disagg.errors import InvalidMessage, ProtocolError
 
 PROTOCOL_VERSION = 3  # 3: the handshake proof (HelloProof), KVRequest.nonce; the channel preface
 MAGIC = b"DG"
@@ -203,6 +204,27 @@ MESSAGE_TYPES: dict[int, type[Message]] = {
     cls.TYPE: cls for cls in (Hello, HelloAck, HelloProof, Reject, KVRequest, KVFailed, Cancel,
                               Heartbeat, Submit, RequestEvent, Status, Abort, Shutdown)
 }
+# Numeric bounds, checked on decode after the types: (lowest, highest) inclusive, None for no
+# bound; for a list, every element. A value outside is a ProtocolError naming the field, so a
+# hostile or broken peer's message fails alone, never deep inside the node that took it.
+Bounds = tuple[float | None, float | None]
+POSITIVE, NATURAL, U32, U64 = (1, None), (0, None), (0, 2**32 - 1), (0, 2**64 - 1)
+BOUNDS: dict[int, dict[str, Bounds]] = {
+    Hello.TYPE: {"page_size": POSITIVE, "num_layers": POSITIVE, "num_kv_heads": POSITIVE,
+                 "head_dim": POSITIVE, "context_slot_nbytes": POSITIVE, "tp": POSITIVE},
+    HelloAck.TYPE: {"tp": POSITIVE},
+    HelloProof.TYPE: {"nonce": U64},
+    KVRequest.TYPE: {"imm": U32, "prompt_token_ids": NATURAL, "dst_page_ids": NATURAL,
+                     "context_slot": NATURAL, "num_cached_tokens": NATURAL, "attempt": POSITIVE,
+                     "nonce": U64},
+    KVFailed.TYPE: {"writes_posted": (-1, None)},
+    Submit.TYPE: {"prompt_token_ids": NATURAL, "max_tokens": POSITIVE, "temperature": NATURAL,
+                  "top_p": (0, 1), "top_k": (-1, None), "seed": (-1, 2**63 - 1)},
+    RequestEvent.TYPE: {"token_ids": NATURAL, "kv_writes_received": NATURAL,
+                        "kv_writes": NATURAL, "kv_bytes": NATURAL, "kv_wait_ms": NATURAL,
+                        "num_draft_tokens": NATURAL, "num_accepted_tokens": NATURAL,
+                        "num_cached_tokens": NATURAL},
+}
 _JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str, "bool": bool,
                "list[int]": list, "list[bytes]": list}
 _ENUMS: dict[str, type[enum.Enum]] = {"RequestState": RequestState,
@@ -247,13 +269,22 @@ def decode_header(header: bytes) -> tuple[type[Message], int, bool]:
 def decode_payload(cls: type[Message], body: bytes) -> Message:
     """Build `cls` from a JSON payload, checking every field's presence and type."""
     try:
-        payload = json.loads(body)
+        payload = json.loads(body)  # NaN and Infinity parse, to be refused by field below
     except (ValueError, RecursionError) as error:
         # ValueError: not UTF-8, not JSON, or an integer past Python's digit limit;
         # RecursionError: nesting deeper than the parser's stack (a hostile payload).
-        raise ProtocolError(f"{cls.__name__}: payload is not JSON ({error})") from None
+        raise InvalidMessage(f"{cls.__name__}: payload is not JSON ({error})") from None
     if not isinstance(payload, dict):
-        raise ProtocolError(f"{cls.__name__}: payload is not an object")
+        raise InvalidMessage(f"{cls.__name__}: payload is not an object")
+    request_id = payload.get("request_id")
+    try:
+        return _build(cls, payload)
+    except ProtocolError as error:
+        raise InvalidMessage(str(error), request_id if isinstance(request_id, str) else None
+                             ) from None
+
+
+def _build(cls: type[Message], payload: dict[str, Any]) -> Message:
     declared = {f.name: f for f in fields(cls)}
     unknown = set(payload) - set(declared)
     if unknown:
@@ -265,6 +296,8 @@ def decode_payload(cls: type[Message], body: bytes) -> Message:
                 continue
             raise ProtocolError(f"{cls.__name__}: missing field {name!r}")
         values[name] = _check_field(cls.__name__, name, f.type, payload[name])
+    for name, (low, high) in BOUNDS.get(cls.TYPE, {}).items():
+        _check_bounds(cls.__name__, name, values.get(name), low, high)
     try:
         return cls(**values)
     except TypeError as error:
@@ -302,7 +335,24 @@ def _check_field(message: str, name: str, type_name: str, value: Any) -> Any:
         return _b64(message, name, value)
     if type_name == "list[bytes]":
         return [_b64(message, name, item) for item in value]
+    if type_name == "float" and not math.isfinite(value):
+        raise ProtocolError(f"{message}.{name}: {value} is not a finite number")
     return float(value) if type_name == "float" else value
+
+
+def _check_bounds(message: str, name: str, value: Any, low: float | None,  # noqa: ANN401
+                  high: float | None) -> None:
+    for item in value if isinstance(value, list) else [value]:
+        if item is None:
+            continue  # a default: it was not sent
+        if (low is not None and item < low) or (high is not None and item > high):
+            shown = item if isinstance(value, list) else value
+            raise ProtocolError(f"{message}.{name}: {shown!r} is outside "
+                                f"[{_bound(low)}, {_bound(high)}]")
+
+
+def _bound(value: float | None) -> str:
+    return "..." if value is None else str(value)
 
 
 def _b64(message: str, name: str, value: str) -> bytes:

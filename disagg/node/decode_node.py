@@ -21,7 +21,7 @@ from typing import Any
 
 from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
-from disagg.errors import PeerClosedError, ProtocolError, RequestError
+from disagg.errors import InvalidMessage, PeerClosedError, ProtocolError, RequestError
 from disagg.kv_transfer.channel import Channel, start_heartbeats
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.messages import (
@@ -171,6 +171,9 @@ class DecodeNode(NodeBase):
             while True:
                 try:
                     message = channel.recv()
+                except InvalidMessage as error:  # the stream is intact: refuse that one only
+                    self._refuse_message(channel, error)
+                    continue
                 except ProtocolError as error:
                     self._send(channel, Reject(str(error)))
                     return
@@ -182,6 +185,17 @@ class DecodeNode(NodeBase):
                     self._send(channel, Reject(f"unexpected {type(message).__name__}"))
         finally:
             self._routers.remove(channel)
+
+    def _refuse_message(self, channel: Channel, error: InvalidMessage) -> None:
+        """A router's message we cannot take: fail its request (if it named a new one), else
+        say why; the router's other requests go on."""
+        request_id = error.request_id
+        if request_id is not None and request_id not in self._clients:
+            self._send(channel, RequestEvent(request_id, RequestState.FINISHED_FAILED,
+                                             cause=FailureCause.INVALID_REQUEST,
+                                             detail=str(error)))
+        else:
+            self._send(channel, Reject(str(error)))
 
     def health_state(self) -> str:
         """"ok", or "no_prefiller" while this decoder has prefillers but none alive."""

@@ -10,7 +10,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from disagg.engine.request import FailureCause, RequestState
-from disagg.errors import ProtocolError
+from disagg.errors import InvalidMessage, ProtocolError
 from disagg.kv_transfer.messages import (
     HEADER,
     MAGIC,
@@ -151,3 +151,38 @@ def test_fuzz_mutated_frames_only_raise_protocol_errors(frame: bytes, position: 
             decode(candidate)
         except ProtocolError:
             pass
+
+
+SUBMIT = {"request_id": "r1", "prompt_token_ids": [1, 2], "max_tokens": 4}
+
+
+@pytest.mark.parametrize(("kind", "payload", "field"), [
+    (Submit, {**SUBMIT, "max_tokens": 0}, "Submit.max_tokens"),
+    (Submit, {**SUBMIT, "seed": 2**70}, "Submit.seed"),
+    (Submit, {**SUBMIT, "temperature": -1.0}, "Submit.temperature"),
+    (Submit, {**SUBMIT, "top_p": 1.5}, "Submit.top_p"),
+    (Submit, {**SUBMIT, "prompt_token_ids": [1, -2]}, "Submit.prompt_token_ids"),
+    (KVRequest, {"request_id": "r1", "imm": 2**32, "prompt_token_ids": [1, 2],
+                 "dst_page_ids": [0], "context_slot": 0}, "KVRequest.imm"),
+    (KVRequest, {"request_id": "r1", "imm": 5, "prompt_token_ids": [1, 2],
+                 "dst_page_ids": [-1], "context_slot": 0}, "KVRequest.dst_page_ids"),
+    (KVRequest, {"request_id": "r1", "imm": 5, "prompt_token_ids": [1, 2],
+                 "dst_page_ids": [0], "context_slot": 0, "attempt": 0}, "KVRequest.attempt"),
+    (RequestEvent, {"request_id": "r1", "state": "running", "kv_bytes": -5},
+     "RequestEvent.kv_bytes"),
+])
+def test_values_out_of_range_are_refused_naming_the_field(kind: type, payload: dict,
+                                                          field: str) -> None:
+    """Each of these used to be decoded, then crash the node that took it (max_tokens 0,
+    seed 2**70) or corrupt its books; now the message alone is refused, with its request id."""
+    with pytest.raises(InvalidMessage, match=re.escape(field) + ".* is outside") as error:
+        decode(frame(kind.TYPE, payload))
+    assert error.value.request_id == "r1"
+
+
+@pytest.mark.parametrize("constant", ["NaN", "Infinity", "-Infinity"])
+def test_json_constants_that_are_no_numbers_are_refused(constant: str) -> None:
+    """Python's json reads them (the old decoder then crashed on a NaN temperature)."""
+    body = json.dumps(SUBMIT)[:-1].encode() + f', "temperature": {constant}}}'.encode()
+    with pytest.raises(InvalidMessage, match="Submit.temperature: .* is not a finite number"):
+        decode(HEADER.pack(MAGIC, PROTOCOL_VERSION, Submit.TYPE, len(body)) + body)

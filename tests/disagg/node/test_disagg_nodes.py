@@ -224,3 +224,27 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
         if event.state.is_terminal():
             break
     assert (event.state, len(tokens)) == (RequestState.FINISHED_LENGTH, 48)
+
+
+def test_a_submit_no_decoder_can_take_fails_alone_and_the_connection_goes_on(
+        pair: Pair) -> None:
+    """max_tokens 0 and a NaN temperature (JSON the old decoder accepted, then crashed on):
+    each such Submit ends FINISHED_FAILED (invalid_request) naming the field, and the same
+    router connection then serves a good request."""
+    channel = Channel.connect(pair.decode.address)
+    assert channel.recv() == Status(True)
+    channel.send(Submit("zero", [1, 2, 3], 0))
+    body = b'{"request_id": "nan", "prompt_token_ids": [1, 2], "max_tokens": 2, ' \
+           b'"temperature": NaN}'
+    channel.sock.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, Submit.TYPE, len(body)) + body)
+    for request_id, words in (("zero", "Submit.max_tokens: 0 is outside"),
+                              ("nan", "Submit.temperature: nan is not a finite number")):
+        event = channel.recv()
+        assert (event.request_id, event.state) == (request_id, RequestState.FINISHED_FAILED)
+        assert words in event.detail
+    channel.send(Submit("good", [4, 5, 6], 3))
+    tokens = []
+    while not (event := channel.recv()).state.is_terminal():
+        tokens += event.token_ids
+    assert (event.state, len(tokens + event.token_ids)) == (RequestState.FINISHED_LENGTH, 3)
+    channel.close()
