@@ -16,7 +16,6 @@ Run: `python benchmarks/prefix.py [--model tiny] [--out prefix.json]` (defaults:
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import random
 import sys
@@ -33,7 +32,7 @@ import openai  # noqa: E402
 from disagg_report import percentile  # noqa: E402
 from pinned_cluster import wait_for_quiet  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from serving import Server  # noqa: E402
+from serving import Server, emit  # noqa: E402
 
 MODES = {"cache": ["--prefillers", "1", "--decoders", "1"],
          "no cache": ["--prefillers", "1", "--decoders", "1", "--no-prefix-caching"]}
@@ -190,15 +189,8 @@ def main(argv: list[str] | None = None) -> None:
     longest = args.system_len + args.turns * (args.user_len + args.max_tokens)
     if longest > args.page_size * args.num_pages:
         sys.exit(f"a chat of {longest} tokens does not fit {args.num_pages} pages")
-    result = summarize(args, {mode: run_mode(args, mode, vocab_size) for mode in args.modes})
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    if args.json:
-        sys.stdout.write(text + "\n")
-    else:
-        print_table(result)
+    emit(args, summarize(args, {mode: run_mode(args, mode, vocab_size) for mode in args.modes}),
+         print_table)
 
 
 if __name__ == "__main__":

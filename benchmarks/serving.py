@@ -27,6 +27,7 @@ import sys
 import tempfile
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -242,6 +243,19 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
+def emit(args: argparse.Namespace, result: dict[str, Any],
+         table: Callable[[dict[str, Any]], None]) -> None:
+    """Write the JSON result to `--out`, then print it (`--json`) or its table."""
+    text = json.dumps(result, indent=1)
+    if args.out:
+        args.out.parent.mkdir(parents=True, exist_ok=True)
+        args.out.write_text(text + "\n")
+    if args.json:
+        sys.stdout.write(text + "\n")
+    else:
+        table(result)
+
+
 def main(argv: list[str] | None = None) -> None:
     """Replay the stream against every mode; print the table, write the JSON."""
     args = parse_args(argv)
@@ -253,15 +267,7 @@ def main(argv: list[str] | None = None) -> None:
     if longest > args.page_size * args.num_pages:
         sys.exit(f"a request of {longest} tokens does not fit {args.num_pages} pages")
     runs = {mode: run_mode(args, mode, stream) for mode in args.modes}
-    result = summarize(args, runs)
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    if args.json:
-        sys.stdout.write(text + "\n")
-    else:
-        print_table(result)
+    emit(args, summarize(args, runs), print_table)
     if any(run["server_exit_code"] for run in runs.values()):
         sys.exit("a server did not stop cleanly: see server_exit_code in the JSON")
 
