@@ -298,8 +298,11 @@ class DecodeMessenger:
         pending = self.pending.get(message.request_id)
         if pending is None:
             return  # already handled (e.g. the counter fired first)
-        verdict = pending.cancel or Verdict(RequestState.FINISHED_FAILED, message.cause,
-                                            f"prefiller: {message.reason}")
+        # A write that failed at the fabric (e.g. a connection a forged Hello got dropped) is
+        # worth another try; a prefiller's refusal or lease is not.
+        verdict = pending.cancel or self._retry_or_fail(
+            pending.request, message.cause, f"prefiller: {message.reason}",
+            retry=message.cause is FailureCause.WRITE_FAILED)
         posted = message.writes_posted if message.writes_posted >= 0 else None
         self._quarantine(pending, posted, verdict, grace_s=self.reliability.quarantine_timeout_s)
 

@@ -320,9 +320,12 @@ class PrefillMessenger:
             self._count(writes=1, nbytes=self._slots.slot_nbytes)
 
     def _finish(self, transfer: Transfer) -> None:
-        """Any thread: the transfer has nothing in flight; the engine thread frees it."""
-        self._finished.put(transfer)
-        self._wake()
+        """Any thread, lock held: nothing of `transfer` is in flight; the engine thread frees
+        it, once (a Cancel and the loss of its decoder may both stop it)."""
+        if not transfer.ended:
+            transfer.ended = True
+            self._finished.put(transfer)
+            self._wake()
 
     def _count(self, pages: int = 0, writes: int = 0, nbytes: int = 0, staged: int = 0) -> None:
         with self._lock:  # the poller thread and the engine thread both post writes
@@ -356,11 +359,8 @@ class PrefillMessenger:
         """Free the source pages of requests whose writes all completed (S4b); tell the
         decoder of failures. Returns the transfers that ended."""
         ended = []
-        while True:
-            try:
-                transfer = self._finished.get_nowait()
-            except queue.Empty:
-                break
+        while not self._finished.empty():  # this thread alone takes from it
+            transfer = self._finished.get_nowait()
             request = transfer.request
             self._parts.allocator.free(request.page_ids)
             request.page_ids = []

@@ -65,6 +65,7 @@ class Transfer:
     num_sent_pages: int = 0  # pages below this one are held there or planned here
     pending_writes: int = 0
     all_submitted: bool = False
+    ended: bool = False  # queued for the engine thread to free (exactly once)
     error: str | None = None  # what went wrong, for logs and the decoder
     cause: FailureCause | None = None  # ... and why, as the decoder's metrics count it
     writes_ok: int = 0  # writes completed at the sender (the fence a decoder waits for)

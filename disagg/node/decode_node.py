@@ -315,7 +315,8 @@ class DecodeNode(NodeBase):
                                              cause=FailureCause.INVALID_REQUEST,
                                              detail=str(error)))
             return
-        self._report(request, request.state)
+        if not request.is_finished:  # one that failed at once is reported with its cause
+            self._report(request, request.state)
 
     def _report(self, request: Request, state: RequestState, token_ids: list[int] | None = None,
                 detail: str = "", **kv: Any) -> None:

@@ -136,9 +136,14 @@ def test_failure_cause_is_the_enum_not_the_reason_text(make_harness: MakeHarness
     assert isinstance(asked, KVRequest)
     h.prefill_channel.send(KVFailed("r0", cause, "deadline: KV checksum mismatch", 0))
     h.run_to_end(request)
-    (outcome,) = h.outcomes
-    assert (outcome.state, outcome.cause) == (FAILED, cause)
+    outcome = h.outcomes[0]
+    # A failed write is retried (then served), a refusal is final.
+    then = WAITING_FOR_KV if cause is FailureCause.WRITE_FAILED else FAILED
+    assert (outcome.state, outcome.cause) == (then, cause)
     assert "checksum" in outcome.detail
+    if cause is FailureCause.WRITE_FAILED:
+        assert [o.state for o in h.outcomes] == [WAITING_FOR_KV, RUNNING]
+        assert request.output_token_ids == single_node_tokens(request.prompt_token_ids)
     h.check_clean()
 
 

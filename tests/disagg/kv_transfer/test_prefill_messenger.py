@@ -171,3 +171,19 @@ def test_a_prefiller_short_of_pages_never_frees_pages_it_is_still_sending(
     assert [o.cause for o in h.outcomes] == [None] * 4  # each released once, never retried
     assert [r.output_token_ids for r in requests] == [single_node_tokens(p) for p in prompts]
     h.check_clean()
+
+
+def test_a_transfer_stopped_twice_before_a_poll_ends_once(make_harness: MakeHarness) -> None:
+    """A Cancel and the loss of its decoder in one turn (what a prefiller thawed after a
+    SIGSTOP sees): the transfer was queued to end twice and poll crashed the node on the second
+    (KeyError). Now it ends once, as failed, and nothing is left."""
+    h = make_harness()
+    h.submit(random_prompt(13, seed=4))
+    h.run_until(lambda: h.prefill.num_in_flight == 1)
+    assert h.peer is not None
+    h.prefill.cancel(h.peer, "r0")
+    h.prefill.fail_peer(h.peer, "test: the decoder is gone")
+    ended = h.prefill.poll()
+    assert [t.request_id for t in ended] == ["r0"]
+    assert h.prefill.poll() == [] and h.prefill.num_in_flight == 0
+    assert ended[0].cause is FailureCause.CANCELLED  # the first stop is the cause

@@ -8,8 +8,9 @@ import time
 
 import pytest
 
-from disagg.engine.request import RequestState
-from disagg.kv_transfer.messages import Submit
+from disagg.engine.request import FailureCause, RequestState
+from disagg.kv_transfer.channel import Channel
+from disagg.kv_transfer.messages import Status, Submit
 from tests.disagg.node.test_reliability import MAX_TOKENS, PROMPTS, REFERENCE, make_cluster
 
 pytestmark = pytest.mark.fabric
@@ -67,6 +68,14 @@ def test_a_decoder_without_prefillers_refuses_work_until_one_is_back(
     assert node_state(cluster.decoder) == "no_prefiller"
     with pytest.raises(PeerClosedError, match="no decoder is taking requests"):
         cluster.router.submit(Submit("refused", PROMPTS[0], MAX_TOKENS))
+    # A request sent anyway fails at once, naming why (its cause used to be lost: the
+    # decoder reported the state before the outcome that carried the cause).
+    direct = Channel.connect(cluster.decoder.address)
+    assert direct.recv() == Status(False, "no live prefiller")
+    direct.send(Submit("direct", PROMPTS[0], MAX_TOKENS))
+    event = direct.recv()
+    assert (event.state, event.cause) == (RequestState.FINISHED_FAILED, FailureCause.NO_PREFILLER)
+    direct.close()
     new = build_node(NodeConfig("tiny", CACHE, SchedulerConfig(
         chunk_size=5, max_num_batched_tokens=5, mode="prefill_only"),
         role=NodeRole.PREFILL, listen=address))
