@@ -16,7 +16,6 @@ Run: `python benchmarks/prefix.py [--model tiny] [--out prefix.json]` (defaults:
 from __future__ import annotations
 
 import argparse
-import os
 import random
 import sys
 import tempfile
@@ -32,7 +31,7 @@ import openai  # noqa: E402
 from disagg_report import percentile  # noqa: E402
 from pinned_cluster import wait_for_quiet  # noqa: E402
 from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
-from serving import Server, emit  # noqa: E402
+from serving import Server, emit, two_cores  # noqa: E402
 
 MODES = {"cache": ["--prefillers", "1", "--decoders", "1"],
          "no cache": ["--prefillers", "1", "--decoders", "1", "--no-prefix-caching"]}
@@ -175,9 +174,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", type=Path, help="write the JSON result here")
     add("--json", action="store_true", help="print the JSON instead of the table")
     args = parser.parse_args(argv)
-    args.cores = [int(c) for c in args.cores.split(",")]
-    if len(args.cores) != 2 or not set(args.cores) <= os.sched_getaffinity(0):
-        parser.error(f"--cores: need two cores among {sorted(os.sched_getaffinity(0))}")
+    args.cores = two_cores(parser, args.cores)
     return args
 
 

@@ -235,12 +235,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--out", type=Path, help="write the JSON result here")
     add("--json", action="store_true", help="print the JSON instead of the table")
     args = parser.parse_args(argv)
-    args.cores = [int(c) for c in args.cores.split(",")]
-    if len(args.cores) != 2 or not set(args.cores) <= os.sched_getaffinity(0):
-        parser.error(f"--cores: need two cores among {sorted(os.sched_getaffinity(0))}")
+    args.cores = two_cores(parser, args.cores)
     if args.rate <= 0 or args.num_requests < 1:
         parser.error("--rate must be > 0 and --num-requests >= 1")
     return args
+
+
+def two_cores(parser: argparse.ArgumentParser, cores: str) -> list[int]:
+    """`--cores` as two core ids this process may use (the parser's error otherwise)."""
+    ids = [int(c) for c in cores.split(",")]
+    if len(ids) != 2 or not set(ids) <= os.sched_getaffinity(0):
+        parser.error(f"--cores: need two cores among {sorted(os.sched_getaffinity(0))}")
+    return ids
 
 
 def emit(args: argparse.Namespace, result: dict[str, Any],
