@@ -1,8 +1,8 @@
 """Full pages kept after their request ends, found again by what they hold (prefix caching, X2a).
 
-A full page is named by a chained digest: SHA-256 of the salt (model, layout, page size), the
-parent page's digest and the page's own token ids. So one digest names a whole prefix, and two
-requests that share their first k pages of tokens find the same k digests.
+A full page is named by a chained digest: SHA-256 of the salt (model, layout, page size,
+dtype), the parent page's digest and the page's own token ids. So one digest names a whole
+prefix, and two requests that share their first k pages of tokens find the same k digests.
 
 NOTE on exactness. A lookup walks the chain from the first page and stops at the first miss. At
 every step it also compares the stored page's token ids and parent digest with its own, so a hit
@@ -63,7 +63,7 @@ class PrefixCache:
         self._by_digest: dict[bytes, int] = {}
         self._pages: dict[int, CachedPage] = {}
         self._unused: OrderedDict[int, None] = OrderedDict()  # evictable, oldest first
-        self.queried_tokens = 0  # prompt tokens looked up (`match`), for the hit rate
+        self.queried_tokens = 0  # prompt tokens of admitted requests (`record_lookup`)
         self.hit_tokens = 0  # ... and found
         self.evictions = 0
 
