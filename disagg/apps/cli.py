@@ -35,6 +35,7 @@ from disagg.apps.options import (
     speculative_config,
 )
 from disagg.apps.serve_commands import serve_app
+from disagg.apps.topology_command import register as register_topology
 from disagg.config import (
     CacheConfig,
     EngineConfig,
@@ -51,6 +52,7 @@ app.add_typer(bench_app, name="bench")
 register_sim_commands(app)
 app.add_typer(serve_app, name="serve")
 register_figures(app)
+register_topology(app)
 console = Console()
 err_console = Console(stderr=True)
 

@@ -20,8 +20,9 @@ def run_cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, s
 
 
 COMMANDS = [["simulate"], ["plan-cluster"], ["calibrate"], ["figures"], ["generate"], ["demo"],
-            ["plan"], ["bench"], ["bench", "transfer"], ["serve"], ["serve", "prefill"],
-            ["serve", "decode"], ["serve", "mixed"], ["serve", "cluster"], ["serve", "router"]]
+            ["plan"], ["topology"], ["bench"], ["bench", "transfer"], ["serve"],
+            ["serve", "prefill"], ["serve", "decode"], ["serve", "mixed"], ["serve", "cluster"],
+            ["serve", "router"]]
 
 
 def test_help_lists_every_command(capsys: pytest.CaptureFixture[str]) -> None:
