@@ -15,14 +15,16 @@ from __future__ import annotations
 import errno
 import itertools
 import logging
-import os
 import secrets
 import threading
 import time
 from collections import deque
 from collections.abc import Callable
 
+import numpy as np
+
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
+from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.pyfabric import (
     FabricError,
     FabricStack,
@@ -35,6 +37,7 @@ from transfer_core.pyfabric import (
     lib,
 )
 from transfer_core.pyfabric.errors import fabric_error
+from transfer_core.topology import pin_current_thread
 
 logger = logging.getLogger(__name__)
 
@@ -125,14 +128,14 @@ class DomainWorker:
         info: Info,
         on_imms: Callable[[list[tuple[int, int]]], None],
         run_callback: Callable[..., None],
-        cpu: int | None = None,
+        cpus: tuple[int, ...] | None = None,
         max_inflight: int | None = None,
     ) -> None:
         self.index = index
         self.info = info
         self._on_imms = on_imms
         self._run_callback = run_callback
-        self._cpu = cpu
+        self._cpus = cpus
         self.stack = FabricStack(info)
         self.address = self.stack.endpoint.name
         cap = max_inflight or min(DEFAULT_MAX_INFLIGHT, max(1, info.tx_size // 2))
@@ -147,7 +150,10 @@ class DomainWorker:
         self._thread = threading.Thread(
             target=self._run, name=f"transfer-domain-{index}", daemon=True
         )
+        self._pinned = threading.Event()
         self._thread.start()
+        if cpus is not None:  # callers (and tests) may read the affinity right away
+            self._pinned.wait(5.0)
 
     @property
     def thread(self) -> threading.Thread:
@@ -188,6 +194,32 @@ class DomainWorker:
                 check_peer_alive(address)
             return fi_addr
 
+    def write_op(
+        self, dst_mr: MemoryRegionDescriptor, timeout_s: float, src_mr: MemoryRegion | None,
+        n: int, length: int, src_offset: int, src_stride: int, dst_offset: int,
+        dst_stride: int, imm: int | None, src_idx: np.ndarray | None = None,
+        dst_idx: np.ndarray | None = None,
+    ) -> WriteOp:  # fmt: skip
+        """n writes from this domain to the peer's domain `index` modulo the peer's count:
+        with equal counts rank i's domain writes to the peer's domain i (S6a); a peer with
+        fewer domains takes several of ours, one with more leaves its upper ones to others.
+        Raises PeerError for a peer that cannot be reached."""
+        address, key = dst_mr.domains[self.index % len(dst_mr.domains)]
+        try:
+            dest = self.peer(address)
+        except FabricError as exc:
+            raise PeerError(f"region {dst_mr.name!r}: peer unreachable: {exc}") from exc
+        op = WriteOp(
+            dest=dest, n=n, length=length,
+            src_addr=src_mr.ptr + src_offset if src_mr else 0, src_stride=src_stride,
+            desc=src_mr.registrations[self.index].desc if src_mr else None,
+            dst_addr=dst_mr.remote_addr(dst_offset), dst_stride=dst_stride, key=key, imm=imm,
+            src_idx=src_idx, dst_idx=dst_idx,
+            deadline_ns=time.monotonic_ns() + int(timeout_s * 1e9),
+        )  # fmt: skip
+        op.keep(src_mr)  # the source memory outlives every in-flight write
+        return op
+
     def submit(self, op: WriteOp, on_finish: OnFinish) -> None:
         """Queue `op`; `on_finish(error or None)` runs exactly once, on this domain's thread."""
         op.op_id = next(self._ids)
@@ -211,9 +243,12 @@ class DomainWorker:
         return self._worker.stats()
 
     def _run(self) -> None:
-        if self._cpu is not None:
-            os.sched_setaffinity(0, {self._cpu})  # 0 = this thread on Linux
         try:
+            if self._cpus is not None:
+                try:
+                    pin_current_thread(self._cpus)
+                finally:
+                    self._pinned.set()
             while not self._stopping:
                 events, imms, rc = self._worker.progress(_BUDGET_NS)
                 if rc < 0:

@@ -5,10 +5,12 @@ The Python surface follows pplx-garden's TransferEngine: `register_memory` retur
 `submit_paged_writes` and `submit_imm` take `on_done`/`on_error`; `expect_imm_count` fires
 once the receiver has counted the expected writes. Several domains (NICs) each run a
 `DomainWorker` progress thread; a paged write is cut into contiguous page ranges, one per
-domain. The receiver's immediate count is the truth of placement: a sender's `on_done` only
-means the provider is done with the source buffer. `connect` opens a peer's connection at
-handshake rather than on the first write (`warmup.py`). Argument checks are shared with the
-loopback test double (`write_checks.py`).
+domain, or per domain of those the caller names (S6a: rank i's pages through rank i's NIC);
+local domain d writes to the peer's domain d modulo the peer's count. The receiver's
+immediate count is the truth of placement: a sender's `on_done` only means the provider is
+done with the source buffer. `connect` opens a peer's connection at handshake rather than on
+the first write (`warmup.py`). Argument checks are shared with the loopback test double
+(`write_checks.py`); which NIC and cores each domain gets is `placement.py`.
 """
 
 from __future__ import annotations
@@ -16,20 +18,23 @@ from __future__ import annotations
 import itertools
 import logging
 import threading
-import time
 from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
 
 from transfer_core.domain_worker import Completion, DomainWorker, OnDone, OnError
-from transfer_core.errors import FabricError, PeerError, TransferError
+from transfer_core.errors import PeerError, TransferError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
-from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, WriteOp, find_infos, lib
+from transfer_core.placement import plan_domains
+from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, find_infos
+from transfer_core.registration import register_on
 from transfer_core.warmup import Warmup
 from transfer_core.write_checks import (  # noqa: F401  (MAX_IMM: re-exported, callers import it)
     MAX_IMM,
+    check_domain,
+    check_domains,
     check_paged,
     check_single,
     check_target,
@@ -49,11 +54,14 @@ class TransferEngine:
     first one present is used. node: local address to bind ("auto": loopback for socket
     providers, every device for NIC providers). num_domains: endpoints (NICs) with one
     progress thread each, given distinct NICs where fi_getinfo lists several. cpus: cores
-    the progress threads are pinned to, round robin. hmem: ask for FI_HMEM (CUDA memory).
-    delivery_complete: sender completion means "placed" (costs tcp ~40%). timeout_s: default
-    deadline of every op. max_inflight: writes in flight per domain (default: min(64, tx/2)).
-    memory_path: the default of `staging.register_kv` for tensors registered with this engine
-    (auto, host, hmem or staged; see `transfer_core.staging`).
+    the progress threads are pinned to, one each, round robin. domain_cpus: instead, the
+    cores of each domain's thread (domain_cpus[d], e.g. its NIC's NUMA node). nics: the
+    libfabric domain name each domain opens on (verbs `mlx5_0`; efa `rdmap16s27`, matching
+    `rdmap16s27-rdm`), None for the default pick (see `placement.py`). hmem: ask for FI_HMEM
+    (CUDA memory). delivery_complete: sender completion means "placed" (costs tcp ~40%).
+    timeout_s: default deadline of every op. max_inflight: writes in flight per domain
+    (default: min(64, tx/2)). memory_path: the default of `staging.register_kv` for tensors
+    registered with this engine (auto, host, hmem or staged; see `transfer_core.staging`).
     """
 
     def __init__(
@@ -68,6 +76,8 @@ class TransferEngine:
         timeout_s: float = 30.0,
         max_inflight: int | None = None,
         memory_path: str = "auto",
+        domain_cpus: Sequence[Sequence[int]] | None = None,
+        nics: Sequence[str | None] | None = None,
     ) -> None:
         if num_domains < 1:
             raise ValueError(f"num_domains must be >= 1, got {num_domains}")
@@ -85,14 +95,13 @@ class TransferEngine:
         self._threads: set[threading.Thread] = set()
         self._warmup: Warmup | None = None
         infos = find_infos(provider, node=node, hmem=hmem, delivery_complete=delivery_complete)
-        # One entry per distinct NIC; with fewer NICs than domains, NICs get several domains.
-        by_domain = list({i.domain_name: i for i in reversed(infos)}.values())[::-1]
+        plans = plan_domains(infos, num_domains, cpus, domain_cpus, nics)
         self._domains: list[DomainWorker] = []
         try:
-            for d in range(num_domains):
-                cpu = cpus[d % len(cpus)] if cpus else None
-                info = by_domain[d % len(by_domain)]
-                worker = DomainWorker(d, info, self._on_imms, self._guard, cpu, max_inflight)
+            for d, plan in enumerate(plans):
+                worker = DomainWorker(
+                    d, plan.info, self._on_imms, self._guard, plan.cpus, max_inflight
+                )
                 self._domains.append(worker)
             self._warmup = Warmup(self._domains)
         except BaseException:
@@ -145,33 +154,10 @@ class TransferEngine:
                 f"provider {self.provider!r} was opened without FI_HMEM: cannot register CUDA "
                 "memory (use TransferEngine(hmem=True) with a CUDA-enabled libfabric)"
             )
-        writable = buf.writable and remote_write
-        access = lib.FI_WRITE | (lib.FI_REMOTE_WRITE if writable else 0)
         name = name or f"mr{next(self._names)}"
-        registrations = []
-        try:
-            for worker in self._domains:
-                registrations.append(worker.register(buf.ptr, buf.nbytes, access, buf.cuda_device))
-        except BaseException:
-            for registration in registrations:
-                registration.close()
-            raise
-        descriptor = MemoryRegionDescriptor(
-            name=name,
-            provider=self.provider,
-            base=buf.ptr,
-            length=buf.nbytes,
-            virt_addr=bool(self._info.mr_mode & lib.FI_MR_VIRT_ADDR),
-            writable=writable,
-            domains=tuple(
-                (w.address, r.key) for w, r in zip(self._domains, registrations, strict=True)
-            ),
-        )
-        region = MemoryRegion(
-            name, buf.ptr, buf.nbytes, buf.writable, tuple(registrations), descriptor, buf.keepalive
-        )
+        region = register_on(self._domains, self.provider, buf, name, remote_write)
         self._regions.append(region)
-        return region, descriptor
+        return region, region.descriptor
 
     def unregister_memory(self, region: MemoryRegion) -> None:
         """Close a region's registrations; no transfer may still use it."""
@@ -192,12 +178,14 @@ class TransferEngine:
         on_error: OnError | None = None,
         *,
         timeout_s: float | None = None,
+        domain: int | None = None,
     ) -> None:
-        """One contiguous write of `length` bytes, optionally carrying `imm_data`."""
+        """One contiguous write of `length` bytes, optionally carrying `imm_data`, posted on
+        local domain `domain` (None: round robin)."""
         self._check_write(src_mr, dst_mr, imm_data)
         check_single(src_mr, offset, length, dst_mr, dst_offset)
+        d = self._pick(domain)
         done = Completion(1, on_done, on_error, self._report)
-        d = next(self._round_robin) % len(self._domains)
         self._post(
             d, done, timeout_s, src_mr, dst_mr, 1, length, offset, 0, dst_offset, 0, imm_data
         )
@@ -218,17 +206,19 @@ class TransferEngine:
         on_error: OnError | None = None,
         *,
         timeout_s: float | None = None,
+        domains: Sequence[int] | None = None,
     ) -> None:
         """Page i goes from `src_offset + src_page_indices[i] * src_stride` to
         `dst_offset + dst_page_indices[i] * dst_stride`, `length` bytes each, every write
         carrying `imm_data`: the receiver counts len(pages) immediates. Page ranges are
-        striped over the domains; `on_done` fires once all pages are written."""
+        striped over `domains` (local indices; None: all of them); `on_done` fires once all
+        pages are written."""
         self._check_write(src_mr, dst_mr, imm_data)
         src, dst = check_paged(
             length, src_mr, src_page_indices, src_stride, src_offset,
             dst_mr, dst_page_indices, dst_stride, dst_offset,
         )  # fmt: skip
-        parts = stripe(src.size, len(self._domains))
+        parts = stripe(src.size, check_domains(domains, len(self._domains)))
         done = Completion(len(parts), on_done, on_error, self._report)
         for d, lo, hi in parts:
             self._post(
@@ -244,13 +234,15 @@ class TransferEngine:
         on_error: OnError | None = None,
         *,
         timeout_s: float | None = None,
+        domain: int | None = None,
     ) -> None:
-        """A zero-byte write that only delivers `imm_data` to the owner of `dst_mr`."""
+        """A zero-byte write that only delivers `imm_data` to the owner of `dst_mr`, posted
+        on local domain `domain` (None: round robin)."""
         self._check_write(None, dst_mr, imm_data)
         if imm_data is None:
             raise ValueError("submit_imm needs an imm value")
+        d = self._pick(domain)
         done = Completion(1, on_done, on_error, self._report)
-        d = next(self._round_robin) % len(self._domains)
         self._post(d, done, timeout_s, None, dst_mr, 1, 0, 0, 0, 0, 0, imm_data)
 
     def connect(self, peer_address: bytes, *, timeout_s: float | None = None) -> None:
@@ -335,26 +327,24 @@ class TransferEngine:
         dst_offset: int, dst_stride: int, imm: int | None,
         src_idx: np.ndarray | None = None, dst_idx: np.ndarray | None = None,
     ) -> None:  # fmt: skip
-        """Queue n writes on domain d, to the peer domain d maps to (d modulo its count)."""
+        """Queue n writes on domain d (`DomainWorker.write_op` says to which peer domain)."""
         worker = self._domains[d]
-        address, key = dst_mr.domains[d % len(dst_mr.domains)]
+        timeout = self.timeout_s if timeout_s is None else timeout_s
         try:
-            dest = worker.peer(address)
-        except FabricError as exc:  # an unreachable peer is reported like a failed write
-            error = PeerError(f"region {dst_mr.name!r}: peer unreachable: {exc}")
+            op = worker.write_op(
+                dst_mr, timeout, src_mr, n, length, src_offset, src_stride, dst_offset,
+                dst_stride, imm, src_idx, dst_idx,
+            )  # fmt: skip
+        except PeerError as exc:  # an unreachable peer is reported like a failed write
+            error = exc
             worker.call_soon(lambda: done.part_finished(error))
             return
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        op = WriteOp(
-            dest=dest, n=n, length=length,
-            src_addr=src_mr.ptr + src_offset if src_mr else 0, src_stride=src_stride,
-            desc=src_mr.registrations[d].desc if src_mr else None,
-            dst_addr=dst_mr.remote_addr(dst_offset), dst_stride=dst_stride, key=key, imm=imm,
-            src_idx=src_idx, dst_idx=dst_idx,
-            deadline_ns=time.monotonic_ns() + int(timeout * 1e9),
-        )  # fmt: skip
-        op.keep(src_mr)  # the source memory outlives every in-flight write
         worker.submit(op, done.part_finished)
+
+    def _pick(self, domain: int | None) -> int:
+        if domain is None:
+            return next(self._round_robin) % len(self._domains)
+        return check_domain(domain, len(self._domains))
 
     def _check_write(
         self, src_mr: MemoryRegion | None, dst_mr: MemoryRegionDescriptor, imm_data: int | None

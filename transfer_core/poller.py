@@ -11,6 +11,7 @@ Read the two NOTEs below (reporting contract, memory ordering) before using it.
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import threading
 from collections.abc import Callable, Sequence
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
 from transfer_core.errors import TransferTimeoutError
+from transfer_core.placement import check_cpus
 from transfer_core.topology import pin_current_thread
 
 try:
@@ -162,7 +164,9 @@ class CounterPoller:
     """Watch `counters` on a dedicated thread and call `on_change(index, old, new)` per move.
 
     `index` is the counter's position in `counters`. See the module NOTE for the contract:
-    jumps are reported whole, reports chain, nothing is lost or repeated. The poller keeps
+    jumps are reported whole, reports chain, nothing is lost or repeated. `cpus` pins the
+    thread (e.g. to the NUMA node of the leader's device, S5b), as `config.cpu_affinity`
+    does; pass one or the other. The poller keeps
     references to the counter objects so their memory outlives the thread.
 
     >>> import torch
@@ -183,12 +187,19 @@ class CounterPoller:
         on_change: OnChange,
         config: PollerConfig | None = None,
         name: str = "counter-poller",
+        *,
+        cpus: Sequence[int] | None = None,
     ) -> None:
         if not counters:
             raise ValueError("CounterPoller needs at least one counter")
         self._counters = list(counters)
         self._on_change = on_change
         self._config = config or PollerConfig()
+        if cpus is not None:
+            if self._config.cpu_affinity is not None:
+                raise ValueError("pass cpus or config.cpu_affinity, not both")
+            chosen = check_cpus(cpus, "CounterPoller cpus")
+            self._config = dataclasses.replace(self._config, cpu_affinity=chosen)
         self._name = name
         n = len(self._counters)
         # C-side state: the word pointers, the last reported values and the snapshot buffer.
@@ -201,6 +212,7 @@ class CounterPoller:
         self._error: BaseException | None = None
         self._lock = threading.Lock()
         self._progress = threading.Condition(self._lock)
+        self._prepared = threading.Event()
 
     def __enter__(self) -> CounterPoller:
         self.start()
@@ -227,6 +239,7 @@ class CounterPoller:
             self._last[i] = lib.tc_load_acquire(self._words[i])
         self._thread = threading.Thread(target=self._run, name=self._name, daemon=True)
         self._thread.start()
+        self._prepared.wait(5.0)  # pinned before start() returns: callers may read it
 
     def check(self) -> None:
         """Re-raise, once, an exception raised by `on_change` on the poller thread."""
@@ -267,7 +280,10 @@ class CounterPoller:
 
     def _run(self) -> None:
         try:
-            self._prepare_thread()
+            try:
+                self._prepare_thread()
+            finally:
+                self._prepared.set()
             self._loop()
         except BaseException as exc:  # stored for the owner, never dropped (see check()).
             logger.debug("%s stopped by a callback exception", self._name, exc_info=True)

@@ -4,7 +4,9 @@
 caller sees the same exception, with the same text, whichever engine it was handed: a test
 double that validated differently would let messenger bugs pass its unit tests. The bounds
 checks themselves are `memory.check_range` / `memory.check_pages`; striping a paged write over
-domains is here too because the receiver's count does not depend on it but `stats()` does.
+domains is here too because the receiver's count does not depend on it but `stats()` does, and
+so is the choice of local domains a caller may pin a write to (S6a: rank i's pages through
+rank i's domain).
 """
 
 from __future__ import annotations
@@ -72,7 +74,39 @@ def check_paged(
     return src, dst
 
 
-def stripe(n: int, num_domains: int) -> list[tuple[int, int, int]]:
-    """Cut n pages into contiguous ranges, one per domain: [(domain, lo, hi)], none empty."""
-    cuts = [n * d // num_domains for d in range(num_domains + 1)]
-    return [(d, cuts[d], cuts[d + 1]) for d in range(num_domains) if cuts[d] < cuts[d + 1]]
+def check_domain(domain: int, num_domains: int) -> int:
+    """A local domain index a caller asked for: an int in [0, num_domains)."""
+    if isinstance(domain, bool) or not isinstance(domain, int | np.integer):
+        raise ValueError(f"domain index {domain!r} is not an int (num_domains={num_domains})")
+    if not 0 <= domain < num_domains:
+        raise ValueError(f"domain index {domain} is out of range: num_domains={num_domains}")
+    return int(domain)
+
+
+def check_domains(domains: Sequence[int] | None, num_domains: int) -> tuple[int, ...]:
+    """The local domains a paged write is striped over: every one for None, else the given
+    indices (each once, in the given order)."""
+    if domains is None:
+        return tuple(range(num_domains))
+    if isinstance(domains, int | np.integer):
+        raise ValueError(f"domains must be a sequence of indices, got {domains!r}")
+    chosen = tuple(check_domain(d, num_domains) for d in domains)
+    if not chosen:
+        raise ValueError("domains names no domain: pass at least one index, or None for all")
+    if len(set(chosen)) != len(chosen):
+        raise ValueError(f"domains {list(chosen)} names a domain twice")
+    return chosen
+
+
+def stripe(n: int, domains: Sequence[int]) -> list[tuple[int, int, int]]:
+    """Cut n pages into contiguous ranges, one per listed domain: [(domain, lo, hi)], none
+    empty.
+
+    >>> stripe(5, (0, 1))
+    [(0, 0, 2), (1, 2, 5)]
+    >>> stripe(5, (1,))
+    [(1, 0, 5)]
+    """
+    k = len(domains)
+    cuts = [n * i // k for i in range(k + 1)]
+    return [(d, cuts[i], cuts[i + 1]) for i, d in enumerate(domains) if cuts[i] < cuts[i + 1]]

@@ -177,6 +177,25 @@ def test_cpu_affinity_pins_only_the_poller_thread(counter: torch.Tensor) -> None
     assert os.sched_getaffinity(0) == before
 
 
+def test_cpus_argument_pins_the_poller_thread(counter: torch.Tensor) -> None:
+    """`cpus=` pins the thread before start() returns (S5b: the leader's NUMA node)."""
+    cpu = max(os.sched_getaffinity(0))
+    with CounterPoller([counter], _Recorder(), cpus=[cpu]) as poller:
+        thread = poller._thread
+        assert thread is not None
+        assert thread.native_id is not None
+        assert os.sched_getaffinity(thread.native_id) == {cpu}
+
+
+def test_cpus_and_cpu_affinity_together_are_refused(counter: torch.Tensor) -> None:
+    """Two ways of saying where the thread runs, both given, is a ValueError."""
+    config = PollerConfig(cpu_affinity=(0,))
+    with pytest.raises(ValueError, match="not both"):
+        CounterPoller([counter], _Recorder(), config, cpus=[0])
+    with pytest.raises(ValueError, match=r"CPUs \[4096\] are not among"):
+        CounterPoller([counter], _Recorder(), cpus=[4096])
+
+
 @pytest.mark.parametrize(
     "bad",
     [

@@ -24,6 +24,7 @@ from typing import Any
 
 import numpy as np
 
+from transfer_core import write_checks as checks
 from transfer_core.domain_worker import Completion, OnDone, OnError
 from transfer_core.engine import MEMORY_PATHS
 from transfer_core.errors import ProviderNotFoundError, TransferError
@@ -37,7 +38,6 @@ from transfer_core.testing.loopback_wire import (
     OwnerErrors,
     default_fabric,
 )
-from transfer_core.write_checks import check_paged, check_single, check_target, stripe
 
 __all__ = ["LoopbackEngine", "LoopbackFabric", "default_fabric"]
 
@@ -48,9 +48,10 @@ _engine_ids = itertools.count()
 class LoopbackEngine:
     """`TransferEngine`'s caller-facing API over a `LoopbackFabric`; see the module docstring.
 
-    `provider`, `node`, `cpus`, `delivery_complete` and `max_inflight` are accepted so that
-    factories written for `TransferEngine` (e.g. `staging.open_engine`) can build one, and
-    ignored; `hmem=True` raises ProviderNotFoundError, as a provider without FI_HMEM would."""
+    `provider`, `node`, `cpus`, `domain_cpus`, `nics`, `delivery_complete` and `max_inflight`
+    are accepted so that factories written for `TransferEngine` (e.g. `staging.open_engine`)
+    can build one, and ignored; `hmem=True` raises ProviderNotFoundError, as a provider
+    without FI_HMEM would."""
 
     def __init__(
         self,
@@ -66,8 +67,11 @@ class LoopbackEngine:
         timeout_s: float = 30.0,
         max_inflight: int | None = None,
         memory_path: str = "auto",
+        domain_cpus: Sequence[Sequence[int]] | None = None,
+        nics: Sequence[str | None] | None = None,
     ) -> None:
         del provider, node, cpus, delivery_complete, max_inflight  # see the class docstring
+        del domain_cpus, nics
         if num_domains < 1:
             raise ValueError(f"num_domains must be >= 1, got {num_domains}")
         if memory_path not in MEMORY_PATHS:
@@ -130,12 +134,13 @@ class LoopbackEngine:
         self, src_mr: MemoryRegion, offset: int, length: int, imm_data: int | None,
         dst_mr: MemoryRegionDescriptor, dst_offset: int, on_done: OnDone | None = None,
         on_error: OnError | None = None, *, timeout_s: float | None = None,
+        domain: int | None = None,
     ) -> None:  # fmt: skip
         """As `TransferEngine.submit_write`."""
         self._check_write(src_mr, dst_mr, imm_data)
-        check_single(src_mr, offset, length, dst_mr, dst_offset)
+        checks.check_single(src_mr, offset, length, dst_mr, dst_offset)
+        d = self._pick(domain)
         done = Completion(1, on_done, on_error, self._errors.report)
-        d = next(self._round_robin) % self.num_domains
         at = np.zeros(1, np.int64)  # one write: offsets relative to `offset` / `dst_offset`
         self._post(WritePart(self, d, done, src_mr, dst_mr, length, imm_data,
                              offset + at, dst_offset + at))  # fmt: skip
@@ -145,15 +150,15 @@ class LoopbackEngine:
         src_stride: int, src_offset: int, dst_mr: MemoryRegionDescriptor,
         dst_page_indices: Sequence[int] | np.ndarray, dst_stride: int, dst_offset: int,
         imm_data: int | None, on_done: OnDone | None = None, on_error: OnError | None = None,
-        *, timeout_s: float | None = None,
+        *, timeout_s: float | None = None, domains: Sequence[int] | None = None,
     ) -> None:  # fmt: skip
         """As `TransferEngine.submit_paged_writes`: one immediate per page, striped the same."""
         self._check_write(src_mr, dst_mr, imm_data)
-        src, dst = check_paged(
+        src, dst = checks.check_paged(
             length, src_mr, src_page_indices, src_stride, src_offset,
             dst_mr, dst_page_indices, dst_stride, dst_offset,
         )  # fmt: skip
-        parts = stripe(src.size, self.num_domains)
+        parts = checks.stripe(src.size, checks.check_domains(domains, self.num_domains))
         done = Completion(len(parts), on_done, on_error, self._errors.report)
         for d, lo, hi in parts:
             self._post(WritePart(self, d, done, src_mr, dst_mr, length, imm_data,
@@ -163,13 +168,14 @@ class LoopbackEngine:
     def submit_imm(
         self, imm_data: int, dst_mr: MemoryRegionDescriptor, on_done: OnDone | None = None,
         on_error: OnError | None = None, *, timeout_s: float | None = None,
+        domain: int | None = None,
     ) -> None:  # fmt: skip
         """As `TransferEngine.submit_imm`: a zero-byte write carrying one immediate."""
         self._check_write(None, dst_mr, imm_data)
         if imm_data is None:
             raise ValueError("submit_imm needs an imm value")
+        d = self._pick(domain)
         done = Completion(1, on_done, on_error, self._errors.report)
-        d = next(self._round_robin) % self.num_domains
         zero = np.zeros(1, np.int64)
         self._post(WritePart(self, d, done, None, dst_mr, 0, imm_data, zero, zero))
 
@@ -269,13 +275,18 @@ class LoopbackEngine:
         self.count_posted(part.domain, part.n, completed=False)
         self.delivery.put(part.run, part.fail, holdable=True)
 
+    def _pick(self, domain: int | None) -> int:
+        if domain is None:
+            return next(self._round_robin) % self.num_domains
+        return checks.check_domain(domain, self.num_domains)
+
     def _check_write(
         self, src_mr: MemoryRegion | None, dst_mr: MemoryRegionDescriptor, imm_data: int | None
     ) -> None:
         self._check_open()
         if src_mr is not None and src_mr not in self.regions:
             raise ValueError(f"region {src_mr.name!r} is not registered with this engine")
-        check_target(PROVIDER, dst_mr, imm_data)
+        checks.check_target(PROVIDER, dst_mr, imm_data)
 
     def _check_open(self) -> None:
         if self._closed:

@@ -32,3 +32,20 @@ def test_writes_without_an_immediate_bypass_the_fault_plan() -> None:
                 break
             threading.Event().wait(0.005)
         assert int(dst.min()) == 9
+
+
+def test_domains_pass_through_the_fault_plan() -> None:
+    """The same `domains` / `domain` parameters as the real engine, faults or none."""
+    with (
+        FaultyTransferEngine("tcp", num_domains=2, faults=FaultPlan()) as a,
+        TransferEngine("tcp") as b,
+    ):
+        src, _ = a.register_memory(np.ones(4 * 64, np.uint8))
+        _, desc = b.register_memory(np.zeros(4 * 64, np.uint8))
+        paged, single = threading.Event(), threading.Event()
+        pages = np.arange(4)
+        a.submit_paged_writes(64, src, pages, 64, 0, desc, pages, 64, 0, 3, paged.set, domains=[1])
+        a.submit_write(src, 0, 64, 3, desc, 0, single.set, domain=1)
+        assert paged.wait(10.0)
+        assert single.wait(10.0)
+        assert [s.writes_completed for s in a.stats()] == [0, 5]

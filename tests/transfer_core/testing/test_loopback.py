@@ -243,3 +243,24 @@ def test_fits_the_real_engines_factories() -> None:
         kv = register_kv(engine, torch.zeros(2, 4, 8), "kv")
         assert kv.path.kind == "host"
         assert kv.descriptor.length == 2 * 4 * 8 * 4
+
+
+def test_named_domains_carry_the_writes() -> None:
+    """domains=[1] / domain=1 post on domain 1 only, which lands on the peer's domain 1."""
+    fabric = LoopbackFabric()
+    with (
+        LoopbackEngine(fabric=fabric, num_domains=2) as a,
+        LoopbackEngine(fabric=fabric, num_domains=2) as b,
+    ):
+        _, _, smr, desc = _regions(a, b)
+        pages = np.arange(8)
+        a.submit_paged_writes(PAGE, smr, pages, PAGE, 0, desc, pages, PAGE, 0, 4, domains=[1])
+        a.submit_write(smr, 0, PAGE, 4, desc, 0, domain=1)
+        a.submit_imm(4, desc, domain=1)
+        _settle(a, b)
+        assert [s.writes_completed for s in a.stats()] == [0, 10]
+        assert [s.imms_received for s in b.stats()] == [0, 10]
+        with pytest.raises(ValueError, match="domain index 2 is out of range: num_domains=2"):
+            a.submit_paged_writes(PAGE, smr, pages, PAGE, 0, desc, pages, PAGE, 0, 4, domains=[2])
+        with pytest.raises(ValueError, match="domain index 3 is out of range"):
+            a.submit_imm(4, desc, domain=3)
