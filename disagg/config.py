@@ -168,6 +168,11 @@ class EngineConfig:
         if self.cuda_graph and self.cache.num_pages < 2:
             raise ConfigError(f"cuda_graph needs a padding page besides the requests' pages: "
                               f"num_pages={self.cache.num_pages} is too small")
+        if self.cuda_graph and self.parallel.tp > 1:
+            # A graph replays one process's kernels; each TP rank would need its own graphs
+            # with the all-reduces inside. Not built yet: refuse rather than run eagerly.
+            raise ConfigError(f"--cuda-graph runs decode graphs on one process: not with TP "
+                              f"{self.parallel.tp}")
 
     def with_cache(self, **changes: object) -> EngineConfig:
         """A copy with some cache fields changed."""

@@ -47,3 +47,7 @@ class PeerMismatchError(DisaggError):
 
 class PeerClosedError(DisaggError):
     """The peer closed the control connection (or it broke)."""
+
+
+class RankError(DisaggError):
+    """A tensor-parallel rank process failed to start, sent something wrong, or died."""

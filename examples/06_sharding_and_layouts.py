@@ -2,17 +2,17 @@
 
 Shows (1) which KV heads each rank holds, including replication when there are fewer heads
 than ranks; (2) the transfer plan of one page between two shardings and its write count in
-both layouts; (3) that a model decoding from a sharded cache (one tensor per rank) produces the
-same tokens as from one cache. Pairs with docs/tutorials/06-sharding-and-layouts.md.
+both layouts; (3) that the model run as TP rank processes (each holding its heads and its KV
+shard, which this process maps) produces the same tokens as one process. Pairs with docs/tutorials/06-sharding-and-layouts.md.
 """
 
 from __future__ import annotations
 
-from disagg.config import CacheConfig, EngineConfig, ModelConfig, ParallelConfig
+from disagg.config import CacheConfig, EngineConfig, ParallelConfig
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import SamplingParams
 from disagg.kv_transfer.transfer_plan import PageGeometry, plan_page_writes
-from disagg.model.loading.registry import init_random_weights
+from disagg.model.loading.registry import load_model
 from disagg.model.sharding import Sharding
 
 
@@ -39,18 +39,22 @@ def show_plans() -> None:
 
 
 def show_sharded_decode() -> None:
-    config = ModelConfig.from_name("tiny")
-    weights = init_random_weights(config, seed=1)
+    loaded = load_model("tiny")  # at TP > 1 every rank process loads it too, keeping its shard
     prompts = [[5, 6, 7, 8, 9, 10, 11], [42, 43]]
     params = SamplingParams(max_tokens=8, ignore_eos=True)
     outputs = {}
     for tp in (1, 2, 4):
-        engine = build_engine(EngineConfig(config, CacheConfig(page_size=4, num_pages=32,
-                                                               kv_layout="HND"),
-                                           parallel=ParallelConfig(tp=tp)), weights)
+        engine = build_engine(EngineConfig(loaded.config, CacheConfig(page_size=4, num_pages=32,
+                                                                      kv_layout="HND"),
+                                           parallel=ParallelConfig(tp=tp)),
+                              loaded.state_dict, model_spec="tiny")
         shard_shapes = [tuple(s.buffer.shape) for s in engine.kv_cache.shards]
         outputs[tp] = [r.output_token_ids for r in engine.generate(prompts, params)]
-        print(f"tp={tp}: {len(shard_shapes)} region(s) of shape {shard_shapes[0]}")
+        ranks = engine.runner.ranks
+        pids = [] if ranks is None else ranks.pids
+        engine.close()  # ends the rank processes
+        print(f"tp={tp}: {len(shard_shapes)} region(s) of shape {shard_shapes[0]}, "
+              f"{len(pids)} rank process(es) besides this one")
     assert outputs[1] == outputs[2] == outputs[4]
     print(f"same tokens at TP 1, 2 and 4: {outputs[1][0]}")
 

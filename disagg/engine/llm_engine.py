@@ -34,6 +34,7 @@ from disagg.model.layer_counter import LayerCounter
 from disagg.model.sharded_kv_cache import ShardedKVCache
 from disagg.model.sharding import Sharding
 from disagg.model.transformer import Transformer
+from disagg.parallel.leader import TPLeader, start_leader
 
 
 class StepObserver(Protocol):
@@ -65,11 +66,13 @@ class EngineParts:
     runner: ModelRunner
 
     @staticmethod
-    def build(config: EngineConfig, model: Transformer) -> EngineParts:
-        """Cache, allocator, scheduler and runner for `model` (moved to `config.device`)."""
-        model = model.to(config.device).eval()
+    def build(config: EngineConfig, model: Transformer | TPLeader) -> EngineParts:
+        """Cache, allocator, scheduler and runner for `model` (moved to `config.device`), or
+        for a TP leader's shard, its ranks and every rank's KV."""
+        leader = model if isinstance(model, TPLeader) else None
+        model = leader.model if leader else model.to(config.device).eval()
         check_cache_fits(model.config, config.cache)
-        kv_cache = make_kv_cache(model.config, config)
+        kv_cache = leader.kv_cache if leader else make_kv_cache(model.config, config)
         # With decode graphs the cache's last page is the padding rows' scratch page: the
         # allocator never manages it, so no request gets it and leak checks stay exact.
         cache = config.cache
@@ -89,8 +92,9 @@ class EngineParts:
                                   max_pages=-(-max_model_len // cache.page_size),
                                   batch_sizes=useful_batch_sizes(
                                       config.graph_batch_sizes, config.scheduler.max_num_seqs))
-        return EngineParts(config, model, kv_cache, allocator, scheduler,
-                           ModelRunner(model, kv_cache, graphs))
+        runner = (ModelRunner(model, leader.local_cache, ranks=leader.ranks) if leader
+                  else ModelRunner(model, kv_cache, graphs))
+        return EngineParts(config, model, kv_cache, allocator, scheduler, runner)
 
 
 class LLMEngine:
@@ -117,6 +121,10 @@ class LLMEngine:
                           params or SamplingParams(), self.model.config.eos_token_ids)
         self.scheduler.add_request(request)
         return request
+
+    def close(self) -> None:
+        """Stop what the engine runs besides this process: its TP ranks (idempotent)."""
+        self.runner.close()
 
     def has_unfinished(self) -> bool:
         """Whether any request still needs steps."""
@@ -164,12 +172,16 @@ class LLMEngine:
 
 
 def make_kv_cache(model: ModelConfig, config: EngineConfig) -> KVCache:
-    """One paged cache, or one per TP rank when the node is sharded (S6)."""
+    """The cache of a one-process engine. A sharded node's comes from its TP leader, whose
+    ranks hold their own shards (`disagg.parallel.leader`)."""
     parallel = config.parallel
-    if parallel.tp == 1 and not parallel.replicated_kv:
-        return PagedKVCache(model, config.cache, config.device)
-    sharding = Sharding(parallel.tp, model.num_kv_heads, parallel.replicated_kv)
-    return ShardedKVCache(model, config.cache, sharding, config.device)
+    if parallel.tp > 1:
+        raise ConfigError(f"TP {parallel.tp} runs {parallel.tp} rank processes: build the "
+                          "engine from `disagg.parallel.leader.start_leader`")
+    local = PagedKVCache(model, config.cache, config.device)
+    if not parallel.replicated_kv:
+        return local
+    return ShardedKVCache(model, config.cache, Sharding(1, model.num_kv_heads, True), [local])
 
 
 def check_cache_fits(model: ModelConfig, cache: CacheConfig) -> None:
@@ -194,7 +206,18 @@ def load_transformer(config: EngineConfig, state_dict: dict[str, torch.Tensor],
 
 
 def build_engine(config: EngineConfig, state_dict: dict[str, torch.Tensor],
-                 layer_counter: LayerCounter | None = None) -> LLMEngine:
-    """A plain engine (no observers) whose model holds `state_dict`."""
-    return LLMEngine(EngineParts.build(config, load_transformer(config, state_dict,
-                                                                 layer_counter)))
+                 layer_counter: LayerCounter | None = None,
+                 model_spec: str | None = None) -> LLMEngine:
+    """A plain engine (no observers) whose model holds `state_dict`. At TP > 1 it leads rank
+    processes that load `model_spec` themselves (`close()` the engine to stop them)."""
+    parallel = config.parallel
+    if parallel.tp == 1:
+        return LLMEngine(EngineParts.build(config, load_transformer(config, state_dict,
+                                                                     layer_counter)))
+    if model_spec is None:
+        raise ConfigError(f"TP {parallel.tp}: the rank processes load the model themselves, "
+                          "so build_engine needs its model_spec")
+    sharding = Sharding(parallel.tp, config.model.num_kv_heads, parallel.replicated_kv)
+    leader = start_leader(model_spec, config.model, state_dict, config.cache, sharding,
+                          device=config.device, layer_counter=layer_counter)
+    return LLMEngine(EngineParts.build(config, leader))

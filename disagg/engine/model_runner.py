@@ -4,7 +4,9 @@ The runner packs every chunk's tokens on one axis, computes where each token's K
 and slot), and tells attention which rows belong to which request. It returns the hidden states
 and logits of the rows that sample, so a prefiller can ship them (S4a) and an engine can sample.
 Given `DecodeGraphs`, pure-decode batches that fit a bucket take its static-buffer path (CUDA
-graphs on a GPU, `cuda_graphs.py`); everything else runs here, eagerly.
+graphs on a GPU, `cuda_graphs.py`); everything else runs here, eagerly. On a tensor-parallel
+node the runner is the leader's: it broadcasts each step's inputs to the other ranks before
+its own forward (`disagg/parallel/`), and its cache is rank 0's shard.
 """
 
 from __future__ import annotations
@@ -16,17 +18,21 @@ from disagg.engine.cuda_graphs import DecodeGraphs
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import KVCache
 from disagg.model.transformer import Transformer
+from disagg.parallel.ranks import TPRanks
 
 
 class ModelRunner:
     """Runs a `Transformer` over a paged `KVCache` one batch at a time."""
 
     def __init__(self, model: Transformer, kv_cache: KVCache,
-                 graphs: DecodeGraphs | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, ranks: TPRanks | None = None) -> None:
+        if graphs is not None and ranks is not None:
+            raise ValueError("decode graphs run on one process: not with TP rank processes")
         self.model = model
         self.kv_cache = kv_cache
         self.device = kv_cache.device
         self.graphs = graphs
+        self.ranks = ranks
         self._num_eager = 0
 
     @property
@@ -71,6 +77,8 @@ class ModelRunner:
                 return self.graphs.run(batch, bucket)
         self._num_eager += 1
         input_ids, positions, meta = self.prepare(batch)
+        if self.ranks is not None:
+            self.ranks.broadcast_step((input_ids, positions, meta))
         hidden = self.model(input_ids, positions, self.kv_cache, meta)
         sample_chunk_indices = [i for i, chunk in enumerate(batch.chunks) if chunk.samples]
         last_rows = torch.tensor([meta.sequences[i].query_start + meta.sequences[i].query_len - 1
@@ -79,6 +87,11 @@ class ModelRunner:
         sample_hidden = hidden.index_select(0, last_rows)
         return ForwardOutput(sample_chunk_indices, sample_hidden,
                              self.model.compute_logits(sample_hidden), hidden)
+
+    def close(self) -> None:
+        """Stop the TP ranks, if any (idempotent)."""
+        if self.ranks is not None:
+            self.ranks.stop()
 
     def _padded_page_table(self, sequences: list[SequenceSlice]) -> torch.Tensor:
         max_pages = max(-(-s.kv_len // self.kv_cache.page_size) for s in sequences)

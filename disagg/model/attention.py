@@ -50,17 +50,21 @@ def causal_mask(context_len: int, query_len: int, device: torch.device) -> torch
 
 
 def paged_attention(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    kv_heads: slice | None = None) -> torch.Tensor:
     """Attention of every batch token over its own request's cache (after this batch's append).
 
-    `q` is ``[num_tokens, num_heads, head_dim]``; returns the same shape.
+    `q` is ``[num_tokens, num_heads, head_dim]``; returns the same shape. `kv_heads`: only
+    these of the cache's heads serve `q` (a TP rank's share of a replicated cache).
     """
     if meta.decode_page_table is not None:
-        return _batched_decode(q, kv_cache, layer_idx, meta, scale)
+        return _batched_decode(q, kv_cache, layer_idx, meta, scale, kv_heads)
     out = torch.empty_like(q)
     for seq in meta.sequences:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         k, v = kv_cache.gather(layer_idx, seq.page_ids, seq.kv_len)  # [kv_heads, kv_len, dim]
+        if kv_heads is not None:
+            k, v = k[kv_heads], v[kv_heads]
         q_seq = q[rows].transpose(0, 1)  # [num_heads, query_len, dim]
         if seq.query_len == 1:
             mask, causal = None, False
@@ -75,7 +79,8 @@ def paged_attention(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
 
 
 def _batched_decode(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float,
+                    kv_heads: slice | None = None) -> torch.Tensor:
     """All requests decode one token: gather a padded ``[batch, heads, max_kv, dim]`` and mask.
 
     This is the attention a captured decode graph replays (`disagg/engine/cuda_graphs.py`), so
@@ -86,6 +91,8 @@ def _batched_decode(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
     assert page_table is not None
     assert kv_lens is not None
     k, v = kv_cache.gather_batch(layer_idx, page_table)  # [seqs, kv_heads, max_kv, dim] each
+    if kv_heads is not None:
+        k, v = k[:, kv_heads], v[:, kv_heads]
     key_pos = torch.arange(k.shape[2], device=q.device)
     mask = (key_pos[None, :] < kv_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, max_kv]
     o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,

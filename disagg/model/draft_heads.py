@@ -20,6 +20,7 @@ from torch import nn
 from disagg.config import CacheConfig, ModelConfig
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import KVCache, PagedKVCache
+from disagg.model.tensor_parallel import TPShard
 from disagg.model.transformer import DecoderLayer, RMSNorm, Transformer
 
 MTP_INIT_STD = 0.02
@@ -72,7 +73,7 @@ class MTPHead(nn.Module):
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
-        self.block = DecoderLayer(config)
+        self.block = DecoderLayer(config, TPShard.single(config.num_kv_heads))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 
     def forward(self, target: Transformer, hidden: torch.Tensor, next_token_ids: torch.Tensor,

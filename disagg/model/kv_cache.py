@@ -63,19 +63,29 @@ class PagedKVCache:
     1024
     """
 
-    def __init__(self, model: ModelConfig, cache: CacheConfig, device: str | torch.device = "cpu"):
+    def __init__(self, model: ModelConfig, cache: CacheConfig, device: str | torch.device = "cpu",
+                 buffer: torch.Tensor | None = None):
         self.num_layers = model.num_layers
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
         self.page_size = cache.page_size
         self.num_pages = cache.num_pages
         self.kv_layout = cache.kv_layout
-        if self.kv_layout == "NHD":
-            page_shape = (2, self.page_size, self.num_kv_heads, self.head_dim)
-        else:
-            page_shape = (2, self.num_kv_heads, self.page_size, self.head_dim)
-        self.buffer = allocate_kv_buffer((self.num_layers, self.num_pages, *page_shape),
-                                         cache.dtype, device, cache.memory)
+        shape = self.buffer_shape(model, cache)
+        if buffer is None:  # else memory another process allocated and shares (S5a)
+            buffer = allocate_kv_buffer(shape, cache.dtype, device, cache.memory)
+        elif tuple(buffer.shape) != shape or buffer.dtype != cache.dtype:
+            raise ConfigError(f"KV buffer {tuple(buffer.shape)} {buffer.dtype} is not the "
+                              f"cache's {shape} {cache.dtype}")
+        self.buffer = buffer
+
+    @staticmethod
+    def buffer_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
+        """The shape of the one tensor holding every layer (see the class docstring)."""
+        heads, page = model.num_kv_heads, cache.page_size
+        page_shape = (2, page, heads, model.head_dim) if cache.kv_layout == "NHD" else (
+            2, heads, page, model.head_dim)
+        return (model.num_layers, cache.num_pages, *page_shape)
 
     def layer(self, layer_idx: int) -> torch.Tensor:
         """One layer's cache, ``[num_pages, 2, ...page dims]`` (a view, no copy)."""

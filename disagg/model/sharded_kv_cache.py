@@ -1,10 +1,11 @@
-"""A KV cache split by head over tensor-parallel ranks, each rank its own memory region (S5a, S6).
+"""The leader's view of a KV cache split by head over tensor-parallel ranks (S5a, S6).
 
-On GPUs each rank's shard lives in its own GPU's memory (cuMem-backed, imported by one process
-that registers them all, S5a). Here each shard is its own `PagedKVCache` tensor, registered
-separately, so transfers see exactly the per-rank regions a real deployment has. The model still
-runs as one process: writes go to every rank that holds a head (replicated heads included), and
-reads take each head from its first holder. Page ids are shared by all ranks (one allocator).
+Each rank process allocates its own shard as shareable memory and the leader maps it
+(`disagg/parallel/`): a memfd on CPU, a cuMem allocation on CUDA. So one process holds every
+rank's region, registers each with its one transfer engine and posts every rank's page writes.
+The model never runs through this view (each rank runs over its own shard); the transfer side
+reads it: `shards` to register and plan, `gather` for a checksum of every head (each head from
+its first holder). Page ids are shared by all ranks (the leader's one allocator).
 """
 
 from __future__ import annotations
@@ -22,10 +23,14 @@ class ShardedKVCache:
     """`tp` per-rank paged caches behaving, to the model, like one cache of every head."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, sharding: Sharding,
-                 device: str | torch.device = "cpu") -> None:
+                 shards: list[PagedKVCache]) -> None:
         if sharding.num_kv_heads != model.num_kv_heads:
             raise ValueError(f"sharding for {sharding.num_kv_heads} heads, model has "
                              f"{model.num_kv_heads}")
+        if len(shards) != sharding.tp or any(s.num_kv_heads != sharding.heads_per_rank
+                                             for s in shards):
+            raise ValueError(f"{len(shards)} shards for TP {sharding.tp}: each must hold "
+                             f"{sharding.heads_per_rank} heads")
         self.sharding = sharding
         self.num_layers = model.num_layers
         self.num_kv_heads = model.num_kv_heads
@@ -33,9 +38,7 @@ class ShardedKVCache:
         self.page_size = cache.page_size
         self.num_pages = cache.num_pages
         self.kv_layout = cache.kv_layout
-        local = sharding.heads_per_rank
-        shard_model = replace(model, num_kv_heads=local, num_heads=local)
-        self._shards = [PagedKVCache(shard_model, cache, device) for _ in range(sharding.tp)]
+        self._shards = list(shards)
         self._heads = [sharding.heads_of(rank) for rank in range(sharding.tp)]
         self._owners = sharding.primary_owners()
 
@@ -56,7 +59,8 @@ class ShardedKVCache:
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
               page_ids: torch.Tensor, page_offsets: torch.Tensor) -> None:
-        """Store each rank's heads of the new tokens' K/V (``[num_tokens, heads, dim]``)."""
+        """Store each rank's heads of the new tokens' K/V (``[num_tokens, heads, dim]``): what
+        the ranks' own forwards do, for tests and tools that fill a cache from outside."""
         for shard, heads in zip(self._shards, self._heads, strict=True):
             rows = slice(heads.start, heads.stop)
             shard.write(layer_idx, k[:, rows], v[:, rows], page_ids, page_offsets)
@@ -76,3 +80,9 @@ class ShardedKVCache:
         k = torch.stack([parts[rank][0][:, index] for rank, index in self._owners], dim=1)
         v = torch.stack([parts[rank][1][:, index] for rank, index in self._owners], dim=1)
         return k, v
+
+
+def shard_config(model: ModelConfig, sharding: Sharding) -> ModelConfig:
+    """The shape one rank's shard has: its KV heads (the cache needs nothing else)."""
+    local = sharding.heads_per_rank
+    return replace(model, num_kv_heads=local, num_heads=local)

@@ -7,6 +7,10 @@ are packed on one axis (no padding); `AttentionMetadata` says which rows belong 
 
 After each layer's attention output projection the forward bumps a `LayerCounter` (a tensor
 op, not a Python callback), so a captured CUDA graph still drives layer-by-layer transfers.
+
+Given a `TPShard` the model is one tensor-parallel rank's part (`tensor_parallel.py`): its
+query and KV heads, its slice of the MLP, and an all-reduce after o_proj and after down_proj.
+Only the leader is built with a real counter, and it bumps after the o_proj all-reduce (S3c).
 """
 
 from __future__ import annotations
@@ -19,6 +23,7 @@ from disagg.config import ModelConfig
 from disagg.model.attention import AttentionMetadata, paged_attention
 from disagg.model.kv_cache import KVCache
 from disagg.model.layer_counter import LayerCounter, NullLayerCounter
+from disagg.model.tensor_parallel import TPShard
 
 
 class RMSNorm(nn.Module):
@@ -58,13 +63,17 @@ class RotaryEmbedding(nn.Module):
 
 
 class Attention(nn.Module):
-    """Grouped-query self-attention over the paged cache."""
+    """Grouped-query self-attention over the paged cache (this rank's heads, with TP)."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: TPShard) -> None:
         super().__init__()
-        self.num_heads = config.num_heads
-        self.num_kv_heads = config.num_kv_heads
+        self.num_heads = len(shard.query_heads(config))
+        self.num_kv_heads = len(shard.kv_heads())
         self.head_dim = config.head_dim
+        self.shard = shard
+        # A replicated (MLA-style) cache holds every head; this rank attends with its own.
+        heads = shard.attention_heads(config)
+        self.kv_heads = None if heads == slice(0, self.num_kv_heads) else heads
         self.scale = config.head_dim ** -0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         self.q_proj = nn.Linear(config.hidden_size, q_size, bias=False)
@@ -81,42 +90,52 @@ class Attention(nn.Module):
         q, k = rope(q, positions), rope(k, positions)
         # Append first: each query then sees its own key through the cache like every other.
         kv_cache.write(layer_idx, k, v, meta.slot_page_ids, meta.slot_offsets)
-        o = paged_attention(q, kv_cache, layer_idx, meta, self.scale)  # [tokens, heads, dim]
-        return self.o_proj(o.reshape(num_tokens, -1))
+        o = paged_attention(q, kv_cache, layer_idx, meta, self.scale, self.kv_heads)
+        # Row-parallel: each rank's partial sum. Once the all-reduce returns, every rank has
+        # entered it, so every rank's KV append above is done (S3c, the leader's bump follows).
+        return self.shard.all_reduce(self.o_proj(o.reshape(num_tokens, -1)))
 
 
 class MLP(nn.Module):
     """SwiGLU feed-forward: down(silu(gate(x)) * up(x))."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: TPShard) -> None:
         super().__init__()
-        self.gate_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.up_proj = nn.Linear(config.hidden_size, config.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(config.intermediate_size, config.hidden_size, bias=False)
+        inner = config.intermediate_size // shard.size
+        self.gate_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.up_proj = nn.Linear(config.hidden_size, inner, bias=False)
+        self.down_proj = nn.Linear(inner, config.hidden_size, bias=False)
+        self.all_reduce = shard.all_reduce
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        return self.all_reduce(self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x)))
 
 
 class DecoderLayer(nn.Module):
     """Pre-norm attention and MLP, each with a residual connection."""
 
-    def __init__(self, config: ModelConfig) -> None:
+    def __init__(self, config: ModelConfig, shard: TPShard) -> None:
         super().__init__()
         self.input_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.self_attn = Attention(config)
+        self.self_attn = Attention(config, shard)
         self.post_attention_layernorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.mlp = MLP(config)
+        self.mlp = MLP(config, shard)
 
 
 class Transformer(nn.Module):
     """The whole decoder: embeddings, layers, final norm, LM head."""
 
-    def __init__(self, config: ModelConfig, layer_counter: LayerCounter | None = None) -> None:
+    def __init__(self, config: ModelConfig, layer_counter: LayerCounter | None = None,
+                 shard: TPShard | None = None) -> None:
         super().__init__()
         self.config = config
+        self.shard = shard or TPShard.single(config.num_kv_heads)
+        if layer_counter is not None and not self.shard.is_leader:
+            raise ValueError(f"only the leader bumps the layer counter (S3c), not rank "
+                             f"{self.shard.rank}")
         self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
-        self.layers = nn.ModuleList(DecoderLayer(config) for _ in range(config.num_layers))
+        self.layers = nn.ModuleList(DecoderLayer(config, self.shard)
+                                    for _ in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings
                         else nn.Linear(config.hidden_size, config.vocab_size, bias=False))

@@ -66,6 +66,11 @@ class Inbox:
         """Ring the engine thread (the messengers' `wake` hook)."""
         self._items.put(Wake())
 
+    def fail(self, error: BaseException) -> None:
+        """Fail the node from another thread: `drain` raises `error` on the engine thread
+        (a TP rank died, say: the node cannot step without it)."""
+        self._items.put(error)
+
     def drain(self, handle: Callable[[Any], None], block: bool) -> None:
         """Hand every queued item to `handle`; with `block`, wait briefly (10 ms) for the
         first one."""
@@ -75,6 +80,8 @@ class Inbox:
             except queue.Empty:
                 return
             block = False
+            if isinstance(item, BaseException):
+                raise item
             handle(item)
 
 
@@ -190,5 +197,6 @@ class NodeBase:
         for channel in list(self._channels):  # readers forget theirs as they end
             channel.close()
         self.messenger.close()
-        self.transfer.close()
+        self.transfer.close()  # deregisters every rank's KV before the ranks unmap it
+        self.engine.close()
         self.tracer.close()

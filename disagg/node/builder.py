@@ -9,7 +9,9 @@ node of `config.role` needs, handing each its collaborators once:
   cache becomes the messenger's draft-KV sink;
 - both: the messenger's `wake` rings the node's inbox.
 Nothing is re-attached afterwards. On CUDA the transfer engine asks for FI_HMEM first and falls
-back to host staging (S5, `transfer_core.staging`).
+back to host staging (S5, `transfer_core.staging`). With `--tp N` the node is the leader of N
+rank processes (`disagg.parallel.leader`): it holds rank 0's shard, maps every rank's KV into
+the one transfer engine, and a rank that dies fails the node through its inbox.
 """
 
 from __future__ import annotations
@@ -22,6 +24,9 @@ import torch
 
 from disagg.config import EngineConfig
 from disagg.engine.llm_engine import EngineParts, LLMEngine, load_transformer
+from disagg.model.sharding import Sharding
+from disagg.model.transformer import Transformer
+from disagg.parallel.leader import TPLeader, start_leader
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.draft_kv import DraftKVSink, DraftKVSource
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
@@ -81,14 +86,26 @@ def _engine_config(config: NodeConfig, loaded: LoadedModel) -> EngineConfig:
                         device=config.device, cuda_graph=config.cuda_graph)
 
 
+def _model(config: NodeConfig, engine_config: EngineConfig, loaded: LoadedModel, inbox: Inbox,
+           counter: LayerCounter | None = None) -> Transformer | TPLeader:
+    """The node's model: one process at TP 1, else the leader of its rank processes."""
+    parallel = engine_config.parallel
+    if parallel.tp == 1:
+        return load_transformer(engine_config, loaded.state_dict, counter)
+    sharding = Sharding(parallel.tp, loaded.config.num_kv_heads, parallel.replicated_kv)
+    return start_leader(config.model, loaded.config, loaded.state_dict, engine_config.cache,
+                        sharding, device=config.device, threads=config.threads,
+                        node_id=config.node_id, layer_counter=counter, on_failure=inbox.fail)
+
+
 def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
                   tracer: Tracer) -> PrefillNode:
     engine_config = _engine_config(config, loaded)
     # The model bumps this after each layer (S3b); the messenger's poller watches it.
     counter = LayerCounter.for_device(config.device)
-    parts = EngineParts.build(engine_config, load_transformer(engine_config, loaded.state_dict,
-                                                              counter))
     inbox = Inbox()
+    parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox,
+                                                    counter))
     messenger = PrefillMessenger(parts, transfer, counter, wake=inbox.wake,
                                  make_draft_source=partial(DraftKVSource, parts, transfer),
                                  tracer=tracer, lease_s=config.lease_s)
@@ -106,12 +123,12 @@ def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngi
         # from the cache would come without it. So an MTP decoder caches no prefixes.
         logger.info("prefix caching is off on this decoder: its MTP head needs every page")
         engine_config = engine_config.with_cache(prefix_caching=False)
-    parts = EngineParts.build(engine_config, load_transformer(engine_config, loaded.state_dict))
+    inbox = Inbox()
+    parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox))
     speculator = None if config.speculative is None else Speculator(parts, config.speculative)
     sink = None
     if speculator is not None and speculator.kv_cache is not None:  # an MTP head (S4a, S8)
         sink = DraftKVSink(speculator.kv_cache, loaded.config, config.cache.page_size, transfer)
-    inbox = Inbox()
     messenger = DecodeMessenger(parts, transfer, config.node_id, model_fingerprint(loaded),
                                 wake=inbox.wake, draft_sink=sink,
                                 reliability=config.reliability)

@@ -124,6 +124,14 @@ class NodeConfig:
         if self.role is NodeRole.PREFILL and (self.speculative or self.cuda_graph):
             raise ConfigError("a prefiller never decodes: --speculative and --cuda-graph are "
                               "decoder options")
+        if self.speculative and self.parallel.tp > 1:
+            # Drafts run the model (or a head) outside the engine's step: the ranks would not
+            # follow. Refused until the speculator drives the ranks too.
+            raise ConfigError(f"--speculative runs on one process: not with TP "
+                              f"{self.parallel.tp}")
+        if self.cuda_graph and self.parallel.tp > 1:
+            raise ConfigError(f"--cuda-graph runs decode graphs on one process: not with TP "
+                              f"{self.parallel.tp}")
 
     def to_json(self) -> str:
         """This config as one JSON document (what a parent sends its child process)."""

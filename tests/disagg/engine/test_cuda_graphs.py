@@ -160,12 +160,11 @@ def test_one_token_prefill_chunks_take_the_static_path() -> None:
     assert all(trace.static)
 
 
-def test_sharded_cache_takes_the_static_path() -> None:
-    """A TP-sharded cache (two ranks) gives the same tokens on the static path."""
-    reference = serve(make_engine(False, tp=2))
-    trace = serve(make_engine(True, tp=2))
-    assert trace.outputs == reference.outputs
-    assert any(trace.static)
+def test_graphs_with_tp_rank_processes_are_refused() -> None:
+    """A decode graph replays one process's kernels: with TP 2 it is a ConfigError, not a
+    silently eager run."""
+    with pytest.raises(ConfigError, match="not with TP 2"):
+        make_engine(True, tp=2)
 
 
 def decoding_engine(kv_layout: str = "NHD", num_requests: int = 3) -> LLMEngine:

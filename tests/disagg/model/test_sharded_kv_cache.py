@@ -1,4 +1,6 @@
-"""The sharded KV cache reads back exactly what an unsharded cache holds (S5a, S6)."""
+"""The leader's view of every rank's KV reads back exactly what an unsharded cache holds (S5a,
+S6). The shards here are plain caches in this process; `tests/disagg/parallel` maps real
+ranks' memory."""
 
 from __future__ import annotations
 
@@ -7,7 +9,7 @@ import torch
 
 from disagg.config import CacheConfig, ModelConfig
 from disagg.model.kv_cache import PagedKVCache
-from disagg.model.sharded_kv_cache import ShardedKVCache
+from disagg.model.sharded_kv_cache import ShardedKVCache, shard_config
 from disagg.model.sharding import Sharding
 
 MODEL = ModelConfig.from_name("tiny")  # 4 kv heads
@@ -16,7 +18,8 @@ MODEL = ModelConfig.from_name("tiny")  # 4 kv heads
 def filled_pair(sharding: Sharding, kv_layout: str) -> tuple[ShardedKVCache, PagedKVCache]:
     """The same 10 tokens written into pages 5, 1, 3 of a sharded and a plain cache."""
     cache = CacheConfig(page_size=4, num_pages=8, kv_layout=kv_layout)
-    sharded, plain = ShardedKVCache(MODEL, cache, sharding), PagedKVCache(MODEL, cache)
+    shards = [PagedKVCache(shard_config(MODEL, sharding), cache) for _ in range(sharding.tp)]
+    sharded, plain = ShardedKVCache(MODEL, cache, sharding, shards), PagedKVCache(MODEL, cache)
     positions = torch.arange(10)
     page_ids = torch.tensor([5, 1, 3])[positions // 4]
     generator = torch.Generator().manual_seed(0)
@@ -52,3 +55,11 @@ def test_gather_batch_equals_the_unsharded_cache(sharding: Sharding, kv_layout: 
                          strict=True):
         assert got.shape == (2, 4, 12, 8)
         assert torch.equal(got, want)
+
+
+def test_shards_of_the_wrong_head_count_are_refused() -> None:
+    """Each rank's shard must hold the sharding's heads per rank."""
+    cache = CacheConfig(page_size=4, num_pages=8)
+    whole = [PagedKVCache(MODEL, cache) for _ in range(2)]  # 4 heads each, not 2
+    with pytest.raises(ValueError, match="each must hold 2 heads"):
+        ShardedKVCache(MODEL, cache, Sharding(2, 4), whole)

@@ -26,7 +26,8 @@ class StandIn(NodeBase):
                  emfile_first: int = 0) -> None:
         self._stop = threading.Event()
         self._channels = []
-        self.messenger = self.transfer = self.tracer = SimpleNamespace(close=lambda: None)
+        self.messenger = self.transfer = self.tracer = self.engine = SimpleNamespace(  # type: ignore[assignment]
+            close=lambda: None)
         self._listen("127.0.0.1:0")
         if emfile_first:
             self._server = FlakyServer(self._server, emfile_first)  # type: ignore[assignment]

@@ -28,7 +28,7 @@ from disagg.node.node_config import NodeConfig, NodeRole
 
 DECODER = NodeConfig(
     "tiny", CacheConfig(page_size=8, num_pages=64, kv_layout="HND", dtype=torch.bfloat16),
-    SchedulerConfig(chunk_size=32, max_num_batched_tokens=32), ParallelConfig(2, True),
+    SchedulerConfig(chunk_size=32, max_num_batched_tokens=32), ParallelConfig(1, True),
     role=NodeRole.DECODE, node_id="decode-7", listen="[::1]:0",
     prefillers=("127.0.0.1:7000", "[::1]:7001"), provider="shm", threads=3,
     reliability=ReliabilityConfig(kv_timeout_s=5.0, retry_on_prefiller_failure=False),
@@ -155,3 +155,13 @@ def test_serve_off_loopback_without_the_secret_is_one_line_and_exit_2(
     [line] = capsys.readouterr().err.strip().splitlines()
     assert "DISAGG_CLUSTER_SECRET" in line and "0.0.0.0:7000" in line
     assert not served
+
+
+@pytest.mark.parametrize("change", [{"speculative": SpeculativeConfig(kind="mtp")},
+                                    {"cuda_graph": True}], ids=["speculative", "cuda-graph"])
+def test_one_process_decoder_options_are_refused_at_tp_2(change: dict[str, object]) -> None:
+    """Drafts and decode graphs run on one process: with TP rank processes, a ConfigError
+    naming the option and the TP degree."""
+    base = replace(DECODER, speculative=None, cuda_graph=False)
+    with pytest.raises(ConfigError, match="not with TP 2"):
+        replace(base, parallel=ParallelConfig(2), **change)

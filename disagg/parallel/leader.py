@@ -1,0 +1,67 @@
+"""A TP node's leader: rank 0's shard of the model, its own KV shard, every rank's KV (S3c, S5a).
+
+`start_leader` starts the other ranks (they load while the leader does), builds the leader's
+shard, maps every rank's KV shard and returns what the engine is built from. The leader alone
+bumps the layer counter, after each o_proj all-reduce (S3c), and its one transfer engine
+registers every rank's region: the other ranks never open libfabric. TP 1 runs no rank process.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import torch
+
+from disagg.config import CacheConfig, ModelConfig
+from disagg.model.kv_cache import PagedKVCache
+from disagg.model.layer_counter import LayerCounter
+from disagg.model.sharded_kv_cache import ShardedKVCache, shard_config
+from disagg.model.sharding import Sharding
+from disagg.model.tensor_parallel import TPShard, check_tp, shard_state_dict
+from disagg.model.transformer import Transformer
+from disagg.parallel import group
+from disagg.parallel.group import GroupSpec
+from disagg.parallel.rank_spec import RankSpec, rank_device
+from disagg.parallel.ranks import TPRanks
+
+
+@dataclass
+class TPLeader:
+    """What an engine on a sharded node is built from."""
+
+    model: Transformer  # rank 0's shard
+    local_cache: PagedKVCache  # rank 0's KV, what its forward reads and writes
+    kv_cache: ShardedKVCache  # every rank's KV: what transfers register and read
+    ranks: TPRanks | None  # None at TP 1
+
+
+def start_leader(model_spec: str, config: ModelConfig, state_dict: dict[str, torch.Tensor],
+                 cache: CacheConfig, sharding: Sharding, *, device: str = "cpu",
+                 threads: int | None = None, node_id: str = "node",
+                 layer_counter: LayerCounter | None = None,
+                 on_failure: Callable[[BaseException], None] = lambda _: None) -> TPLeader:
+    """Start ranks 1..N-1, build rank 0, map every KV shard, join the group."""
+    check_tp(config, sharding)
+    ranks = None
+    if sharding.tp > 1:
+        spec = RankSpec(model_spec, cache, sharding, 0, GroupSpec("", sharding.tp), "", device,
+                        threads, node_id)
+        ranks = TPRanks.start(spec, on_failure)
+    try:
+        shard = TPShard(0, sharding, group.all_reduce) if ranks else TPShard(0, sharding)
+        model = Transformer(config, layer_counter, shard)
+        model.load_weights(shard_state_dict(state_dict, config, shard))
+        model = model.to(rank_device(device, 0)).eval()
+        shard_model = shard_config(config, sharding)
+        local = PagedKVCache(shard_model, cache, rank_device(device, 0))
+        shards = [local]
+        if ranks is not None:
+            ranks.connect()
+            shards += [PagedKVCache(shard_model, cache, rank_device(device, r), buffer=b)
+                       for r, b in enumerate(ranks.kv_buffers, start=1)]
+        return TPLeader(model, local, ShardedKVCache(config, cache, sharding, shards), ranks)
+    except BaseException:
+        if ranks is not None:
+            ranks.stop()
+        raise

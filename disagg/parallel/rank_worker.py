@@ -1,0 +1,101 @@
+"""A TP rank process: `python -m disagg.parallel.rank_worker`, started by its node's leader (S3c, S5a).
+
+It loads the model and keeps its shard (`model/tensor_parallel.py`), allocates its KV shard as
+shareable memory and sends the leader the fd (`shared_memory.py`), joins the node's group, then
+runs every step the leader broadcasts over its own heads, until told to stop. It never opens
+libfabric and never samples: the leader registers this rank's KV and posts its page writes.
+It exits when the leader's end of its stdin closes, so a leader killed with SIGKILL leaves no
+rank behind.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import pickle
+import socket
+import sys
+import threading
+
+import torch
+
+from disagg.config import ModelConfig
+from disagg.model.kv_cache import PagedKVCache
+from disagg.model.loading.registry import load_model
+from disagg.model.sharded_kv_cache import shard_config
+from disagg.model.tensor_parallel import TPShard, shard_state_dict
+from disagg.model.transformer import Transformer
+from disagg.parallel import group
+from disagg.parallel.rank_spec import RankHello, RankSpec, rank_device
+from disagg.parallel.shared_memory import create_region, send_message
+from disagg.parallel.step import step_to
+
+logger = logging.getLogger(__name__)
+
+
+def _exit_when_orphaned() -> None:
+    """Read stdin to its end: the leader closed it, or died. Either way this rank is done."""
+    sys.stdin.buffer.read()
+    os._exit(0)
+
+
+def _shared_cache(spec: RankSpec, device: str, sock: socket.socket,
+                  model_config: ModelConfig) -> PagedKVCache:
+    """This rank's KV shard in memory the leader maps, and the hello that sends it."""
+    shard_model = shard_config(model_config, spec.sharding)
+    shape = PagedKVCache.buffer_shape(shard_model, spec.cache)
+    dtype = spec.cache.dtype
+    nbytes = dtype.itemsize * int(torch.Size(shape).numel())
+    hello = RankHello(spec.rank, os.getpid(), "memfd", nbytes, shape, str(dtype))
+    if torch.device(device).type == "cuda":
+        from transfer_core.cuda import cumem  # cuda-python, only on CUDA ranks
+
+        allocation = cumem.allocate(nbytes, torch.device(device).index or 0)
+        buffer = allocation.as_tensor(dtype, shape).zero_()
+        send_message(sock, RankHello(**{**hello.to_header(), "kind": "cumem"}).to_header())
+        cumem.send_allocation(sock, allocation)
+    else:
+        region = create_region(nbytes, f"disagg-kv-{spec.node_id}-rank{spec.rank}")
+        buffer = region.tensor(dtype, shape)
+        send_message(sock, hello.to_header(), [region.fd])
+        region.close()  # the mapping stays; the leader holds its own fd now
+    return PagedKVCache(shard_model, spec.cache, device, buffer=buffer)
+
+
+def serve_rank(spec: RankSpec) -> None:
+    """Load, share the KV memory, join, then run the leader's steps until `None`."""
+    device = rank_device(spec.device, spec.rank)
+    if spec.threads:
+        torch.set_num_threads(spec.threads)
+    if torch.device(device).type == "cuda":
+        torch.cuda.set_device(device)
+    loaded = load_model(spec.model)
+    shard = TPShard(spec.rank, spec.sharding, group.all_reduce)
+    model = Transformer(loaded.config, shard=shard)
+    model.load_weights(shard_state_dict(loaded.state_dict, loaded.config, shard))
+    model = model.to(device).eval()
+    del loaded
+    with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
+        sock.connect(spec.socket_path)
+        cache = _shared_cache(spec, device, sock, model.config)
+    group.join(spec.group, spec.rank)
+    try:
+        with torch.inference_mode():
+            while (step := group.receive_step()) is not None:
+                input_ids, positions, meta = step_to(step, device)
+                model(input_ids, positions, cache, meta)
+    finally:
+        group.leave()
+
+
+def main() -> None:
+    spec: RankSpec = pickle.load(sys.stdin.buffer)
+    # Warnings and errors only: the leader already said what the node loads and serves.
+    logging.basicConfig(level=logging.WARNING,
+                        format=f"{spec.node_id}/rank{spec.rank} %(levelname)s %(message)s")
+    threading.Thread(target=_exit_when_orphaned, name="orphan-watch", daemon=True).start()
+    serve_rank(spec)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,201 @@
+"""The leader's side of its TP ranks: start them, map their KV, drive them, watch them (S3c, S5a).
+
+`TPRanks.start` runs ranks 1..N-1 as child processes (`rank_worker.py`) while the leader loads
+its own shard; `connect` then takes each rank's KV memory over a Unix socket and joins the
+group. Every step the leader broadcasts its batch's inputs before running its own forward, so
+all ranks enter each all-reduce in the same order. A rank that dies is reported once through
+`on_failure` (the node fails: its requests go elsewhere); `stop` ends every rank and leaves no
+process, fd, socket or directory behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import pickle
+import shutil
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import replace
+
+import torch
+
+from disagg.errors import RankError
+from disagg.parallel import group
+from disagg.parallel.rank_spec import RankHello, RankSpec
+from disagg.parallel.shared_memory import HostRegion, map_region, recv_message
+from disagg.parallel.step import Step, step_to
+
+logger = logging.getLogger(__name__)
+
+STOP_TIMEOUT_S = 10.0
+
+
+def _describe_exit(code: int) -> str:
+    return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
+
+
+class TPRanks:
+    """Ranks 1..N-1 of one node, as seen by the leader (rank 0)."""
+
+    def __init__(self, spec: RankSpec, workdir: str, server: socket.socket,
+                 processes: list[subprocess.Popen[bytes]],
+                 on_failure: Callable[[BaseException], None]) -> None:
+        self.spec = spec
+        self._workdir = workdir
+        self._server = server
+        self._processes = processes
+        self._on_failure = on_failure
+        self._stopping = threading.Event()
+        self._joined = False
+        self._failed: RankError | None = None
+        self._regions: list[HostRegion] = []
+        self._allocations: list[object] = []  # cuMem imports, kept mapped while we run
+        self.kv_buffers: list[torch.Tensor] = []  # rank r's KV at index r - 1
+        self.pids: list[int] = [p.pid for p in processes]
+
+    @staticmethod
+    def start(spec: RankSpec, on_failure: Callable[[BaseException], None]) -> TPRanks:
+        """Start ranks 1..N-1 of `spec.sharding.tp` (they load their shards meanwhile)."""
+        workdir = tempfile.mkdtemp(prefix=f"disagg-tp-{spec.node_id}-")
+        server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+        processes: list[subprocess.Popen[bytes]] = []
+        try:
+            socket_path = os.path.join(workdir, "ranks.sock")
+            server.bind(socket_path)
+            server.listen(spec.sharding.tp)
+            world = group.GroupSpec.for_device(os.path.join(workdir, "store"),
+                                               spec.sharding.tp, spec.device)
+            for rank in range(1, spec.sharding.tp):
+                process = subprocess.Popen([sys.executable, "-m", "disagg.parallel.rank_worker"],
+                                           stdin=subprocess.PIPE)
+                processes.append(process)
+                assert process.stdin is not None
+                process.stdin.write(pickle.dumps(replace(spec, rank=rank, group=world,
+                                                         socket_path=socket_path)))
+                process.stdin.flush()
+            ranks = TPRanks(replace(spec, group=world, socket_path=socket_path), workdir,
+                            server, processes, on_failure)
+        except BaseException:
+            for process in processes:
+                process.kill()
+                process.wait()
+            server.close()
+            shutil.rmtree(workdir, ignore_errors=True)
+            raise
+        return ranks
+
+    def connect(self, timeout_s: float = 300.0) -> None:
+        """Map every rank's KV memory, then join the group (all ranks are then in)."""
+        try:
+            deadline = time.monotonic() + timeout_s
+            hellos: dict[int, torch.Tensor] = {}
+            self._server.settimeout(0.2)
+            while len(hellos) < len(self._processes):
+                self._check_alive("before sending its KV memory")
+                if time.monotonic() > deadline:
+                    raise RankError(f"{len(self._processes) - len(hellos)} TP rank(s) of "
+                                    f"{self.spec.node_id} sent no KV memory in {timeout_s:.0f} s")
+                try:
+                    conn, _ = self._server.accept()
+                except TimeoutError:
+                    continue
+                with conn:
+                    conn.settimeout(timeout_s)
+                    rank, buffer = self._receive_kv(conn)
+                hellos[rank] = buffer
+            self.kv_buffers = [hellos[rank] for rank in range(1, self.spec.sharding.tp)]
+            group.join(self.spec.group, 0)
+            self._joined = True
+        except BaseException:
+            self.stop()
+            raise
+        for rank, process in enumerate(self._processes, start=1):
+            threading.Thread(target=self._watch, args=(rank, process), daemon=True,
+                             name=f"rank{rank}-watch").start()
+
+    def _receive_kv(self, conn: socket.socket) -> tuple[int, torch.Tensor]:
+        header, fds = recv_message(conn)
+        hello = RankHello.from_header(header)
+        expected = self._processes[hello.rank - 1].pid if 0 < hello.rank < len(
+            self._processes) + 1 else None
+        if expected != hello.pid:
+            for fd in fds:
+                os.close(fd)
+            raise RankError(f"a process claiming TP rank {hello.rank} (pid {hello.pid}) is not "
+                            f"one this leader started")
+        dtype = self.spec.cache.dtype
+        if hello.kind == "cumem":
+            from transfer_core.cuda import cumem  # cuda-python, only on CUDA ranks
+
+            allocation = cumem.recv_allocation(conn)
+            self._allocations.append(allocation)
+            return hello.rank, allocation.as_tensor(dtype, hello.shape)
+        if len(fds) != 1:
+            for fd in fds:
+                os.close(fd)
+            raise RankError(f"TP rank {hello.rank} sent {len(fds)} fds for its KV memory, not 1")
+        region = map_region(fds[0], hello.nbytes)
+        self._regions.append(region)
+        return hello.rank, region.tensor(dtype, hello.shape)
+
+    def _check_alive(self, when: str) -> None:
+        for rank, process in enumerate(self._processes, start=1):
+            code = process.poll()
+            if code is not None:
+                raise RankError(f"TP rank {rank} of {self.spec.node_id} (pid {process.pid}) "
+                                f"ended {when}: {_describe_exit(code)}")
+
+    def _watch(self, rank: int, process: subprocess.Popen[bytes]) -> None:
+        code = process.wait()
+        if self._stopping.is_set():
+            return
+        self._failed = RankError(f"TP rank {rank} of {self.spec.node_id} (pid {process.pid}) "
+                                 f"died: {_describe_exit(code)}")
+        logger.error("%s", self._failed)
+        self._on_failure(self._failed)
+
+    # -- each step ------------------------------------------------------------------------
+
+    def broadcast_step(self, step: Step) -> None:
+        """Send this step's inputs to every rank (before the leader's own forward)."""
+        if self._failed is not None:
+            raise self._failed
+        try:
+            group.broadcast_step(step_to(step, "cpu"))
+        except RuntimeError as error:
+            raise self._failed or RankError(f"broadcasting a step to the TP ranks of "
+                                            f"{self.spec.node_id} failed: {error}") from error
+
+    def stop(self) -> None:
+        """Tell the ranks to stop, wait for them (kill the stuck), release everything."""
+        if self._stopping.is_set():
+            return
+        self._stopping.set()
+        if self._joined and self._failed is None:
+            with contextlib.suppress(RuntimeError):  # a rank may be dying too: we end them
+                group.broadcast_step(None)
+        for process in self._processes:
+            with contextlib.suppress(OSError):
+                if process.stdin is not None:
+                    process.stdin.close()  # a rank still loading exits on its stdin's end
+        for process in self._processes:
+            try:
+                process.wait(STOP_TIMEOUT_S)
+            except subprocess.TimeoutExpired:
+                logger.warning("TP rank (pid %d) did not stop in %.0f s: killed", process.pid,
+                               STOP_TIMEOUT_S)
+                process.kill()
+                process.wait()
+        if self._joined:
+            group.leave()
+        for region in self._regions:
+            region.close()
+        self._server.close()
+        shutil.rmtree(self._workdir, ignore_errors=True)
