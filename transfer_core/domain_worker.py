@@ -2,7 +2,9 @@
 
 It owns the fabric stack and the C worker of one endpoint. Its thread calls the C progress
 loop (GIL released), which posts queued writes, reaps completions and counts immediates; the
-thread then runs finished ops' callbacks and hands immediate counts to the engine. The thread
+thread then runs finished ops' callbacks and hands immediate counts to the engine. A caller
+waiting for its own write (`write_and_wait`) runs that loop itself instead, in its own thread,
+and its op's result reaches it without a hand-off (shim.c.in's NOTE on waited ops). The thread
 must run even on a pure receiver: progress is manual (the target's polling moves the data).
 Every submitted op reaches its `on_finish` exactly once, also on close or fatal error;
 `Completion` folds the ops of one transfer (one per domain) into one on_done/on_error.
@@ -57,6 +59,10 @@ _BUDGET_NS = 1_000_000_000
 # is what a provider keeping keys in a plain map may say. Each retry draws a fresh random key.
 _DUPLICATE_KEY = {lib.FI_ENOKEY, errno.EEXIST}
 _KEY_ATTEMPTS = 8
+# A waiter comes back to Python this often, to notice a failed progress thread.
+_WAIT_SLICE_NS = 50_000_000
+_OP_WAITED, _WAIT_SLICE, _WAIT_RETIRED = (lib.FABP_OP_WAITED, lib.FABP_WAIT_SLICE,
+                                         lib.FABP_WAIT_RETIRED)  # fmt: skip
 _PEER_ERRNOS = {
     lib.FI_ENOTCONN,
     lib.FI_ECONNREFUSED,
@@ -144,6 +150,8 @@ class DomainWorker:
         self._ops: dict[int, OnFinish] = {}
         self._peers: dict[bytes, int] = {}
         self._lock = threading.Lock()
+        self._waiting = 0  # threads in run_waited, under _lock
+        self._left = threading.Condition(self._lock)
         self._deferred: deque[Callable[[], None]] = deque()
         self._stopping = False
         self.failure: BaseException | None = None
@@ -224,12 +232,50 @@ class DomainWorker:
         """Queue `op`; `on_finish(error or None)` runs exactly once, on this domain's thread."""
         op.op_id = next(self._ids)
         with self._lock:  # against stop()/failure: an op is either failed by them or queued
-            if self.failure is not None:
-                raise TransferError(f"domain {self.index} progress thread failed") from self.failure
-            if self._stopping:
-                raise TransferError(f"domain {self.index} is closed")
+            self._check_usable()
             self._ops[op.op_id] = on_finish
             self._worker.submit(op)
+
+    def _check_usable(self) -> None:
+        if self.failure is not None:
+            raise TransferError(f"domain {self.index} progress thread failed") from self.failure
+        if self._stopping:
+            raise TransferError(f"domain {self.index} is closed")
+
+    def run_waited(self, op: WriteOp, deadline_ns: int) -> tuple[TransferError | None, bool]:
+        """Post `op` and run this domain's loop in the calling thread, GIL released, until
+        the op's first report: (its error or None, whether its struct may be posted again).
+        Close and progress failures end the wait with their error. The op never enters
+        `_ops`: its caller is its one and only on_finish. The fast path of small writes:
+        every line here is paid per write."""
+        c = op.c
+        c.flags |= _OP_WAITED
+        c.deadline_ns = deadline_ns
+        with self._lock:
+            self._check_usable()
+            self._waiting += 1
+        try:
+            rc = self._worker.run_waited(op, True, _WAIT_SLICE_NS)
+            while rc == _WAIT_SLICE and self.failure is None:
+                rc = self._worker.run_waited(op, False, _WAIT_SLICE_NS)
+        finally:
+            with self._lock:
+                self._waiting -= 1
+                if self._stopping:
+                    self._left.notify_all()
+        if rc == _WAIT_RETIRED and not c.err:
+            return None, True
+        return self._waited_error(rc, int(c.err)), rc == _WAIT_RETIRED
+
+    def _waited_error(self, rc: int, err: int) -> TransferError | None:
+        if rc in (lib.FABP_WAIT_RETIRED, lib.FABP_WAIT_REPORTED):
+            return error_for(err, "rma write") if err else None
+        if rc == lib.FABP_WAIT_CLOSED:
+            return TransferError(
+                f"engine closed before the operation finished (domain {self.index})"
+            )
+        cause = fabric_error("fi_cq_read", rc) if rc < 0 else self.failure
+        return TransferError(f"domain {self.index} progress failed: {cause}")
 
     def call_soon(self, callback: Callable[[], None]) -> None:
         """Run `callback` on this domain's thread."""
@@ -278,12 +324,16 @@ class DomainWorker:
     def stop(self, drain_s: float) -> None:
         """Wait up to `drain_s` for queued ops, stop the thread, fail what is left."""
         deadline = time.monotonic() + drain_s
-        while self._ops and self._thread.is_alive() and time.monotonic() < deadline:
+        busy = lambda: (self._ops and self._thread.is_alive()) or self._waiting  # noqa: E731
+        while busy() and time.monotonic() < deadline:
             time.sleep(0.001)
         with self._lock:
             self._stopping = True
+        self._worker.close_waits()
         self._worker.interrupt()
         self._thread.join()
+        with self._left:  # a waiter in C would outlive the worker's memory
+            self._left.wait_for(lambda: self._waiting == 0, drain_s + 1.0)
         self._fail_all(
             TransferError(f"engine closed before the operation finished (domain {self.index})")
         )

@@ -15,10 +15,10 @@ the first write (`warmup.py`). Argument checks are shared with the loopback test
 
 from __future__ import annotations
 
+import functools
 import itertools
-import logging
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from typing import Any
 
 import numpy as np
@@ -27,9 +27,11 @@ from transfer_core.domain_worker import Completion, DomainWorker, OnDone, OnErro
 from transfer_core.errors import PeerError, TransferError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
+from transfer_core.owner_errors import OwnerErrors
 from transfer_core.placement import plan_domains
 from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, find_infos
 from transfer_core.registration import register_on
+from transfer_core.waited import PreparedWrite
 from transfer_core.warmup import Warmup
 from transfer_core.write_checks import (  # noqa: F401  (MAX_IMM: re-exported, callers import it)
     MAX_IMM,
@@ -40,8 +42,6 @@ from transfer_core.write_checks import (  # noqa: F401  (MAX_IMM: re-exported, c
     check_target,
     stripe,
 )
-
-logger = logging.getLogger(__name__)
 
 # How `staging.register_kv` places a tensor's memory: "auto" picks host, hmem or staged.
 MEMORY_PATHS = ("auto", "host", "hmem", "staged")
@@ -85,8 +85,7 @@ class TransferEngine:
             raise ValueError(f"unknown memory_path {memory_path!r}: expected one of {MEMORY_PATHS}")
         self.memory_path = memory_path
         self.timeout_s = timeout_s
-        self._errors: list[BaseException] = []
-        self._errors_lock = threading.Lock()
+        self._errors = OwnerErrors()
         self._counters = ImmCounterMap(fire=self._fire)
         self._regions: list[MemoryRegion] = []
         self._names = itertools.count()
@@ -100,7 +99,7 @@ class TransferEngine:
         try:
             for d, plan in enumerate(plans):
                 worker = DomainWorker(
-                    d, plan.info, self._on_imms, self._guard, plan.cpus, max_inflight
+                    d, plan.info, self._on_imms, self._errors.guard, plan.cpus, max_inflight
                 )
                 self._domains.append(worker)
             self._warmup = Warmup(self._domains)
@@ -185,10 +184,33 @@ class TransferEngine:
         self._check_write(src_mr, dst_mr, imm_data)
         check_single(src_mr, offset, length, dst_mr, dst_offset)
         d = self._pick(domain)
-        done = Completion(1, on_done, on_error, self._report)
+        done = Completion(1, on_done, on_error, self._errors.report)
         self._post(
             d, done, timeout_s, src_mr, dst_mr, 1, length, offset, 0, dst_offset, 0, imm_data
         )
+
+    def prepare_write(
+        self, src_mr: MemoryRegion, offset: int, length: int, imm_data: int | None,
+        dst_mr: MemoryRegionDescriptor, dst_offset: int, *, timeout_s: float | None = None,
+        domain: int | None = None,
+    ) -> PreparedWrite:  # fmt: skip
+        """Check one write (as `submit_write` would) to run it, once or again and again, with
+        `PreparedWrite.run()`: the caller's thread posts it and reaps its completion itself,
+        with no hand-off from a progress thread (see `waited.py`)."""
+        self._check_write(src_mr, dst_mr, imm_data)
+        check_single(src_mr, offset, length, dst_mr, dst_offset)
+        worker = self._domains[self._pick(domain)]
+        timeout = self.timeout_s if timeout_s is None else timeout_s
+        make_op = functools.partial(
+            worker.write_op, dst_mr, timeout, src_mr, 1, length, offset, 0, dst_offset, 0, imm_data
+        )
+        peer = dst_mr.domains[worker.index % len(dst_mr.domains)][0]
+        return PreparedWrite(worker, make_op, peer, timeout)
+
+    def write_and_wait(self, *args: Any, **kwargs: Any) -> None:
+        """`prepare_write(...)` and `run()` once: returns when the write is done, raises its
+        TransferError if it failed."""
+        self.prepare_write(*args, **kwargs).run()
 
     def submit_paged_writes(
         self,
@@ -219,7 +241,7 @@ class TransferEngine:
             dst_mr, dst_page_indices, dst_stride, dst_offset,
         )  # fmt: skip
         parts = stripe(src.size, check_domains(domains, len(self._domains)))
-        done = Completion(len(parts), on_done, on_error, self._report)
+        done = Completion(len(parts), on_done, on_error, self._errors.report)
         for d, lo, hi in parts:
             self._post(
                 d, done, timeout_s, src_mr, dst_mr, hi - lo, length, src_offset, src_stride,
@@ -242,7 +264,7 @@ class TransferEngine:
         if imm_data is None:
             raise ValueError("submit_imm needs an imm value")
         d = self._pick(domain)
-        done = Completion(1, on_done, on_error, self._report)
+        done = Completion(1, on_done, on_error, self._errors.report)
         self._post(d, done, timeout_s, None, dst_mr, 1, 0, 0, 0, 0, 0, imm_data)
 
     def connect(self, peer_address: bytes, *, timeout_s: float | None = None) -> None:
@@ -290,7 +312,8 @@ class TransferEngine:
         return self._counters.dropped
 
     def stats(self) -> list[Stats]:
-        """Per-domain counters of the C worker (writes, EAGAIN returns, immediates, ...)."""
+        """Per-domain counters of the C worker (writes, bytes written, EAGAIN returns,
+        immediates, ...)."""
         return [w.stats() for w in self._domains]
 
     # -- lifecycle --------------------------------------------------------------------------
@@ -357,22 +380,7 @@ class TransferEngine:
     def _check_open(self) -> None:
         if self._closed:
             raise TransferError("engine is closed")
-        with self._errors_lock:
-            if self._errors:
-                raise self._errors.pop(0)
-
-    def _report(self, error: BaseException) -> None:
-        logger.error("transfer engine: %s", error)
-        with self._errors_lock:
-            self._errors.append(error)
-
-    def _guard(self, callback: Callable[..., None], *args: Any) -> None:
-        """Run a user callback on an engine thread; its exception is kept for the owner."""
-        try:
-            callback(*args)
-        except Exception as exc:
-            logger.exception("transfer engine callback failed")
-            self._report(exc)
+        self._errors.raise_first()
 
     def _on_imms(self, imms: list[tuple[int, int]]) -> None:
         for imm, count in imms:
@@ -380,6 +388,6 @@ class TransferEngine:
 
     def _fire(self, callback: OnDone) -> None:
         if threading.current_thread() in self._threads:
-            self._guard(callback)
+            self._errors.guard(callback)
         else:
             self._domains[0].call_soon(callback)

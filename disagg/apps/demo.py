@@ -270,6 +270,7 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
             wall_s = time.monotonic() - started
             router.close()
             metrics = cluster.scrape_metrics()
+            processes = cluster.process_table()
         if trace_dir is not None and trace is not None:
             tracer.close()
             names = ["prefill-0", *(f"decode-{i}" for i in range(cluster_config.num_decoders))]
@@ -280,7 +281,7 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
     result = {"model": cluster_config.model, "decoders": cluster_config.num_decoders,
               "kv_layout": cluster_config.kv_layout, "provider": cluster_config.provider,
               "requests": [r.as_json() for r in requests], "totals": totals(requests, wall_s),
-              "metrics": metrics}
+              "metrics": metrics, "processes": processes}
     if exit_codes:
         result["exit_codes"] = cluster.exit_codes()
         result["logs"] = {name: lines[-8:] for name, lines in cluster.logs.items()}

@@ -180,6 +180,12 @@ class NodeBase:
                                  num_seqs=len(batch.chunks))
         return events
 
+    @property
+    def rank_pids(self) -> list[int]:
+        """The pids of this node's TP ranks 1..N-1 (rank 0 is this process); [] at TP 1."""
+        ranks = self.engine.runner.ranks
+        return [] if ranks is None else list(ranks.pids)
+
     def health_state(self) -> str:
         """What `/health` says while the node runs: "ok" (200), or why not (503)."""
         return "ok"

@@ -17,6 +17,7 @@ import threading
 import time
 import urllib.request
 from dataclasses import dataclass, field
+from typing import Any
 
 from disagg.config import (
     CacheConfig,
@@ -101,6 +102,7 @@ class LocalCluster:
         self.decoder_addresses: list[str] = []
         self.logs: dict[str, list[str]] = {}
         self.metrics_addresses: dict[str, str] = {}  # node name -> host:port of /metrics
+        self.rank_pids: dict[str, list[int]] = {}  # node name -> pids of its TP ranks 1..N-1
 
     def __enter__(self) -> LocalCluster:
         if self.config.num_mixed > 0:
@@ -168,6 +170,9 @@ class LocalCluster:
                 for word in words[2:]:
                     if word.startswith("metrics="):
                         self.metrics_addresses[name] = word.removeprefix("metrics=")
+                    if word.startswith("ranks="):
+                        self.rank_pids[name] = [int(p) for p in
+                                                word.removeprefix("ranks=").split(",")]
                 return words[1]
             log.append(line.rstrip())
             if time.monotonic() > deadline:
@@ -219,6 +224,15 @@ class LocalCluster:
             except OSError as error:
                 logger.warning("could not read the metrics of %s: %s", name, error)
         return result
+
+    def process_table(self) -> list[dict[str, Any]]:
+        """Every process started, TP ranks included: node name, rank, pid (rank 0 is the node
+        process itself)."""
+        rows = []
+        for name, process in zip(self.names, self.processes, strict=True):
+            for rank, pid in enumerate([process.pid, *self.rank_pids.get(name, [])]):
+                rows.append({"node": name, "rank": rank, "pid": pid})
+        return rows
 
     def exit_codes(self) -> list[int | None]:
         """Each process's exit code (None while running)."""

@@ -2,7 +2,8 @@
 `LocalCluster` child run.
 
 `run_node(config)` builds the node (`builder.build_node`), prints `READY <host:port>` on stdout
-once it accepts control connections (the demo and the tests wait for that line), then serves
+once it accepts control connections (the demo and the tests wait for that line; a TP node
+adds `ranks=PID,...`, its rank processes), then serves
 until a Shutdown message, SIGTERM or Ctrl-C, and always releases the fabric (endpoints,
 registrations, shm files) on the way out. `python -m disagg.node.serve` reads the node's
 `NodeConfig` as one JSON document on stdin: how a parent hands its child the exact config.
@@ -33,10 +34,11 @@ def node_state(node: NodeBase) -> str:
     return node.health_state()
 
 
-def health_report(config: NodeConfig, state: str) -> dict[str, Any]:
-    """The `/health` body: who answers and its state ("ok": 200, any other state: 503)."""
+def health_report(config: NodeConfig, state: str, rank_pids: list[int] = ()) -> dict[str, Any]:
+    """The `/health` body: who answers and its state ("ok": 200, any other state: 503), and
+    the processes it runs (rank 0 is this one)."""
     return {"node_id": config.node_id, "role": config.role.value, "state": state,
-            "pid": os.getpid()}
+            "pid": os.getpid(), "ranks": [os.getpid(), *rank_pids]}
 
 
 def run_node(config: NodeConfig) -> None:
@@ -47,10 +49,13 @@ def run_node(config: NodeConfig) -> None:
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: node.stop())
     ready = f"READY {node.address}"
+    if node.rank_pids:
+        ready += " ranks=" + ",".join(str(pid) for pid in node.rank_pids)
     stopping = threading.Event()  # set once run() returns: /health says "stopping" then
 
     def health() -> dict[str, Any]:
-        return health_report(config, "stopping" if stopping.is_set() else node_state(node))
+        return health_report(config, "stopping" if stopping.is_set() else node_state(node),
+                             node.rank_pids)
 
     try:
         if config.metrics_port is not None:

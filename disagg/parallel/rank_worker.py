@@ -16,6 +16,7 @@ import pickle
 import socket
 import sys
 import threading
+import traceback
 
 import torch
 
@@ -94,7 +95,17 @@ def main() -> None:
     logging.basicConfig(level=logging.WARNING,
                         format=f"{spec.node_id}/rank{spec.rank} %(levelname)s %(message)s")
     threading.Thread(target=_exit_when_orphaned, name="orphan-watch", daemon=True).start()
-    serve_rank(spec)
+    code = 0
+    try:
+        serve_rank(spec)
+    except BaseException:  # noqa: BLE001 - reported here, then the exit code says it
+        traceback.print_exc()
+        code = 1
+    # Not a normal interpreter exit: the orphan watch blocks in a read of stdin, which makes
+    # the interpreter abort at shutdown (SIGABRT) instead of exiting with our code.
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(code)
 
 
 if __name__ == "__main__":

@@ -29,7 +29,7 @@ import torch
 from disagg.errors import RankError
 from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec
-from disagg.parallel.shared_memory import HostRegion, map_region, recv_message
+from disagg.parallel.shared_memory import map_region, recv_message
 from disagg.parallel.step import Step, step_to
 
 logger = logging.getLogger(__name__)
@@ -55,7 +55,6 @@ class TPRanks:
         self._stopping = threading.Event()
         self._joined = False
         self._failed: RankError | None = None
-        self._regions: list[HostRegion] = []
         self._allocations: list[object] = []  # cuMem imports, kept mapped while we run
         self.kv_buffers: list[torch.Tensor] = []  # rank r's KV at index r - 1
         self.pids: list[int] = [p.pid for p in processes]
@@ -142,8 +141,10 @@ class TPRanks:
                 os.close(fd)
             raise RankError(f"TP rank {hello.rank} sent {len(fds)} fds for its KV memory, not 1")
         region = map_region(fds[0], hello.nbytes)
-        self._regions.append(region)
-        return hello.rank, region.tensor(dtype, hello.shape)
+        try:
+            return hello.rank, region.tensor(dtype, hello.shape)
+        finally:
+            region.close()  # the tensor's mapping keeps the memory; the fd is not needed
 
     def _check_alive(self, when: str) -> None:
         for rank, process in enumerate(self._processes, start=1):
@@ -195,7 +196,5 @@ class TPRanks:
                 process.wait()
         if self._joined:
             group.leave()
-        for region in self._regions:
-            region.close()
         self._server.close()
         shutil.rmtree(self._workdir, ignore_errors=True)

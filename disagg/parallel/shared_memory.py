@@ -3,7 +3,7 @@
 A TP rank's KV cache must be registered with the one transfer engine of its node, which lives
 in the leader. So each rank allocates its cache as memory another process can map, and sends
 the leader a file descriptor for it over a Unix socket (SCM_RIGHTS). On CPU that is a memfd
-mapped MAP_SHARED on both sides; on CUDA it is a cuMem allocation exported as a POSIX fd
+mapped MAP_SHARED on both sides (by torch, whose storage unmaps it with its last tensor); on CUDA it is a cuMem allocation exported as a POSIX fd
 (`transfer_core.cuda.cumem`), imported on the same physical GPU. Either way the leader's tensor
 and the rank's tensor are the same bytes: a write landing in one is read by the other.
 """
@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import json
 import math
-import mmap
 import os
 import socket
 import struct
@@ -29,19 +28,20 @@ _MAX_HEADER = 1 << 16
 
 @dataclass
 class HostRegion:
-    """A memfd of `nbytes` bytes mapped shared in this process."""
+    """A memfd of `nbytes` bytes: each `tensor` maps it shared in this process."""
 
     fd: int
     nbytes: int
-    mapping: mmap.mmap
 
     def tensor(self, dtype: torch.dtype, shape: tuple[int, ...]) -> torch.Tensor:
-        """The region as a tensor (a view sharing the memory; it keeps the mapping alive)."""
+        """The region as a tensor sharing its memory. The tensor's storage owns its mapping
+        (unmapped with the last view) and keeps no fd, so closing the region leaks nothing."""
         need = dtype.itemsize * math.prod(shape)
         if need > self.nbytes:
             raise RankError(f"a {dtype} tensor of shape {shape} needs {need} bytes, the shared "
                             f"region has {self.nbytes}")
-        flat = torch.frombuffer(self.mapping, dtype=torch.uint8, count=need)
+        flat = torch.from_file(f"/proc/self/fd/{self.fd}", shared=True, size=need,
+                               dtype=torch.uint8)
         return flat.view(dtype).view(shape)
 
     def close(self) -> None:
@@ -56,7 +56,7 @@ def create_region(nbytes: int, name: str) -> HostRegion:
     fd = os.memfd_create(name, os.MFD_CLOEXEC)
     try:
         os.ftruncate(fd, nbytes)
-        return HostRegion(fd, nbytes, mmap.mmap(fd, nbytes, mmap.MAP_SHARED))
+        return HostRegion(fd, nbytes)
     except BaseException:
         os.close(fd)
         raise
@@ -68,7 +68,7 @@ def map_region(fd: int, nbytes: int) -> HostRegion:
         size = os.fstat(fd).st_size
         if size < nbytes:
             raise RankError(f"shared KV region is {size} bytes, the rank said {nbytes}")
-        return HostRegion(fd, nbytes, mmap.mmap(fd, nbytes, mmap.MAP_SHARED))
+        return HostRegion(fd, nbytes)
     except BaseException:
         os.close(fd)
         raise

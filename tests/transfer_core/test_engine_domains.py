@@ -67,6 +67,7 @@ def test_paged_writes_go_through_the_named_domain_only(pair: Pair) -> None:
     a, b, src_mr, dst_desc, dst = pair
     _paged(a, src_mr, dst_desc, domains=[1])
     assert [s.writes_completed for s in a.stats()] == [0, PAGES]
+    assert [s.bytes_written for s in a.stats()] == [0, PAGES * PAGE]
     assert _wait_imms(b, PAGES) == [0, PAGES]
     assert np.array_equal(dst, np.arange(PAGES * PAGE, dtype=np.uint8))
 

@@ -3,8 +3,8 @@
 libfabric's data path (fi_writedata, fi_cq_read, fi_mr_reg, ...) is static inline in the
 headers, so only API mode, which compiles real C, can reach it. The libfabric structs are
 declared partially (`...;`): the compiler fills in their layout. The C shim (shim.h,
-shim.c.in) adds the batched write/progress loop. Run by setuptools via setup.py's
-`cffi_modules`, or directly: `python transfer_core/pyfabric/_build.py` builds in place.
+shim.c.in, shim_wait.c.in) adds the batched write/progress loop. Run by setuptools via
+setup.py's `cffi_modules`, or directly: `python transfer_core/pyfabric/_build.py` builds in place.
 """
 
 from __future__ import annotations
@@ -148,7 +148,7 @@ ffibuilder = cffi.FFI()
 ffibuilder.cdef(_LIBFABRIC_CDEF + _read("shim.h"))
 ffibuilder.set_source(
     "transfer_core.pyfabric._pyfabric",
-    _INCLUDES + _read("shim.h") + _read("shim.c.in"),
+    _INCLUDES + _read("shim.h") + _read("shim.c.in") + _read("shim_wait.c.in"),
     libraries=["fabric"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
 )

@@ -4,8 +4,9 @@
 `Worker.submit` hands it to the C worker from any thread; `Worker.progress` (called only
 by the endpoint's progress thread) posts under an in-flight cap, handles -FI_EAGAIN by
 reaping the CQ, enforces deadlines, and returns finished ops and immediate counts per value.
-The GIL is released for the whole C call. Retired ops may be dropped; until then the C side
-and the provider still point at them, so `Worker` keeps them alive.
+The GIL is released for the whole C call. `Worker.run_waited` is the same loop run by a thread
+waiting for its own op (shim.c.in's NOTE on waited ops). Retired ops may be dropped; until then
+the C side and the provider still point at them, so `Worker` keeps them alive.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from .objects import CompletionQueue, Endpoint
 
 MAX_EVENTS = 256
 MAX_IMMS = 64
+_run_waited, _WAIT_RETIRED = lib.fabp_run_waited, lib.FABP_WAIT_RETIRED  # looked up once
 
 
 class Event(NamedTuple):
@@ -108,6 +110,7 @@ class Stats(NamedTuple):
     foreign_errors: int
     last_foreign_err: int
     inflight: int
+    bytes_written: int = 0  # payload of the writes completed without error
 
 
 class Worker:
@@ -134,6 +137,22 @@ class Worker:
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op
         lib.fabp_submit(self._handle, op.c)
+
+    def run_waited(self, op: WriteOp, submit: bool, slice_ns: int) -> int:
+        """Drive the loop from this thread until `op` has its first report, for at most
+        `slice_ns` (GIL released): a FABP_WAIT_* code, or a negative fi errno (fatal CQ
+        error). `submit` queues the op first; it must carry FABP_OP_WAITED. On
+        FABP_WAIT_RETIRED the op is no longer tracked: no event will name it."""
+        if submit:
+            self._live[op.op_id] = op
+        rc = _run_waited(self._handle, op.c, submit, slice_ns)
+        if rc == _WAIT_RETIRED:
+            self._live.pop(op.op_id, None)
+        return rc
+
+    def close_waits(self) -> None:
+        """Make every `run_waited` return FABP_WAIT_CLOSED, now and from now on."""
+        lib.fabp_close_waits(self._handle)
 
     def interrupt(self) -> None:
         """Make the running (or next) `progress` call return soon."""
@@ -176,6 +195,7 @@ class Worker:
             int(out.foreign_errors),
             int(out.last_foreign_err),
             int(lib.fabp_inflight(self._handle)),
+            int(out.bytes_written),
         )
 
     def free(self) -> None:

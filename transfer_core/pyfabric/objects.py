@@ -122,6 +122,14 @@ class AddressVector(_Fid):
 _SHM_PREFIX = b"fi_shm://"
 
 
+def shm_file(address: bytes) -> str | None:
+    """The /dev/shm file a shm peer's region lives in; None for other providers."""
+    if not address.startswith(_SHM_PREFIX):
+        return None
+    name = address[len(_SHM_PREFIX) :].split(b"\0", 1)[0].decode(errors="replace")
+    return None if "/" in name else f"/dev/shm/{name}"
+
+
 def check_peer_alive(address: bytes) -> None:
     """Raise FabricError if `address` is a shm peer whose region (/dev/shm/<name>) is gone.
 
@@ -129,8 +137,9 @@ def check_peer_alive(address: bytes) -> None:
     peer that exited after insertion still complete locally; other providers: no-op."""
     if not address.startswith(_SHM_PREFIX):
         return
-    name = address[len(_SHM_PREFIX) :].split(b"\0", 1)[0].decode(errors="replace")
-    if "/" in name or not os.path.exists(f"/dev/shm/{name}"):
+    path = shm_file(address)
+    if path is None or not os.path.exists(path):
+        name = address[len(_SHM_PREFIX) :].split(b"\0", 1)[0].decode(errors="replace")
         text = f"shm peer {name!r} is gone (no /dev/shm/{name})"
         raise FabricError("fi_av_insert", lib.FI_EHOSTUNREACH, text)
 

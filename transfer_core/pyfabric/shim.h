@@ -3,10 +3,19 @@
  * Plain declarations only: _build.py feeds this file to both cffi's cdef (which cannot
  * parse #include or macros) and the compiler, so the layouts Python sees are the real ones.
  * One worker per endpoint; only the worker's thread calls fabp_progress, any thread may call
- * fabp_submit.
+ * fabp_submit, and a thread waiting for its own op runs the loop itself in fabp_run_waited.
  */
 
 #define FABP_OP_IMM 1
+/* The submitter waits for this op in fabp_run_waited: its first report reaches the waiter
+ * through the op's own fields, never as an event. */
+#define FABP_OP_WAITED 2
+
+/* What fabp_run_waited returns (a negative value is a fatal CQ error). */
+#define FABP_WAIT_SLICE 0    /* the slice ran out: call again */
+#define FABP_WAIT_RETIRED 1  /* reported and retired: no event will ever name it */
+#define FABP_WAIT_REPORTED 2 /* failed, writes still out: its retirement comes as an event */
+#define FABP_WAIT_CLOSED 3   /* fabp_close_waits was called */
 
 /* One queued operation: n writes of len bytes, page i going from
  * src_addr + src_idx[i] * src_stride to raddr dst_addr + dst_idx[i] * dst_stride.
@@ -56,6 +65,7 @@ struct fabp_stats {
     uint64_t imms_received;
     uint64_t foreign_errors;
     int32_t last_foreign_err;
+    uint64_t bytes_written; /* payload of writes completed without error */
 };
 
 struct fabp_worker;
@@ -68,6 +78,8 @@ void fabp_set_timing(struct fabp_worker *w, int64_t spin_ns, int64_t idle_sleep_
                      int64_t linger_ns, int64_t quiet_ns);
 void fabp_get_stats(struct fabp_worker *w, struct fabp_stats *out);
 uint32_t fabp_inflight(struct fabp_worker *w);
+int fabp_run_waited(struct fabp_worker *w, struct fabp_op *op, int submit, int64_t slice_ns);
+void fabp_close_waits(struct fabp_worker *w);
 int fabp_progress(struct fabp_worker *w, int64_t budget_ns,
                   struct fabp_event *ev, int max_ev, int *n_ev,
                   struct fabp_imm *imm, int max_imm, int *n_imm);

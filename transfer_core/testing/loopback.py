@@ -30,12 +30,12 @@ from transfer_core.engine import MEMORY_PATHS
 from transfer_core.errors import ProviderNotFoundError, TransferError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor
+from transfer_core.owner_errors import OwnerErrors
 from transfer_core.pyfabric import Stats
 from transfer_core.testing.loopback_memory import RegionTable, WritePart
 from transfer_core.testing.loopback_wire import (
     DeliveryQueue,
     LoopbackFabric,
-    OwnerErrors,
     default_fabric,
 )
 
@@ -84,11 +84,11 @@ class LoopbackEngine:
         self.deliver_inline = deliver_inline
         self._hook_dropped = 0
         self._drop: Callable[[int], bool] | None = None
-        self._errors = OwnerErrors()
+        self._errors = OwnerErrors("loopback engine")
         self._lock = threading.Lock()
         self._counters = ImmCounterMap(fire=self._fire)
         self._round_robin = itertools.count()
-        self._stats = [[0, 0, 0] for _ in range(num_domains)]  # posted, completed, imms
+        self._stats = [[0, 0, 0, 0] for _ in range(num_domains)]  # posted, done, imms, bytes
         self._closed = False
         name = f"loopback-delivery-{next(_engine_ids)}"
         self.delivery = DeliveryQueue(name, deliver_inline, self._errors.guard)
@@ -207,9 +207,10 @@ class LoopbackEngine:
         return self._hook_dropped + self._counters.dropped
 
     def stats(self) -> list[Stats]:
-        """Per domain: writes posted and completed, immediates received (no EAGAIN here)."""
+        """Per domain: writes posted and completed, immediates received, bytes written by
+        writes that landed (no EAGAIN here)."""
         with self._lock:
-            return [Stats(p, c, 0, i, 0, 0, p - c) for p, c, i in self._stats]
+            return [Stats(p, c, 0, i, 0, 0, p - c, b) for p, c, i, b in self._stats]
 
     # -- test hooks -------------------------------------------------------------------------
 
@@ -254,9 +255,10 @@ class LoopbackEngine:
 
     # -- internals (WritePart calls the first two) -------------------------------------------
 
-    def count_posted(self, d: int, n: int, completed: bool) -> None:
+    def count_posted(self, d: int, n: int, completed: bool, nbytes: int = 0) -> None:
         with self._lock:
             self._stats[d][1 if completed else 0] += n
+            self._stats[d][3] += nbytes
 
     def arrive(self, d: int, imm: int, count: int) -> None:
         """`count` immediates of value `imm` landed on our domain `d` (from any thread)."""

@@ -149,7 +149,7 @@ class WritePart:
             if error is not None:
                 self.fail(error)
                 return
-        self.engine.count_posted(self.domain, self.n, completed=True)
+        self.engine.count_posted(self.domain, self.n, completed=True, nbytes=self.n * self.length)
         if self.imm is not None:
             target.arrive(peer_domain, self.imm, self.n)  # one immediate per write, as RDMA
         self.done.part_finished(None)

@@ -11,7 +11,6 @@ parks the jobs that would move data so a test can look at "writes in flight".
 from __future__ import annotations
 
 import itertools
-import logging
 import threading
 import time
 from collections import deque
@@ -21,37 +20,8 @@ from typing import Any
 from transfer_core.errors import PeerError, TransferError
 from transfer_core.memory import EngineAddress
 
-logger = logging.getLogger(__name__)
-
 Job = Callable[[], None]
 Cancel = Callable[[TransferError], None]
-
-
-class OwnerErrors:
-    """A callback's exception, or an error nobody listened for, kept until the owner's next
-    engine call raises it: `TransferEngine`'s rule, so a messenger sees failures the same way."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._errors: list[BaseException] = []
-
-    def raise_first(self) -> None:
-        with self._lock:
-            if self._errors:
-                raise self._errors.pop(0)
-
-    def report(self, error: BaseException) -> None:
-        logger.error("loopback engine: %s", error)
-        with self._lock:
-            self._errors.append(error)
-
-    def guard(self, callback: Callable[..., None], *args: Any) -> None:
-        """Run `callback(*args)`; an exception is logged and kept for the owner."""
-        try:
-            callback(*args)
-        except Exception as exc:
-            logger.exception("loopback engine callback failed")
-            self.report(exc)
 
 
 class LoopbackFabric:

@@ -158,8 +158,14 @@ def test_tensor_parallel_shardings_match_single_node(kv_layout: str, prefill_tp:
     prompts = random_prompts([2, 9, 23], vocab_size=512, seed=prefill_tp * 10 + decode_tp)
     config = ClusterConfig(model="tiny", num_decoders=1, kv_layout=kv_layout, page_size=4,
                            chunk_size=6, prefill_tp=prefill_tp, decode_tp=decode_tp)
-    ours, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
+    ours, result = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)
+    # Every rank was its own process (the demo's JSON lists them), and none outlived the run.
+    table = result["processes"]
+    assert [(p["node"], p["rank"]) for p in table] == (
+        [("prefill-0", r) for r in range(prefill_tp)] + [("decode-0", r) for r in range(decode_tp)])
+    assert len({p["pid"] for p in table}) == len(table)
+    assert not any(Path(f"/proc/{p['pid']}").exists() for p in table)
 
 
 @pytest.mark.slow

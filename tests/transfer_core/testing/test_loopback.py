@@ -259,6 +259,7 @@ def test_named_domains_carry_the_writes() -> None:
         a.submit_imm(4, desc, domain=1)
         _settle(a, b)
         assert [s.writes_completed for s in a.stats()] == [0, 10]
+        assert [s.bytes_written for s in a.stats()] == [0, 9 * PAGE]
         assert [s.imms_received for s in b.stats()] == [0, 10]
         with pytest.raises(ValueError, match="domain index 2 is out of range: num_domains=2"):
             a.submit_paged_writes(PAGE, smr, pages, PAGE, 0, desc, pages, PAGE, 0, 4, domains=[2])
