@@ -9,7 +9,8 @@ in interleaved rounds in one run:
   reaps the completion and hands it over (the path `benchmarks/transfer.py` times);
 - `waited`: `write_and_wait(...)`: the caller posts and reaps in its own thread;
 - `prepared`: `prepare_write(...)` once, then `run()` per write (as NIXL's prepped transfer).
-Prints a table, or with --json one JSON object (per provider and mode: p50/p99 µs).
+Prints a table, or with --json one JSON object (per provider and mode: p50/p99 µs); with
+`--mode M --json` a flat object for that mode alone (what `transfer_compare.py` reads).
 """
 
 from __future__ import annotations
@@ -67,31 +68,33 @@ def _writers(engine: TransferEngine, dst: MemoryRegionDescriptor) -> dict[str, C
     }
 
 
-def measure(provider: str, iters: int, rounds: int, warmup: int = 200) -> dict[str, Any]:
+def measure(
+    provider: str, iters: int, rounds: int, modes: tuple[str, ...] = MODES, warmup: int = 200
+) -> dict[str, Any]:
     """p50/p99 µs per mode over `rounds` interleaved rounds of `iters` writes each."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(provider, child), daemon=True)
     proc.start()
-    samples: dict[str, list[float]] = {m: [] for m in MODES}
+    samples: dict[str, list[float]] = {m: [] for m in modes}
     try:
         desc, address = parent.recv()
         dst = MemoryRegionDescriptor.from_bytes(desc)
         with TransferEngine(provider) as engine:
             engine.connect(address)
             writers = _writers(engine, dst)
-            for mode in MODES:
+            for mode in modes:
                 for _ in range(warmup):
                     writers[mode]()
             for _ in range(rounds):
-                for mode in MODES:  # interleaved: drifts in background load hit all alike
+                for mode in modes:  # interleaved: drifts in background load hit all alike
                     write = writers[mode]
                     for _ in range(iters):
                         start = time.perf_counter_ns()
                         write()
                         samples[mode].append((time.perf_counter_ns() - start) / 1e3)
             provider_name = engine.provider
-            sent = (warmup + iters * rounds) * len(MODES)
+            sent = (warmup + iters * rounds) * len(modes)
         parent.send("stop")
         counted = parent.recv()
         proc.join(10.0)
@@ -136,10 +139,16 @@ def main() -> int:
     parser.add_argument("--iters", type=int, default=1000, help="writes per mode per round")
     parser.add_argument("--rounds", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--mode", choices=MODES, help="measure this mode alone")
     args = parser.parse_args()
     providers = ["tcp", "shm"] if args.provider == "all" else [args.provider]
-    results = [measure(p, args.iters, args.rounds) for p in providers]
-    if args.json:
+    modes = (args.mode,) if args.mode else MODES
+    results = [measure(p, args.iters, args.rounds, modes) for p in providers]
+    if args.json and args.mode and len(results) == 1:
+        r = results[0]
+        print(json.dumps({"engine": f"ours-{args.mode}", "transport": args.provider,
+                          "verified": r["verified"], **r["modes"][args.mode]}))  # fmt: skip
+    elif args.json:
         print(
             json.dumps(
                 results[0] if len(results) == 1 else dict(zip(providers, results, strict=True))

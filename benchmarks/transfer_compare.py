@@ -2,7 +2,9 @@
 
 Every contender runs the same workload (2048 pages of 64 KiB into shuffled slots of another
 process's region, checksum-verified, plus a 4 KiB write latency): ours through
-`benchmarks/transfer.py --json --provider {tcp,shm}`, the peers through the harnesses in
+`benchmarks/transfer.py --json --provider {tcp,shm}` (latency on the callback path), our
+waited and prepared small writes through `benchmarks/small_write.py` (latency only, the
+caller reaping its own completion), the peers through the harnesses in
 `benchmarks/peers/` under `.venv-peers` (skipped with a note when that venv is missing).
 Runs are interleaved round-robin, each after the CPUs have been quiet for a moment; medians
 and spread go to a rich table and to JSON with the ratios ours/peer per transport class.
@@ -37,6 +39,7 @@ class Contender:
     engine: str
     transport: str  # the transport class: "tcp" or "shm"
     cmd: tuple[str, ...]
+    latency_only: bool = False  # runs the 4 KiB latency alone, not the paged workload
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,7 +132,7 @@ def run_once(c: Contender, repeat: int, quiet: Quiet, timeout_s: float) -> Run:
 
 def check_workload(run: Run, pages: int, page_bytes: int) -> None:
     """A contender that ran a different workload than asked is an error, not a data point."""
-    if run.result is None:
+    if run.result is None or run.result.get("engine", "").startswith("ours-"):
         return
     got = (run.result.get("pages", run.result.get("num_pages")), run.result.get("page_bytes"))
     if got != (pages, page_bytes):
@@ -148,6 +151,14 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
         ))
         for p in ("tcp", "shm")
     ]
+    ours += [
+        Contender(f"ours-{mode}", p, (
+            sys.executable, "benchmarks/small_write.py", "--json", "--provider", p,
+            "--mode", mode, "--iters", "1000", "--rounds", "1",
+        ), latency_only=True)
+        for mode in ("waited", "prepared")
+        for p in ("tcp", "shm")
+    ]  # fmt: skip
     if not (ROOT / "benchmarks" / "transfer.py").exists():
         notes.append("benchmarks/transfer.py is missing: our transfer core was not measured")
         ours = []
@@ -180,16 +191,24 @@ def summarise(runs: list[Run], c: Contender, quiet_only: bool) -> Summary:
 
 
 def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
-    """ours/peer per transport class: > 1 on gbps and < 1 on latency means we are ahead."""
+    """ours/peer per transport class, for each of our paths ("ours" paged + callback latency,
+    "ours-waited", "ours-prepared"): > 1 on gbps and < 1 on latency means we are ahead.
+    Keys: class -> "peer" (ours) or "peer vs ours-MODE" -> ratios."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     by_key = {(s.engine, s.transport): s for s in summaries}
     for s in summaries:
-        ours = by_key.get(("ours", s.transport))
-        if s.engine == "ours" or ours is None or "gbps" not in ours.median or not s.median:
+        if s.engine.startswith("ours") or not s.median:
             continue
-        out.setdefault(s.transport, {})[s.engine] = {
-            f"{m}_ours_over_peer": ours.median[m] / s.median[m] for m in METRICS if s.median.get(m)
-        }
+        for mine in ("ours", "ours-waited", "ours-prepared"):
+            ours = by_key.get((mine, s.transport))
+            if ours is None or not ours.median:
+                continue
+            key = s.engine if mine == "ours" else f"{s.engine} vs {mine}"
+            out.setdefault(s.transport, {})[key] = {
+                f"{m}_ours_over_peer": ours.median[m] / s.median[m]
+                for m in METRICS
+                if s.median.get(m) and ours.median.get(m)
+            }
     return out
 
 
@@ -274,7 +293,12 @@ def main() -> int:
             quiet = wait_quiet(args.quiet_threshold, 2.0, args.quiet_cap)
             run = run_once(c, repeat, quiet, args.timeout)
             check_workload(run, args.pages, args.page_size)
-            got = f"{run.result['gbps']:.2f} GB/s" if run.result else f"error: {run.error}"
+            got = (
+                f"{run.result.get('gbps', 0):.2f} GB/s, "
+                f"{run.result.get('latency_us_p50', 0):.1f} us p50"
+                if run.result
+                else f"error: {run.error}"
+            )
             log.info("%s/%s #%d (quiet=%s): %s", c.engine, c.transport, repeat, quiet.quiet, got)
             runs.append(run)
     summaries = [summarise(runs, c, args.quiet_only) for c in todo]

@@ -7,7 +7,8 @@ peer that stops answering (after N operations its submissions are swallowed and 
 One seeded `random.Random` drives every decision, in the order operations are made. Faults
 act on the request data path, writes that carry an immediate: a write without one (the
 ownership proof a prefiller writes at handshake, S5) is posted as it is and counts as no
-operation, so a fault plan never stops a node from joining.
+operation, so a fault plan never stops a node from joining. Waited writes (`write_and_wait`,
+`prepare_write`) are posted as they are too: the fault plan does not cover them yet.
 """
 
 from __future__ import annotations

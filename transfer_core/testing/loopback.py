@@ -27,7 +27,7 @@ import numpy as np
 from transfer_core import write_checks as checks
 from transfer_core.domain_worker import Completion, OnDone, OnError
 from transfer_core.engine import MEMORY_PATHS
-from transfer_core.errors import ProviderNotFoundError, TransferError
+from transfer_core.errors import ProviderNotFoundError, TransferError, TransferTimeoutError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor
 from transfer_core.owner_errors import OwnerErrors
@@ -144,6 +144,21 @@ class LoopbackEngine:
         at = np.zeros(1, np.int64)  # one write: offsets relative to `offset` / `dst_offset`
         self._post(WritePart(self, d, done, src_mr, dst_mr, length, imm_data,
                              offset + at, dst_offset + at))  # fmt: skip
+
+    def write_and_wait(
+        self, src_mr: MemoryRegion, offset: int, length: int, imm_data: int | None,
+        dst_mr: MemoryRegionDescriptor, dst_offset: int, *, timeout_s: float | None = None,
+        domain: int | None = None,
+    ) -> None:  # fmt: skip
+        """As `TransferEngine.write_and_wait`: returns once done, raises the write's error
+        (here through `submit_write` and a wait, as nothing to reap exists)."""
+        done, failed = threading.Event(), []
+        self.submit_write(src_mr, offset, length, imm_data, dst_mr, dst_offset, done.set,
+                          lambda e: (failed.append(e), done.set()), domain=domain)  # fmt: skip
+        if not done.wait(self.timeout_s if timeout_s is None else timeout_s):
+            raise TransferTimeoutError("loopback waited write not finished")
+        if failed:
+            raise failed[0]
 
     def submit_paged_writes(
         self, length: int, src_mr: MemoryRegion, src_page_indices: Sequence[int] | np.ndarray,

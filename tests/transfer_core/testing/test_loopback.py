@@ -265,3 +265,13 @@ def test_named_domains_carry_the_writes() -> None:
             a.submit_paged_writes(PAGE, smr, pages, PAGE, 0, desc, pages, PAGE, 0, 4, domains=[2])
         with pytest.raises(ValueError, match="domain index 3 is out of range"):
             a.submit_imm(4, desc, domain=3)
+
+
+def test_write_and_wait_lands_before_it_returns(pair: Pair) -> None:
+    """As the real engine's: the bytes are placed and counted when it returns."""
+    a, b = pair
+    src, dst, smr, desc = _regions(a, b)
+    a.write_and_wait(smr, PAGE, PAGE, 6, desc, 0)
+    _settle(a, b)
+    assert np.array_equal(dst[0], src[1])
+    assert b.imm_counted(6) == 1
