@@ -1,5 +1,6 @@
 """`disagg serve cluster` and `disagg serve router`: the OpenAI-compatible HTTP front door, in
-front of a local cluster it starts or of nodes started by hand (`disagg/server/`)."""
+front of a cluster it starts (here, or on Ray with `--ray`) or of nodes started by hand
+(`disagg/server/`). X1"""
 
 from __future__ import annotations
 
@@ -35,6 +36,14 @@ MaxInFlightOption = Annotated[int, typer.Option(
     help="Requests admitted at once; one more is answered 429")]
 ServedNameOption = Annotated[str | None, typer.Option(
     help="The model name clients send (default: the --model value)")]
+RayOption = Annotated[str | None, typer.Option(
+    "--ray", rich_help_panel="Ray",
+    help="Place the nodes on Ray: the head's host:port (`ray start --head`), auto "
+         "(RAY_ADDRESS, or the cluster `ray start` made here) or local (a private "
+         "instance). Needs the ray extra: pip install 'disagg\\[ray]'")]
+RayResourceOption = Annotated[str | None, typer.Option(
+    help="With --ray: a custom Ray resource NAME or NAME=AMOUNT every such node asks for "
+         "(pins the role to the machines started with it)", rich_help_panel="Ray")]
 
 
 @serve_app.command("cluster")
@@ -58,10 +67,30 @@ def serve_cluster(
     device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
     cuda_graph: CudaGraphOption = False, prefix_caching: PrefixCachingOption = True,
     routing: RoutingOption = "prefix", routing_margin: RoutingMarginOption = 4,
+    ray: RayOption = None, ray_prefill_resource: RayResourceOption = None,
+    ray_decode_resource: RayResourceOption = None,
+    ray_cpus_per_rank: Annotated[float, typer.Option(
+        help="With --ray: CPUs each TP rank of a node reserves", rich_help_panel="Ray")] = 1.0,
+    ray_gpus_per_rank: Annotated[float | None, typer.Option(
+        help="With --ray: GPUs each TP rank reserves (default: 1 with --device cuda, else 0)",
+        rich_help_panel="Ray")] = None,
+    ray_max_restarts: Annotated[int, typer.Option(
+        help="With --ray: times Ray restarts a node that died (-1: without end)",
+        rich_help_panel="Ray")] = 3,
+    ray_base_port: Annotated[int, typer.Option(
+        help="With --ray: node i listens on this + 2i (control) and + 2i + 1 (metrics), so "
+             "a restarted node comes back at the same address", rich_help_panel="Ray")] = 20000,
 ) -> None:
-    """Start a local cluster (processes over libfabric) and the OpenAI API in front of it."""
+    """Start a cluster (local processes over libfabric, or Ray actors with --ray) and the
+    OpenAI API in front of it."""
     from disagg.node.local_cluster import ClusterConfig
     from disagg.node.node_config import check_node_memory
+    from disagg.node.ray_placement import (
+        RayConfig,
+        ResourceRequest,
+        check_ray_installed,
+        plan_nodes,
+    )
     from disagg.server.launch import HTTPConfig
     from disagg.server.launch import serve_cluster as run
 
@@ -80,7 +109,18 @@ def serve_cluster(
         cuda_graph=cuda_graph, prefix_caching=prefix_caching, routing=routing,
         routing_margin=routing_margin)
     cluster.router_config()  # an unknown policy fails here, before any process starts
-    run(cluster, HTTPConfig(host, port, max_in_flight, served_model_name))
+    ray_config = None
+    if ray is not None:
+        ray_config = RayConfig(
+            ray, *(ResourceRequest.parse(text, option) if text else None for text, option in (
+                (ray_prefill_resource, "--ray-prefill-resource"),
+                (ray_decode_resource, "--ray-decode-resource"))),
+            ray_cpus_per_rank, ray_gpus_per_rank, ray_max_restarts, ray_base_port)
+        plan_nodes(cluster, ray_config)  # bad placement options fail before Ray starts
+        check_ray_installed()
+    elif ray_prefill_resource or ray_decode_resource:
+        raise ConfigError("--ray-prefill-resource and --ray-decode-resource need --ray")
+    run(cluster, HTTPConfig(host, port, max_in_flight, served_model_name), ray_config)
 
 
 @serve_app.command("router")

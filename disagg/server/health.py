@@ -3,10 +3,13 @@
 A node answers when its process (if we started it) runs and its metrics endpoint says so
 (`GET /health` on the node's metrics port); a node without a metrics address counts as up
 while the router's connection to it is alive. `/health` is 200 only when every node answers.
+A node placed on Ray (`serve cluster --ray`) is listed with its Ray node id, and with the
+process id its own `/health` reports (Ray may have restarted it since the start).
 """
 
 from __future__ import annotations
 
+import json
 import subprocess
 import urllib.error
 import urllib.request
@@ -28,24 +31,28 @@ class NodeInfo:
     metrics_address: str | None = None
     process: subprocess.Popen[str] | None = None
     connected: Callable[[], bool] | None = None  # the router's view, for decoders
+    ray_node_id: str | None = None  # the Ray node its actor runs on (`serve cluster --ray`)
 
 
-def node_state(node: NodeInfo) -> str:
-    """"ok", or a word for what is wrong: exited, unreachable, disconnected."""
+def node_state(node: NodeInfo) -> tuple[str, int | None]:
+    """("ok", or a word for what is wrong: exited, unreachable, disconnected; the process id
+    the node's own `/health` reported, if it answered)."""
     if node.process is not None and node.process.poll() is not None:
-        return "exited"
+        return "exited", None
     if node.connected is not None and not node.connected():
-        return "disconnected"
+        return "disconnected", None
     if node.metrics_address is None:
-        return "ok"
+        return "ok", None
     try:
         url = f"http://{node.metrics_address}/health"
         with urllib.request.urlopen(url, timeout=HEALTH_TIMEOUT_S) as reply:
-            return "ok" if reply.status == 200 else "unhealthy"
+            pid = json.loads(reply.read()).get("pid")
+            return ("ok" if reply.status == 200 else "unhealthy"), pid
     except urllib.error.HTTPError as error:
-        return "unhealthy" if error.code == 503 else "ok" if error.code == 404 else "unreachable"
-    except OSError:
-        return "unreachable"
+        state = "unhealthy" if error.code == 503 else "ok" if error.code == 404 else "unreachable"
+        return state, None
+    except (OSError, ValueError):
+        return "unreachable", None
 
 
 def check_nodes(nodes: list[NodeInfo]) -> tuple[bool, dict[str, Any]]:
@@ -53,8 +60,9 @@ def check_nodes(nodes: list[NodeInfo]) -> tuple[bool, dict[str, Any]]:
     with ThreadPoolExecutor(max_workers=max(1, len(nodes))) as pool:
         states = list(pool.map(node_state, nodes))
     listed = [{"name": n.name, "role": n.role, "address": n.address, "state": state,
-               "pid": n.process.pid if n.process is not None else None}
-              for n, state in zip(nodes, states, strict=True)]
+               "pid": n.process.pid if n.process is not None else pid,
+               **({"ray_node_id": n.ray_node_id} if n.ray_node_id else {})}
+              for n, (state, pid) in zip(nodes, states, strict=True)]
     missing = [n["name"] for n in listed if n["state"] != "ok"]
     body: dict[str, Any] = {"status": "ok" if not missing else "degraded", "nodes": listed}
     if missing:

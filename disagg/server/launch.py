@@ -1,5 +1,6 @@
-"""Starting the front door: `disagg serve cluster` (a local cluster and its HTTP API) and
-`disagg serve router` (the HTTP API in front of nodes started elsewhere).
+"""Starting the front door: `disagg serve cluster` (a local cluster, or one placed on Ray with
+`--ray`, and its HTTP API) and `disagg serve router` (the HTTP API in front of nodes started
+elsewhere). X1
 
 Both print one line `READY http://HOST:PORT` once the server accepts connections, serve until
 SIGINT or SIGTERM, then close the router; `serve cluster` then stops every node it started,
@@ -11,14 +12,17 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
+import subprocess
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import uvicorn
 
 from disagg.kv_transfer.channel import format_address
 from disagg.model.loading.registry import load_model
 from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.node_config import NodeRole
 from disagg.node.prefix_index import RoutingConfig
 from disagg.node.router import Router
 from disagg.server.app import FrontDoor, build_app
@@ -26,6 +30,10 @@ from disagg.server.chat_template import ChatTemplate
 from disagg.server.cluster_client import ClusterClient
 from disagg.server.health import NodeInfo, check_nodes
 from disagg.server.metrics import ServerMetrics
+
+if TYPE_CHECKING:
+    from disagg.node.ray_cluster import RayCluster
+    from disagg.node.ray_placement import RayConfig
 
 logger = logging.getLogger(__name__)
 
@@ -87,22 +95,37 @@ def _interrupt(*_: object) -> None:
     raise KeyboardInterrupt
 
 
-def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig) -> None:
-    """Start the cluster's processes, then the API in front of its decoders."""
-    with LocalCluster(cluster_config) as cluster:
-        roles = cluster.roles()
-        router = Router(cluster.decoder_addresses, cluster_config.router_config())
-        addresses = dict(zip(cluster.names, [*cluster.prefiller_addresses,
-                                             *cluster.decoder_addresses], strict=False))
-        decoders = [n for n in cluster.names if roles[n].value != "prefill"]
-        nodes = [NodeInfo(name, roles[name].value, addresses.get(name, ""),
-                          cluster.metrics_addresses.get(name), process,
-                          _router_alive(router, decoders.index(name))
-                          if name in decoders else None)
-                 for name, process in zip(cluster.names, cluster.processes, strict=True)]
-        cache_tokens = cluster_config.num_pages * cluster_config.page_size
-        serve_http(make_front_door(cluster_config.model, router, nodes, http, cache_tokens),
-                   http)
+def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig,
+                  ray_config: RayConfig | None = None) -> None:
+    """Start the cluster's processes (here, or as Ray actors with `ray_config`), then the API
+    in front of its decoders."""
+    if ray_config is None:
+        with LocalCluster(cluster_config) as cluster:
+            _serve_nodes(cluster, dict(zip(cluster.names, cluster.processes, strict=True)), {},
+                         http)
+        return
+    from disagg.node.ray_cluster import RayCluster  # only here: Ray is an optional extra
+
+    with RayCluster(cluster_config, ray_config) as cluster:
+        _serve_nodes(cluster, {}, cluster.ray_node_ids, http)
+
+
+def _serve_nodes(cluster: LocalCluster | RayCluster, processes: dict[str, subprocess.Popen[str]],
+                 ray_node_ids: dict[str, str], http: HTTPConfig) -> None:
+    """A router in front of the cluster's decoders, and the API in front of it."""
+    config = cluster.config
+    roles = cluster.roles()
+    router = Router(cluster.decoder_addresses, config.router_config())
+    addresses = dict(zip(cluster.names, [*cluster.prefiller_addresses,
+                                         *cluster.decoder_addresses], strict=False))
+    decoders = [n for n in cluster.names if roles[n] is not NodeRole.PREFILL]
+    nodes = [NodeInfo(name, roles[name].value, addresses.get(name, ""),
+                      cluster.metrics_addresses.get(name), processes.get(name),
+                      _router_alive(router, decoders.index(name)) if name in decoders else None,
+                      ray_node_ids.get(name))
+             for name in cluster.names]
+    cache_tokens = config.num_pages * config.page_size
+    serve_http(make_front_door(config.model, router, nodes, http, cache_tokens), http)
 
 
 def serve_router(model_spec: str, decoder_addresses: list[str], http: HTTPConfig,
