@@ -90,6 +90,7 @@ def serve_cluster(
         ResourceRequest,
         check_ray_installed,
         plan_nodes,
+        probe_address,
     )
     from disagg.server.launch import HTTPConfig
     from disagg.server.launch import serve_cluster as run
@@ -117,6 +118,7 @@ def serve_cluster(
                 (ray_decode_resource, "--ray-decode-resource"))),
             ray_cpus_per_rank, ray_gpus_per_rank, ray_max_restarts, ray_base_port)
         plan_nodes(cluster, ray_config)  # bad placement options fail before Ray starts
+        probe_address(ray)  # a wrong address is one line now, not minutes of Ray retrying
         check_ray_installed()
     elif ray_prefill_resource or ray_decode_resource:
         raise ConfigError("--ray-prefill-resource and --ray-decode-resource need --ray")

@@ -11,7 +11,6 @@ the CLI checks its options with it, and only `ray_cluster.py` talks to Ray.
 
 from __future__ import annotations
 
-import importlib.util
 import math
 import socket
 from dataclasses import dataclass
@@ -105,10 +104,12 @@ def check_ray_address(address: str) -> str:
 
 
 def check_ray_installed() -> None:
-    """A `ConfigError` naming the extra when `ray` is not installed (looked up, not imported:
-    importing Ray takes seconds)."""
-    if importlib.util.find_spec("ray") is None:
-        raise ConfigError("--ray needs Ray: pip install 'disagg[ray]'")
+    """A `ConfigError` naming the extra when `ray` cannot be imported (only with --ray: the
+    import takes a second or two, and the cluster needs it next anyway)."""
+    try:
+        import ray  # noqa: F401
+    except ImportError as error:
+        raise ConfigError(f"--ray needs Ray ({error}): pip install 'disagg[ray]'") from None
 
 
 def probe_address(address: str, timeout_s: float = PROBE_TIMEOUT_S) -> None:
