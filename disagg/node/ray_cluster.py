@@ -16,6 +16,7 @@ from __future__ import annotations
 import logging
 import os
 import secrets
+import time
 import uuid
 
 import ray
@@ -113,7 +114,9 @@ class RayCluster:
             self._groups[p.name] = placement_group(list(p.bundles), strategy="STRICT_PACK",
                                                    name=f"{self.namespace}-{p.name}")
         timeout = self.config.startup_timeout_s
-        waiting = [p for p in self.placements if not self._groups[p.name].wait(timeout)]
+        deadline = time.monotonic() + timeout
+        waiting = [p for p in self.placements
+                   if not self._groups[p.name].wait(max(0.0, deadline - time.monotonic()))]
         if waiting:
             wanted = "; ".join(f"{p.name}: {list(p.bundles)}" for p in waiting)
             raise ConfigError(f"Ray placed no group within {timeout:g} s for {wanted} (does "
