@@ -1,5 +1,5 @@
 """The prefiller's KV messenger: stream each layer's pages to the decoder as they are computed
-(S2b, S3, S4a, S4b).
+(S2b, S3, S4a, S4b, S6a, S9a).
 
 Before a batch runs the engine tells the messenger which chunks it holds (S3a); the messenger
 plans, per request, the pages those chunks complete. The model bumps a layer counter after each
@@ -8,15 +8,14 @@ layer's page writes at once, while the forward moves on (S3b). After the request
 it writes the context slot (hidden state and logits, S4a), and when every write has completed
 it frees the source pages and finishes the request (S4b). Pages the decoder holds already are
 never written; pages found in this node's prefix cache go with the first chunk (X2b). Every
-write carries the request's immediate value; the decoder counts them (S4c). KV memory the NIC
-cannot read is staged: a layer's pages are copied to a host shadow just before they are posted
-(S5, `staging.py`).
+write carries the request's immediate value; the decoder counts them (S4c); each leaves through
+its source rank's domains (`rank_domains`, S6a, S9a). KV memory the NIC cannot read is staged:
+a layer's pages are copied to a host shadow just before they are posted (S5, `staging.py`).
 Threads: the engine's (plans, context, frees), the poller's (staging, page writes), the transfer
 engine's (completions, which only count). Wired once by the node's builder: the model bumps the
 counter given here, the engine tells this `StepObserver` of every step, `wake` rings the node's
 inbox; the draft-KV plug-in is built when a decoder first asks for it (`plugins.py`).
 """
-
 from __future__ import annotations
 
 import logging
@@ -72,7 +71,8 @@ class PrefillMessenger:
                  wake: Callable[[], None], make_draft_source: DraftSourceFactory | None = None,
                  num_context_slots: int = 16, wait_timeout_s: float = 60.0,
                  tracer: Tracer | None = None, lease_s: float = 300.0,
-                 kv_memory_path: str | None = None) -> None:
+                 kv_memory_path: str | None = None, rank_domains: list[tuple[int, ...]]
+                 | None = None, poller_cpus: tuple[int, ...] | None = None) -> None:
         self._parts = parts
         self.lease_s = lease_s  # a transfer older than this is stopped (issue 8)
         self.tracer = tracer or Tracer()
@@ -86,6 +86,7 @@ class PrefillMessenger:
                                 remote_write=False)
                     for rank, shard in enumerate(self.kv_cache.shards)]
         self._rng = random.Random(0)
+        self._rank_domains = rank_domains  # rank r's writes leave through these (S6a, S9a)
         self._slots = ContextSlots(transfer, parts.model.config, num_context_slots)
         self._lock = threading.Condition()
         self._transfers: dict[str, Transfer] = {}
@@ -99,12 +100,11 @@ class PrefillMessenger:
         self._wake = wake  # the node's "something happened" bell
         self.stats = {"pages": 0, "writes": 0, "bytes": 0, "requests": 0, "failed": 0,
                       "expired_leases": 0, "staged_bytes": 0}
-        # Writes completed by recently finished transfers: the answer to a late Cancel.
-        self._finished_writes: OrderedDict[str, int] = OrderedDict()
+        self._finished_writes: OrderedDict[str, int] = OrderedDict()  # ended: for a late Cancel
         # The model bumps this after each layer; the poller thread turns bumps into writes.
         self.counter = counter
         self._poller = CounterPoller([self.counter.poll_target], self._on_counter,
-                                     name="layer-counter-poller")
+                                     name="layer-counter-poller", cpus=poller_cpus)
         self._poller.start()
 
     # Peers and requests (engine thread).
@@ -162,7 +162,8 @@ class PrefillMessenger:
         self._transfers[key] = Transfer(
             key, message.request_id, request, peer, message.imm, list(message.dst_page_ids),
             message.context_slot, plan_request(self.kv_cache.sharding, peer.sharding,
-                                               PageGeometry.of(self.kv_cache), self._rng),
+                                               PageGeometry.of(self.kv_cache), self._rng,
+                                               self._rank_domains),
             nonce=message.nonce, num_held_pages=held, num_sent_pages=held,
             received_at=time.time())
 
@@ -236,7 +237,7 @@ class PrefillMessenger:
             forward, layer = LayerCounter.decode(value, self.num_layers)
             with self._lock:
                 plan = self._plans.get(forward, [])
-            self._count(staged=stage_out_layer(self._kv, plan, layer))  # no-op unless staged
+            self._count(staged_bytes=stage_out_layer(self._kv, plan, layer))  # no-op unless staged
             now = time.perf_counter()
             for write in plan:
                 write.transfer.layer_post_times.append((layer, now))
@@ -269,11 +270,12 @@ class PrefillMessenger:
                     peer.kv[plan.dst_rank], write.dst_page_ids, peer.page_nbytes,
                     layer * peer.layer_nbytes + plan.dst_offset, transfer.imm,
                     on_done=lambda n=num_pages, layer=layer: self._layer_done(transfer, n, layer),
-                    on_error=lambda error: self._write_done(transfer, error))
+                    on_error=lambda error: self._write_done(transfer, error),
+                    domains=plan.domains)
             except (TransferError, ValueError) as error:
                 self._write_done(transfer, error)
                 return
-            self._count(writes=num_pages, nbytes=num_pages * plan.nbytes)
+            self._count(writes=num_pages, bytes=num_pages * plan.nbytes)
         self._count(pages=num_pages)
 
     def after_forward(self, batch: Batch, output: ForwardOutput) -> None:
@@ -317,7 +319,7 @@ class PrefillMessenger:
                      checksum, transfer.nonce)
         if self._slots.submit(slot, transfer.imm, transfer.peer.context, transfer.context_slot,
                               lambda error: self._write_done(transfer, error, 1)):
-            self._count(writes=1, nbytes=self._slots.slot_nbytes)
+            self._count(writes=1, bytes=self._slots.slot_nbytes)
 
     def _finish(self, transfer: Transfer) -> None:
         """Any thread, lock held: nothing of `transfer` is in flight; the engine thread frees
@@ -327,12 +329,10 @@ class PrefillMessenger:
             self._finished.put(transfer)
             self._wake()
 
-    def _count(self, pages: int = 0, writes: int = 0, nbytes: int = 0, staged: int = 0) -> None:
+    def _count(self, **amounts: int) -> None:
         with self._lock:  # the poller thread and the engine thread both post writes
-            self.stats["pages"] += pages
-            self.stats["writes"] += writes
-            self.stats["bytes"] += nbytes
-            self.stats["staged_bytes"] += staged
+            for name, amount in amounts.items():
+                self.stats[name] += amount
 
     def _layer_done(self, transfer: Transfer, writes: int, layer: int) -> None:
         self.tracer.instant("layer_writes_done", layer=layer, request_id=transfer.request_id)

@@ -13,7 +13,8 @@ own cache are sent with the request's first chunk, as complete pages.
 from __future__ import annotations
 
 import random
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 
 from disagg.model.kv_cache import KVCache
 from disagg.model.sharding import Sharding
@@ -104,6 +105,8 @@ class PageWrite:
     dst_rank: int
     dst_offset: int
     nbytes: int
+    # The sender's transfer-engine domains (NICs) this write goes through; None: any.
+    domains: tuple[int, ...] | None = None
 
 
 @dataclass(frozen=True, slots=True)
@@ -187,12 +190,23 @@ def plan_page_writes(src: Sharding, dst: Sharding, geometry: PageGeometry,
 
 
 def plan_request(ours: Sharding, theirs: Sharding, geometry: PageGeometry,
-                 rng: random.Random) -> list[PageWrite]:
+                 rng: random.Random, rank_domains: Sequence[tuple[int, ...]] | None = None,
+                 ) -> list[PageWrite]:
     """One request's page plan. Equal shardings: rank i to rank i (S6a); otherwise a random
-    source replica set per destination set, so every source device sends (S6c)."""
+    source replica set per destination set, so every source device sends (S6c).
+
+    With `rank_domains` (rank r's transfer-engine domains: the NICs nearest its device), each
+    write goes out through its source rank's own domains: all of them, striped, when TP is
+    matched (S6a: more NICs, more bandwidth); one drawn at random per request and rank
+    otherwise, so DP and replicated deployments spread requests over every NIC (S9a)."""
     matched = ours == theirs and not ours.replicated
-    return plan_page_writes(ours, theirs, geometry,
-                            assign_source_sets(ours, theirs, None if matched else rng))
+    writes = plan_page_writes(ours, theirs, geometry,
+                              assign_source_sets(ours, theirs, None if matched else rng))
+    if rank_domains is None:
+        return writes
+    chosen = {rank: rank_domains[rank] if matched else (rng.choice(rank_domains[rank]),)
+              for rank in sorted({w.src_rank for w in writes})}
+    return [replace(w, domains=chosen[w.src_rank]) for w in writes]
 
 
 def _head_runs(src: Sharding, dst: Sharding, source_set: list[int], dst_rank: int

@@ -47,6 +47,13 @@ def add_cache_metrics(metrics: Metrics, engine: LLMEngine) -> None:
     metrics.counter_from("prefix_cache_evictions_total", lambda: cache.evictions)
 
 
+def add_fabric_metrics(metrics: Metrics, transfer: TransferEngine) -> None:
+    """Bytes each fabric domain (NIC) wrote: with TP, rank i's pages leave through rank i's
+    domains (S6a), so the split shows here."""
+    metrics.counters_from("fabric_bytes_written_total", "domain", lambda: {
+        str(d): stats.bytes_written for d, stats in enumerate(transfer.stats())})
+
+
 @dataclass(frozen=True, slots=True)
 class Wake:
     """Something happened off the engine thread (a counter fired, a transfer ended): look."""

@@ -24,6 +24,7 @@ import torch
 
 from disagg.config import EngineConfig
 from disagg.engine.llm_engine import EngineParts, LLMEngine, load_transformer
+from disagg.errors import ConfigError
 from disagg.model.sharding import Sharding
 from disagg.model.transformer import Transformer
 from disagg.parallel.leader import TPLeader, start_leader
@@ -37,12 +38,14 @@ from disagg.node.base import Inbox
 from disagg.node.decode_node import DecodeNode
 from disagg.node.node_config import NodeConfig, NodeRole, check_device
 from disagg.node.prefill_node import PrefillNode
+from disagg.node.rank_placement import NodePlacement, plan_placement
 from disagg.spec.speculator import Speculator
 from disagg.utils.trace import Tracer, trace_path
 from transfer_core.engine import TransferEngine
 from transfer_core.shm_sweep import sweep_dead_shm_files
 from transfer_core.staging import open_engine
 from transfer_core.testing.faults import FaultPlan, FaultyTransferEngine
+from transfer_core.topology import detect_topology
 
 logger = logging.getLogger(__name__)
 
@@ -71,10 +74,11 @@ def build_node(config: NodeConfig, tracer: Tracer | None = None) -> PrefillNode 
         torch.set_num_threads(config.threads)
     loaded = load_model(config.model)
     tracer = tracer or Tracer(trace_path(config.trace, config.node_id), config.node_id)
-    transfer = open_transfer(config)
+    placement = node_placement(config)
+    transfer = open_transfer(config, placement)
     try:
         if config.role is NodeRole.PREFILL:
-            return _prefill_node(config, loaded, transfer, tracer)
+            return _prefill_node(config, loaded, transfer, tracer, placement)
         return _decode_node(config, loaded, transfer, tracer)
     except BaseException:
         transfer.close()
@@ -99,7 +103,7 @@ def _model(config: NodeConfig, engine_config: EngineConfig, loaded: LoadedModel,
 
 
 def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
-                  tracer: Tracer) -> PrefillNode:
+                  tracer: Tracer, placement: NodePlacement) -> PrefillNode:
     engine_config = _engine_config(config, loaded)
     # The model bumps this after each layer (S3b); the messenger's poller watches it.
     counter = LayerCounter.for_device(config.device)
@@ -108,7 +112,9 @@ def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEng
                                                     counter))
     messenger = PrefillMessenger(parts, transfer, counter, wake=inbox.wake,
                                  make_draft_source=partial(DraftKVSource, parts, transfer),
-                                 tracer=tracer, lease_s=config.lease_s)
+                                 tracer=tracer, lease_s=config.lease_s,
+                                 rank_domains=[r.domains for r in placement.ranks],
+                                 poller_cpus=placement.ranks[0].cpus or None)
     engine = LLMEngine(parts, observers=[messenger])
     return PrefillNode(engine, messenger, transfer, inbox, model_fingerprint(loaded),
                        config.listen, config.node_id, tracer)
@@ -144,13 +150,35 @@ def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngi
         raise
 
 
-def open_transfer(config: NodeConfig) -> TransferEngine:
-    """The node's transfer engine. KV on CUDA with path auto or hmem asks for FI_HMEM first;
-    without a provider that has it, the engine opens without, so auto stages through host
-    memory and hmem fails at registration with the provider's name (both say why)."""
+def node_placement(config: NodeConfig) -> NodePlacement:
+    """Which domains and cores each of the node's TP ranks uses, from this machine's sysfs.
+    A GPU sysfs does not show (a container may hide the PCI tree; CUDA already said the
+    device exists) gets stand-in domains and no affinity, with a warning, not a refusal."""
+    topology = detect_topology()
+    try:
+        return plan_placement(topology, config.parallel.tp, config.device,
+                              config.domains_per_rank)
+    except ConfigError as error:
+        if torch.device(config.device).type != "cuda":
+            raise
+        logger.warning("%s: its ranks get stand-in domains and no NIC or CPU affinity", error)
+        return plan_placement(topology, config.parallel.tp, "cpu", config.domains_per_rank)
+
+
+def open_transfer(config: NodeConfig, placement: NodePlacement | None = None) -> TransferEngine:
+    """The node's transfer engine: one domain per entry of `placement` (rank i's NICs, or
+    stand-ins), each progress thread pinned to its rank's cores (S5b). KV on CUDA with path
+    auto or hmem asks for FI_HMEM first; without a provider that has it, the engine opens
+    without, so auto stages through host memory and hmem fails at registration with the
+    provider's name (both say why)."""
     want_hmem = (torch.device(config.device).type == "cuda"
                  and config.kv_memory_path in ("auto", "hmem"))
-    kwargs: dict[str, object] = {"node": config.fabric_node, "memory_path": config.kv_memory_path}
+    placement = placement or node_placement(config)
+    kwargs: dict[str, object] = {
+        "node": config.fabric_node, "memory_path": config.kv_memory_path,
+        "num_domains": placement.num_domains,
+        "domain_cpus": list(placement.domain_cpus) if all(placement.domain_cpus) else None,
+        "nics": list(placement.domain_nics) if any(placement.domain_nics) else None}
     if "shm" in config.provider:
         sweep_dead_shm_files()  # what nodes killed with SIGKILL left behind (16 MiB each)
     if config.faults:

@@ -36,7 +36,7 @@ from disagg.kv_transfer.messages import (
     Submit,
 )
 from disagg.kv_transfer.transfer_context import Outcome
-from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics
+from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabric_metrics
 from disagg.node.prefiller_link import PrefillerBack, Reconnector, handshake
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
@@ -79,6 +79,7 @@ def decode_metrics(node: DecodeNode) -> Metrics:
     metrics.describe("failures_total", "KV transfers that failed, by cause")
     messenger = node.messenger
     add_cache_metrics(metrics, node.engine)
+    add_fabric_metrics(metrics, node.transfer)
     metrics.gauge("requests_waiting_for_kv", lambda: len(messenger.pending))
     metrics.gauge("quarantined_requests", lambda: len(messenger.quarantine))
     metrics.counter_from("quarantine_forced_releases_total",

@@ -109,6 +109,9 @@ class NodeConfig:
     device: str = "cpu"  # where the model and its KV cache live: cpu, cuda, cuda:N
     kv_memory_path: str = "auto"  # how the NIC reaches the KV: auto, host, hmem, staged (S5)
     cuda_graph: bool = False  # decode steps through static buffers / CUDA graphs (S3b)
+    # Fabric domains per TP rank where no RDMA NIC is near it (stand-ins over the provider's
+    # own interface); with RDMA NICs the nearest NICs decide (`rank_placement.py`, S5b).
+    domains_per_rank: int = 1
 
     def __post_init__(self) -> None:
         check_node_memory(self.device, self.kv_memory_path, need_hardware=False)
@@ -124,6 +127,8 @@ class NodeConfig:
         if self.role is NodeRole.PREFILL and (self.speculative or self.cuda_graph):
             raise ConfigError("a prefiller never decodes: --speculative and --cuda-graph are "
                               "decoder options")
+        if self.domains_per_rank < 1:
+            raise ConfigError(f"domains_per_rank must be at least 1, got {self.domains_per_rank}")
         if self.speculative and self.parallel.tp > 1:
             # Drafts run the model (or a head) outside the engine's step: the ranks would not
             # follow. Refused until the speculator drives the ranks too.

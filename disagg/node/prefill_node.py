@@ -33,7 +33,7 @@ from disagg.kv_transfer.messages import (
 )
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.kv_transfer.transfer_context import DecoderPeer
-from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics
+from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabric_metrics
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
@@ -100,6 +100,7 @@ class PrefillNode(NodeBase):
             self.metrics.counter_from(f"{name}_total",
                                       lambda name=name: self.messenger.stats[name])
         add_cache_metrics(self.metrics, engine)
+        add_fabric_metrics(self.metrics, transfer)
         self.metrics.gauge("transfers_in_flight", lambda: self.messenger.num_in_flight)
         self._listen(listen_address)
         self._stop = threading.Event()

@@ -48,6 +48,7 @@ class Metrics:
         self._owned: dict[str, Counter | Histogram] = {}  # counters and histograms
         self._reads: dict[str, Callable[[], float]] = {}  # gauges and counters kept elsewhere
         self._help: dict[str, str] = {}
+        self._families: dict[str, tuple[str, Callable[[], dict[str, float]]]] = {}
         self.registry.register(_Collector(self))
 
     def describe(self, name: str, text: str) -> None:
@@ -73,6 +74,13 @@ class Metrics:
         """A counter kept elsewhere (e.g. a messenger's stats), read at scrape time."""
         self._claim(name, "counter_from")
         self._reads[name] = read
+
+    def counters_from(self, name: str, label: str,
+                      read: Callable[[], dict[str, float]]) -> None:
+        """Counters kept elsewhere, one series per value of `label` (e.g. bytes per fabric
+        domain), read at scrape time."""
+        self._claim(name, "counters_from")
+        self._families[name] = (label, read)
 
     def value(self, name: str, **labels: str) -> float:
         """A counter's or gauge's current value, a histogram's count (0 if never used)."""
@@ -105,6 +113,7 @@ class Metrics:
         """Every family, gauges read now (what this node's registry yields at a scrape)."""
         with self._lock:
             owned, reads = list(self._owned.values()), list(self._reads.items())
+            families = list(self._families.items())
         for metric in owned:
             for family in metric.collect():
                 created = f"{family.name}_created"
@@ -113,6 +122,12 @@ class Metrics:
         for name, read in reads:
             kind = CounterMetricFamily if self._kinds[name] == "counter_from" else GaugeMetricFamily
             yield kind(self._full(name), self._help.get(name, name), value=float(read()))
+        for name, (label, read_all) in families:
+            family = CounterMetricFamily(self._full(name), self._help.get(name, name),
+                                         labels=[label])
+            for key, value in sorted(read_all().items()):
+                family.add_metric([key], float(value))
+            yield family
 
     def _metric(self, name: str, kind: str, labelnames: tuple[str, ...]) -> Any:
         metric = self._owned.get(name)

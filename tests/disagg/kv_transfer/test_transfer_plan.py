@@ -15,6 +15,7 @@ from disagg.kv_transfer.transfer_plan import (
     expected_write_count,
     pages_completed_by_chunk,
     plan_page_writes,
+    plan_request,
 )
 from disagg.model.sharding import Sharding
 
@@ -149,3 +150,26 @@ def test_pages_are_sent_once_whatever_the_chunking(prompt_len: int, page_size: i
         start = end
     assert sent == list(range(-(-num_prefill // page_size)))
     assert expected_write_count(prompt_len, page_size, num_layers=3) == 3 * len(sent) + 1
+
+
+def test_matched_tp_sends_rank_i_through_rank_is_domains() -> None:
+    """S6a: TP 2 -> TP 2, each rank's writes go out through all of its own domains."""
+    geometry = PageGeometry("HND", 4, 8, 4)
+    writes = plan_request(Sharding(2, 4), Sharding(2, 4), geometry, random.Random(0),
+                          [(0, 1), (2, 3)])
+    assert {(w.src_rank, w.domains) for w in writes} == {(0, (0, 1)), (1, (2, 3))}
+
+
+def test_replicated_sources_draw_one_domain_of_their_rank_per_request() -> None:
+    """S9a: replicated KV to DP decoders: one source rank per request, one of its domains,
+    and over many requests every rank and every domain is drawn."""
+    geometry, rng = PageGeometry("HND", 4, 8, 4), random.Random(1)
+    drawn = set()
+    for _ in range(200):
+        writes = plan_request(Sharding(2, 4, True), Sharding(1, 4, True), geometry, rng,
+                              [(0, 1), (2, 3)])
+        (rank,) = {w.src_rank for w in writes}
+        (domains,) = {w.domains for w in writes}
+        assert len(domains) == 1 and domains[0] in ((0, 1), (2, 3))[rank]
+        drawn.add(domains[0])
+    assert drawn == {0, 1, 2, 3}

@@ -39,3 +39,18 @@ def test_a_killed_rank_ends_its_node_and_every_other_rank() -> None:
         assert not Path(f"/proc/{decoder_pid}").exists() or code is not None
         assert not Path(f"/proc/{rank1}").exists()
         assert cluster.exit_codes()[cluster.names.index("prefill-0")] is None
+
+
+def test_a_replicated_prefillers_request_leaves_through_one_ranks_domain() -> None:
+    """S9a: a replicated TP 2 prefiller sends each request from one rank drawn at random, and
+    through that rank's own domain: one domain carries the KV, the other at most a context
+    slot. (Striping every write over both domains would split the bytes about evenly.)"""
+    from disagg.apps.demo import PromptSpec, run_demo
+
+    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, num_pages=64,
+                           prefill_tp=2, decode_tp=1, replicated_kv=True)
+    result = run_demo(config, [PromptSpec(token_ids=list(range(3, 60)))], max_tokens=2)
+    metrics = result["metrics"]["prefill-0"]
+    per_domain = [metrics[f'disagg_fabric_bytes_written_total{{domain="{d}"}}'] for d in (0, 1)]
+    assert sum(per_domain) >= metrics["disagg_bytes_total"] > 0
+    assert min(per_domain) < 0.25 * sum(per_domain), per_domain
