@@ -2,8 +2,8 @@
 
 libfabric's data path (fi_writedata, fi_cq_read, fi_mr_reg, ...) is static inline in the
 headers, so only API mode, which compiles real C, can reach it. The libfabric structs are
-declared partially (`...;`): the compiler fills in their layout. The C shim (shim.h,
-shim.c.in, shim_wait.c.in) adds the batched write/progress loop. Run by setuptools via
+declared partially (`...;`): the compiler fills in their layout. The C shim (shim.h and the
+`_SHIM_SOURCES`, one translation unit) adds the batched write/progress loop. Run by setuptools via
 setup.py's `cffi_modules`, or directly: `python transfer_core/pyfabric/_build.py` builds in place.
 """
 
@@ -140,6 +140,17 @@ _INCLUDES = """
 """
 
 
+# Concatenated in this order into one translation unit: each file uses the statics of those
+# before it (the worker, then posting and reaping, the loop, waited ops, control helpers).
+_SHIM_SOURCES = (
+    "shim.c.in",
+    "shim_post.c.in",
+    "shim_progress.c.in",
+    "shim_wait.c.in",
+    "shim_control.c.in",
+)
+
+
 def _read(name: str) -> str:
     return (_HERE / name).read_text()
 
@@ -148,7 +159,7 @@ ffibuilder = cffi.FFI()
 ffibuilder.cdef(_LIBFABRIC_CDEF + _read("shim.h"))
 ffibuilder.set_source(
     "transfer_core.pyfabric._pyfabric",
-    _INCLUDES + _read("shim.h") + _read("shim.c.in") + _read("shim_wait.c.in"),
+    _INCLUDES + _read("shim.h") + "".join(_read(name) for name in _SHIM_SOURCES),
     libraries=["fabric"],
     extra_compile_args=["-O2", "-std=gnu11", "-Wall", "-Wno-unused-function"],
 )
