@@ -32,6 +32,7 @@ from disagg.apps.options import (
     RoutingMarginOption,
     RoutingOption,
     SpeculativeOption,
+    TpOption,
     speculative_config,
 )
 from disagg.apps.serve_commands import serve_app
@@ -39,6 +40,7 @@ from disagg.apps.topology_command import register as register_topology
 from disagg.config import (
     CacheConfig,
     EngineConfig,
+    ParallelConfig,
     SchedulerConfig,
     check_kv_layout,
 )
@@ -88,7 +90,7 @@ def generate(
         help="Write a Chrome/Perfetto trace of the engine steps to this JSON file")] = None,
     speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
     draft_layers: DraftLayersOption = 0,
-    device: DeviceOption = "cpu", cuda_graph: CudaGraphOption = False,
+    device: DeviceOption = "cpu", cuda_graph: CudaGraphOption = False, tp: TpOption = 1,
 ) -> None:
     """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
     from disagg.apps.generate import generate_one
@@ -103,7 +105,7 @@ def generate(
                           kv_layout=check_kv_layout(kv_layout)),
         scheduler=SchedulerConfig(chunk_size=chunk_size,
                                   max_num_batched_tokens=max(chunk_size, 1)),
-        device=check_device(device), cuda_graph=cuda_graph)
+        parallel=ParallelConfig(tp), device=check_device(device), cuda_graph=cuda_graph)
     stream = None if as_json else _print_now
     tracer = Tracer(trace, "generate")
     result = generate_one(

@@ -13,11 +13,11 @@ from dataclasses import replace
 from typing import Any
 
 from disagg.config import EngineConfig, SpeculativeConfig
-from disagg.engine.llm_engine import build_engine
+from disagg.engine.llm_engine import LLMEngine, build_engine
 from disagg.engine.request import SamplingParams
-from disagg.errors import RequestError
+from disagg.errors import ConfigError, RequestError
 from disagg.model.loading.registry import load_model
-from disagg.model.loading.tokenizer import StreamDecoder
+from disagg.model.loading.tokenizer import StreamDecoder, Tokenizer
 from disagg.spec.speculator import build_speculative_engine
 from disagg.utils.trace import Tracer
 
@@ -43,10 +43,24 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
         raise RequestError(f"token id {max(prompt_token_ids)} is outside the vocabulary of "
                            f"{loaded.config.vocab_size}")
     config = replace(config, model=loaded.config)
-    engine = (build_engine(config, loaded.state_dict) if speculative is None
+    if speculative is not None and config.parallel.tp > 1:
+        raise ConfigError(f"--speculative runs on one process: not with TP {config.parallel.tp}")
+    engine = (build_engine(config, loaded.state_dict, model_spec=model_spec)
+              if speculative is None
               else build_speculative_engine(config, loaded.state_dict, speculative))
-    params = SamplingParams(max_tokens=max_tokens, temperature=temperature, top_p=top_p,
-                            top_k=top_k, seed=seed)
+    try:
+        return _generate(engine, tokenizer, prompt_token_ids, model_spec,
+                         SamplingParams(max_tokens=max_tokens, temperature=temperature,
+                                        top_p=top_p, top_k=top_k, seed=seed),
+                         on_text, tracer, speculative)
+    finally:
+        engine.close()  # the TP ranks, if any
+
+
+def _generate(engine: LLMEngine, tokenizer: Tokenizer | None, prompt_token_ids: list[int],
+              model_spec: str, params: SamplingParams,
+              on_text: Callable[[str], None] | None, tracer: Tracer | None,
+              speculative: SpeculativeConfig | None) -> dict[str, Any]:
     request = engine.add_request(prompt_token_ids, params)
     stream = StreamDecoder(tokenizer, skip_special_tokens=True) if tokenizer else None
     tracer = tracer or Tracer()

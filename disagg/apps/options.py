@@ -40,7 +40,9 @@ ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm,
 ThreadsOption = Annotated[int, typer.Option(help="torch threads for this node (0: default)")]
 TraceOption = Annotated[str | None, typer.Option(
     help="Write a Chrome trace: a file path ({node_id} is filled in) or a directory")]
-TpOption = Annotated[int, typer.Option(help="Tensor-parallel degree: KV sharded by head (S6)")]
+TpOption = Annotated[int, typer.Option(
+    help="Tensor-parallel degree: this process leads N-1 rank processes, the model's heads and "
+         "KV split among them (S3c, S6)")]
 ReplicatedOption = Annotated[bool, typer.Option(
     help="Every TP rank holds the whole KV cache (MLA-style latent cache, S9a)")]
 FaultsOption = Annotated[str | None, typer.Option(

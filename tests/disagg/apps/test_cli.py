@@ -209,3 +209,27 @@ def test_a_busy_metrics_port_is_one_line_and_exit_2() -> None:
     assert done.returncode == 2
     assert f"--metrics-port {port}: cannot listen on 127.0.0.1" in done.stderr
     assert "Traceback" not in done.stderr
+
+
+@pytest.mark.slow  # rank processes: about 3 s
+def test_generate_at_tp_2_matches_tp_1(capsys: pytest.CaptureFixture[str]) -> None:
+    """`disagg generate --tp 2` runs a rank process and decodes TP 1's tokens."""
+    outputs = []
+    for tp in ("1", "2"):
+        code, out, _ = run_cli(["generate", "--model", "tiny", "--prompt-token-ids", "5,6,7,8,9",
+                                "--max-tokens", "8", "--tp", tp, "--json"], capsys)
+        assert code == 0
+        outputs.append(json.loads(out)["token_ids"])
+    assert outputs[0] == outputs[1] and len(outputs[0]) == 8
+
+
+@pytest.mark.parametrize(("extra", "message"), [
+    (["--tp", "3"], "tp=3 and num_kv_heads=4: one must divide the other"),
+    (["--tp", "2", "--speculative", "mtp"], "--speculative runs on one process: not with TP 2"),
+    (["--tp", "2", "--cuda-graph"], "--cuda-graph runs decode graphs on one process")])
+def test_generate_refuses_tp_it_cannot_run(extra: list[str], message: str,
+                                           capsys: pytest.CaptureFixture[str]) -> None:
+    """One line and exit 2, before any rank process starts."""
+    code, _, err = run_cli(["generate", "--model", "tiny", "--prompt-token-ids", "5,6",
+                            *extra], capsys)
+    assert code == 2 and message in err
