@@ -22,7 +22,9 @@ from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 
-pytestmark = pytest.mark.fabric
+# Real processes: a spawned receiver per provider, and more for the dead peer and the
+# benchmark; about 5 s in all, so outside the inner loop.
+pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
 NUM_PAGES = 256
 PAGE = 16 * 1024

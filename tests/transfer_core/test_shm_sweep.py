@@ -27,6 +27,7 @@ def test_only_files_of_dead_processes_are_removed(tmp_path: Path) -> None:
 
 
 @pytest.mark.fabric
+@pytest.mark.slow  # a real child process that imports the engine: about 0.4 s
 def test_a_killed_shm_process_leaves_a_file_the_sweep_removes() -> None:
     """SIGKILL leaves `/dev/shm/<pid>:0:0` (libfabric cannot unlink it); the sweep does."""
     child = subprocess.Popen([sys.executable, "-c", (
