@@ -26,7 +26,7 @@ from tests.test_tutorials import FENCE
 
 ROOT = Path(__file__).parent.parent
 DEPLOY = ROOT / "docs" / "deploy.md"
-LEFTOVERS = ("disagg.node.serve", "disagg serve", "raylet", "gcs_server")
+LEFTOVERS = ("PR_SET_PDEATHSIG", "disagg serve", "raylet", "gcs_server")  # see test_ray_cluster
 SUBSTITUTION = re.compile(r"\$\(\([^)]*\)\)|\$\([^)]*\)|\$\{[^}]*\}|\$\w+")
 
 # A stand-in for machines without curl: what the blocks use of it (-s, -f, -H, -d, a URL).

@@ -25,6 +25,7 @@ AUTO = "auto"  # `--ray auto`: the cluster RAY_ADDRESS (or `ray start` on this m
 PORTS_PER_NODE = 2  # control, then metrics
 MAX_PORT = 65535
 PROBE_TIMEOUT_S = 5.0
+RAY_BUILTIN_RESOURCES = ("CPU", "GPU", "memory", "object_store_memory")
 
 
 @dataclass(frozen=True, slots=True)
@@ -44,6 +45,9 @@ class ResourceRequest:
         name, sep, amount = text.partition("=")
         if not name or any(c.isspace() or c in "{}\"'," for c in name):
             raise ConfigError(f"{option} {text!r}: expected NAME or NAME=AMOUNT")
+        if name in RAY_BUILTIN_RESOURCES:
+            raise ConfigError(f"{option} {text!r}: {name} is Ray's own resource; name one "
+                              "you gave `ray start --resources`")
         if not sep:
             return ResourceRequest(name)
         try:

@@ -33,7 +33,9 @@ from tests.disagg.server.test_openai_e2e import MODEL, Server
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
 BASE_PORT = 24000  # above Ray's default worker ports (10002-19999)
-LEFTOVER_PATTERNS = ("disagg.node.serve", "raylet", "gcs_server")
+# A Ray node's process carries ray_actor.CHILD in its command line; others' tests may run
+# plain `disagg.node.serve` processes on a shared machine at the same time.
+LEFTOVER_PATTERNS = ("PR_SET_PDEATHSIG", "raylet", "gcs_server")
 
 
 @dataclass

@@ -41,7 +41,7 @@ def test_resource_option_parses_name_and_amount(text: str, expected: ResourceReq
 
 
 @pytest.mark.parametrize("text", ["", "=1", "host=0", "host=-1", "host=nan", "host=x",
-                                  "a b", '{"host": 1}'])
+                                  "a b", '{"host": 1}', "GPU", "CPU=2"])
 def test_bad_resource_option_names_the_option_and_value(text: str) -> None:
     with pytest.raises(ConfigError, match=r"--ray-prefill-resource") as error:
         ResourceRequest.parse(text, "--ray-prefill-resource")
