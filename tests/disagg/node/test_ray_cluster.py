@@ -3,7 +3,8 @@
 custom resources. The nodes land where their resources say, in one STRICT_PACK group per node;
 greedy tokens over HTTP (the real `openai` client) equal the single-node engine's (what
 `disagg generate` runs); a decoder killed mid-stream ends its request once, is restarted by
-Ray and re-admitted by the router; shutdown leaves no actors, processes or /dev/shm files.
+Ray and re-admitted by the router (a killed prefiller comes back to the decoders the same
+way); shutdown leaves no actors, processes or /dev/shm files.
 """
 
 from __future__ import annotations
@@ -168,21 +169,38 @@ def test_a_decoder_killed_mid_stream_is_restarted_and_readmitted(world: World) -
     assert len(terminal) == 1, received[-3:]
     if "error" not in terminal[0]:  # retried elsewhere: then the whole answer arrived
         assert sum(len(e["choices"][0]["token_ids"]) for e in received) == 400
-    deadline = time.monotonic() + 90
-    while time.monotonic() < deadline:
-        status, body = world.server.get("/health")
-        back = {n["name"]: n for n in json.loads(body)["nodes"]}["decode-0"]
-        if status == 200 and back["pid"] not in (None, victim["pid"]):
-            break
-        time.sleep(0.5)
-    assert status == 200, body
+    back = _wait_restarted(world.server, "decode-0", victim["pid"])
     assert (back["address"], back["ray_node_id"]) == (victim["address"], victim["ray_node_id"])
-    assert back["pid"] != victim["pid"]
     for seed in (5, 6):  # sequential, least-loaded: decode-0 takes them
         prompt = e2e.prompt_of(9, seed=seed)
         reply = world.server.client.completions.create(model=MODEL, prompt=prompt,
                                                        max_tokens=6, temperature=0)
         assert reply.choices[0].model_extra["token_ids"] == e2e.reference_tokens(prompt, 6)
+
+
+def _wait_restarted(server: Server, name: str, old_pid: int) -> dict:
+    """The node's /health entry once /health is 200 again with a new pid for it."""
+    deadline = time.monotonic() + 90
+    while time.monotonic() < deadline:
+        status, body = server.get("/health")
+        node = {n["name"]: n for n in json.loads(body)["nodes"]}[name]
+        if status == 200 and node["pid"] not in (None, old_pid):
+            return node
+        time.sleep(0.5)
+    raise AssertionError(f"{name} not back within 90 s: {body}")
+
+
+def test_a_killed_prefiller_is_restarted_and_the_decoders_take_it_back(world: World) -> None:
+    """SIGKILL the only prefiller: Ray restarts it at the same address, both decoders
+    reconnect to it (prefiller_link), and requests are served right again."""
+    victim = _nodes(world.server)["prefill-0"]
+    os.kill(victim["pid"], signal.SIGKILL)
+    back = _wait_restarted(world.server, "prefill-0", victim["pid"])
+    assert (back["address"], back["ray_node_id"]) == (victim["address"], victim["ray_node_id"])
+    prompt = e2e.prompt_of(12, seed=8)
+    reply = world.server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
+                                                   temperature=0)
+    assert reply.choices[0].model_extra["token_ids"] == e2e.reference_tokens(prompt, 6)
 
 
 def test_unplaceable_nodes_fail_naming_what_they_ask(world: World) -> None:
