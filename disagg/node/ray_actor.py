@@ -42,8 +42,8 @@ runpy.run_module("disagg.node.serve", run_name="__main__", alter_sys=True)
 class NodeActor:
     """One node process on the Ray node this actor landed on.
 
-    `rank_gpu_ids`: the GPUs of the other bundles of this node's placement group (its TP ranks'),
-    after the actor's own; the node process sees exactly these.
+    `rank_gpu_ids`: the GPUs of the other bundles of this node's placement group (its TP
+    ranks'); the node process sees exactly the actor's own GPUs, then these.
     """
 
     def __init__(self, node_json: str, port: int, metrics_port: int, secret: str,
@@ -56,9 +56,9 @@ class NodeActor:
             NodeConfig.from_json(node_json), listen=format_address(self.node_ip, port),
             metrics_port=metrics_port, fabric_node=self.node_ip)
         env = dict(os.environ, PYTHONUNBUFFERED="1")
-        own_gpus = [str(int(i)) for i in ray.get_gpu_ids()]
-        if own_gpus:
-            env["CUDA_VISIBLE_DEVICES"] = ",".join(own_gpus + rank_gpu_ids)
+        own_gpus = [str(i) for i in ray.get_gpu_ids()]
+        if own_gpus:  # once each: bundles with fractional GPUs may share one
+            env["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(own_gpus + rank_gpu_ids))
         self._lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
         self._ready = threading.Event()
         self._ready_words: list[str] = []

@@ -14,6 +14,7 @@ private instance, stops Ray.
 from __future__ import annotations
 
 import logging
+import math
 import os
 import secrets
 import time
@@ -41,7 +42,7 @@ STOP_TIMEOUT_S = 20.0
 
 @ray.remote
 def _bundle_gpu_ids() -> list[str]:
-    return [str(int(i)) for i in ray.get_gpu_ids()]
+    return [str(i) for i in ray.get_gpu_ids()]
 
 
 class RayCluster:
@@ -65,8 +66,8 @@ class RayCluster:
         self._secret_set = False
 
     def __enter__(self) -> RayCluster:
-        self._connect()
         try:
+            self._connect()
             self._reserve()
             first = [p for p in self.placements if p.role is NodeRole.PREFILL]
             self.prefiller_addresses = self._start(first, ())
@@ -101,10 +102,14 @@ class RayCluster:
                     needs[name] = needs.get(name, 0.0) + amount
             cpus = max(needs.pop("CPU", 0.0), float(os.cpu_count() or 1))
             needs.pop("GPU", None)  # Ray counts the GPUs it finds
-            ray.init(num_cpus=int(cpus + 0.999), resources=needs, include_dashboard=False,
+            ray.init(num_cpus=math.ceil(cpus), resources=needs, include_dashboard=False,
                      namespace=self.namespace, log_to_driver=False)
         else:
-            ray.init(address=address, namespace=self.namespace, log_to_driver=False)
+            try:
+                ray.init(address=address, namespace=self.namespace, log_to_driver=False)
+            except (ConnectionError, RuntimeError) as error:  # no cluster, or a wrong token
+                raise ConfigError(f"--ray {address}: cannot join the Ray cluster: "
+                                  f"{_last_line(error)}") from None
         self._started_ray = True
 
     def _reserve(self) -> None:
@@ -159,17 +164,17 @@ class RayCluster:
         probe = _bundle_gpu_ids.options(
             num_cpus=0, num_gpus=bundle["GPU"],
             scheduling_strategy=PlacementGroupSchedulingStrategy(group, index))
-        return ray.get(probe.remote(), timeout=self.config.startup_timeout_s)
-
-    def pid_of(self, name: str) -> int:
-        """The process id of a node's process now (it changes when Ray restarts the node)."""
-        return int(ray.get(self.actors[name].info.remote())["pid"])
+        try:
+            return ray.get(probe.remote(), timeout=self.config.startup_timeout_s)
+        except GetTimeoutError:
+            raise DisaggError(f"no task ran in bundle {index} of a placement group within "
+                              f"{self.config.startup_timeout_s:g} s to name its GPUs") from None
 
     def stop(self) -> None:
-        """Shut every node down (decoders first), kill the actors, free the groups; a private
-        Ray instance is stopped too. Exit codes other than 0 are logged."""
-        stopping = {name: actor.stop.remote(STOP_TIMEOUT_S) for name, actor in
-                    reversed(self.actors.items())}
+        """Shut every node down (all asked at once), kill the actors, free the groups; a
+        private Ray instance is stopped too. Exit codes other than 0 are logged."""
+        stopping = {name: actor.stop.remote(STOP_TIMEOUT_S)
+                    for name, actor in self.actors.items()}
         for name, pending in stopping.items():
             try:
                 code = ray.get(pending, timeout=STOP_TIMEOUT_S + 10)
