@@ -17,8 +17,11 @@ import logging
 import math
 import os
 import secrets
+import signal
+import threading
 import time
 import uuid
+from collections.abc import Callable
 
 import ray
 from ray.exceptions import GetTimeoutError, RayActorError
@@ -64,6 +67,7 @@ class RayCluster:
         self._started_ray = False
         self._previous_secret: str | None = None
         self._secret_set = False
+        self._sigterm: Callable[..., object] | int | None = signal.SIG_DFL
 
     def __enter__(self) -> RayCluster:
         try:
@@ -94,6 +98,8 @@ class RayCluster:
             return
         address = self.ray_config.address
         probe_address(address)
+        # ray.init installs its own SIGTERM handler and leaves it after ray.shutdown.
+        self._sigterm = signal.getsignal(signal.SIGTERM)
         if address == LOCAL:
             # Sized for this cluster: logical CPUs and the role resources its groups ask for.
             needs: dict[str, float] = {}
@@ -190,6 +196,8 @@ class RayCluster:
         if self._started_ray:
             ray.shutdown()
             self._started_ray = False
+            if threading.current_thread() is threading.main_thread():
+                signal.signal(signal.SIGTERM, self._sigterm)
         if self._secret_set and self._previous_secret is None:
             os.environ.pop(SECRET_ENV, None)
         elif self._secret_set:

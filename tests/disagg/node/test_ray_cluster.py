@@ -46,6 +46,7 @@ class World:
     decode_host: str
     server: Server
     shm_before: set[str]
+    sigterm: object
 
 
 def _processes_matching(pattern: str) -> list[str]:
@@ -63,6 +64,7 @@ def _shut_down(world: World) -> None:
     if world.server.process.poll() is None:
         e2e.stop_server(world.server)
     ray.shutdown()
+    signal.signal(signal.SIGTERM, world.sigterm)  # ray.init's handler outlives ray.shutdown
     world.cluster.shutdown()
 
 
@@ -76,6 +78,7 @@ def world() -> Iterator[World]:
     prefill = cluster.add_node(num_cpus=1, num_gpus=1, resources={"prefill_host": 1})
     decode = cluster.add_node(num_cpus=4, num_gpus=4, resources={"decode_host": 2})
     cluster.wait_for_nodes()
+    sigterm = signal.getsignal(signal.SIGTERM)
     ray.init(address=cluster.address)  # the test's own look at actors and groups
     try:
         server = e2e.start_server("--ray", cluster.address, "--decoders", "2", "--decode-tp", "2",
@@ -85,9 +88,10 @@ def world() -> Iterator[World]:
                               "--routing", "least-loaded")
     except BaseException:
         ray.shutdown()
+        signal.signal(signal.SIGTERM, sigterm)
         cluster.shutdown()
         raise
-    running = World(cluster, prefill.node_id, decode.node_id, server, shm_before)
+    running = World(cluster, prefill.node_id, decode.node_id, server, shm_before, sigterm)
     yield running
     _shut_down(running)
 
