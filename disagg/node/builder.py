@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import ctypes
 import logging
+import os
 from functools import partial
 
 import torch
@@ -114,7 +115,7 @@ def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEng
                                  make_draft_source=partial(DraftKVSource, parts, transfer),
                                  tracer=tracer, lease_s=config.lease_s,
                                  rank_domains=[r.domains for r in placement.ranks],
-                                 poller_cpus=placement.ranks[0].cpus or None)
+                                 poller_cpus=allowed(placement.ranks[0].cpus) or None)
     engine = LLMEngine(parts, observers=[messenger])
     return PrefillNode(engine, messenger, transfer, inbox, model_fingerprint(loaded),
                        config.listen, config.node_id, tracer)
@@ -150,6 +151,13 @@ def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngi
         raise
 
 
+def allowed(cpus: tuple[int, ...]) -> tuple[int, ...]:
+    """The cores of `cpus` this process may run on: a node started under taskset, a cgroup
+    cpuset, SLURM or Ray pins within its share, never outside it."""
+    mine = os.sched_getaffinity(0)
+    return tuple(cpu for cpu in cpus if cpu in mine)
+
+
 def node_placement(config: NodeConfig) -> NodePlacement:
     """Which domains and cores each of the node's TP ranks uses, from this machine's sysfs.
     A GPU sysfs does not show (a container may hide the PCI tree; CUDA already said the
@@ -177,7 +185,8 @@ def open_transfer(config: NodeConfig, placement: NodePlacement | None = None) ->
     kwargs: dict[str, object] = {
         "node": config.fabric_node, "memory_path": config.kv_memory_path,
         "num_domains": placement.num_domains,
-        "domain_cpus": list(placement.domain_cpus) if all(placement.domain_cpus) else None,
+        "domain_cpus": [allowed(cpus) for cpus in placement.domain_cpus]
+        if all(allowed(cpus) for cpus in placement.domain_cpus) else None,
         "nics": list(placement.domain_nics) if any(placement.domain_nics) else None}
     if "shm" in config.provider:
         sweep_dead_shm_files()  # what nodes killed with SIGKILL left behind (16 MiB each)
