@@ -1,18 +1,16 @@
 """The collectives of one node's TP ranks, through `torch.distributed` (S3c).
 
 gloo on CPU, NCCL on CUDA, rendezvous through a file in the node's private directory (no port
-to pick, nothing reachable from outside). Two things travel: the all-reduce after each
-row-parallel projection (`all_reduce`, on the device), and the leader's step
-(`broadcast_step`, always over gloo and in host memory): the batch's token ids, positions and
-attention metadata, or `None` to stop. Ranks compute exactly what the leader computes, on their
-own heads, so nothing else needs to be said.
+to pick, nothing reachable from outside). Only the all-reduce after each row-parallel
+projection travels here (on the device with NCCL); the leader's steps go over each rank's Unix
+socket (`step.py`). Ranks compute exactly what the leader computes, on their own heads, so
+nothing else needs to be said.
 """
 
 from __future__ import annotations
 
 import datetime
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -36,23 +34,15 @@ class GroupSpec:
         return GroupSpec(store_path, world_size, backend)
 
 
-_steps: dict[str, Any] = {}  # "group": the group steps are broadcast in (gloo)
-
-
 def join(spec: GroupSpec, rank: int, timeout_s: float = COLLECTIVE_TIMEOUT_S) -> None:
     """Enter the group as `rank`; returns once every rank has joined."""
-    timeout = datetime.timedelta(seconds=timeout_s)
     dist.init_process_group(spec.backend, init_method=f"file://{spec.store_path}", rank=rank,
-                            world_size=spec.world_size, timeout=timeout)
-    # Steps are Python objects: pickled into host memory, so they go over gloo even when the
-    # all-reduces run on NCCL.
-    _steps["group"] = None if spec.backend == "gloo" else dist.new_group(backend="gloo",
-                                                                         timeout=timeout)
+                            world_size=spec.world_size,
+                            timeout=datetime.timedelta(seconds=timeout_s))
 
 
 def leave() -> None:
     """Leave the group (idempotent)."""
-    _steps.clear()
     if dist.is_initialized():
         dist.destroy_process_group()
 
@@ -61,15 +51,3 @@ def all_reduce(x: torch.Tensor) -> torch.Tensor:
     """Sum `x` over the ranks, in place; returns it."""
     dist.all_reduce(x)
     return x
-
-
-def broadcast_step(step: tuple[Any, ...] | None) -> None:
-    """Leader: send this step's inputs (or `None`: stop) to every rank."""
-    dist.broadcast_object_list([step], src=0, group=_steps.get("group"))
-
-
-def receive_step() -> tuple[Any, ...] | None:
-    """Rank: the leader's next step, or `None` once it stops."""
-    box: list[Any] = [None]
-    dist.broadcast_object_list(box, src=0, group=_steps.get("group"))
-    return box[0]

@@ -2,8 +2,8 @@
 
 `TPRanks.start` runs ranks 1..N-1 as child processes (`rank_worker.py`) while the leader loads
 its own shard; `connect` then takes each rank's KV memory over a Unix socket and joins the
-group. Every step the leader broadcasts its batch's inputs before running its own forward, so
-all ranks enter each all-reduce in the same order. A rank that dies is reported once through
+group. Every step the leader sends its batch's inputs down each rank's socket before running
+its own forward, so all ranks enter each all-reduce in the same order. A rank that dies is reported once through
 `on_failure` (the node fails: its requests go elsewhere); `stop` ends every rank and leaves no
 process, fd, socket or directory behind.
 """
@@ -30,7 +30,7 @@ from disagg.errors import RankError
 from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec
 from disagg.parallel.shared_memory import map_region, recv_message
-from disagg.parallel.step import Step, step_to
+from disagg.parallel.step import Step, encode_step, send_step
 
 logger = logging.getLogger(__name__)
 
@@ -57,6 +57,7 @@ class TPRanks:
         self._failed: RankError | None = None
         self._allocations: list[object] = []  # cuMem imports, kept mapped while we run
         self.kv_buffers: list[torch.Tensor] = []  # rank r's KV at index r - 1
+        self._channels: dict[int, socket.socket] = {}  # rank -> its socket (fd, then steps)
         self.pids: list[int] = [p.pid for p in processes]
 
     @staticmethod
@@ -105,9 +106,14 @@ class TPRanks:
                     conn, _ = self._server.accept()
                 except TimeoutError:
                     continue
-                with conn:
-                    conn.settimeout(timeout_s)
+                conn.settimeout(timeout_s)
+                try:
                     rank, buffer = self._receive_kv(conn)
+                except BaseException:
+                    conn.close()
+                    raise
+                conn.settimeout(None)
+                self._channels[rank] = conn  # from now on: this rank's steps
                 hellos[rank] = buffer
             self.kv_buffers = [hellos[rank] for rank in range(1, self.spec.sharding.tp)]
             group.join(self.spec.group, 0)
@@ -168,20 +174,23 @@ class TPRanks:
         """Send this step's inputs to every rank (before the leader's own forward)."""
         if self._failed is not None:
             raise self._failed
-        try:
-            group.broadcast_step(step_to(step, "cpu"))
-        except RuntimeError as error:
-            raise self._failed or RankError(f"broadcasting a step to the TP ranks of "
-                                            f"{self.spec.node_id} failed: {error}") from error
+        frame = encode_step(step)
+        for rank, channel in self._channels.items():
+            try:
+                send_step(channel, frame)
+            except OSError as error:
+                raise self._failed or RankError(f"TP rank {rank} of {self.spec.node_id} "
+                                                f"took no step: {error}") from error
 
     def stop(self) -> None:
         """Tell the ranks to stop, wait for them (kill the stuck), release everything."""
         if self._stopping.is_set():
             return
         self._stopping.set()
-        if self._joined and self._failed is None:
-            with contextlib.suppress(RuntimeError):  # a rank may be dying too: we end them
-                group.broadcast_step(None)
+        stop = encode_step(None)
+        for channel in self._channels.values():
+            with contextlib.suppress(OSError):  # a rank may be dying too: we end them
+                send_step(channel, stop)
         for process in self._processes:
             with contextlib.suppress(OSError):
                 if process.stdin is not None:
@@ -196,5 +205,7 @@ class TPRanks:
                 process.wait()
         if self._joined:
             group.leave()
+        for channel in self._channels.values():
+            channel.close()
         self._server.close()
         shutil.rmtree(self._workdir, ignore_errors=True)

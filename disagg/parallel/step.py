@@ -1,7 +1,16 @@
-"""One step's model inputs as the leader broadcasts them and a rank receives them (S3c)."""
+"""One step's model inputs as the leader sends them and a rank receives them (S3c).
+
+A step goes to each rank over the Unix socket that brought the leader its KV memory: one
+pickled frame (the leader and its ranks are one program, started by it, so pickle is safe).
+Over gloo it would cost two collectives per step (a size, then the bytes), each a round trip
+through every rank; a socket write is a few microseconds. `None` tells a rank to stop.
+"""
 
 from __future__ import annotations
 
+import pickle
+import socket
+import struct
 from dataclasses import replace
 
 import torch
@@ -9,6 +18,39 @@ import torch
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 
 Step = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
+_LENGTH = struct.Struct("!Q")
+
+
+def send_step(sock: socket.socket, frame: bytes) -> None:
+    """Send one `encode_step` frame."""
+    sock.sendall(frame)
+
+
+def encode_step(step: Step | None) -> bytes:
+    """`step` (its tensors moved to host memory), or `None`, as one length-prefixed frame."""
+    body = pickle.dumps(None if step is None else step_to(step, "cpu"),
+                        protocol=pickle.HIGHEST_PROTOCOL)
+    return _LENGTH.pack(len(body)) + body
+
+
+def receive_step(sock: socket.socket) -> Step | None:
+    """The leader's next step, or `None` (stop, or the leader is gone)."""
+    header = _read(sock, _LENGTH.size)
+    if header is None:
+        return None
+    body = _read(sock, _LENGTH.unpack(header)[0])
+    return None if body is None else pickle.loads(body)
+
+
+def _read(sock: socket.socket, n: int) -> bytes | None:
+    parts, got = [], 0
+    while got < n:
+        part = sock.recv(min(n - got, 1 << 20))
+        if not part:
+            return None
+        parts.append(part)
+        got += len(part)
+    return b"".join(parts)
 
 
 def _to(tensor: torch.Tensor | None, device: str | torch.device) -> torch.Tensor | None:
