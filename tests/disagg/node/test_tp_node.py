@@ -54,3 +54,17 @@ def test_a_replicated_prefillers_request_leaves_through_one_ranks_domain() -> No
     per_domain = [metrics[f'disagg_fabric_bytes_written_total{{domain="{d}"}}'] for d in (0, 1)]
     assert sum(per_domain) >= metrics["disagg_bytes_total"] > 0
     assert min(per_domain) < 0.25 * sum(per_domain), per_domain
+
+
+def test_ranks_exit_with_a_node_killed_by_sigkill() -> None:
+    """A TP 2 prefiller killed outright (no cleanup at all): its rank sees its stdin close
+    and exits, leaving no orphan behind."""
+    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, num_pages=64, prefill_tp=2)
+    with LocalCluster(config) as cluster:
+        (rank1,) = cluster.rank_pids["prefill-0"]
+        cluster.kill("prefill-0")
+        deadline = time.monotonic() + 10
+        while Path(f"/proc/{rank1}").exists() and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert not Path(f"/proc/{rank1}").exists() or "Z" in Path(
+            f"/proc/{rank1}/stat").read_text().rsplit(")", 1)[1].split()[0]
