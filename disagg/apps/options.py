@@ -40,6 +40,9 @@ ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm,
 ThreadsOption = Annotated[int, typer.Option(help="torch threads for this node (0: default)")]
 TraceOption = Annotated[str | None, typer.Option(
     help="Write a Chrome trace: a file path ({node_id} is filled in) or a directory")]
+DomainsPerRankOption = Annotated[int, typer.Option(
+    help="Fabric domains per TP rank where no RDMA NIC is near it: stand-ins over the "
+         "provider's own interface (with RDMA NICs, the nearest NICs decide; S5b, S6a)")]
 TpOption = Annotated[int, typer.Option(
     help="Tensor-parallel degree: this process leads N-1 rank processes, the model's heads and "
          "KV split among them (S3c, S6)")]

@@ -17,6 +17,7 @@ from disagg.apps.options import (
     ChunkOption,
     CudaGraphOption,
     DeviceOption,
+    DomainsPerRankOption,
     DraftLayersOption,
     DraftTokensOption,
     FaultsOption,
@@ -73,6 +74,7 @@ NODE_OPTIONS = [
     _option("device", DeviceOption, "cpu"),
     _option("kv_memory_path", MemoryPathOption, "auto"),
     _option("prefix_caching", PrefixCachingOption, True),
+    _option("domains_per_rank", DomainsPerRankOption, 1),
 ]
 
 
@@ -80,7 +82,7 @@ def node_config(role: NodeRole, *, model: str, listen: str, node_id: str | None,
                 kv_layout: str, page_size: int, num_pages: int, chunk_size: int, provider: str,
                 threads: int, trace: str | None, tp: int, replicated_kv: bool,
                 faults: str | None, lease: float, metrics_port: int | None, device: str,
-                kv_memory_path: str, prefix_caching: bool,
+                kv_memory_path: str, prefix_caching: bool, domains_per_rank: int,
                 **fields: Any) -> NodeConfig:  # noqa: ANN401
     """The `NodeConfig` of a node of `role` from the shared options (threads 0: default)
     and the `NodeConfig` fields of the command's own options."""
@@ -94,7 +96,7 @@ def node_config(role: NodeRole, *, model: str, listen: str, node_id: str | None,
         ParallelConfig(tp, replicated_kv), role=role, node_id=node_id or f"{role.value}-0",
         listen=listen, provider=provider, threads=threads or None, faults=faults,
         lease_s=lease, metrics_port=metrics_port, trace=trace, device=device,
-        kv_memory_path=kv_memory_path, **fields)
+        kv_memory_path=kv_memory_path, domains_per_rank=domains_per_rank, **fields)
 
 
 NodeFields = dict[str, Any]

@@ -64,6 +64,7 @@ class ClusterConfig:
     prefix_caching: bool = True  # every node keeps and reuses full pages (issue 18)
     routing: str = "prefix"  # how a router in front of it picks a decoder (`router_config`)
     routing_margin: int = 4
+    domains_per_rank: int = 1  # fabric domains per TP rank without RDMA NICs (S5b)
 
     def router_config(self) -> RoutingConfig:
         """What a router in front of this cluster does; its blocks are the nodes' pages."""
@@ -87,7 +88,7 @@ class ClusterConfig:
             metrics_port=0, trace=self.trace_dir,
             speculative=self.speculative if decoder else None,
             device=self.device, kv_memory_path=self.kv_memory_path,
-            cuda_graph=self.cuda_graph and decoder)
+            cuda_graph=self.cuda_graph and decoder, domains_per_rank=self.domains_per_rank)
 
 
 class LocalCluster:

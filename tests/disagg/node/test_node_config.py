@@ -165,3 +165,11 @@ def test_one_process_decoder_options_are_refused_at_tp_2(change: dict[str, objec
     base = replace(DECODER, speculative=None, cuda_graph=False)
     with pytest.raises(ConfigError, match="not with TP 2"):
         replace(base, parallel=ParallelConfig(2), **change)
+
+
+def test_tp_options_reach_the_config(served: list[NodeConfig]) -> None:
+    """`--tp` and `--domains-per-rank` become the node's parallel config and placement."""
+    with pytest.raises(SystemExit):
+        main(["serve", "prefill", "--model", "tiny", "--tp", "2", "--domains-per-rank", "2"])
+    [config] = served
+    assert (config.parallel.tp, config.domains_per_rank) == (2, 2)

@@ -68,3 +68,18 @@ def test_ranks_exit_with_a_node_killed_by_sigkill() -> None:
             time.sleep(0.05)
         assert not Path(f"/proc/{rank1}").exists() or "Z" in Path(
             f"/proc/{rank1}/stat").read_text().rsplit(")", 1)[1].split()[0]
+
+
+def test_matched_tp_with_two_stand_in_domains_per_rank_uses_all_four() -> None:
+    """S6a with `domains_per_rank=2`: TP 2 -> TP 2 opens four domains on the prefiller, rank
+    i's pages are striped over its own two, so every domain carries KV; tokens are right."""
+    from disagg.apps.demo import PromptSpec, run_demo
+
+    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, num_pages=64,
+                           prefill_tp=2, decode_tp=2, domains_per_rank=2)
+    result = run_demo(config, [PromptSpec(token_ids=list(range(3, 60)))], max_tokens=4)
+    assert [r["state"] for r in result["requests"]] == ["finished_length"]
+    metrics = result["metrics"]["prefill-0"]
+    per_domain = {k: v for k, v in metrics.items()
+                  if k.startswith("disagg_fabric_bytes_written_total{")}
+    assert len(per_domain) == 4 and min(per_domain.values()) > 1000, per_domain
