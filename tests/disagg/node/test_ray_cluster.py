@@ -223,7 +223,12 @@ def test_unplaceable_nodes_fail_naming_what_they_ask(world: World) -> None:
 
 def test_shutdown_leaves_no_actors_processes_or_shm_files(world: World) -> None:
     """SIGINT: the server exits 0 (every node shut down clean), then no actor is alive, no
-    group is held, and once Ray's nodes stop no process or /dev/shm file remains."""
+    group is held, and once Ray's nodes stop no process (node, TP rank, Ray's) or /dev/shm
+    file remains."""
+    leaders = [n["pid"] for n in _nodes(world.server).values()]
+    ranks = [int(pid) for leader in leaders for pid in subprocess.run(
+        ["pgrep", "-P", str(leader)], capture_output=True, text=True, check=False).stdout.split()]
+    assert len(ranks) >= 2  # the TP-2 decoders' second ranks, children of their nodes
     e2e.stop_server(world.server)
     assert ray.util.list_named_actors(all_namespaces=True) == []
     assert all(g["state"] == "REMOVED" for g in ray.util.placement_group_table().values())
@@ -232,4 +237,5 @@ def test_shutdown_leaves_no_actors_processes_or_shm_files(world: World) -> None:
     while any(map(_processes_matching, LEFTOVER_PATTERNS)) and time.monotonic() < deadline:
         time.sleep(0.2)
     assert [p for pattern in LEFTOVER_PATTERNS for p in _processes_matching(pattern)] == []
+    assert [pid for pid in leaders + ranks if Path(f"/proc/{pid}").exists()] == []
     assert set(os.listdir("/dev/shm")) <= world.shm_before
