@@ -59,10 +59,7 @@ _BUDGET_NS = 1_000_000_000
 # is what a provider keeping keys in a plain map may say. Each retry draws a fresh random key.
 _DUPLICATE_KEY = {lib.FI_ENOKEY, errno.EEXIST}
 _KEY_ATTEMPTS = 8
-# A waiter comes back to Python this often, to notice a failed progress thread.
-_WAIT_SLICE_NS = 50_000_000
-_OP_WAITED, _WAIT_SLICE, _WAIT_RETIRED = (lib.FABP_OP_WAITED, lib.FABP_WAIT_SLICE,
-                                         lib.FABP_WAIT_RETIRED)  # fmt: skip
+_OP_WAITED = lib.FABP_OP_WAITED
 _PEER_ERRNOS = {
     lib.FI_ENOTCONN,
     lib.FI_ECONNREFUSED,
@@ -150,8 +147,6 @@ class DomainWorker:
         self._ops: dict[int, OnFinish] = {}
         self._peers: dict[bytes, int] = {}
         self._lock = threading.Lock()
-        self._waiting = 0  # threads in run_waited, under _lock
-        self._left = threading.Condition(self._lock)
         self._deferred: deque[Callable[[], None]] = deque()
         self._stopping = False
         self.failure: BaseException | None = None
@@ -166,6 +161,11 @@ class DomainWorker:
     @property
     def thread(self) -> threading.Thread:
         return self._thread
+
+    @property
+    def c_worker(self) -> Worker:
+        """The C worker, whose handle prepared writes call `fabp_run_prepared` on."""
+        return self._worker
 
     def register(
         self, ptr: int, length: int, access: int, cuda_device: int | None
@@ -242,40 +242,28 @@ class DomainWorker:
         if self._stopping:
             raise TransferError(f"domain {self.index} is closed")
 
-    def run_waited(self, op: WriteOp, deadline_ns: int) -> tuple[TransferError | None, bool]:
-        """Post `op` and run this domain's loop in the calling thread, GIL released, until
-        the op's first report: (its error or None, whether its struct may be posted again).
-        Close and progress failures end the wait with their error. The op never enters
-        `_ops`: its caller is its one and only on_finish. The fast path of small writes:
-        every line here is paid per write."""
-        c = op.c
-        c.flags |= _OP_WAITED
-        c.deadline_ns = deadline_ns
-        with self._lock:
-            self._check_usable()
-            self._waiting += 1
-        try:
-            rc = self._worker.run_waited(op, True, _WAIT_SLICE_NS)
-            while rc == _WAIT_SLICE and self.failure is None:
-                rc = self._worker.run_waited(op, False, _WAIT_SLICE_NS)
-        finally:
-            with self._lock:
-                self._waiting -= 1
-                if self._stopping:
-                    self._left.notify_all()
-        if rc == _WAIT_RETIRED and not c.err:
-            return None, True
-        return self._waited_error(rc, int(c.err)), rc == _WAIT_RETIRED
+    def waited_op(self, make_op: Callable[[], WriteOp]) -> WriteOp:
+        """An op from `make_op` for `fabp_run_prepared`: flagged as waited, given an id and
+        tracked by the C worker's owner until it is retired (`Worker.track`)."""
+        op = make_op()
+        op.c.flags |= _OP_WAITED
+        op.op_id = next(self._ids)
+        self._worker.track(op)
+        return op
 
-    def _waited_error(self, rc: int, err: int) -> TransferError | None:
+    def waited_error(self, rc: int, err: int) -> TransferError:
+        """The error a prepared run's status `rc` stands for (`err`: the op's fi errno)."""
         if rc in (lib.FABP_WAIT_RETIRED, lib.FABP_WAIT_REPORTED):
-            return error_for(err, "rma write") if err else None
+            return error_for(err, "rma write")
         if rc == lib.FABP_WAIT_CLOSED:
+            if self.failure is not None:
+                return TransferError(f"domain {self.index} progress failed: {self.failure}")
             return TransferError(
                 f"engine closed before the operation finished (domain {self.index})"
             )
-        cause = fabric_error("fi_cq_read", rc) if rc < 0 else self.failure
-        return TransferError(f"domain {self.index} progress failed: {cause}")
+        return TransferError(
+            f"domain {self.index} progress failed: {fabric_error('fi_cq_read', rc)}"
+        )
 
     def call_soon(self, callback: Callable[[], None]) -> None:
         """Run `callback` on this domain's thread."""
@@ -312,6 +300,7 @@ class DomainWorker:
             logger.exception("domain %d progress thread failed", self.index)
             with self._lock:
                 self.failure = exc
+            self._worker.close_waits()  # waiters in C leave with the failure
             self._fail_all(TransferError(f"domain {self.index} progress failed: {exc}"))
 
     def _fail_all(self, error: TransferError) -> None:
@@ -324,7 +313,8 @@ class DomainWorker:
     def stop(self, drain_s: float) -> None:
         """Wait up to `drain_s` for queued ops, stop the thread, fail what is left."""
         deadline = time.monotonic() + drain_s
-        busy = lambda: (self._ops and self._thread.is_alive()) or self._waiting  # noqa: E731
+        waiters = self._worker.waiters
+        busy = lambda: (self._ops and self._thread.is_alive()) or waiters()  # noqa: E731
         while busy() and time.monotonic() < deadline:
             time.sleep(0.001)
         with self._lock:
@@ -332,8 +322,11 @@ class DomainWorker:
         self._worker.close_waits()
         self._worker.interrupt()
         self._thread.join()
-        with self._left:  # a waiter in C would outlive the worker's memory
-            self._left.wait_for(lambda: self._waiting == 0, drain_s + 1.0)
+        # Waiters see `closing` and leave within a loop step; the endpoint must outlive them
+        # (a waiter that comes later sees `closing` before it touches the endpoint).
+        left_by = time.monotonic() + drain_s + 1.0
+        while waiters() and time.monotonic() < left_by:
+            time.sleep(0.0002)
         self._fail_all(
             TransferError(f"engine closed before the operation finished (domain {self.index})")
         )

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import functools
 import itertools
+import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +32,7 @@ from transfer_core.owner_errors import OwnerErrors
 from transfer_core.placement import plan_domains
 from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, find_infos
 from transfer_core.registration import register_on
-from transfer_core.waited import PreparedWrite
+from transfer_core.waited import PreparedWrite, open_peer_file
 from transfer_core.warmup import Warmup
 from transfer_core.write_checks import (  # noqa: F401  (MAX_IMM: re-exported, callers import it)
     MAX_IMM,
@@ -204,13 +205,22 @@ class TransferEngine:
         make_op = functools.partial(
             worker.write_op, dst_mr, timeout, src_mr, 1, length, offset, 0, dst_offset, 0, imm_data
         )
-        peer = dst_mr.domains[worker.index % len(dst_mr.domains)][0]
-        return PreparedWrite(worker, make_op, peer, timeout)
+        peer_fd = open_peer_file(dst_mr.domains[worker.index % len(dst_mr.domains)][0])
+        try:
+            return PreparedWrite(worker, make_op, peer_fd, timeout)
+        except BaseException:
+            if peer_fd >= 0:
+                os.close(peer_fd)
+            raise
 
     def write_and_wait(self, *args: Any, **kwargs: Any) -> None:
         """`prepare_write(...)` and `run()` once: returns when the write is done, raises its
         TransferError if it failed."""
-        self.prepare_write(*args, **kwargs).run()
+        prepared = self.prepare_write(*args, **kwargs)
+        try:
+            prepared.run()
+        finally:
+            prepared.close()
 
     def submit_paged_writes(
         self,

@@ -1,53 +1,76 @@
 """Writes whose caller waits for them, posted and reaped in the caller's own thread (S5).
 
 `TransferEngine.prepare_write` checks one write once and returns a `PreparedWrite`; each
-`run()` posts it and drives its domain's C loop from the calling thread, GIL released, until
-the write is done, so the caller pays no hand-off from a progress thread (the NOTE on waited
-ops in pyfabric/shim.c.in). `TransferEngine.write_and_wait` is one prepare and one run.
-`run()` returns or raises exactly once per call, also when the engine closes or its progress
-thread fails meanwhile. Not for writes a caller does not wait for: those are `submit_write`.
+`run()` is one C call (`fabp_run_prepared`, GIL released) that checks a shm peer, posts the
+write, drives its domain's loop until the write is done and returns a status, so the caller
+pays no hand-off from a progress thread (the NOTEs on waited ops and prepared runs in
+pyfabric/shim_wait.c.in) and no Python beyond the call. `TransferEngine.write_and_wait` is one
+prepare and one run. `run()` returns or raises exactly once per call, also when the engine
+closes or its progress thread fails meanwhile. Not for writes a caller does not wait for:
+those are `submit_write`.
 """
 
 from __future__ import annotations
 
 import os
-import time
+import weakref
 from collections.abc import Callable
 
 from transfer_core.domain_worker import DomainWorker
-from transfer_core.errors import FabricError, PeerError
-from transfer_core.pyfabric import WriteOp, check_peer_alive
+from transfer_core.errors import PeerError
+from transfer_core.pyfabric import WriteOp, lib
+from transfer_core.pyfabric.datapath import Worker
 from transfer_core.pyfabric.objects import shm_file
 
-# A shm peer's file is looked for at most this often (a stat per 4 KiB write was a quarter of
-# its latency). A peer can die just after any check anyway; its last writes then "complete"
-# without landing, and only the receiver's count (which never comes) tells.
-_PEER_CHECK_NS = 1_000_000
+_run_prepared, _DONE = lib.fabp_run_prepared, lib.FABP_WAIT_DONE  # looked up once
+_REUSABLE = (lib.FABP_WAIT_RETIRED, lib.FABP_WAIT_PEER_GONE)  # the op is not in flight
+
+
+def open_peer_file(peer: bytes) -> int:
+    """An fd on a shm peer's /dev/shm file, for the C call's per-run liveness check (its
+    links drop to 0 when the owner closes); -1 for other providers. PeerError if it is gone."""
+    path = shm_file(peer)
+    if path is None:
+        return -1
+    try:
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    except FileNotFoundError:
+        raise PeerError(f"peer unreachable: shm peer's {path} is gone") from None
+
+
+def _release(worker: Worker, held: list[int], fd: int) -> None:
+    """A prepared write's finaliser: its op (not in flight, see `run`) and its fd."""
+    worker.untrack(held[0])
+    if fd >= 0:
+        os.close(fd)
 
 
 class PreparedWrite:
     """One checked single write on one domain; `run()` posts it and waits for it.
 
-    The C op is posted again by each run while the last one retired cleanly; after a failure
-    with writes still out, the next run builds a fresh one (the provider may still hold the
-    old). Not thread safe: one run at a time per PreparedWrite."""
+    The op's fields are set once here; each run sets only its deadline (in C). The op is
+    posted again by each run while the last one retired it; after a failure with writes
+    still out, the next run makes a fresh one (the provider may still hold the old, which
+    its retirement event lets go of). Not thread safe: one run at a time per PreparedWrite."""
 
     def __init__(
-        self, worker: DomainWorker, make_op: Callable[[], WriteOp], peer: bytes, timeout_s: float
-    ) -> None:
+        self, worker: DomainWorker, make_op: Callable[[], WriteOp], peer_fd: int,
+        timeout_s: float,
+    ) -> None:  # fmt: skip
         self._worker = worker
         self._make_op = make_op
-        self._peer = peer
-        self.timeout_s = timeout_s
         self._op: WriteOp | None = None
-        self._shm_file = shm_file(peer)
-        self._checked_ns = -_PEER_CHECK_NS
+        self._held = [0]  # the id of the op the finaliser may drop
+        self._handle = worker.c_worker.handle
+        self._fd = peer_fd
+        self._finalizer = weakref.finalize(self, _release, worker.c_worker, self._held, peer_fd)
+        self.timeout_s = timeout_s
+        self._timeout_ns = int(timeout_s * 1e9)
+        self._renew()
 
-    def _peer_gone(self) -> None:
-        try:
-            check_peer_alive(self._peer)
-        except FabricError as exc:
-            raise PeerError(f"peer unreachable: {exc}") from exc
+    def _renew(self) -> None:
+        op = self._worker.waited_op(self._make_op)
+        self._op, self._c, self._held[0] = op, op.c, op.op_id
 
     @property
     def domain(self) -> int:
@@ -57,16 +80,22 @@ class PreparedWrite:
     def run(self, timeout_s: float | None = None) -> None:
         """Post the write and return once it is done; raise its TransferError if it failed
         (TransferTimeoutError past the deadline, PeerError for a shm peer that is gone)."""
-        now = time.monotonic_ns()
-        if self._shm_file is not None and now - self._checked_ns > _PEER_CHECK_NS:
-            if not os.path.exists(self._shm_file):
-                self._peer_gone()  # a write to a gone shm peer would "complete" locally
-            self._checked_ns = now
-        op = self._op if self._op is not None else self._make_op()
-        self._op = None
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        error, reusable = self._worker.run_waited(op, now + int(timeout * 1e9))
-        if reusable:
-            self._op = op
-        if error is not None:
-            raise error
+        if self._op is None:
+            self._renew()
+        timeout_ns = self._timeout_ns if timeout_s is None else int(timeout_s * 1e9)
+        rc = _run_prepared(self._handle, self._c, timeout_ns, self._fd)
+        if rc != _DONE:
+            self._failed(rc)
+
+    def _failed(self, rc: int) -> None:
+        if rc == lib.FABP_WAIT_PEER_GONE:
+            raise PeerError("peer unreachable: shm peer is gone (its /dev/shm file was removed)")
+        error = self._worker.waited_error(rc, int(self._c.err))
+        if rc not in _REUSABLE:
+            self._op = None  # still in flight: tracked until its retirement event
+            self._held[0] = 0  # (ids start at 1)
+        raise error
+
+    def close(self) -> None:
+        """Let go of the op and the peer's fd now rather than when collected."""
+        self._finalizer()

@@ -3,6 +3,7 @@ its own thread (S5). Two real engines over tcp and shm on loopback, in this proc
 
 from __future__ import annotations
 
+import os
 import threading
 from collections.abc import Iterator
 
@@ -11,6 +12,8 @@ import pytest
 
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
+from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+from transfer_core.waited import PreparedWrite
 
 PAGE = 4096
 Engines = tuple[TransferEngine, TransferEngine]
@@ -33,6 +36,17 @@ def _block(engine: TransferEngine) -> threading.Event:
     engine._domains[0].call_soon(park)
     assert parked.wait(5.0)
     return gate
+
+
+def _ran_once(
+    a: TransferEngine, b: TransferEngine, timeout_s: float | None = None
+) -> tuple[MemoryRegion, MemoryRegionDescriptor, PreparedWrite]:
+    """A page of a's, a page of b's, and a prepared write between them that has run once."""
+    src_mr, _ = a.register_memory(np.ones(PAGE, np.uint8))
+    _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
+    prepared = a.prepare_write(src_mr, 0, PAGE, 3, desc, 0, timeout_s=timeout_s)
+    prepared.run()
+    return src_mr, desc, prepared
 
 
 def test_waited_writes_land_and_are_counted(engines: Engines) -> None:
@@ -111,16 +125,88 @@ def test_close_while_waiting_raises_in_the_waiter() -> None:
 
 
 def test_gone_shm_peer_raises_peer_error() -> None:
-    """A prepared write to a shm peer that closed raises PeerError instead of "completing"."""
+    """A prepared write to a shm peer that closed raises PeerError instead of "completing",
+    on the very next run: each run checks the peer (in C, on the fd held since prepare)."""
     with TransferEngine("shm") as a:
-        src_mr, _ = a.register_memory(np.ones(PAGE, np.uint8))
         b = TransferEngine("shm")
-        _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
-        prepared = a.prepare_write(src_mr, 0, PAGE, 3, desc, 0)
-        prepared.run()
+        src_mr, desc, prepared = _ran_once(a, b)
         b.close()
-        threading.Event().wait(0.002)  # past the prepared write's peer-check interval
         with pytest.raises(PeerError, match="gone"):
             prepared.run()
         with pytest.raises(PeerError, match="gone"):
             a.write_and_wait(src_mr, 0, PAGE, 3, desc, 0)
+
+
+def test_run_releases_the_gil() -> None:
+    """While a run waits in C for a write the peer does not take, another Python thread runs."""
+    with TransferEngine("tcp", delivery_complete=True) as a, TransferEngine("tcp") as b:
+        _, _, prepared = _ran_once(a, b, timeout_s=0.3)
+        ticks: list[int] = []
+        stop = threading.Event()
+
+        def ticker() -> None:
+            while not stop.is_set():
+                ticks.append(1)
+                stop.wait(0.001)
+
+        gate = _block(b)
+        thread = threading.Thread(target=ticker)
+        try:
+            thread.start()
+            threading.Event().wait(0.01)
+            before = len(ticks)
+            with pytest.raises(TransferTimeoutError):
+                prepared.run()
+            during = len(ticks) - before
+        finally:
+            stop.set()
+            gate.set()
+            thread.join()
+        assert during > 50  # ~300 at 1 ms a tick; a held GIL would allow a handful
+
+
+def test_run_after_a_timeout_uses_a_fresh_op_and_the_old_is_let_go() -> None:
+    """A run that timed out with its write still out leaves that op tracked until it retires;
+    the next run posts a new op and lands, and afterwards only the current op is tracked."""
+    with TransferEngine("tcp", delivery_complete=True) as a, TransferEngine("tcp") as b:
+        _, _, prepared = _ran_once(a, b, timeout_s=0.2)
+        live = a._domains[0].c_worker.live_ops
+        (first,) = live()
+        gate = _block(b)
+        try:
+            with pytest.raises(TransferTimeoutError):
+                prepared.run()
+        finally:
+            gate.set()
+        prepared.run(timeout_s=5.0)
+        for _ in range(200):  # the timed-out write retires through the progress thread
+            if first not in live():
+                break
+            threading.Event().wait(0.01)
+        assert first not in live()
+        assert len(live()) == 1
+
+
+def test_run_after_the_engine_closed_raises_closed() -> None:
+    """A prepared write that outlives its engine raises TransferError, touching no freed
+    memory or closed endpoint (the C worker lives as long as the prepared write)."""
+    with TransferEngine("tcp") as b:
+        a = TransferEngine("tcp")
+        prepared = _ran_once(a, b)[2]
+        a.close()
+        for _ in range(2):  # each run raises; none reaches the closed endpoint
+            with pytest.raises(TransferError, match="closed"):
+                prepared.run()
+
+
+def test_prepared_write_closes_its_peer_fd() -> None:
+    """A prepared write to a shm peer holds one fd on the peer's file, closed by close()."""
+    with TransferEngine("shm") as a, TransferEngine("shm") as b:
+        src_mr, _ = a.register_memory(np.ones(PAGE, np.uint8))
+        _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
+        a.write_and_wait(src_mr, 0, PAGE, 3, desc, 0)
+        fds = len(os.listdir("/proc/self/fd"))
+        prepared = a.prepare_write(src_mr, 0, PAGE, 3, desc, 0)
+        assert len(os.listdir("/proc/self/fd")) == fds + 1
+        prepared.close()
+        assert len(os.listdir("/proc/self/fd")) == fds

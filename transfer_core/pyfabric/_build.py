@@ -166,5 +166,8 @@ ffibuilder.set_source(
 
 
 if __name__ == "__main__":
-    # In-place build: the module lands next to this file, as an editable install expects.
-    ffibuilder.compile(tmpdir=str(_HERE.parent.parent), verbose=False)
+    # In-place build: the module lands next to this file, as an editable install expects,
+    # under the abi3 name: Python prefers a cpython-311 file over it, so two copies of the
+    # module side by side would load the older one whenever that is the version-tagged one.
+    built = Path(ffibuilder.compile(tmpdir=str(_HERE.parent.parent), verbose=False))
+    built.replace(_HERE / "_pyfabric.abi3.so")

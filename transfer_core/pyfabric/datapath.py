@@ -4,9 +4,10 @@
 `Worker.submit` hands it to the C worker from any thread; `Worker.progress` (called only
 by the endpoint's progress thread) posts under an in-flight cap, handles -FI_EAGAIN by
 reaping the CQ, enforces deadlines, and returns finished ops and immediate counts per value.
-The GIL is released for the whole C call. `Worker.run_waited` is the same loop run by a thread
-waiting for its own op (shim.c.in's NOTE on waited ops). Retired ops may be dropped; until then
-the C side and the provider still point at them, so `Worker` keeps them alive.
+The GIL is released for the whole C call. A thread waiting for its own op runs the same loop
+in `fabp_run_prepared`, a whole prepared run in one call (shim_wait.c.in's NOTEs; called by
+`waited.PreparedWrite` on `Worker.handle`). Retired ops may be dropped; until then the C side
+and the provider still point at them, so `Worker` keeps them alive.
 """
 
 from __future__ import annotations
@@ -18,7 +19,6 @@ from .objects import CompletionQueue, Endpoint
 
 MAX_EVENTS = 256
 MAX_IMMS = 64
-_run_waited, _WAIT_RETIRED = lib.fabp_run_waited, lib.FABP_WAIT_RETIRED  # looked up once
 
 
 class Event(NamedTuple):
@@ -121,6 +121,7 @@ class Worker:
         if handle == ffi.NULL:
             raise MemoryError("fabp_worker_new")
         self._handle = handle
+        self._freeable = False
         self._live: dict[int, WriteOp] = {}
         self._events = ffi.new("struct fabp_event[]", MAX_EVENTS)
         self._imms = ffi.new("struct fabp_imm[]", MAX_IMMS)
@@ -138,20 +139,26 @@ class Worker:
         self._live[op.op_id] = op
         lib.fabp_submit(self._handle, op.c)
 
-    def run_waited(self, op: WriteOp, submit: bool, slice_ns: int) -> int:
-        """Drive the loop from this thread until `op` has its first report, for at most
-        `slice_ns` (GIL released): a FABP_WAIT_* code, or a negative fi errno (fatal CQ
-        error). `submit` queues the op first; it must carry FABP_OP_WAITED. On
-        FABP_WAIT_RETIRED the op is no longer tracked: no event will name it."""
-        if submit:
-            self._live[op.op_id] = op
-        rc = _run_waited(self._handle, op.c, submit, slice_ns)
-        if rc == _WAIT_RETIRED:
-            self._live.pop(op.op_id, None)
-        return rc
+    def track(self, op: WriteOp) -> None:
+        """Keep `op` alive until an event retires it or `untrack`: for an op posted by
+        `fabp_run_prepared`, tracked once when it is made, so runs touch no dict."""
+        self._live[op.op_id] = op
+
+    def untrack(self, op_id: int) -> None:
+        """Drop an op that is not in flight (it never ran, or its last run retired it)."""
+        self._live.pop(op_id, None)
+
+    @property
+    def handle(self) -> Any:
+        """The C worker, for `fabp_run_prepared` calls made without a Python frame here."""
+        return self._handle
+
+    def waiters(self) -> int:
+        """Threads inside `fabp_run_waited` (prepared runs included) right now."""
+        return int(lib.fabp_waiters(self._handle))
 
     def close_waits(self) -> None:
-        """Make every `run_waited` return FABP_WAIT_CLOSED, now and from now on."""
+        """Make every waiting run (`fabp_run_prepared`) return FABP_WAIT_CLOSED, now and on."""
         lib.fabp_close_waits(self._handle)
 
     def interrupt(self) -> None:
@@ -199,8 +206,15 @@ class Worker:
         )
 
     def free(self) -> None:
-        """Release the worker; only after its endpoint is closed."""
-        if self._handle is not None:
-            lib.fabp_worker_free(self._handle)
-            self._handle = None
+        """Let the C worker go once nothing refers to it; only after its endpoint is closed.
+
+        The memory itself is freed when this object is collected: a prepared write that
+        outlives its engine still holds it, and its run must find `closing` set in live
+        memory rather than read freed memory (see fabp_run_prepared)."""
+        if self._handle is not None and not self._freeable:
+            self._freeable = True
             self._live.clear()
+
+    def __del__(self) -> None:
+        if getattr(self, "_freeable", False):
+            lib.fabp_worker_free(self._handle)

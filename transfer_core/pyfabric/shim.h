@@ -16,6 +16,8 @@
 #define FABP_WAIT_RETIRED 1  /* reported and retired: no event will ever name it */
 #define FABP_WAIT_REPORTED 2 /* failed, writes still out: its retirement comes as an event */
 #define FABP_WAIT_CLOSED 3   /* fabp_close_waits was called */
+#define FABP_WAIT_DONE 4      /* fabp_run_prepared: retired without error */
+#define FABP_WAIT_PEER_GONE 5 /* fabp_run_prepared: the shm peer's file has no links left */
 
 /* One queued operation: n writes of len bytes, page i going from
  * src_addr + src_idx[i] * src_stride to raddr dst_addr + dst_idx[i] * dst_stride.
@@ -79,6 +81,9 @@ void fabp_set_timing(struct fabp_worker *w, int64_t spin_ns, int64_t idle_sleep_
 void fabp_get_stats(struct fabp_worker *w, struct fabp_stats *out);
 uint32_t fabp_inflight(struct fabp_worker *w);
 int fabp_run_waited(struct fabp_worker *w, struct fabp_op *op, int submit, int64_t slice_ns);
+int fabp_run_prepared(struct fabp_worker *w, struct fabp_op *op, int64_t timeout_ns,
+                      int peer_fd);
+int fabp_waiters(struct fabp_worker *w);
 void fabp_close_waits(struct fabp_worker *w);
 int fabp_progress(struct fabp_worker *w, int64_t budget_ns,
                   struct fabp_event *ev, int max_ev, int *n_ev,
