@@ -40,6 +40,9 @@ ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm,
 ThreadsOption = Annotated[int, typer.Option(help="torch threads for this node (0: default)")]
 TraceOption = Annotated[str | None, typer.Option(
     help="Write a Chrome trace: a file path ({node_id} is filled in) or a directory")]
+FabricNodeOption = Annotated[str, typer.Option(
+    help="Local fabric address the KV writes use: auto (loopback for tcp/shm, every device for "
+         "efa/verbs), or this host's IP for tcp between hosts")]
 DomainsPerRankOption = Annotated[int, typer.Option(
     help="Fabric domains per TP rank where no RDMA NIC is near it: stand-ins over the "
          "provider's own interface (with RDMA NICs, the nearest NICs decide; S5b, S6a)")]

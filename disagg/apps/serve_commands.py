@@ -18,6 +18,7 @@ from disagg.apps.options import (
     CudaGraphOption,
     DeviceOption,
     DomainsPerRankOption,
+    FabricNodeOption,
     DraftLayersOption,
     DraftTokensOption,
     FaultsOption,
@@ -75,6 +76,7 @@ NODE_OPTIONS = [
     _option("kv_memory_path", MemoryPathOption, "auto"),
     _option("prefix_caching", PrefixCachingOption, True),
     _option("domains_per_rank", DomainsPerRankOption, 1),
+    _option("fabric_node", FabricNodeOption, "auto"),
 ]
 
 
@@ -83,7 +85,7 @@ def node_config(role: NodeRole, *, model: str, listen: str, node_id: str | None,
                 threads: int, trace: str | None, tp: int, replicated_kv: bool,
                 faults: str | None, lease: float, metrics_port: int | None, device: str,
                 kv_memory_path: str, prefix_caching: bool, domains_per_rank: int,
-                **fields: Any) -> NodeConfig:  # noqa: ANN401
+                fabric_node: str, **fields: Any) -> NodeConfig:  # noqa: ANN401
     """The `NodeConfig` of a node of `role` from the shared options (threads 0: default)
     and the `NodeConfig` fields of the command's own options."""
     mode = "prefill_only" if role is NodeRole.PREFILL else "mixed"
@@ -96,7 +98,8 @@ def node_config(role: NodeRole, *, model: str, listen: str, node_id: str | None,
         ParallelConfig(tp, replicated_kv), role=role, node_id=node_id or f"{role.value}-0",
         listen=listen, provider=provider, threads=threads or None, faults=faults,
         lease_s=lease, metrics_port=metrics_port, trace=trace, device=device,
-        kv_memory_path=kv_memory_path, domains_per_rank=domains_per_rank, **fields)
+        kv_memory_path=kv_memory_path, domains_per_rank=domains_per_rank,
+        fabric_node=fabric_node, **fields)
 
 
 NodeFields = dict[str, Any]

@@ -168,8 +168,9 @@ def test_one_process_decoder_options_are_refused_at_tp_2(change: dict[str, objec
 
 
 def test_tp_options_reach_the_config(served: list[NodeConfig]) -> None:
-    """`--tp` and `--domains-per-rank` become the node's parallel config and placement."""
+    """`--tp`, `--domains-per-rank` and `--fabric-node` reach the node's config."""
     with pytest.raises(SystemExit):
-        main(["serve", "prefill", "--model", "tiny", "--tp", "2", "--domains-per-rank", "2"])
+        main(["serve", "prefill", "--model", "tiny", "--tp", "2", "--domains-per-rank", "2",
+              "--fabric-node", "10.0.0.7"])
     [config] = served
-    assert (config.parallel.tp, config.domains_per_rank) == (2, 2)
+    assert (config.parallel.tp, config.domains_per_rank, config.fabric_node) == (2, 2, "10.0.0.7")

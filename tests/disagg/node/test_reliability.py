@@ -177,6 +177,7 @@ def test_delayed_and_reordered_writes_still_decode_exactly(make_cluster: object)
     assert_outcomes(final)
 
 
+@pytest.mark.slow  # waits out a peer timeout: about 5 s
 def test_a_prefiller_that_stops_answering_fails_requests_in_bounded_time(
         make_cluster: object) -> None:
     """A prefiller whose writes vanish: requests time out, are cancelled and fail cleanly."""
