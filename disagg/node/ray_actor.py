@@ -1,4 +1,4 @@
-"""The Ray actor that owns one node process (S1, S2): `ray_cluster.py` places it, Ray restarts it.
+"""The Ray actor that owns one node process (X3): `ray_cluster.py` places it, Ray restarts it.
 
 `NodeActor.__init__` starts `python -m disagg.node.serve` on the Ray node the actor runs on:
 its `NodeConfig` as JSON on stdin, as `LocalCluster` does, but listening on that machine's

@@ -1,5 +1,5 @@
 """The cluster of `LocalCluster`, placed on Ray: one actor per node, each in its own placement
-group (S1, S9; what `disagg serve cluster --ray` runs).
+group (X3; what `disagg serve cluster --ray` runs).
 
 The driver (this process) connects to Ray (or starts a private instance), reserves one
 placement group per node (one bundle per TP rank, STRICT_PACK: the ranks share memory, so

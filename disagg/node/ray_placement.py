@@ -1,4 +1,4 @@
-"""Where each node of a cluster goes on Ray, decided without Ray (S1, S9; X1's cluster placed).
+"""Where each node of a cluster goes on Ray, decided without Ray (X3).
 
 `RayConfig` is what `disagg serve cluster --ray` was asked; `plan_nodes` turns it and the
 `ClusterConfig` into one `NodePlacement` per node: its name and role, its placement group's
