@@ -37,6 +37,28 @@ logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 10.0
 
 
+WORKDIR_PREFIX = "disagg-tp-"
+
+
+def sweep_dead_workdirs(root: str | None = None) -> list[str]:
+    """Remove the private directories (socket, rendezvous file) of leaders that are gone:
+    one killed with SIGKILL cannot remove its own. The leader's pid is in the name."""
+    root = root or tempfile.gettempdir()
+    removed = []
+    for name in os.listdir(root):
+        pid = name.removeprefix(WORKDIR_PREFIX).split("-", 1)[0]
+        if not name.startswith(WORKDIR_PREFIX) or not pid.isdigit():
+            continue
+        try:
+            os.kill(int(pid), 0)
+        except ProcessLookupError:
+            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
+            removed.append(name)
+        except PermissionError:
+            pass  # alive, someone else's
+    return removed
+
+
 def _describe_exit(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
@@ -63,7 +85,8 @@ class TPRanks:
     @staticmethod
     def start(spec: RankSpec, on_failure: Callable[[BaseException], None]) -> TPRanks:
         """Start ranks 1..N-1 of `spec.sharding.tp` (they load their shards meanwhile)."""
-        workdir = tempfile.mkdtemp(prefix=f"disagg-tp-{spec.node_id}-")
+        sweep_dead_workdirs()
+        workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-{spec.node_id}-")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
         processes: list[subprocess.Popen[bytes]] = []
         try:

@@ -91,3 +91,4 @@ def test_messages_carry_their_fds() -> None:
     assert header == {"n": 1} and len(fds) == 1 and os.fstat(fds[0]).st_size == 128
     os.close(fds[0])
     region.close()
+
