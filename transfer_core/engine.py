@@ -17,7 +17,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -32,7 +31,7 @@ from transfer_core.owner_errors import OwnerErrors
 from transfer_core.placement import plan_domains
 from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, find_infos
 from transfer_core.registration import register_on
-from transfer_core.waited import PreparedWrite, open_peer_file
+from transfer_core.waited import PreparedWrite, RepeatedWrites, prepared_write
 from transfer_core.warmup import Warmup
 from transfer_core.write_checks import (  # noqa: F401  (MAX_IMM: re-exported, callers import it)
     MAX_IMM,
@@ -89,6 +88,7 @@ class TransferEngine:
         self._errors = OwnerErrors()
         self._counters = ImmCounterMap(fire=self._fire)
         self._regions: list[MemoryRegion] = []
+        self._repeated = RepeatedWrites()
         self._names = itertools.count()
         self._round_robin = itertools.count()
         self._closed = False
@@ -162,6 +162,7 @@ class TransferEngine:
     def unregister_memory(self, region: MemoryRegion) -> None:
         """Close a region's registrations; no transfer may still use it."""
         self._regions.remove(region)
+        self._repeated.forget(region)
         region.close()
 
     # -- writes -----------------------------------------------------------------------------
@@ -205,22 +206,21 @@ class TransferEngine:
         make_op = functools.partial(
             worker.write_op, dst_mr, timeout, src_mr, 1, length, offset, 0, dst_offset, 0, imm_data
         )
-        peer_fd = open_peer_file(dst_mr.domains[worker.index % len(dst_mr.domains)][0])
-        try:
-            return PreparedWrite(worker, make_op, peer_fd, timeout)
-        except BaseException:
-            if peer_fd >= 0:
-                os.close(peer_fd)
-            raise
+        peer = dst_mr.domains[worker.index % len(dst_mr.domains)][0]
+        return prepared_write(worker, make_op, peer, timeout)
 
-    def write_and_wait(self, *args: Any, **kwargs: Any) -> None:
-        """`prepare_write(...)` and `run()` once: returns when the write is done, raises its
-        TransferError if it failed."""
-        prepared = self.prepare_write(*args, **kwargs)
-        try:
-            prepared.run()
-        finally:
-            prepared.close()
+    def write_and_wait(
+        self, *args: Any, timeout_s: float | None = None, domain: int | None = None
+    ) -> None:
+        """`prepare_write(*args, ...)` and `run()` once: returns when the write is done, raises
+        its TransferError if it failed. Called again with the same arguments (the same region
+        objects), it runs the prepared write of the first call (`waited.RepeatedWrites`)."""
+        src_mr, offset, length, imm_data, dst_mr, dst_offset = args
+        self._check_write(src_mr, dst_mr, imm_data)
+        d = self._pick(domain)
+        key = (id(src_mr), offset, length, imm_data, id(dst_mr), dst_offset, timeout_s, d)
+        prepare = lambda: self.prepare_write(*args, timeout_s=timeout_s, domain=d)  # noqa: E731
+        self._repeated.run(key, src_mr, dst_mr, prepare)
 
     def submit_paged_writes(
         self,
@@ -259,15 +259,10 @@ class TransferEngine:
             )  # fmt: skip
 
     def submit_imm(
-        self,
-        imm_data: int,
-        dst_mr: MemoryRegionDescriptor,
-        on_done: OnDone | None = None,
-        on_error: OnError | None = None,
-        *,
-        timeout_s: float | None = None,
+        self, imm_data: int, dst_mr: MemoryRegionDescriptor, on_done: OnDone | None = None,
+        on_error: OnError | None = None, *, timeout_s: float | None = None,
         domain: int | None = None,
-    ) -> None:
+    ) -> None:  # fmt: skip
         """A zero-byte write that only delivers `imm_data` to the owner of `dst_mr`, posted
         on local domain `domain` (None: round robin)."""
         self._check_write(None, dst_mr, imm_data)
@@ -338,6 +333,7 @@ class TransferEngine:
         self._closed = True
         for worker in self._domains:
             worker.stop(drain_s)
+        self._repeated.forget()
         for region in self._regions:
             region.close()
         self._regions.clear()

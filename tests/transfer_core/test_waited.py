@@ -210,3 +210,55 @@ def test_prepared_write_closes_its_peer_fd() -> None:
         assert len(os.listdir("/proc/self/fd")) == fds + 1
         prepared.close()
         assert len(os.listdir("/proc/self/fd")) == fds
+
+
+def test_repeated_write_and_wait_runs_one_prepared_write(engines: Engines) -> None:
+    """write_and_wait with the same arguments again runs the op made the first time (one op
+    tracked, the same one), and unregistering the source forgets it."""
+    a, b = engines
+    src_mr, _ = a.register_memory(np.ones(PAGE, np.uint8))
+    _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
+    live = a._domains[0].c_worker.live_ops
+    a.write_and_wait(src_mr, 0, PAGE, 3, desc, 0)
+    first = live()
+    a.write_and_wait(src_mr, 0, PAGE, 3, desc, 0)
+    assert live() == first
+    assert len(first) == 1
+    a.unregister_memory(src_mr)
+    assert live() == []
+    with pytest.raises(ValueError, match="not registered"):
+        a.write_and_wait(src_mr, 0, PAGE, 3, desc, 0)
+
+
+def test_concurrent_write_and_wait_with_the_same_arguments() -> None:
+    """A second thread repeating a write_and_wait that is still waiting posts an op of its
+    own (a running entry is out of the map: one op is never posted twice at once), and both
+    writes land once."""
+    with TransferEngine("tcp", delivery_complete=True) as a, TransferEngine("tcp") as b:
+        src_mr, _ = a.register_memory(np.ones(PAGE, np.uint8))
+        _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
+        a.write_and_wait(src_mr, 0, PAGE, 5, desc, 0)
+        reached = threading.Event()
+        b.expect_imm_count(5, 3, reached.set)
+        errors: list[BaseException] = []
+
+        def writer() -> None:
+            try:
+                a.write_and_wait(src_mr, 0, PAGE, 5, desc, 0)
+            except BaseException as exc:
+                errors.append(exc)
+
+        gate = _block(b)  # both writes wait until the peer takes them
+        threads = [threading.Thread(target=writer) for _ in range(2)]
+        try:
+            for t in threads:
+                t.start()
+                threading.Event().wait(0.05)
+            in_flight = len(a._domains[0].c_worker.live_ops())
+        finally:
+            gate.set()
+        for t in threads:
+            t.join(10.0)
+        assert in_flight == 2
+        assert errors == []
+        assert reached.wait(10.0)
