@@ -10,8 +10,10 @@
    imported here, checked both ways, with timings (`gpu_check_cumem.py`).
 4. KV pages from GPU memory through the fabric on the path chosen automatically (FI_HMEM or
    host staging), byte-exact, GB/s; counter bump to write posted (`gpu_check_fabric.py`).
+5. TP 2 as rank processes: NCCL all-reduces, a rank's cuMem KV imported by the leader, the
+   TP 1 tokens (`gpu_check_tp.py`; skipped with one GPU).
 Runs in well under five minutes. Without a GPU it says so and exits 0; `--dry-run` then runs
-parts 2 and 4 on CPU at toy sizes (what CI can check of this script). `--json PATH` also
+parts 2, 4 and 5 on CPU at toy sizes (what CI can check of this script). `--json PATH` also
 writes the rows. Usage: `python scripts/gpu_check.py [--dry-run] [--json PATH]`.
 """
 
@@ -84,9 +86,10 @@ def _checks() -> list[Callable[[], list[Row]]]:
     from gpu_check_cumem import cumem_check
     from gpu_check_fabric import posting_latency_check, transfer_check
     from gpu_check_model import model_graph_check
+    from gpu_check_tp import tp_check
 
     return [graph_counter_check, latency_check, model_graph_check, cumem_check,
-            transfer_check, posting_latency_check]
+            transfer_check, posting_latency_check, tp_check]
 
 
 def _dry_run_checks() -> list[Callable[[], list[Row]]]:
@@ -94,13 +97,14 @@ def _dry_run_checks() -> list[Callable[[], list[Row]]]:
 
     from gpu_check_fabric import posting_latency_check, transfer_check
     from gpu_check_model import model_graph_check
+    from gpu_check_tp import tp_check
 
     from disagg.config import ModelConfig
 
     small = ModelConfig.from_name("small")
     return [partial(model_graph_check, "cpu", small, steps=3),
             partial(transfer_check, "cpu", num_pages=16),
-            partial(posting_latency_check, "cpu", samples=20)]
+            partial(posting_latency_check, "cpu", samples=20), partial(tp_check, "cpu")]
 
 
 def _ensure_built(console: Console) -> None:

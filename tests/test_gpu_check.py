@@ -35,7 +35,8 @@ def test_every_part_imports_without_a_gpu() -> None:
 
 @pytest.mark.fabric
 def test_dry_run_exercises_the_model_and_fabric_parts_on_cpu(tmp_path: Path) -> None:
-    """`--dry-run` runs the graph-runner and staged-transfer checks at toy sizes, all pass."""
+    """`--dry-run` runs the graph-runner, staged-transfer and TP-rank checks at toy sizes, all
+    pass."""
     rows_path = tmp_path / "rows.json"
     done = subprocess.run([sys.executable, str(ROOT / "scripts" / "gpu_check.py"), "--dry-run",
                            "--json", str(rows_path)],
@@ -44,4 +45,5 @@ def test_dry_run_exercises_the_model_and_fabric_parts_on_cpu(tmp_path: Path) -> 
     rows = {row["check"]: row for row in json.loads(rows_path.read_text())}
     assert rows["engine bumps observed"]["ok"]
     assert rows["GPU KV over tcp"]["ok"]
+    assert rows["tp_ranks"]["ok"] and "gloo, memfd KV" in rows["tp_ranks"]["detail"]
     assert all(row["ok"] for row in rows.values())
