@@ -7,7 +7,10 @@ One 4 KiB write carrying an immediate into another process's region, submit to c
 in interleaved rounds in one run:
 - `callback`: `submit_write(..., on_done)` and wait on an Event: the domain's progress thread
   reaps the completion and hands it over (the path `benchmarks/transfer.py` times);
-- `waited`: `write_and_wait(...)`: the caller posts and reaps in its own thread;
+- `waited`: `write_and_wait(...)` with the same arguments each time: the caller posts and
+  reaps in its own thread, and every call after the first runs the write prepared by the first;
+- `waited-new`: `write_and_wait(...)` to a different 4 KiB slot each call, more slots than the
+  engine keeps prepared writes for: every call checks and builds its write anew;
 - `prepared`: `prepare_write(...)` once, then `run()` per write (as NIXL's prepped transfer).
 Prints a table, or with --json one JSON object (per provider and mode: p50/p99 Âµs); with
 `--mode M --json` a flat object for that mode alone (what `transfer_compare.py` reads).
@@ -16,6 +19,7 @@ Prints a table, or with --json one JSON object (per provider and mode: p50/p99 Â
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import sys
@@ -33,16 +37,18 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from transfer_core.engine import TransferEngine  # noqa: E402
 from transfer_core.memory import MemoryRegionDescriptor  # noqa: E402
+from transfer_core.waited import REPEATED_WRITES  # noqa: E402
 
-MODES = ("callback", "waited", "prepared")
+MODES = ("callback", "waited", "waited-new", "prepared")
 IMM = 0xFFFF_FFFF
 NBYTES = 4096
+SLOTS = 2 * REPEATED_WRITES  # waited-new's target slots: twice what the engine keeps
 
 
 def _receiver(provider: str, conn: Any) -> None:
     """Owns the target region; reports how many immediates it counted when told to stop."""
     with TransferEngine(provider) as engine:
-        _, desc = engine.register_memory(np.zeros(NBYTES, np.uint8), name="small-dst")
+        _, desc = engine.register_memory(np.zeros(SLOTS * NBYTES, np.uint8), name="small-dst")
         conn.send((desc.to_bytes(), engine.address))
         conn.recv()
         time.sleep(0.05)  # the last immediates' batch (linger 0.5 ms) reaches the counter
@@ -60,10 +66,12 @@ def _writers(engine: TransferEngine, dst: MemoryRegionDescriptor) -> dict[str, C
         if not done.wait(10.0) or errors:
             raise RuntimeError(f"callback write failed: {errors}")
 
+    slots = itertools.cycle(range(0, SLOTS * NBYTES, NBYTES))
     prepared = engine.prepare_write(src_mr, 0, NBYTES, IMM, dst, 0)
     return {
         "callback": callback,
         "waited": lambda: engine.write_and_wait(src_mr, 0, NBYTES, IMM, dst, 0),
+        "waited-new": lambda: engine.write_and_wait(src_mr, 0, NBYTES, IMM, dst, next(slots)),
         "prepared": prepared.run,
     }
 

@@ -3,8 +3,8 @@
 Every contender runs the same workload (2048 pages of 64 KiB into shuffled slots of another
 process's region, checksum-verified, plus a 4 KiB write latency): ours through
 `benchmarks/transfer.py --json --provider {tcp,shm}` (latency on the callback path), our
-waited and prepared small writes through `benchmarks/small_write.py` (latency only, the
-caller reaping its own completion), the peers through the harnesses in
+small writes through `benchmarks/small_write.py` in each of its modes (latency only:
+callback, waited, waited-new, prepared), the peers through the harnesses in
 `benchmarks/peers/` under `.venv-peers` (skipped with a note when that venv is missing).
 Runs are interleaved round-robin, each after the CPUs have been quiet for a moment; medians
 and spread go to a rich table and to JSON with the ratios ours/peer per transport class.
@@ -31,6 +31,8 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 METRICS = ("gbps", "us_per_page", "latency_us_p50", "latency_us_p99")
+# benchmarks/small_write.py's modes, each a latency-only contender "ours-MODE".
+SMALL_MODES = ("callback", "waited", "waited-new", "prepared")
 log = logging.getLogger("transfer_compare")
 
 
@@ -156,7 +158,7 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
             sys.executable, "benchmarks/small_write.py", "--json", "--provider", p,
             "--mode", mode, "--iters", "1000", "--rounds", "1",
         ), latency_only=True)
-        for mode in ("waited", "prepared")
+        for mode in SMALL_MODES
         for p in ("tcp", "shm")
     ]  # fmt: skip
     if not (ROOT / "benchmarks" / "transfer.py").exists():
@@ -192,14 +194,14 @@ def summarise(runs: list[Run], c: Contender, quiet_only: bool) -> Summary:
 
 def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
     """ours/peer per transport class, for each of our paths ("ours" paged + callback latency,
-    "ours-waited", "ours-prepared"): > 1 on gbps and < 1 on latency means we are ahead.
+    "ours-MODE" for small_write's modes): > 1 on gbps and < 1 on latency means we are ahead.
     Keys: class -> "peer" (ours) or "peer vs ours-MODE" -> ratios."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     by_key = {(s.engine, s.transport): s for s in summaries}
     for s in summaries:
         if s.engine.startswith("ours") or not s.median:
             continue
-        for mine in ("ours", "ours-waited", "ours-prepared"):
+        for mine in ("ours", *(f"ours-{mode}" for mode in SMALL_MODES)):
             ours = by_key.get((mine, s.transport))
             if ours is None or not ours.median:
                 continue

@@ -135,7 +135,7 @@ class RepeatedWrites:
     op's construction (about 5 µs of Python a call). A key holds ids of the regions its entry
     keeps alive, so an id names the same object as long as its entry lives. An entry is out
     of the map while it runs (one run at a time each; a concurrent twin prepares its own).
-    Bounded: at `cap` entries an arbitrary one is closed."""
+    Bounded: at `cap` entries the one run least recently is closed (a run re-inserts)."""
 
     def __init__(self, cap: int = REPEATED_WRITES) -> None:
         self._cap = cap
@@ -166,7 +166,12 @@ class RepeatedWrites:
         if len(self._by_args) >= self._cap:
             with self._lock:
                 while len(self._by_args) >= self._cap:
-                    self._by_args.popitem()[1][2].close()
+                    try:  # the oldest; a run elsewhere may change the map meanwhile
+                        oldest = self._by_args.pop(next(iter(self._by_args)), None)
+                    except (RuntimeError, StopIteration, KeyError):
+                        continue
+                    if oldest is not None:
+                        oldest[2].close()
         if self._by_args.setdefault(key, entry) is not entry:
             entry[2].close()
 

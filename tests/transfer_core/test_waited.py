@@ -13,7 +13,7 @@ import pytest
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
-from transfer_core.waited import PreparedWrite
+from transfer_core.waited import REPEATED_WRITES, PreparedWrite
 
 PAGE = 4096
 Engines = tuple[TransferEngine, TransferEngine]
@@ -262,3 +262,18 @@ def test_concurrent_write_and_wait_with_the_same_arguments() -> None:
         assert in_flight == 2
         assert errors == []
         assert reached.wait(10.0)
+
+
+def test_write_and_wait_keeps_a_bounded_number_of_prepared_writes() -> None:
+    """Past REPEATED_WRITES distinct writes the least recently run one is let go of (its op
+    and its shm peer's fd): memory and fds stay bounded."""
+    with TransferEngine("shm") as a, TransferEngine("shm") as b:
+        slots = REPEATED_WRITES + 8
+        src_mr, _ = a.register_memory(np.ones(PAGE, np.uint8))
+        _, desc = b.register_memory(np.zeros(slots * PAGE, np.uint8))
+        a.write_and_wait(src_mr, 0, PAGE, 3, desc, 0)
+        fds = len(os.listdir("/proc/self/fd"))
+        for slot in range(1, slots):
+            a.write_and_wait(src_mr, 0, PAGE, 3, desc, slot * PAGE)
+        assert len(a._domains[0].c_worker.live_ops()) == REPEATED_WRITES
+        assert len(os.listdir("/proc/self/fd")) == fds + REPEATED_WRITES - 1
