@@ -142,6 +142,7 @@ class RepeatedWrites:
         self._by_args: dict[Hashable, tuple[MemoryRegion, MemoryRegionDescriptor, PreparedWrite]]
         self._by_args = {}
         self._lock = threading.Lock()  # for whole-map changes; single pops and puts are atomic
+        self._closed = False  # forget() of all: an entry coming back from its run is closed
 
     def run(
         self, key: Hashable, src_mr: MemoryRegion, dst_mr: MemoryRegionDescriptor,
@@ -173,11 +174,14 @@ class RepeatedWrites:
                     if oldest is not None:
                         oldest[2].close()
         if self._by_args.setdefault(key, entry) is not entry:
-            entry[2].close()
+            entry[2].close()  # a concurrent twin came back first
+        elif self._closed:
+            self.forget()  # the engine closed while this entry ran
 
     def forget(self, region: MemoryRegion | None = None) -> None:
-        """Close the entries writing from `region` (None: all of them)."""
+        """Close the entries writing from `region` (None: all of them, for good)."""
         with self._lock:
+            self._closed = self._closed or region is None
             for key, entry in list(self._by_args.items()):
                 mine = region is None or entry[0] is region
                 if mine and self._by_args.pop(key, None) is not None:

@@ -122,6 +122,7 @@ def test_close_while_waiting_raises_in_the_waiter() -> None:
         assert not thread.is_alive()
         assert len(raised) == 1
         assert "closed" in str(raised[0])
+        assert a._repeated._by_args == {}  # close() let go of the entry, fd and op
 
 
 def test_gone_shm_peer_raises_peer_error() -> None:
@@ -277,3 +278,17 @@ def test_write_and_wait_keeps_a_bounded_number_of_prepared_writes() -> None:
             a.write_and_wait(src_mr, 0, PAGE, 3, desc, slot * PAGE)
         assert len(a._domains[0].c_worker.live_ops()) == REPEATED_WRITES
         assert len(os.listdir("/proc/self/fd")) == fds + REPEATED_WRITES - 1
+
+
+def test_close_lets_go_of_kept_writes() -> None:
+    """close() closes write_and_wait's kept prepared writes: no shm peer fd outlives it."""
+    with TransferEngine("shm") as b:
+        a = TransferEngine("shm")
+        src_mr, _ = a.register_memory(np.ones(PAGE, np.uint8))
+        _, desc = b.register_memory(np.zeros(2 * PAGE, np.uint8))
+        fds = len(os.listdir("/proc/self/fd"))
+        a.write_and_wait(src_mr, 0, PAGE, 3, desc, 0)
+        a.write_and_wait(src_mr, 0, PAGE, 3, desc, PAGE)
+        assert len(os.listdir("/proc/self/fd")) == fds + 2
+        a.close()
+        assert len(os.listdir("/proc/self/fd")) == fds
