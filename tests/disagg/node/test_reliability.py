@@ -160,6 +160,7 @@ def test_duplicated_immediates_never_decode_garbage(make_cluster: object) -> Non
     assert_outcomes(final)
 
 
+@pytest.mark.slow  # real nodes and injected faults: about 2 s
 def test_failed_writes_end_each_request_once(make_cluster: object) -> None:
     """Writes failing at the prefiller fail or retry requests, never hang them."""
     cluster = make_cluster(prefill_faults="seed=1,fail_write=0.2")

@@ -31,6 +31,7 @@ RANK = textwrap.dedent("""
 """)
 
 
+@pytest.mark.slow  # a second Python importing torch: about 1.5 s
 def test_a_rank_writes_and_the_leader_reads_and_back(tmp_path: object) -> None:
     """Another process's memfd, mapped here: its writes are read here and ours there."""
     path = os.path.join(str(tmp_path), "s.sock")
