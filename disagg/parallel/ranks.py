@@ -30,7 +30,7 @@ from disagg.errors import RankError
 from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec
 from disagg.parallel.shared_memory import map_region, recv_message
-from disagg.parallel.step import Step, encode_step, send_step
+from disagg.parallel.step import Step, encode_step
 
 logger = logging.getLogger(__name__)
 
@@ -200,7 +200,7 @@ class TPRanks:
         frame = encode_step(step)
         for rank, channel in self._channels.items():
             try:
-                send_step(channel, frame)
+                channel.sendall(frame)
             except OSError as error:
                 raise self._failed or RankError(f"TP rank {rank} of {self.spec.node_id} "
                                                 f"took no step: {error}") from error
@@ -213,7 +213,7 @@ class TPRanks:
         stop = encode_step(None)
         for channel in self._channels.values():
             with contextlib.suppress(OSError):  # a rank may be dying too: we end them
-                send_step(channel, stop)
+                channel.sendall(stop)
         for process in self._processes:
             with contextlib.suppress(OSError):
                 if process.stdin is not None:

@@ -21,11 +21,6 @@ Step = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
 _LENGTH = struct.Struct("!Q")
 
 
-def send_step(sock: socket.socket, frame: bytes) -> None:
-    """Send one `encode_step` frame."""
-    sock.sendall(frame)
-
-
 def encode_step(step: Step | None) -> bytes:
     """`step` (its tensors moved to host memory), or `None`, as one length-prefixed frame."""
     body = pickle.dumps(None if step is None else step_to(step, "cpu"),
