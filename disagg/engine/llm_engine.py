@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import itertools
 import os
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -205,19 +205,29 @@ def load_transformer(config: EngineConfig, state_dict: dict[str, torch.Tensor],
     return model
 
 
+def build_model(config: EngineConfig, state_dict: dict[str, torch.Tensor],
+                layer_counter: LayerCounter | None = None, *, model_spec: str | None = None,
+                threads: int | None = None, node_id: str = "node",
+                on_failure: Callable[[BaseException], None] = lambda _: None,
+                ) -> Transformer | TPLeader:
+    """What `EngineParts.build` takes: the model holding `state_dict` at TP 1, else the leader
+    of rank processes that load `model_spec` themselves (`on_failure`: a rank died)."""
+    parallel = config.parallel
+    if parallel.tp == 1:
+        return load_transformer(config, state_dict, layer_counter)
+    if model_spec is None:
+        raise ConfigError(f"TP {parallel.tp}: the rank processes load the model themselves, "
+                          "so they need its model_spec")
+    sharding = Sharding(parallel.tp, config.model.num_kv_heads, parallel.replicated_kv)
+    return start_leader(model_spec, config.model, state_dict, config.cache, sharding,
+                        device=config.device, threads=threads, node_id=node_id,
+                        layer_counter=layer_counter, on_failure=on_failure)
+
+
 def build_engine(config: EngineConfig, state_dict: dict[str, torch.Tensor],
                  layer_counter: LayerCounter | None = None,
                  model_spec: str | None = None) -> LLMEngine:
     """A plain engine (no observers) whose model holds `state_dict`. At TP > 1 it leads rank
     processes that load `model_spec` themselves (`close()` the engine to stop them)."""
-    parallel = config.parallel
-    if parallel.tp == 1:
-        return LLMEngine(EngineParts.build(config, load_transformer(config, state_dict,
-                                                                     layer_counter)))
-    if model_spec is None:
-        raise ConfigError(f"TP {parallel.tp}: the rank processes load the model themselves, "
-                          "so build_engine needs its model_spec")
-    sharding = Sharding(parallel.tp, config.model.num_kv_heads, parallel.replicated_kv)
-    leader = start_leader(model_spec, config.model, state_dict, config.cache, sharding,
-                          device=config.device, layer_counter=layer_counter)
-    return LLMEngine(EngineParts.build(config, leader))
+    return LLMEngine(EngineParts.build(config, build_model(config, state_dict, layer_counter,
+                                                           model_spec=model_spec)))

@@ -24,22 +24,21 @@ from functools import partial
 import torch
 
 from disagg.config import EngineConfig
-from disagg.engine.llm_engine import EngineParts, LLMEngine, load_transformer
+from disagg.engine.llm_engine import EngineParts, LLMEngine, build_model
 from disagg.errors import ConfigError
-from disagg.model.sharding import Sharding
-from disagg.model.transformer import Transformer
-from disagg.parallel.leader import TPLeader, start_leader
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.draft_kv import DraftKVSink, DraftKVSource
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.fingerprint import model_fingerprint
 from disagg.model.loading.registry import LoadedModel, load_model
+from disagg.model.transformer import Transformer
 from disagg.node.base import Inbox
 from disagg.node.decode_node import DecodeNode
 from disagg.node.node_config import NodeConfig, NodeRole, check_device
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.rank_placement import NodePlacement, plan_placement
+from disagg.parallel.leader import TPLeader
 from disagg.spec.speculator import Speculator
 from disagg.utils.trace import Tracer, trace_path
 from transfer_core.engine import TransferEngine
@@ -93,14 +92,10 @@ def _engine_config(config: NodeConfig, loaded: LoadedModel) -> EngineConfig:
 
 def _model(config: NodeConfig, engine_config: EngineConfig, loaded: LoadedModel, inbox: Inbox,
            counter: LayerCounter | None = None) -> Transformer | TPLeader:
-    """The node's model: one process at TP 1, else the leader of its rank processes."""
-    parallel = engine_config.parallel
-    if parallel.tp == 1:
-        return load_transformer(engine_config, loaded.state_dict, counter)
-    sharding = Sharding(parallel.tp, loaded.config.num_kv_heads, parallel.replicated_kv)
-    return start_leader(config.model, loaded.config, loaded.state_dict, engine_config.cache,
-                        sharding, device=config.device, threads=config.threads,
-                        node_id=config.node_id, layer_counter=counter, on_failure=inbox.fail)
+    """The node's model: one process at TP 1, else the leader of its rank processes, a rank's
+    death failing the node through its inbox."""
+    return build_model(engine_config, loaded.state_dict, counter, model_spec=config.model,
+                       threads=config.threads, node_id=config.node_id, on_failure=inbox.fail)
 
 
 def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
@@ -109,8 +104,7 @@ def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEng
     # The model bumps this after each layer (S3b); the messenger's poller watches it.
     counter = LayerCounter.for_device(config.device)
     inbox = Inbox()
-    parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox,
-                                                    counter))
+    parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox, counter))
     messenger = PrefillMessenger(parts, transfer, counter, wake=inbox.wake,
                                  make_draft_source=partial(DraftKVSource, parts, transfer),
                                  tracer=tracer, lease_s=config.lease_s,
@@ -182,11 +176,11 @@ def open_transfer(config: NodeConfig, placement: NodePlacement | None = None) ->
     want_hmem = (torch.device(config.device).type == "cuda"
                  and config.kv_memory_path in ("auto", "hmem"))
     placement = placement or node_placement(config)
+    domain_cpus = [allowed(cpus) for cpus in placement.domain_cpus]
     kwargs: dict[str, object] = {
         "node": config.fabric_node, "memory_path": config.kv_memory_path,
         "num_domains": placement.num_domains,
-        "domain_cpus": [allowed(cpus) for cpus in placement.domain_cpus]
-        if all(allowed(cpus) for cpus in placement.domain_cpus) else None,
+        "domain_cpus": domain_cpus if all(domain_cpus) else None,
         "nics": list(placement.domain_nics) if any(placement.domain_nics) else None}
     if "shm" in config.provider:
         sweep_dead_shm_files()  # what nodes killed with SIGKILL left behind (16 MiB each)
