@@ -37,21 +37,12 @@ from typing import Any
 
 import numpy as np
 
+from disagg.control.channel import Channel
+from disagg.control.framing import HEADER, MAGIC, PROTOCOL_VERSION, decode_header, decode_payload
+from disagg.control.messages import Reject
 from disagg.errors import DisaggError, ProtocolError
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import new_nonce
-from disagg.kv_transfer.messages import (
-    HEADER,
-    MAGIC,
-    PROTOCOL_VERSION,
-    Hello,
-    HelloAck,
-    HelloProof,
-    KVRequest,
-    Reject,
-    decode_header,
-    decode_payload,
-)
+from disagg.kv_transfer.messages import Hello, HelloAck, HelloProof, KVRequest
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.imm_counter import MAX_IMM

@@ -44,11 +44,11 @@ from disagg.config import (  # noqa: E402
     ReliabilityConfig,
     SchedulerConfig,
 )
+from disagg.control.channel import parse_address  # noqa: E402
+from disagg.control.framing import Submit  # noqa: E402
 from disagg.engine.llm_engine import build_engine  # noqa: E402
 from disagg.engine.request import SamplingParams  # noqa: E402
 from disagg.errors import PeerClosedError  # noqa: E402
-from disagg.kv_transfer.channel import parse_address  # noqa: E402
-from disagg.kv_transfer.messages import Submit  # noqa: E402
 from disagg.model.loading.registry import load_model  # noqa: E402
 from disagg.node.local_cluster import ClusterConfig, LocalCluster  # noqa: E402
 from disagg.node.router import Router  # noqa: E402

@@ -41,7 +41,7 @@ from disagg.config import (  # noqa: E402
 from disagg.engine.llm_engine import build_engine  # noqa: E402
 from disagg.engine.request import SamplingParams  # noqa: E402
 from disagg.model.loading.registry import LoadedModel, load_model  # noqa: E402
-from disagg.spec.speculator import Speculator, build_speculative_engine  # noqa: E402
+from disagg.speculative.speculator import Speculator, build_speculative_engine  # noqa: E402
 
 
 def configurations(num_layers: int) -> list[tuple[str, SpeculativeConfig | None]]:

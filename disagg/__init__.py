@@ -24,7 +24,7 @@ from disagg.engine.llm_engine import EngineParts, LLMEngine, build_engine
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import DisaggError
 from disagg.model.loading.registry import LoadedModel, load_model
-from disagg.spec.speculator import build_speculative_engine
+from disagg.speculative.speculator import build_speculative_engine
 
 __all__ = [
     "CacheConfig",

@@ -13,8 +13,8 @@ import tempfile
 import time
 from pathlib import Path
 
+from disagg.control.messages import RequestEvent, Submit
 from disagg.engine.request import RequestState
-from disagg.kv_transfer.messages import RequestEvent, Submit
 from disagg.node.local_cluster import ClusterConfig, LocalCluster
 from disagg.node.router import Router
 

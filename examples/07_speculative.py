@@ -17,8 +17,8 @@ from disagg.engine.request import SamplingParams
 from disagg.kv_transfer.draft_kv import draft_kv_pages
 from disagg.kv_transfer.transfer_plan import expected_write_count
 from disagg.model.loading.registry import init_random_weights
-from disagg.spec.speculator import build_speculative_engine
-from disagg.spec.verify import verify_sampled
+from disagg.speculative.speculator import build_speculative_engine
+from disagg.speculative.verify import verify_sampled
 
 CONFIG = ModelConfig.from_name("tiny")
 WEIGHTS = init_random_weights(CONFIG, seed=0)

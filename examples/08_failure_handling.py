@@ -15,7 +15,7 @@ import threading
 import time
 
 from disagg.config import CacheConfig, ReliabilityConfig, SchedulerConfig
-from disagg.kv_transfer.messages import Submit
+from disagg.control.messages import Submit
 from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode
 from disagg.node.node_config import NodeConfig, NodeRole

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from disagg.kv_transfer.messages import Submit
+from disagg.control.messages import Submit
 from disagg.node.local_cluster import ClusterConfig, LocalCluster
 from disagg.node.router import Router
 

@@ -14,7 +14,8 @@ import pytest
 ROOT = Path(__file__).resolve().parents[1]
 
 # Left to right: a layer may import itself and any layer to its left, never one to its right.
-LAYERS = ("leaves", "model", "parallel", "engine", "spec", "kv_transfer", "node", "server", "apps")
+LAYERS = ("leaves", "model", "parallel", "engine", "speculative", "control", "kv_transfer", "node",
+          "server", "apps")
 LEAVES = ("disagg.config", "disagg.errors", "disagg.utils")
 # The simulator stands aside: it reads the engine's and the model's shapes and nothing else.
 SIM_MAY_IMPORT = {"leaves", "model", "engine", "sim"}
@@ -102,6 +103,38 @@ def test_transfer_core_uses_its_test_doubles_only_in_them() -> None:
     wrong = [f"{module_name(p)} imports {m}" for p in source_files("transfer_core")
              if "testing" not in p.parts for m in imports_of(p)
              if m.startswith("transfer_core.testing")]
+    assert not wrong, "\n".join(wrong)
+
+
+def import_closure(start: list[Path]) -> dict[str, str]:
+    """Every module reachable from the files `start` through their imports (late ones too),
+    each with the module that first pulled it in."""
+    known = known_modules()
+    seen = {module_name(p): "" for p in start}
+    todo = list(seen)
+    while todo:
+        name = todo.pop()
+        path = ROOT / Path(*name.split("."))
+        path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+        for imported in {resolve(m, known) for m in imports_of(path)} & known:
+            if imported not in seen:
+                seen[imported] = name
+                todo.append(imported)
+    return seen
+
+
+def test_the_server_never_reaches_kv_transfer() -> None:
+    """The front door speaks the control plane (`disagg.control`) and starts nodes as
+    processes; nothing it imports, however indirectly, is the KV-transfer package."""
+    reached = import_closure(source_files("disagg/server"))
+    wrong = [f"{m} (through {via})" for m, via in reached.items()
+             if m.startswith("disagg.kv_transfer")]
+    assert not wrong, "\n".join(wrong)
+
+
+def test_control_never_imports_kv_transfer() -> None:
+    wrong = [f"{module_name(p)} imports {m}" for p in source_files("disagg/control")
+             for m in imports_of(p) if m.startswith("disagg.kv_transfer")]
     assert not wrong, "\n".join(wrong)
 
 

@@ -18,9 +18,9 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
+from disagg.control.messages import RequestEvent, Submit
 from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import ConfigError
-from disagg.kv_transfer.messages import RequestEvent, Submit
 from disagg.model.loading.registry import load_model
 from disagg.model.loading.tokenizer import StreamDecoder, Tokenizer
 from disagg.node.local_cluster import ClusterConfig, LocalCluster

@@ -18,7 +18,7 @@ from disagg.engine.request import SamplingParams
 from disagg.errors import ConfigError, RequestError
 from disagg.model.loading.registry import load_model
 from disagg.model.loading.tokenizer import StreamDecoder, Tokenizer
-from disagg.spec.speculator import build_speculative_engine
+from disagg.speculative.speculator import build_speculative_engine
 from disagg.utils.trace import Tracer
 
 

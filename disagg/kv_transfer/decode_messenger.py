@@ -30,10 +30,10 @@ from collections import deque
 from collections.abc import Callable
 
 from disagg.config import ReliabilityConfig
+from disagg.control.channel import Channel
 from disagg.engine.llm_engine import EngineParts
 from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.errors import PeerClosedError
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import (
     allocate_context_buffer,
     clear_proof,

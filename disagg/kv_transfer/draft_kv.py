@@ -32,7 +32,7 @@ from disagg.kv_transfer.transfer_context import Transfer
 from disagg.kv_transfer.transfer_plan import num_pages
 from disagg.model.draft_heads import build_mtp_head, mtp_kv_cache
 from disagg.model.kv_cache import PagedKVCache
-from disagg.spec.proposers import CatchUp, mtp_catch_up
+from disagg.speculative.proposers import CatchUp, mtp_catch_up
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor

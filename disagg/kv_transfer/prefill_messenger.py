@@ -26,11 +26,11 @@ import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
 
+from disagg.control.channel import Channel
 from disagg.engine.batch import Batch, ForwardOutput
 from disagg.engine.llm_engine import EngineParts
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import PeerClosedError, RequestError
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import (
     ContextSlots,
     kv_checksum,

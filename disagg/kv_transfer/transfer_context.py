@@ -14,9 +14,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from disagg.control.channel import Channel
 from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.errors import RequestError
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.messages import Hello, KVRequest
 from disagg.kv_transfer.quarantine import Verdict
 from disagg.kv_transfer.transfer_plan import PageGeometry, PageWrite, num_pages

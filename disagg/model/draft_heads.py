@@ -6,7 +6,7 @@ and predicts token t+2 through the target's own LM head (embeddings and head are
 attention keeps a KV cache of its own: a one-layer paged cache indexed by the request's page
 ids, so it grows, rolls back and is freed with the target's pages at no extra bookkeeping.
 The early-exit draft is the target's first `draft_layers` layers, final norm and LM head: no
-weights of its own. Both only read and write pages; `disagg/spec/speculator.py` decides what
+weights of its own. Both only read and write pages; `disagg/speculative/speculator.py` decides what
 to draft.
 """
 

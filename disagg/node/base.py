@@ -21,9 +21,10 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
+from disagg.control.address import format_address, listen
+from disagg.control.channel import Channel
 from disagg.engine.batch import TokenEvent
 from disagg.engine.llm_engine import LLMEngine
-from disagg.kv_transfer.channel import Channel, format_address, listen
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine

@@ -39,7 +39,7 @@ from disagg.node.node_config import NodeConfig, NodeRole, check_device
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.rank_placement import NodePlacement, plan_placement
 from disagg.parallel.leader import TPLeader
-from disagg.spec.speculator import Speculator
+from disagg.speculative.speculator import Speculator
 from disagg.utils.trace import Tracer, trace_path
 from transfer_core.engine import TransferEngine
 from transfer_core.shm_sweep import sweep_dead_shm_files

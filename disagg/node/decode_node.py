@@ -19,22 +19,22 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from disagg.engine.llm_engine import LLMEngine
-from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
-from disagg.errors import InvalidMessage, PeerClosedError, ProtocolError, RequestError
-from disagg.kv_transfer.channel import Channel, start_heartbeats
-from disagg.kv_transfer.decode_messenger import DecodeMessenger
-from disagg.kv_transfer.messages import (
+from disagg.control.channel import Channel
+from disagg.control.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, start_heartbeats
+from disagg.control.messages import (
     Abort,
     Heartbeat,
-    HelloAck,
-    KVFailed,
     Reject,
     RequestEvent,
     Shutdown,
     Status,
     Submit,
 )
+from disagg.engine.llm_engine import LLMEngine
+from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
+from disagg.errors import InvalidMessage, PeerClosedError, ProtocolError, RequestError
+from disagg.kv_transfer.decode_messenger import DecodeMessenger
+from disagg.kv_transfer.messages import HelloAck, KVFailed
 from disagg.kv_transfer.transfer_context import Outcome
 from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabric_metrics
 from disagg.node.prefiller_link import PrefillerBack, Reconnector, handshake
@@ -44,8 +44,6 @@ from transfer_core.engine import TransferEngine
 
 logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.05
-HEARTBEAT_INTERVAL_S = 1.0
-PEER_TIMEOUT_S = 10.0  # a peer silent this long is declared dead
 
 
 @dataclass(frozen=True, slots=True)

@@ -26,9 +26,9 @@ from disagg.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from disagg.control.channel import Channel
+from disagg.control.messages import Shutdown
 from disagg.errors import DisaggError
-from disagg.kv_transfer.channel import Channel
-from disagg.kv_transfer.messages import Shutdown
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefix_index import RoutingConfig
 from disagg.utils.metrics import parse_metrics

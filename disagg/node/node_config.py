@@ -27,8 +27,9 @@ from disagg.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from disagg.control.address import parse_address
+from disagg.control.secret import SECRET_ENV, cluster_secret
 from disagg.errors import ConfigError
-from disagg.kv_transfer.channel import SECRET_ENV, cluster_secret, parse_address
 
 # How the NIC reaches the KV (S5), as `transfer_core.staging` names it.
 MEMORY_PATHS = ("auto", "host", "hmem", "staged")

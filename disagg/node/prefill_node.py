@@ -15,22 +15,14 @@ import threading
 import time
 from dataclasses import dataclass
 
+from disagg.control.channel import Channel
+from disagg.control.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, start_heartbeats
+from disagg.control.messages import Heartbeat, Reject, Shutdown
 from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause
 from disagg.errors import PeerClosedError, ProtocolError, RequestError
-from disagg.kv_transfer.channel import Channel, start_heartbeats
 from disagg.kv_transfer.context_slot import context_slot_nbytes
-from disagg.kv_transfer.messages import (
-    Cancel,
-    Heartbeat,
-    Hello,
-    HelloAck,
-    HelloProof,
-    KVFailed,
-    KVRequest,
-    Reject,
-    Shutdown,
-)
+from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.kv_transfer.transfer_context import DecoderPeer
 from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabric_metrics
@@ -40,8 +32,6 @@ from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 
 logger = logging.getLogger(__name__)
-HEARTBEAT_INTERVAL_S = 1.0
-PEER_TIMEOUT_S = 10.0  # a decoder silent this long is declared dead
 
 
 @dataclass(frozen=True, slots=True)

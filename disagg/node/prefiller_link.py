@@ -3,7 +3,7 @@
 The handshake: Hello, then the prefiller's HelloAck (or a Reject naming what does not match),
 then `HelloProof`, the nonce the prefiller wrote into our proof slot (we own the memory our
 Hello named, S5). A prefiller that was lost (its connection broke, or it fell silent: frozen,
-restarted, cut off) is tried again with waits that double up to `RECONNECT_MAX_S`, from a
+restarted, cut off) is tried again with doubling waits (`disagg.control.backoff`), from a
 thread of its own, until a new handshake succeeds or the node stops; the engine thread then
 takes it back through its inbox (`PrefillerBack`). Its requests were settled when it was lost
 (quarantined, then retried elsewhere or failed, as issue 8 decided), so a link comes back
@@ -18,18 +18,18 @@ import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
+from disagg.control.backoff import Backoff
+from disagg.control.channel import Channel
+from disagg.control.messages import Reject
 from disagg.errors import DisaggError, PeerClosedError, PeerMismatchError, ProtocolError
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import read_proof
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
-from disagg.kv_transfer.messages import HelloAck, Reject
+from disagg.kv_transfer.messages import HelloAck
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 
 logger = logging.getLogger(__name__)
 HANDSHAKE_TIMEOUT_S = 10.0  # for the prefiller's answer: a frozen one must not hold us
-RECONNECT_FIRST_S = 0.5
-RECONNECT_MAX_S = 8.0
 
 
 @dataclass(frozen=True, slots=True)
@@ -85,14 +85,13 @@ class Reconnector:
                          name=f"reconnect-prefiller-{index}").start()
 
     def _retry(self, index: int) -> None:
-        address, wait = self.addresses[index], RECONNECT_FIRST_S
-        while not self._stop.wait(wait):
+        address, backoff = self.addresses[index], Backoff()
+        while not self._stop.wait(backoff.next()):
             try:
                 channel, ack = self._connect(address)
             except (DisaggError, TransferError, OSError) as error:
                 logger.info("prefiller %s still unreachable (%s); next try in %g s", address,
-                            error, min(2 * wait, RECONNECT_MAX_S))
-                wait = min(2 * wait, RECONNECT_MAX_S)
+                            error, backoff.wait_s)
                 continue
             with self._lock:
                 self._trying.discard(index)

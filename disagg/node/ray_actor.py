@@ -20,9 +20,11 @@ import threading
 
 import ray
 
+from disagg.control.address import format_address
+from disagg.control.channel import Channel
+from disagg.control.messages import Shutdown
+from disagg.control.secret import SECRET_ENV
 from disagg.errors import DisaggError
-from disagg.kv_transfer.channel import SECRET_ENV, Channel, format_address
-from disagg.kv_transfer.messages import Shutdown
 from disagg.node.node_config import NodeConfig
 
 LOG_LINES = 200  # the node's last lines, kept for the error when it fails to start

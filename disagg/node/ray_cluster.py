@@ -32,8 +32,8 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
+from disagg.control.secret import SECRET_ENV, cluster_secret
 from disagg.errors import ConfigError, DisaggError
-from disagg.kv_transfer.channel import SECRET_ENV, cluster_secret
 from disagg.node.local_cluster import ClusterConfig
 from disagg.node.node_config import NodeRole
 from disagg.node.ray_actor import NodeActor

@@ -15,8 +15,8 @@ import math
 import socket
 from dataclasses import dataclass
 
+from disagg.control.address import parse_address
 from disagg.errors import ConfigError
-from disagg.kv_transfer.channel import parse_address
 from disagg.node.local_cluster import ClusterConfig
 from disagg.node.node_config import NodeRole
 

@@ -16,10 +16,11 @@ import queue
 import threading
 import time
 
+from disagg.control.backoff import Backoff
+from disagg.control.channel import Channel
+from disagg.control.messages import Abort, Heartbeat, RequestEvent, Shutdown, Status, Submit
 from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import PeerClosedError, ProtocolError
-from disagg.kv_transfer.channel import Channel
-from disagg.kv_transfer.messages import Abort, Heartbeat, RequestEvent, Shutdown, Status, Submit
 from disagg.node.prefix_index import (
     PrefixIndex,
     RoutingConfig,
@@ -31,8 +32,6 @@ from disagg.node.prefix_index import (
 
 logger = logging.getLogger(__name__)
 SILENCE_S = 5.0  # a decoder that sent heartbeats and then nothing this long leaves the rotation
-RECONNECT_FIRST_S = 0.5
-RECONNECT_MAX_S = 8.0
 
 
 class Router:
@@ -154,14 +153,13 @@ class Router:
                          name=f"router-reconnect-{index}").start()
 
     def _reconnect(self, index: int) -> None:
-        """Try a lost decoder again, waits doubling up to `RECONNECT_MAX_S`, until it answers
+        """Try a lost decoder again, with `Backoff`'s doubling waits, until it answers
         (restarted, or reachable again) or the router closes; then route to it again."""
-        wait = RECONNECT_FIRST_S
-        while not self._closed.wait(wait):
+        backoff = Backoff()
+        while not self._closed.wait(wait := backoff.next()):
             try:
                 channel = Channel.connect(self.addresses[index], timeout_s=wait)
             except PeerClosedError:
-                wait = min(2 * wait, RECONNECT_MAX_S)
                 continue
             with self._lock:
                 if self._closed.is_set():

@@ -20,8 +20,8 @@ import sys
 import threading
 from typing import Any
 
+from disagg.control.address import format_address, parse_address
 from disagg.errors import ConfigError
-from disagg.kv_transfer.channel import format_address, parse_address
 from disagg.node.base import NodeBase
 from disagg.node.builder import build_node
 from disagg.node.node_config import NodeConfig

@@ -17,8 +17,8 @@ import threading
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
+from disagg.control.messages import RequestEvent, Submit
 from disagg.errors import PeerClosedError
-from disagg.kv_transfer.messages import RequestEvent, Submit
 from disagg.node.router import Router
 from disagg.server.errors import Overloaded, Unavailable
 

@@ -13,8 +13,8 @@ import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
+from disagg.control.messages import RequestEvent
 from disagg.engine.request import RequestState
-from disagg.kv_transfer.messages import RequestEvent
 from disagg.model.loading.tokenizer import StreamDecoder, Tokenizer
 from disagg.server.cluster_client import RequestStream
 from disagg.server.errors import APIError, InvalidRequest, Unavailable

@@ -19,7 +19,7 @@ from typing import TYPE_CHECKING
 
 import uvicorn
 
-from disagg.kv_transfer.channel import format_address
+from disagg.control.address import format_address
 from disagg.model.loading.registry import load_model
 from disagg.node.local_cluster import ClusterConfig, LocalCluster
 from disagg.node.node_config import NodeRole

@@ -34,7 +34,7 @@ from disagg.engine.request import SamplingParams
 from disagg.errors import ConfigError
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.registry import init_random_weights
-from disagg.spec.speculator import build_speculative_engine
+from disagg.speculative.speculator import build_speculative_engine
 
 CONFIG = ModelConfig.from_name("tiny")
 WEIGHTS = init_random_weights(CONFIG, seed=3)

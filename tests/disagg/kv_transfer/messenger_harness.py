@@ -20,22 +20,15 @@ from dataclasses import dataclass, field, replace
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, SchedulerConfig
+from disagg.control.channel import Channel
+from disagg.control.framing import Message
 from disagg.engine.llm_engine import EngineParts, LLMEngine, build_engine, load_transformer
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import RequestError
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import read_proof
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.draft_kv import DraftKVSink
-from disagg.kv_transfer.messages import (
-    Cancel,
-    Hello,
-    HelloAck,
-    HelloProof,
-    KVFailed,
-    KVRequest,
-    Message,
-)
+from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.kv_transfer.transfer_context import DecoderPeer, Outcome

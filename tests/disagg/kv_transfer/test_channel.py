@@ -11,8 +11,9 @@ import pytest
 from hypothesis import given
 from hypothesis import strategies as st
 
-from disagg.kv_transfer.channel import Channel, format_address, listen, parse_address
-from disagg.kv_transfer.messages import Heartbeat, Shutdown
+from disagg.control.address import format_address, listen, parse_address
+from disagg.control.channel import Channel
+from disagg.control.messages import Heartbeat, Shutdown
 
 
 @pytest.mark.parametrize(("address", "expected"), [

@@ -15,26 +15,12 @@ from dataclasses import dataclass
 
 import pytest
 
+from disagg.control.address import format_address, listen
+from disagg.control.channel import MAX_UNTRUSTED_PAYLOAD, PREFACE, PREFACE_MAGIC, Channel
+from disagg.control.framing import HEADER, MAGIC, PROTOCOL_VERSION, TAGGED
+from disagg.control.messages import Abort, Heartbeat, Reject, Shutdown
 from disagg.errors import PeerClosedError, ProtocolError
-from disagg.kv_transfer.channel import (
-    MAX_UNTRUSTED_PAYLOAD,
-    PREFACE,
-    PREFACE_MAGIC,
-    Channel,
-    format_address,
-    listen,
-)
-from disagg.kv_transfer.messages import (
-    HEADER,
-    MAGIC,
-    PROTOCOL_VERSION,
-    TAGGED,
-    Abort,
-    Cancel,
-    Heartbeat,
-    Reject,
-    Shutdown,
-)
+from disagg.kv_transfer.messages import Cancel
 
 SECRET = b"s3cret"
 

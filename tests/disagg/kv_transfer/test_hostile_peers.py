@@ -17,9 +17,9 @@ import pytest
 import torch
 
 from disagg.config import ReliabilityConfig
+from disagg.control.channel import Channel
 from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import RequestError
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import new_nonce
 from disagg.kv_transfer.messages import HelloProof, KVRequest
 from tests.disagg.kv_transfer.conftest import MakeHarness

@@ -9,20 +9,11 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from disagg.control.framing import HEADER, MAGIC, PROTOCOL_VERSION, decode, encode
+from disagg.control.messages import RequestEvent, Submit
 from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import InvalidMessage, ProtocolError
-from disagg.kv_transfer.messages import (
-    HEADER,
-    MAGIC,
-    PROTOCOL_VERSION,
-    Hello,
-    KVFailed,
-    KVRequest,
-    RequestEvent,
-    Submit,
-    decode,
-    encode,
-)
+from disagg.kv_transfer.messages import Hello, KVFailed, KVRequest
 
 
 def frame(type_id: int, payload: object, version: int = PROTOCOL_VERSION,

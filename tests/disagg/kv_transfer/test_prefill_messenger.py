@@ -9,9 +9,10 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+from disagg.control.framing import Message
 from disagg.engine.request import FailureCause, RequestState
 from disagg.kv_transfer.draft_kv import DraftKVSource, draft_kv_pages
-from disagg.kv_transfer.messages import KVFailed, KVRequest, Message
+from disagg.kv_transfer.messages import KVFailed, KVRequest
 from disagg.kv_transfer.plugins import DraftSource
 from disagg.kv_transfer.transfer_plan import expected_write_count
 from tests.disagg.kv_transfer.conftest import MakeHarness

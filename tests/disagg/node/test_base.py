@@ -13,7 +13,8 @@ from types import SimpleNamespace
 
 import pytest
 
-from disagg.kv_transfer.channel import Channel, parse_address
+from disagg.control.address import parse_address
+from disagg.control.channel import Channel
 from disagg.node.base import NodeBase
 
 pytestmark = pytest.mark.timeout(60)

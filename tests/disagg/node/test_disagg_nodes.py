@@ -16,22 +16,13 @@ from dataclasses import dataclass, replace
 import pytest
 
 from disagg.config import CacheConfig, SchedulerConfig
+from disagg.control.channel import Channel
+from disagg.control.framing import HEADER, MAGIC, PROTOCOL_VERSION
+from disagg.control.messages import Reject, Status, Submit
 from disagg.engine.request import RequestState
 from disagg.errors import PeerMismatchError
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import read_proof
-from disagg.kv_transfer.messages import (
-    HEADER,
-    MAGIC,
-    PROTOCOL_VERSION,
-    Cancel,
-    HelloAck,
-    KVFailed,
-    KVRequest,
-    Reject,
-    Status,
-    Submit,
-)
+from disagg.kv_transfer.messages import Cancel, HelloAck, KVFailed, KVRequest
 from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode
 from disagg.node.node_config import NodeConfig, NodeRole

@@ -21,22 +21,14 @@ from typing import Any
 
 import pytest
 
+from disagg.control.address import listen, parse_address
+from disagg.control.channel import HANDSHAKE_TIMEOUT_S, Channel
+from disagg.control.framing import HEADER, MAGIC, PROTOCOL_VERSION, TAGGED, Message
+from disagg.control.messages import Reject, RequestEvent, Shutdown, Status, Submit
 from disagg.errors import PeerClosedError
-from disagg.kv_transfer import channel as channel_module
-from disagg.kv_transfer.channel import HANDSHAKE_TIMEOUT_S, Channel, listen, parse_address
-from disagg.kv_transfer.messages import (
-    HEADER,
-    MAGIC,
-    PROTOCOL_VERSION,
-    TAGGED,
-    Hello,
-    Message,
-    Reject,
-    RequestEvent,
-    Shutdown,
-    Status,
-    Submit,
-)
+from disagg.control import channel as channel_module
+from disagg.control.secret import SECRET_ENV
+from disagg.kv_transfer.messages import Hello
 from disagg.node.local_cluster import ClusterConfig, LocalCluster
 from disagg.node.router import Router
 
@@ -49,7 +41,7 @@ SECRET = "hostile-test-secret"
 def cluster() -> Iterator[LocalCluster]:
     """One prefiller and one decoder sharing a secret (this process holds it too)."""
     with pytest.MonkeyPatch.context() as patch:
-        patch.setenv(channel_module.SECRET_ENV, SECRET)
+        patch.setenv(SECRET_ENV, SECRET)
         with LocalCluster(ClusterConfig(model="tiny", num_decoders=1, page_size=4,
                                         num_pages=128, chunk_size=32)) as started:
             yield started

@@ -23,11 +23,12 @@ import numpy as np
 import pytest
 
 from disagg.config import CacheConfig, EngineConfig, SchedulerConfig
+from disagg.control.channel import Channel
+from disagg.control.messages import Reject, Submit
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import RequestState, SamplingParams
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import new_nonce
-from disagg.kv_transfer.messages import Hello, HelloAck, HelloProof, KVRequest, Reject, Submit
+from disagg.kv_transfer.messages import Hello, HelloAck, HelloProof, KVRequest
 from disagg.model.loading.registry import load_model
 from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode

@@ -114,7 +114,7 @@ def test_a_submit_becomes_the_sampling_it_asks_for() -> None:
     """Every sampling field of the wire message reaches the request, `ignore_eos` included;
     a value no sampler can take is a `RequestError` (answered, never a crash)."""
     from disagg.errors import RequestError
-    from disagg.kv_transfer.messages import Submit
+    from disagg.control.messages import Submit
     from disagg.node.decode_node import sampling_params
 
     params = sampling_params(Submit("r", [1, 2], 7, 0.5, 0.9, 3, 11, ignore_eos=True))

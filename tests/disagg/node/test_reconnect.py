@@ -8,9 +8,9 @@ import time
 
 import pytest
 
+from disagg.control.channel import Channel
+from disagg.control.messages import Status, Submit
 from disagg.engine.request import FailureCause, RequestState
-from disagg.kv_transfer.channel import Channel
-from disagg.kv_transfer.messages import Status, Submit
 from tests.disagg.node.test_reliability import MAX_TOKENS, PROMPTS, REFERENCE, make_cluster
 
 pytestmark = pytest.mark.fabric

@@ -16,11 +16,12 @@ from dataclasses import dataclass, field
 import pytest
 
 from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, SchedulerConfig
+from disagg.control.channel import Channel
+from disagg.control.messages import Reject, RequestEvent, Submit
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import FailureCause, RequestState, SamplingParams
 from disagg.errors import ProtocolError
-from disagg.kv_transfer.channel import Channel
-from disagg.kv_transfer.messages import Hello, Reject, RequestEvent, Submit
+from disagg.kv_transfer.messages import Hello
 from disagg.model.loading.registry import load_model
 from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode

@@ -8,11 +8,11 @@ import time
 
 import pytest
 
+from disagg.control.address import format_address, listen
+from disagg.control.channel import Channel
+from disagg.control.messages import Heartbeat, RequestEvent, Status, Submit
 from disagg.engine.request import RequestState
-from disagg.kv_transfer.channel import Channel, format_address, listen
-import disagg.node.router as router_module
 from disagg.errors import PeerClosedError
-from disagg.kv_transfer.messages import Heartbeat, RequestEvent, Status, Submit
 from disagg.node.prefix_index import (
     PrefixIndex,
     RoutingConfig,
@@ -20,6 +20,7 @@ from disagg.node.prefix_index import (
     block_digests,
     pick_decoder,
 )
+import disagg.node.router as router_module
 from disagg.node.router import Router
 
 

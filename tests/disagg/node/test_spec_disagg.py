@@ -25,10 +25,10 @@ from disagg.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from disagg.control.messages import RequestEvent, Submit
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import RequestState, SamplingParams
 from disagg.kv_transfer.draft_kv import draft_kv_pages
-from disagg.kv_transfer.messages import RequestEvent, Submit
 from disagg.kv_transfer.transfer_plan import expected_write_count
 from disagg.model.loading.registry import load_model
 from disagg.node.builder import build_node

@@ -22,11 +22,11 @@ from disagg.config import (
     SchedulerConfig,
     SpeculativeConfig,
 )
+from disagg.control.channel import Channel
+from disagg.control.messages import Reject, Submit
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import RequestState, SamplingParams
-from disagg.kv_transfer.channel import Channel
 from disagg.kv_transfer.context_slot import context_slot_nbytes
-from disagg.kv_transfer.messages import Reject, Submit
 from disagg.model.loading.registry import load_model
 from disagg.node.builder import build_node, open_transfer
 from disagg.node.decode_node import DecodeNode

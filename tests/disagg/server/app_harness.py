@@ -18,8 +18,8 @@ from contextlib import contextmanager
 import uvicorn
 
 from disagg.config import PRESETS
+from disagg.control.messages import Abort, RequestEvent, Submit
 from disagg.errors import PeerClosedError
-from disagg.kv_transfer.messages import Abort, RequestEvent, Submit
 from disagg.server.app import FrontDoor, build_app
 from disagg.server.cluster_client import ClusterClient
 from disagg.server.metrics import ServerMetrics

@@ -11,8 +11,8 @@ import pytest
 from tokenizers import Tokenizer as Backend
 from tokenizers import decoders, models, pre_tokenizers
 
+from disagg.control.messages import RequestEvent, Submit
 from disagg.engine.request import FailureCause, RequestState
-from disagg.kv_transfer.messages import RequestEvent, Submit
 from disagg.model.loading.tokenizer import Tokenizer
 from tests.disagg.server.app_harness import FakeRouter, post, running_app
 

@@ -17,8 +17,8 @@ from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfi
 from disagg.engine.llm_engine import LLMEngine, build_engine
 from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import init_random_weights
-from disagg.spec.speculator import Speculator, build_speculative_engine
-from tests.disagg.spec.test_verify import chi_square_p_value
+from disagg.speculative.speculator import Speculator, build_speculative_engine
+from tests.disagg.speculative.test_verify import chi_square_p_value
 
 CONFIG = ModelConfig(vocab_size=8, hidden_size=32, intermediate_size=64, num_layers=2,
                      num_heads=4, num_kv_heads=2, head_dim=8, name="chi2")

@@ -19,8 +19,8 @@ from disagg.engine.llm_engine import LLMEngine, build_engine
 from disagg.engine.request import Request, SamplingParams
 from disagg.model.draft_heads import Span, build_mtp_head, mtp_kv_cache, span_metadata
 from disagg.model.loading.registry import init_random_weights
-from disagg.spec.proposers import CatchUp, MTPProposer, mtp_catch_up
-from disagg.spec.speculator import Speculator, build_speculative_engine
+from disagg.speculative.proposers import CatchUp, MTPProposer, mtp_catch_up
+from disagg.speculative.speculator import Speculator, build_speculative_engine
 
 CONFIG = ModelConfig.from_name("tiny")
 WEIGHTS = init_random_weights(CONFIG, seed=0)

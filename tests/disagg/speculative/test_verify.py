@@ -14,7 +14,7 @@ from disagg.config import SpeculativeConfig
 from disagg.engine.request import SamplingParams
 from disagg.engine.sampling import apply_top_k_top_p
 from disagg.errors import ConfigError
-from disagg.spec.verify import propose_token, token_probs, verify, verify_greedy, verify_sampled
+from disagg.speculative.verify import propose_token, token_probs, verify, verify_greedy, verify_sampled
 
 
 def chi_square_p_value(counts: torch.Tensor, probs: torch.Tensor) -> float:

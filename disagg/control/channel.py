@@ -18,7 +18,6 @@ Without a secret frames are sent as they are, for development on loopback only.
 from __future__ import annotations
 
 import contextlib
-import hashlib
 import hmac
 import os
 import select
@@ -26,22 +25,21 @@ import socket
 import struct
 import threading
 import time
-from collections.abc import Callable
 
-from disagg.errors import PeerClosedError, ProtocolError
-from disagg.kv_transfer.messages import (
+from disagg.control.address import parse_address
+from disagg.control.framing import (
     HEADER,
     MAGIC,
     PROTOCOL_VERSION,
-    Heartbeat,
     Message,
     decode_header,
     decode_payload,
     encode,
 )
+from disagg.control.messages import Heartbeat
+from disagg.control.secret import TAG_SIZE, cluster_secret, derive_keys, frame_tag
+from disagg.errors import PeerClosedError, ProtocolError
 
-SECRET_ENV = "DISAGG_CLUSTER_SECRET"
-TAG_SIZE = 32
 NONCE_SIZE = 16
 PREFACE = struct.Struct(f"!2sB{NONCE_SIZE}s")  # magic, protocol version, this side's nonce
 PREFACE_MAGIC = b"DC"
@@ -50,12 +48,6 @@ FRAME_TIMEOUT_S = 10.0  # a frame, once its first byte arrived, completes within
 MAX_UNTRUSTED_PAYLOAD = 64 << 10  # before the first good frame (a Hello is a few KiB)
 _SIGNED_FRAME = "signed frame: the peer uses a cluster secret this node does not have"
 _UNSIGNED_FRAME = "unauthenticated frame: this node requires the cluster secret"
-
-
-def cluster_secret() -> bytes | None:
-    """The shared cluster secret from the environment, if any."""
-    value = os.environ.get(SECRET_ENV)
-    return value.encode() if value else None
 
 
 class Channel:
@@ -114,7 +106,7 @@ class Channel:
             if self._closed:
                 raise PeerClosedError(f"channel to {self.peer} is closed")
             if self._keys is not None:
-                frame += _tag(self._keys[0], self._sent, frame)
+                frame += frame_tag(self._keys[0], self._sent, frame)
                 self._sent += 1
             try:
                 self.sock.sendall(frame)
@@ -160,7 +152,7 @@ class Channel:
             except (PeerClosedError, ProtocolError):
                 self.close()
                 raise
-            self._keys = _derive_keys(self.secret, self._accepted, self._nonce, peer_nonce)
+            self._keys = derive_keys(self.secret, self._accepted, self._nonce, peer_nonce)
 
     def _send_raw(self, data: bytes) -> None:
         with self._send_lock:
@@ -204,7 +196,8 @@ class Channel:
         body = self._read_exactly(length, deadline)
         if self._keys is not None:
             tag = self._read_exactly(TAG_SIZE, deadline)
-            if not hmac.compare_digest(tag, _tag(self._keys[1], self._received, header + body)):
+            expected = frame_tag(self._keys[1], self._received, header + body)
+            if not hmac.compare_digest(tag, expected):
                 raise ProtocolError(f"{self.peer}: bad authentication tag on {cls.__name__} "
                                     "(wrong cluster secret, or a replayed frame)")
             self._received += 1
@@ -250,75 +243,3 @@ class Channel:
                                 "arrived)")
 
 
-def _derive_keys(secret: bytes, accepted: bool, own: bytes, peer: bytes) -> tuple[bytes, bytes]:
-    """(send key, receive key) of one connection: the direction is in the key, so a frame
-    reflected back to its sender fails too."""
-    acceptor, connector = (own, peer) if accepted else (peer, own)
-    to_connector, to_acceptor = (
-        hmac.new(secret, b"disagg channel " + direction + acceptor + connector,
-                 hashlib.sha256).digest() for direction in (b"a>c", b"c>a"))
-    return (to_connector, to_acceptor) if accepted else (to_acceptor, to_connector)
-
-
-def _tag(key: bytes, sequence: int, frame: bytes) -> bytes:
-    return hmac.new(key, sequence.to_bytes(8, "big") + frame, hashlib.sha256).digest()
-
-
-def parse_address(address: str) -> tuple[str, int]:
-    """"host:port" or "[ipv6]:port" -> (host, port), with an error naming a malformed address.
-
-    An IPv6 host must be in brackets: in "::1:7000" nothing tells the port from the last
-    group of the address, so it is refused rather than guessed.
-
-    >>> parse_address("[::1]:7000")
-    ('::1', 7000)
-    """
-    if address.startswith("["):
-        host, sep, port = address[1:].partition("]:")
-        if not sep or "]" in host:
-            raise ValueError(f"address {address!r} is not [host]:port")
-    else:
-        host, sep, port = address.rpartition(":")
-        if ":" in host:
-            raise ValueError(f"address {address!r}: an IPv6 host must be in brackets, "
-                             "as in [::1]:7000")
-        if not sep:
-            raise ValueError(f"address {address!r} is not host:port")
-    # isdecimal, not isdigit: int() refuses some digits (superscripts) that isdigit accepts.
-    if not host or not port.isdecimal() or int(port) > 65535:
-        raise ValueError(f"address {address!r} is not host:port (port 0-65535)")
-    return host, int(port)
-
-
-def format_address(host: str, port: int) -> str:
-    """The "host:port" that `parse_address` reads back: an IPv6 host goes in brackets.
-
-    >>> format_address("::1", 7000)
-    '[::1]:7000'
-    """
-    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
-
-
-def listen(address: str) -> socket.socket:
-    """A listening socket on `host:port` or `[ipv6]:port` (port 0 picks a free one)."""
-    host, port = parse_address(address)
-    # create_server defaults to IPv4, where an IPv6 literal does not resolve.
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    return socket.create_server((host, port), family=family, reuse_port=False)
-
-
-def start_heartbeats(channels: Callable[[], list[Channel]], stop: threading.Event,
-                     interval_s: float = 1.0) -> threading.Thread:
-    """A thread that sends a Heartbeat on every channel each `interval_s` until `stop`.
-
-    Its own thread, not the engine loop: a long forward step must not look like a dead node.
-    """
-    def beat() -> None:
-        while not stop.wait(interval_s):
-            for channel in channels():
-                with contextlib.suppress(PeerClosedError):  # its reader thread reports the loss
-                    channel.send(Heartbeat())
-
-    thread = threading.Thread(target=beat, daemon=True, name="heartbeats")
-    thread.start()
-    return thread

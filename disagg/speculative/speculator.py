@@ -28,8 +28,8 @@ from disagg.engine.request import Request
 from disagg.engine.sampling import sample_token
 from disagg.model.draft_heads import build_mtp_head, mtp_kv_cache
 from disagg.model.kv_cache import PagedKVCache
-from disagg.spec.proposers import EarlyExitProposer, MTPProposer
-from disagg.spec.verify import propose_token, verify, verify_greedy_lazily
+from disagg.speculative.proposers import EarlyExitProposer, MTPProposer
+from disagg.speculative.verify import propose_token, verify, verify_greedy_lazily
 
 
 @dataclass
