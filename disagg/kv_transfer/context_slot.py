@@ -31,7 +31,6 @@ from disagg.config import ModelConfig
 from disagg.errors import RequestError
 from disagg.kv_transfer.messages import Hello, HelloProof
 from disagg.kv_transfer.transfer_context import DecoderPeer
-from disagg.model.kv_cache import KVCache
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.memory import EngineAddress, MemoryRegionDescriptor
@@ -124,24 +123,6 @@ def slot_matches(slot: torch.Tensor, model: ModelConfig, nonce: int, checksum: f
         logger.warning("request %s: KV checksum %r, prefiller sent %r", request_id, checksum,
                        expected)
     return checksum == expected
-
-
-def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
-                first_page: int = 0) -> float:
-    """A float64 sum of every K/V value of the first `num_tokens` tokens, all layers and heads,
-    leaving out the pages before `first_page` (those a decoder held already: prefix caching).
-
-    It depends only on the logical values, not on the layout or the sharding, so a prefiller
-    and a decoder holding the same KV compute the same number: the decoder's check that the
-    counter did not fire early (a duplicated immediate) or over corrupted pages (issue 8).
-    """
-    pages = torch.tensor(page_ids[first_page:], dtype=torch.int64, device=kv_cache.device)
-    num_tokens -= first_page * kv_cache.page_size
-    total = torch.zeros((), dtype=torch.float64, device=kv_cache.device)  # one sync, at the end
-    for layer in range(kv_cache.num_layers):
-        k, v = kv_cache.gather(layer, pages, num_tokens)
-        total += k.contiguous().double().sum() + v.contiguous().double().sum()
-    return float(total)
 
 
 def check_bound(hello: Hello) -> None:

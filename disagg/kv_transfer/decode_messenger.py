@@ -38,10 +38,10 @@ from disagg.kv_transfer.context_slot import (
     allocate_context_buffer,
     clear_proof,
     context_slot_nbytes,
-    kv_checksum,
     new_nonce,
     slot_matches,
 )
+from disagg.kv_transfer.kv_checksum import kv_checksum
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest
 from disagg.kv_transfer.plugins import DraftSink
 from disagg.kv_transfer.quarantine import PageQuarantine, Verdict

@@ -25,7 +25,8 @@ from disagg.engine.batch import Batch, ForwardOutput
 from disagg.engine.llm_engine import EngineParts
 from disagg.engine.request import Request
 from disagg.errors import RequestError
-from disagg.kv_transfer.context_slot import kv_checksum, unpack_context
+from disagg.kv_transfer.context_slot import unpack_context
+from disagg.kv_transfer.kv_checksum import kv_checksum
 from disagg.kv_transfer.messages import Hello
 from disagg.kv_transfer.plugins import WriteDone
 from disagg.kv_transfer.transfer_context import Transfer

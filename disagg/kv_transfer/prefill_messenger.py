@@ -33,10 +33,10 @@ from disagg.engine.request import FailureCause, Request, RequestState, SamplingP
 from disagg.errors import PeerClosedError, RequestError
 from disagg.kv_transfer.context_slot import (
     ContextSlots,
-    kv_checksum,
     pack_context,
     prefill_token_ids,
 )
+from disagg.kv_transfer.kv_checksum import kv_checksum
 from disagg.kv_transfer.messages import Hello, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
 from disagg.kv_transfer.transfer_context import (
