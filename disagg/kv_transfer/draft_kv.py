@@ -28,8 +28,8 @@ from disagg.errors import RequestError
 from disagg.kv_transfer.context_slot import unpack_context
 from disagg.kv_transfer.kv_checksum import kv_checksum
 from disagg.kv_transfer.messages import Hello
+from disagg.kv_transfer.outgoing_kv import OutgoingKV
 from disagg.kv_transfer.plugins import WriteDone
-from disagg.kv_transfer.transfer_context import Transfer
 from disagg.kv_transfer.transfer_plan import num_pages
 from disagg.model.draft_heads import build_mtp_head, mtp_kv_cache
 from disagg.model.kv_cache import PagedKVCache
@@ -55,15 +55,15 @@ class DraftKVSource:
     """Prefiller side (a `DraftSource`): the MTP head over prefill chunks, and its pages
     written after the last one."""
 
-    def __init__(self, parts: EngineParts, transfer: TransferEngine,
+    def __init__(self, parts: EngineParts, transport: TransferEngine,
                  kv_memory_path: str | None = None) -> None:
         model, config = parts.model, parts.config
         self.target = model
         self.head = build_mtp_head(model.config).to(config.device)
         self.kv_cache = mtp_kv_cache(model.config, config.cache, config.device)
-        self.transfer = transfer
+        self.transport = transport
         # A source only: no peer may write it (S5).
-        self.kv = register_kv(transfer, self.kv_cache.buffer, "prefill-mtp", kv_memory_path,
+        self.kv = register_kv(transport, self.kv_cache.buffer, "prefill-mtp", kv_memory_path,
                               remote_write=False)
         self._peers: dict[str, MemoryRegionDescriptor] = {}  # decoders that draft with MTP
 
@@ -82,28 +82,28 @@ class DraftKVSource:
                                f"bytes is not {peer_pages} pages of {self.kv_cache.page_nbytes}")
         self._peers[hello.node_id] = descriptor
 
-    def _num_pages(self, transfer: Transfer) -> int:
-        """MTP pages `transfer` ships (0 if its decoder does not draft with MTP)."""
-        if transfer.peer.peer_id not in self._peers:
+    def _num_pages(self, outgoing: OutgoingKV) -> int:
+        """MTP pages `outgoing` ships (0 if its decoder does not draft with MTP)."""
+        if outgoing.peer.peer_id not in self._peers:
             return 0
         # The prefiller's request holds the prompt minus its last token.
-        return draft_kv_pages(transfer.request.num_prompt_tokens + 1, self.kv_cache.page_size)
+        return draft_kv_pages(outgoing.request.num_prompt_tokens + 1, self.kv_cache.page_size)
 
-    def wants(self, transfer: Transfer) -> bool:
-        """Whether `transfer` ships MTP pages."""
-        return self._num_pages(transfer) > 0
+    def wants(self, outgoing: OutgoingKV) -> bool:
+        """Whether `outgoing` ships MTP pages."""
+        return self._num_pages(outgoing) > 0
 
     @torch.inference_mode()
     def after_forward(self, batch: Batch, output: ForwardOutput,
-                      transfers: Mapping[str, Transfer]) -> None:
+                      in_flight: Mapping[str, OutgoingKV]) -> None:
         """Run the head on this forward's rows of requests whose decoder wants its KV."""
         assert output.all_hidden_states is not None
         items, row = [], 0
         for chunk in batch.chunks:
             rows = output.all_hidden_states[row:row + chunk.num_tokens]
             row += chunk.num_tokens
-            transfer = transfers.get(chunk.request.request_id)
-            if transfer is None or transfer.error is not None or not self.wants(transfer):
+            outgoing = in_flight.get(chunk.request.request_id)
+            if outgoing is None or outgoing.failed or not self.wants(outgoing):
                 continue
             request = chunk.request
             end = min(chunk.end, request.num_prompt_tokens - 1)  # the last row needs t+1
@@ -113,32 +113,32 @@ class DraftKVSource:
         if items:
             mtp_catch_up(self.head, self.target, self.kv_cache, items)
 
-    def checksum(self, transfer: Transfer) -> float:
+    def checksum(self, outgoing: OutgoingKV) -> float:
         """What the shipped MTP pages add to the context slot's KV checksum."""
-        if not self.wants(transfer):
+        if not self.wants(outgoing):
             return 0.0
-        request = transfer.request
+        request = outgoing.request
         return kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens - 1)
 
-    def submit(self, transfer: Transfer, done: WriteDone) -> None:
+    def post(self, outgoing: OutgoingKV, done: WriteDone) -> None:
         """Write the request's MTP pages (one paged-write call); `done(error, writes)` once."""
-        count = self._num_pages(transfer)
+        count = self._num_pages(outgoing)
         nbytes = self.kv_cache.page_nbytes
-        page_ids = transfer.request.page_ids[:count]
+        page_ids = outgoing.request.page_ids[:count]
         # The head ran after the forward: no layer counter vouches for its pages, so a staged
         # copy waits for the compute stream.
         self.kv.stage_out(0, page_ids, wait_for_compute=True)
         try:
-            self.transfer.submit_paged_writes(
+            self.transport.submit_paged_writes(
                 nbytes, self.kv.region, page_ids, nbytes, 0,
-                self._peers[transfer.peer.peer_id], transfer.dst_page_ids[:count], nbytes, 0,
-                transfer.imm, on_done=lambda: done(None, count), on_error=done)
+                self._peers[outgoing.peer.peer_id], outgoing.dst_page_ids[:count], nbytes, 0,
+                outgoing.imm, on_done=lambda: done(None, count), on_error=done)
         except (TransferError, ValueError) as error:
             done(error)
 
     def close(self) -> None:
         """Unregister the MTP cache (after the transfer engine drained)."""
-        self.kv.close(self.transfer)
+        self.kv.close(self.transport)
 
 
 class DraftKVSink:
@@ -146,12 +146,12 @@ class DraftKVSink:
     prefillers to write, and what it adds to a request's expected writes and KV checksum."""
 
     def __init__(self, kv_cache: PagedKVCache, model: ModelConfig, page_size: int,
-                 transfer: TransferEngine, kv_memory_path: str | None = None) -> None:
-        self.transfer = transfer
+                 transport: TransferEngine, kv_memory_path: str | None = None) -> None:
+        self.transport = transport
         self._model = model
         self.page_size = page_size
         self.kv_cache = kv_cache
-        self.kv = register_kv(transfer, kv_cache.buffer, "decode-mtp", kv_memory_path,
+        self.kv = register_kv(transport, kv_cache.buffer, "decode-mtp", kv_memory_path,
                               remote_write=True)  # prefillers write the head's pages here
         self.descriptor = self.kv.descriptor.to_bytes()
 
@@ -175,4 +175,4 @@ class DraftKVSink:
 
     def close(self) -> None:
         """Unregister the MTP cache (after the transfer engine drained)."""
-        self.kv.close(self.transfer)
+        self.kv.close(self.transport)

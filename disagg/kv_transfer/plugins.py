@@ -18,7 +18,7 @@ import torch
 from disagg.engine.batch import Batch, ForwardOutput
 from disagg.engine.request import Request
 from disagg.kv_transfer.messages import Hello
-from disagg.kv_transfer.transfer_context import Transfer
+from disagg.kv_transfer.outgoing_kv import OutgoingKV
 
 # (error or None, writes that completed) -> None: the prefill messenger's write accounting.
 WriteDone = Callable[..., None]
@@ -31,16 +31,16 @@ class DraftSource(Protocol):
         """Remember a decoder that wants the extra pages (its handshake says where)."""
 
     def after_forward(self, batch: Batch, output: ForwardOutput,
-                      transfers: Mapping[str, Transfer]) -> None:
-        """Compute this forward's extra pages for the transfers that want them."""
+                      in_flight: Mapping[str, OutgoingKV]) -> None:
+        """Compute this forward's extra pages for the requests in flight that want them."""
 
-    def wants(self, transfer: Transfer) -> bool:
-        """Whether `transfer` ships extra pages."""
+    def wants(self, outgoing: OutgoingKV) -> bool:
+        """Whether `outgoing` ships extra pages."""
 
-    def checksum(self, transfer: Transfer) -> float:
+    def checksum(self, outgoing: OutgoingKV) -> float:
         """What the extra pages add to the context slot's KV checksum."""
 
-    def submit(self, transfer: Transfer, done: WriteDone) -> None:
+    def post(self, outgoing: OutgoingKV, done: WriteDone) -> None:
         """Write the extra pages; `done(error, writes)` once."""
 
     def close(self) -> None:

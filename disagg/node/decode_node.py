@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg.control.channel import Channel
-from disagg.control.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, start_heartbeats
+from disagg.control.liveness import HEARTBEAT_INTERVAL_S, start_heartbeats
 from disagg.control.messages import (
     Abort,
     Heartbeat,
@@ -34,10 +34,11 @@ from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import InvalidMessage, PeerClosedError, ProtocolError, RequestError
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
+from disagg.kv_transfer.handshake import shake_hands
 from disagg.kv_transfer.messages import HelloAck, KVFailed
-from disagg.kv_transfer.transfer_context import Outcome
+from disagg.kv_transfer.pending_kv import Outcome
 from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabric_metrics
-from disagg.node.prefiller_link import PrefillerBack, Reconnector, handshake
+from disagg.node.prefiller_link import PrefillerBack, Reconnector
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.engine import TransferEngine
@@ -122,15 +123,15 @@ class DecodeNode(NodeBase):
         self._links = Reconnector(list(prefillers), self._handshake, self.inbox.put, self._stop)
         self._routers: list[Channel] = []  # they hear our Status and heartbeats
         self._status = Status(True)
-        messenger = self.messenger
-        start_heartbeats(lambda: [c for c, alive in zip(messenger.prefillers, messenger.alive,
-                                                        strict=True) if alive] + self._routers,
-                         self._stop, HEARTBEAT_INTERVAL_S)
+        pool = self.messenger.pool
+        start_heartbeats(lambda: pool.live_channels() + self._routers, self._stop,
+                         HEARTBEAT_INTERVAL_S)
         self._listen(listen_address)
         self._start_accepting(self._read_router, "router")
 
     def _handshake(self, address: str) -> tuple[Channel, HelloAck]:
-        channel, ack = handshake(address, self.messenger, self.transfer)
+        channel, ack = shake_hands(address, self.messenger.hello(), self.messenger.context,
+                                   self.transfer.num_domains)
         self._channels.append(channel)
         return channel, ack
 
@@ -202,7 +203,7 @@ class DecodeNode(NodeBase):
 
     def _announce_status(self) -> None:
         """Tell every router when this decoder stops or starts taking requests."""
-        alive = not self.messenger.prefillers or any(self.messenger.alive)
+        alive = self.messenger.pool.accepting
         if alive == self._status.accepting:
             return
         self._status = Status(alive, "" if alive else "no live prefiller")
@@ -249,11 +250,9 @@ class DecodeNode(NodeBase):
     def _keep_alive(self) -> None:
         """Declare a prefiller gone when it has been silent too long (heartbeats go from
         their own thread, `start_heartbeats`)."""
-        now = time.monotonic()
-        for index, channel in enumerate(self.messenger.prefillers):
-            if self.messenger.alive[index] and now - channel.last_received > PEER_TIMEOUT_S:
-                channel.close()  # its reader thread then reports it gone
-                self.messenger.prefiller_gone(index, f"silent for {PEER_TIMEOUT_S:g} s")
+        for index, silence in self.messenger.pool.silent():
+            self.messenger.pool.link(index).channel.close()  # its reader then reports it gone
+            self.messenger.prefiller_gone(index, f"silent for {silence:g} s")
 
     def _step(self) -> None:
         for event in self._traced_step():
@@ -278,7 +277,7 @@ class DecodeNode(NodeBase):
             case FromPrefiller(message):
                 self.messenger.on_kv_failed(message)
             case PrefillerGone(index, reason, channel):
-                if channel is None or self.messenger.prefillers[index] is channel:
+                if channel is None or self.messenger.pool.is_current(index, channel):
                     self.messenger.prefiller_gone(index, reason)
                     self._links.lost(index)  # and try to reach it again
             case PrefillerBack(index, channel, ack):
@@ -307,7 +306,7 @@ class DecodeNode(NodeBase):
             request = Request(message.request_id, list(message.prompt_token_ids), params,
                               self.engine.model.config.eos_token_ids)
             self._clients[request.request_id] = channel
-            self.messenger.submit(request)
+            self.messenger.admit(request)
         except RequestError as error:
             self._clients.pop(message.request_id, None)
             self._send(channel, RequestEvent(message.request_id, RequestState.FINISHED_FAILED,

@@ -12,19 +12,18 @@ from __future__ import annotations
 
 import logging
 import threading
-import time
 from dataclasses import dataclass
 
 from disagg.control.channel import Channel
-from disagg.control.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, start_heartbeats
+from disagg.control.liveness import HEARTBEAT_INTERVAL_S, silent_for, start_heartbeats
 from disagg.control.messages import Heartbeat, Reject, Shutdown
 from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause
 from disagg.errors import PeerClosedError, ProtocolError, RequestError
-from disagg.kv_transfer.context_slot import context_slot_nbytes
+from disagg.kv_transfer.decoder_peer import DecoderPeer
+from disagg.kv_transfer.handshake import expected_hello, hello_mismatches
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
-from disagg.kv_transfer.transfer_context import DecoderPeer
 from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabric_metrics
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
@@ -62,16 +61,6 @@ class ShutdownAsked:
     """An operator (or the demo) connected only to ask this node to stop."""
 
 
-def hello_mismatches(hello: Hello, expected: Hello) -> list[str]:
-    """Fields where a decoder's handshake differs from what this prefiller runs: each names
-    the field and the decoder's own value, never the expected one (a stranger learns nothing
-    of this prefiller from a refusal)."""
-    checked = ("model", "dtype", "page_size", "kv_layout", "num_layers", "num_kv_heads",
-               "head_dim", "context_slot_nbytes")
-    return [f"{name}: decoder has {getattr(hello, name)!r}, not what this prefiller runs"
-            for name in checked if getattr(hello, name) != getattr(expected, name)]
-
-
 class PrefillNode(NodeBase):
     """One prefiller serving any number of decoders."""
 
@@ -101,14 +90,6 @@ class PrefillNode(NodeBase):
                          HEARTBEAT_INTERVAL_S)
         self._start_accepting(self._serve_decoder, "decoder")
 
-    def expected_hello(self) -> Hello:
-        """The handshake fields a decoder must match (addresses and descriptors aside)."""
-        config, cache = self.engine.model.config, self.engine.kv_cache
-        dtype = str(cache.dtype).removeprefix("torch.")
-        return Hello(self.node_id, self.fingerprint, dtype, cache.page_size, cache.kv_layout,
-                     config.num_layers, config.num_kv_heads, config.head_dim, b"", [], b"",
-                     context_slot_nbytes(config))
-
     def _serve_decoder(self, channel: Channel) -> None:
         """Reader thread of one decoder: handshake, then forward its messages to the inbox."""
         try:
@@ -119,7 +100,8 @@ class PrefillNode(NodeBase):
                 return
             if not isinstance(hello, Hello):
                 raise ProtocolError(f"expected Hello first, got {type(hello).__name__}")
-            mismatches = hello_mismatches(hello, self.expected_hello())
+            mismatches = hello_mismatches(hello, expected_hello(
+                self.node_id, self.fingerprint, self.engine.model.config, self.engine.kv_cache))
             if mismatches:
                 logger.warning("refusing decoder %s: %s", hello.node_id, "; ".join(mismatches))
                 channel.send(Reject("peer mismatch: " + "; ".join(mismatches)))
@@ -188,12 +170,12 @@ class PrefillNode(NodeBase):
     def _keep_alive(self) -> None:
         """A decoder silent for too long is treated as dead (heartbeats go from their own
         thread, `start_heartbeats`)."""
-        now = time.monotonic()
         for peer in list(self._peers):
-            if now - peer.channel.last_received > PEER_TIMEOUT_S:
+            silence = silent_for(peer.channel)
+            if silence is not None:
                 self._peers.remove(peer)
                 peer.channel.close()
-                self.messenger.fail_peer(peer, f"decoder gone: silent for {PEER_TIMEOUT_S:g} s")
+                self.messenger.fail_peer(peer, f"decoder gone: silent for {silence:g} s")
 
     def _handle(self, item: object) -> None:
         match item:

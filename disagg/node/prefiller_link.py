@@ -1,35 +1,26 @@
-"""A decoder's links to its prefillers: the handshake, and bringing a lost one back (S2a, S5).
+"""Bringing a decoder's lost prefiller back (S2a; design: failure handling).
 
-The handshake: Hello, then the prefiller's HelloAck (or a Reject naming what does not match),
-then `HelloProof`, the nonce the prefiller wrote into our proof slot (we own the memory our
-Hello named, S5). A prefiller that was lost (its connection broke, or it fell silent: frozen,
-restarted, cut off) is tried again with doubling waits (`disagg.control.backoff`), from a
-thread of its own, until a new handshake succeeds or the node stops; the engine thread then
-takes it back through its inbox (`PrefillerBack`). Its requests were settled when it was lost
-(quarantined, then retried elsewhere or failed, as issue 8 decided), so a link comes back
-empty.
+A prefiller that was lost (its connection broke, or it fell silent: frozen, restarted, cut
+off) is tried again with doubling waits (`disagg.control.backoff`), from a thread of its own,
+until a new handshake (`disagg.kv_transfer.handshake.shake_hands`, S5) succeeds or the node
+stops; the engine thread then takes it back through its inbox (`PrefillerBack`). Its requests
+were settled when it was lost (`disagg.kv_transfer.kv_recovery`), so a link comes back empty.
 """
 
 from __future__ import annotations
 
 import logging
-import select
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
 
 from disagg.control.backoff import Backoff
 from disagg.control.channel import Channel
-from disagg.control.messages import Reject
-from disagg.errors import DisaggError, PeerClosedError, PeerMismatchError, ProtocolError
-from disagg.kv_transfer.context_slot import read_proof
-from disagg.kv_transfer.decode_messenger import DecodeMessenger
+from disagg.errors import DisaggError
 from disagg.kv_transfer.messages import HelloAck
-from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 
 logger = logging.getLogger(__name__)
-HANDSHAKE_TIMEOUT_S = 10.0  # for the prefiller's answer: a frozen one must not hold us
 
 
 @dataclass(frozen=True, slots=True)
@@ -39,28 +30,6 @@ class PrefillerBack:
     index: int
     channel: Channel
     ack: HelloAck
-
-
-def handshake(address: str, messenger: DecodeMessenger, transfer: TransferEngine,
-              timeout_s: float = HANDSHAKE_TIMEOUT_S) -> tuple[Channel, HelloAck]:
-    """Connect to the prefiller at `address` and shake hands; the channel is closed on any
-    failure (`PeerMismatchError` when it refuses us, naming why)."""
-    channel = Channel.connect(address, timeout_s)
-    try:
-        channel.send(messenger.hello())
-        if not select.select([channel.sock], [], [], timeout_s)[0]:
-            raise PeerClosedError(f"prefiller {address} did not answer the handshake in "
-                                  f"{timeout_s:g} s")
-        reply = channel.recv()
-        if isinstance(reply, Reject):
-            raise PeerMismatchError(f"prefiller {address} refused this decoder: {reply.reason}")
-        if not isinstance(reply, HelloAck):
-            raise ProtocolError(f"prefiller {address} answered {type(reply).__name__}")
-        channel.send(read_proof(messenger.context, transfer.num_domains))
-    except BaseException:
-        channel.close()
-        raise
-    return channel, reply
 
 
 class Reconnector:

@@ -25,13 +25,14 @@ from disagg.control.framing import Message
 from disagg.engine.llm_engine import EngineParts, LLMEngine, build_engine, load_transformer
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import RequestError
-from disagg.kv_transfer.context_slot import read_proof
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.draft_kv import DraftKVSink
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
-from disagg.kv_transfer.transfer_context import DecoderPeer, Outcome
+from disagg.kv_transfer.decoder_peer import DecoderPeer
+from disagg.kv_transfer.handshake import clear_proof, read_proof
+from disagg.kv_transfer.pending_kv import Outcome
 from disagg.model.draft_heads import mtp_kv_cache
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.fingerprint import model_fingerprint
@@ -143,6 +144,7 @@ class Harness:
         """As the nodes shake hands: Hello over the channel, `add_peer` (which writes the proof
         slot), HelloAck back, the decoder's `HelloProof` from its own memory, `accept_proof`,
         `add_prefiller`."""
+        clear_proof(self.decode.context)
         self.decode_channel.send(self.decode.hello())
         hello = self.prefill_channel.recv()
         assert isinstance(hello, Hello)
@@ -165,7 +167,7 @@ class Harness:
         a, b = socket.socketpair()
         ours, theirs = Channel(a, "prefill-0", secret=b""), Channel(b, hello.node_id, secret=b"")
         self.extra_channels += [ours, theirs]
-        self.decode.hello()  # clears the proof slot, as a decoder's Hello does
+        clear_proof(self.decode.context)  # as a decoder does before each Hello
         peer = self.prefill.add_peer(hello, theirs)
         proof = read_proof(self.decode.context, self.decode_transfer.num_domains)
         self.prefill.accept_proof(peer, hello, proof)
@@ -176,7 +178,7 @@ class Harness:
         """A new request at the decoder, as `DecodeNode._submit` makes it."""
         request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens),
                           tiny_model().config.eos_token_ids)
-        self.decode.submit(request)
+        self.decode.admit(request)
         return request
 
     # One turn of each node loop.

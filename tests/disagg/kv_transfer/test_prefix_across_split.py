@@ -140,7 +140,7 @@ def test_pages_whose_writes_are_in_flight_survive_any_eviction(make_harness: Mak
     h.prefill_transfer.hold()
     request = h.submit(prompt, "r")
     h.run_until(lambda: not h.prefill_engine.has_unfinished() and h.prefill.num_in_flight == 1)
-    (transfer,) = h.prefill._transfers.values()
+    (transfer,) = h.prefill._in_flight.values()
     allocator = h.prefill_parts.allocator
     in_flight = transfer.request.page_ids
     assert transfer.request.num_cached_tokens == 16 and h.prefill_transfer.held_writes() > 0

@@ -21,7 +21,7 @@ from disagg.control.framing import HEADER, MAGIC, PROTOCOL_VERSION
 from disagg.control.messages import Reject, Status, Submit
 from disagg.engine.request import RequestState
 from disagg.errors import PeerMismatchError
-from disagg.kv_transfer.context_slot import read_proof
+from disagg.kv_transfer.handshake import read_proof
 from disagg.kv_transfer.messages import Cancel, HelloAck, KVFailed, KVRequest
 from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode

@@ -32,11 +32,11 @@ def test_a_prefiller_whose_connection_broke_is_taken_back(make_cluster: object) 
     cluster = make_cluster()  # type: ignore[operator]
     prefiller, messenger = cluster.prefillers[0], cluster.decoder.messenger
     assert serve_one(cluster, "before", 0) == (RequestState.FINISHED_LENGTH, REFERENCE[0])
-    first_channel = messenger.prefillers[0]
+    first_channel = messenger.pool.link(0).channel
     for channel in list(prefiller._channels):  # as if the network dropped the connection
         channel.close()
     deadline = time.monotonic() + 10
-    while messenger.prefillers[0] is first_channel or not messenger.alive[0]:
+    while messenger.pool.is_current(0, first_channel) or not messenger.pool.link(0).alive:
         assert time.monotonic() < deadline, "the decoder never shook hands again"
         time.sleep(0.02)
     assert serve_one(cluster, "after", 1) == (RequestState.FINISHED_LENGTH, REFERENCE[1])

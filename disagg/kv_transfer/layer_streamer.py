@@ -1,0 +1,133 @@
+"""Layer-by-layer KV streaming on the prefiller: counter bumps become that layer's page writes
+(S3, S3a, S3b, S6a, S9a).
+
+NOTE (the streaming invariant). Before a forward runs, the messenger hands the streamer the
+pages each request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter
+after each layer's attention output projection; a `CounterPoller` thread sees every bump and,
+for that layer, posts the writes of every planned request at once, while the forward moves on
+(S3b). So layer l's KV is on the wire while layer l + 1 computes, and after the forward only
+the last layer's writes are left. `wait_posted` is the engine thread's barrier: the forward
+returned, and every one of its bumps has been handled.
+
+Each write leaves through its source rank's domains (`PageWrite.domains`, S6a, S9a); KV memory
+the NIC cannot read is staged first: a layer's pages are copied to a host shadow just before
+they are posted (S5). Threads: the engine's (`plan_forward`, `wait_posted`), the poller's
+(staging, posting), the transfer engine's (completions, which only count).
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+
+from disagg.kv_transfer.outgoing_kv import ChunkPages, OutgoingKV
+from disagg.model.kv_cache import KVCache
+from disagg.model.layer_counter import LayerCounter
+from disagg.utils.tally import Tally
+from disagg.utils.trace import Tracer
+from transfer_core.engine import TransferEngine
+from transfer_core.errors import TransferError
+from transfer_core.poller import CounterPoller
+from transfer_core.staging import RegisteredKV
+
+
+class LayerStreamer:
+    """Posts each layer's page writes as soon as the model's counter says the layer is done."""
+
+    def __init__(self, transport: TransferEngine, kv: list[RegisteredKV], kv_cache: KVCache,
+                 counter: LayerCounter, stats: Tally, tracer: Tracer,
+                 poller_cpus: tuple[int, ...] | None = None) -> None:
+        self._transport = transport
+        self._kv = kv  # one registered region per TP rank (S5a)
+        self._page_nbytes = kv_cache.shards[0].page_nbytes
+        self._layer_nbytes = kv_cache.shards[0].layer_nbytes
+        self.num_layers = kv_cache.num_layers
+        self._stats = stats
+        self._tracer = tracer
+        self._lock = threading.Condition()
+        self._forwards: dict[int, list[ChunkPages]] = {}  # by forward index
+        self._num_forwards = 0  # forwards planned
+        self._handled = 0  # counter value whose writes have all been posted
+        self.counter = counter
+        self._poller = CounterPoller([counter.poll_target], self._on_counter,
+                                     name="layer-counter-poller", cpus=poller_cpus)
+        self._poller.start()
+
+    def plan_forward(self, chunks: list[ChunkPages]) -> None:
+        """Engine thread, before a forward: the pages it completes, per request (S3a)."""
+        with self._lock:
+            self._forwards[self._num_forwards] = chunks
+            self._num_forwards += 1
+
+    def wait_posted(self, timeout_s: float) -> None:
+        """Engine thread, after a forward: block until every layer's writes are posted;
+        `TimeoutError` if the poller fell behind by `timeout_s` (it raises if it died)."""
+        target = self._num_forwards * self.num_layers
+        with self._lock:
+            done = self._lock.wait_for(lambda: self._handled >= target, timeout_s)
+        self._poller.check()
+        if not done:
+            raise TimeoutError(f"layer poller saw {self._handled} of {target} bumps")
+
+    def _on_counter(self, index: int, old: int, new: int) -> None:
+        """Poller thread (S3b): post the writes of every layer that finished since `old`."""
+        for value in range(old + 1, new + 1):
+            forward, layer = LayerCounter.decode(value, self.num_layers)
+            with self._lock:
+                chunks = self._forwards.get(forward, [])
+            self._stage_out(chunks, layer)  # no-op unless staged
+            now = time.perf_counter()
+            for chunk in chunks:
+                chunk.outgoing.layer_post_times.append((layer, now))
+                self._post_layer(chunk, layer)
+            self._tracer.instant("layer", forward=forward, layer=layer)  # every counter bump
+            if chunks:
+                self._tracer.instant("layer_writes_posted", forward=forward, layer=layer,
+                                     requests=len(chunks))
+            with self._lock:
+                if layer == self.num_layers - 1:
+                    self._forwards.pop(forward, None)
+                self._handled = value
+                self._lock.notify_all()
+
+    def _post_layer(self, chunk: ChunkPages, layer: int) -> None:
+        """One paged-write call per write of the page plan: the chunk's pages, one layer."""
+        outgoing, peer = chunk.outgoing, chunk.outgoing.peer
+        num_pages = len(chunk.src_page_ids)
+        for write in outgoing.page_writes:
+            if not outgoing.begin_write():
+                return  # stopped or failed: nothing more is posted for it
+            try:
+                self._transport.submit_paged_writes(
+                    write.nbytes, self._kv[write.src_rank].region, chunk.src_page_ids,
+                    self._page_nbytes, layer * self._layer_nbytes + write.src_offset,
+                    peer.kv[write.dst_rank], chunk.dst_page_ids, peer.page_nbytes,
+                    layer * peer.layer_nbytes + write.dst_offset, outgoing.imm,
+                    on_done=lambda layer=layer: self._layer_done(outgoing, num_pages, layer),
+                    on_error=outgoing.write_done, domains=write.domains)
+            except (TransferError, ValueError) as error:
+                outgoing.write_done(error)
+                return
+            self._stats.add(writes=num_pages, bytes=num_pages * write.nbytes)
+        self._stats.add(pages=num_pages)
+
+    def _layer_done(self, outgoing: OutgoingKV, writes: int, layer: int) -> None:
+        self._tracer.instant("layer_writes_done", layer=layer, request_id=outgoing.request_id)
+        outgoing.write_done(None, writes)
+
+    def _stage_out(self, chunks: list[ChunkPages], layer: int) -> None:
+        """Copy the pages `chunks` send of `layer` into the host shadow of every staged rank
+        they are read from, one copy call per rank (S5)."""
+        pages: dict[int, list[int]] = {}
+        for chunk in chunks:
+            for rank in {w.src_rank for w in chunk.outgoing.page_writes}:
+                if self._kv[rank].staged:
+                    pages.setdefault(rank, []).extend(chunk.src_page_ids)
+        for rank, page_ids in pages.items():
+            before = self._kv[rank].staged_bytes
+            self._kv[rank].stage_out(layer, page_ids)
+            self._stats.add(staged_bytes=self._kv[rank].staged_bytes - before)
+
+    def close(self) -> None:
+        """Stop the poller thread."""
+        self._poller.stop()
