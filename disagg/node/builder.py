@@ -100,41 +100,35 @@ def _model(config: NodeConfig, engine_config: EngineConfig, loaded: LoadedModel,
 
 def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
                   tracer: Tracer, placement: NodePlacement) -> PrefillNode:
-    engine_config = _engine_config(config, loaded)
-    # The model bumps this after each layer (S3b); the messenger's poller watches it.
-    counter = LayerCounter.for_device(config.device)
     inbox = Inbox()
-    parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox, counter))
-    messenger = PrefillMessenger(parts, transfer, counter, wake=inbox.wake,
-                                 make_draft_source=partial(DraftKVSource, parts, transfer),
-                                 tracer=tracer, lease_s=config.lease_s,
-                                 rank_domains=[r.domains for r in placement.ranks],
-                                 poller_cpus=allowed(placement.ranks[0].cpus) or None)
-    engine = LLMEngine(parts, observers=[messenger])
+    engine, messenger = build_prefill_side(config, loaded, transfer, inbox, tracer, placement)
     return PrefillNode(engine, messenger, transfer, inbox, model_fingerprint(loaded),
                        config.listen, config.node_id, tracer)
 
 
+def build_prefill_side(config: NodeConfig, loaded: LoadedModel, transport: TransferEngine,
+                       inbox: Inbox, tracer: Tracer, placement: NodePlacement | None = None,
+                       ) -> tuple[LLMEngine, PrefillMessenger]:
+    """A prefiller's engine and messenger over `transport`, wired (the node adds its control
+    plane). Without a `placement`, writes may leave through any domain and the poller is not
+    pinned (in-process tests over a loopback transport)."""
+    engine_config = _engine_config(config, loaded)
+    # The model bumps this after each layer (S3b); the messenger's poller watches it.
+    counter = LayerCounter.for_device(config.device)
+    parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox, counter))
+    rank_domains = None if placement is None else [r.domains for r in placement.ranks]
+    poller_cpus = None if placement is None else allowed(placement.ranks[0].cpus) or None
+    messenger = PrefillMessenger(parts, transport, counter, wake=inbox.wake,
+                                 make_draft_source=partial(DraftKVSource, parts, transport),
+                                 tracer=tracer, lease_s=config.lease_s,
+                                 rank_domains=rank_domains, poller_cpus=poller_cpus)
+    return LLMEngine(parts, observers=[messenger]), messenger
+
+
 def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
                  tracer: Tracer) -> DecodeNode:
-    engine_config = _engine_config(config, loaded)
-    mtp = config.speculative is not None and config.speculative.kind == "mtp"
-    if mtp and engine_config.cache.prefix_caching:
-        # The MTP head keeps its own KV per page, shipped with the target's: a page reused
-        # from the cache would come without it. So an MTP decoder caches no prefixes.
-        logger.info("prefix caching is off on this decoder: its MTP head needs every page")
-        engine_config = engine_config.with_cache(prefix_caching=False)
     inbox = Inbox()
-    parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox))
-    speculator = None if config.speculative is None else Speculator(parts, config.speculative)
-    sink = None
-    if speculator is not None and speculator.kv_cache is not None:  # an MTP head (S4a, S8)
-        sink = DraftKVSink(speculator.kv_cache, loaded.config, config.cache.page_size, transfer)
-    messenger = DecodeMessenger(parts, transfer, config.node_id, model_fingerprint(loaded),
-                                wake=inbox.wake, draft_sink=sink,
-                                reliability=config.reliability)
-    engine = LLMEngine(parts, observers=[] if speculator is None else [speculator],
-                       finisher=speculator)
+    engine, messenger = build_decode_side(config, loaded, transfer, inbox)
     if engine.runner.graphs is not None:
         engine.runner.graphs.capture_all()  # before serving, not during a first decode
     try:
@@ -143,6 +137,30 @@ def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngi
     except BaseException:
         messenger.close()
         raise
+
+
+def build_decode_side(config: NodeConfig, loaded: LoadedModel, transport: TransferEngine,
+                      inbox: Inbox) -> tuple[LLMEngine, DecodeMessenger]:
+    """A decoder's engine (with its speculator, if asked for) and messenger over `transport`,
+    wired (the node adds its control plane and prefillers)."""
+    engine_config = _engine_config(config, loaded)
+    mtp = config.speculative is not None and config.speculative.kind == "mtp"
+    if mtp and engine_config.cache.prefix_caching:
+        # The MTP head keeps its own KV per page, shipped with the target's: a page reused
+        # from the cache would come without it. So an MTP decoder caches no prefixes.
+        logger.info("prefix caching is off on this decoder: its MTP head needs every page")
+        engine_config = engine_config.with_cache(prefix_caching=False)
+    parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox))
+    speculator = None if config.speculative is None else Speculator(parts, config.speculative)
+    sink = None
+    if speculator is not None and speculator.kv_cache is not None:  # an MTP head (S4a, S8)
+        sink = DraftKVSink(speculator.kv_cache, loaded.config, config.cache.page_size, transport)
+    messenger = DecodeMessenger(parts, transport, config.node_id, model_fingerprint(loaded),
+                                wake=inbox.wake, draft_sink=sink,
+                                reliability=config.reliability)
+    engine = LLMEngine(parts, observers=[] if speculator is None else [speculator],
+                       finisher=speculator)
+    return engine, messenger
 
 
 def allowed(cpus: tuple[int, ...]) -> tuple[int, ...]:

@@ -1,8 +1,9 @@
 """A prefiller and a decoder messenger in one process, over a `LoopbackFabric` (S2-S4, issue 8).
 
-`Harness` wires both sides as `disagg.node.builder` does (layer counter into the prefiller's
-model and its messenger, the messenger as the prefill engine's observer, a decoder engine with
-its own messenger), but with `LoopbackEngine`s instead of libfabric and a `socket.socketpair()`
+`Harness` wires both sides with the nodes' own builder (`build_prefill_side`,
+`build_decode_side`: the layer counter into the prefiller's model and its messenger, the
+messenger as the prefill engine's observer, a decoder engine with its messenger and, asked for,
+its MTP speculator), over `LoopbackEngine`s instead of libfabric and a `socket.socketpair()`
 for the control channel. Nothing runs in node threads: `pump()` does one turn of both node
 loops, in their order (prefiller: deliver the decoder's messages, step, poll, expire leases;
 decoder: deliver the prefiller's messages, poll, step), and `run_until` repeats it.
@@ -19,24 +20,27 @@ from dataclasses import dataclass, field, replace
 
 import torch
 
-from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, SchedulerConfig
+from disagg.config import (
+    CacheConfig,
+    EngineConfig,
+    ReliabilityConfig,
+    SchedulerConfig,
+    SpeculativeConfig,
+)
 from disagg.control.channel import Channel
 from disagg.control.framing import Message
-from disagg.engine.llm_engine import EngineParts, LLMEngine, build_engine, load_transformer
+from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import RequestError
-from disagg.kv_transfer.decode_messenger import DecodeMessenger
-from disagg.kv_transfer.draft_kv import DraftKVSink
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
-from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
-from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.kv_transfer.decoder_peer import DecoderPeer
 from disagg.kv_transfer.handshake import clear_proof, read_proof
 from disagg.kv_transfer.pending_kv import Outcome
-from disagg.model.draft_heads import mtp_kv_cache
-from disagg.model.layer_counter import LayerCounter
-from disagg.model.loading.fingerprint import model_fingerprint
 from disagg.model.loading.registry import LoadedModel, load_model
+from disagg.node.base import Inbox
+from disagg.node.builder import build_decode_side, build_prefill_side
+from disagg.node.node_config import NodeConfig, NodeRole
+from disagg.utils.trace import Tracer
 from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
 
 CACHE = CacheConfig(page_size=4, num_pages=64)
@@ -66,11 +70,6 @@ def single_node_tokens(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].output_token_ids
 
 
-def never_build_draft() -> DraftSource:
-    """A draft-source factory for decoders that never ask for draft KV."""
-    raise AssertionError("the prefiller built a draft source nobody asked for")
-
-
 def receive_ready(channel: Channel) -> list[Message]:
     """Every message already waiting on `channel` (never blocks on an empty socket)."""
     messages = []
@@ -85,7 +84,6 @@ class Harness:
 
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     lease_s: float = 300.0
-    make_draft_source: DraftSourceFactory | None = never_build_draft
     draft_kv: bool = False  # give the decoder an MTP cache (its Hello then asks for draft KV)
     inline: bool = True  # loopback delivery in the caller's thread (deterministic)
     connect: bool = True  # shake hands at construction
@@ -103,33 +101,28 @@ class Harness:
         self.fabric = LoopbackFabric()
         self.prefill_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
         self.decode_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
-        prefill_cache = replace(CACHE, kv_layout=self.kv_layout, num_pages=self.prefill_num_pages,
-                                prefix_caching=self.prefill_prefix_caching)
-        decode_cache = replace(CACHE, kv_layout=self.kv_layout,  # as the builder does for MTP
-                               prefix_caching=self.decode_prefix_caching and not self.draft_kv)
-        prefill_config = EngineConfig(loaded.config, prefill_cache, SchedulerConfig(
-            chunk_size=PREFILL_CHUNK, max_num_batched_tokens=self.prefill_budget,
-            mode="prefill_only"))
-        self.counter = LayerCounter.for_device("cpu")
-        self.prefill_parts = EngineParts.build(prefill_config, load_transformer(
-            prefill_config, loaded.state_dict, self.counter))
-        self.prefill = PrefillMessenger(self.prefill_parts, self.prefill_transfer, self.counter,
-                                        wake=lambda: None,
-                                        make_draft_source=self.make_draft_source,
-                                        lease_s=self.lease_s)
-        self.prefill_engine = LLMEngine(self.prefill_parts, observers=[self.prefill])
-        decode_config = EngineConfig(loaded.config, decode_cache, SchedulerConfig(
-            chunk_size=8, max_num_batched_tokens=16))
-        self.decode_parts = EngineParts.build(decode_config, load_transformer(
-            decode_config, loaded.state_dict))
-        sink = None
-        if self.draft_kv:
-            sink = DraftKVSink(mtp_kv_cache(loaded.config, CACHE, "cpu"), loaded.config,
-                               CACHE.page_size, self.decode_transfer)
-        self.decode = DecodeMessenger(self.decode_parts, self.decode_transfer, "decode-0",
-                                      model_fingerprint(loaded), wake=lambda: None,
-                                      draft_sink=sink, reliability=self.reliability)
-        self.decode_engine = LLMEngine(self.decode_parts)
+        prefill_config = NodeConfig(
+            "tiny", role=NodeRole.PREFILL, node_id="prefill-0", lease_s=self.lease_s,
+            cache=replace(CACHE, kv_layout=self.kv_layout, num_pages=self.prefill_num_pages,
+                          prefix_caching=self.prefill_prefix_caching),
+            scheduler=SchedulerConfig(chunk_size=PREFILL_CHUNK,
+                                      max_num_batched_tokens=self.prefill_budget,
+                                      mode="prefill_only"))
+        decode_config = NodeConfig(
+            "tiny", role=NodeRole.DECODE, node_id="decode-0", reliability=self.reliability,
+            prefillers=("127.0.0.1:0",),  # not dialled: the harness carries the messages
+            cache=replace(CACHE, kv_layout=self.kv_layout,
+                          prefix_caching=self.decode_prefix_caching),
+            scheduler=SchedulerConfig(chunk_size=8, max_num_batched_tokens=16),
+            speculative=SpeculativeConfig("mtp") if self.draft_kv else None)
+        # The nodes' own wiring (`builder.py`), over loopback transports, without their
+        # control planes: this harness carries the messages.
+        self.inboxes = (Inbox(), Inbox())
+        self.prefill_engine, self.prefill = build_prefill_side(
+            prefill_config, loaded, self.prefill_transfer, self.inboxes[0], Tracer())
+        self.decode_engine, self.decode = build_decode_side(
+            decode_config, loaded, self.decode_transfer, self.inboxes[1])
+        self.prefill_parts, self.decode_parts = self.prefill_engine, self.decode_engine
         self.free_pages = (self.prefill_parts.allocator.num_free,
                            self.decode_parts.allocator.num_free)
         a, b = socket.socketpair()
@@ -219,6 +212,8 @@ class Harness:
 
     def pump(self) -> None:
         """One turn of the prefill node's loop, then one of the decode node's."""
+        for inbox in self.inboxes:  # only bells ring here (a rank's failure would raise)
+            inbox.drain(lambda item: None, block=False)
         self.deliver_to_prefiller()
         self.step_prefiller()
         self.deliver_to_decoder()

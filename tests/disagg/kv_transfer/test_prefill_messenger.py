@@ -13,7 +13,6 @@ from disagg.control.framing import Message
 from disagg.engine.request import FailureCause, RequestState
 from disagg.kv_transfer.draft_kv import DraftKVSource, draft_kv_pages
 from disagg.kv_transfer.messages import KVFailed, KVRequest
-from disagg.kv_transfer.plugins import DraftSource
 from disagg.kv_transfer.transfer_plan import expected_write_count
 from tests.disagg.kv_transfer.conftest import MakeHarness
 from tests.disagg.kv_transfer.messenger_harness import (
@@ -40,38 +39,26 @@ def kv_failures(messages: list[Message]) -> list[tuple[str, FailureCause, int]]:
 
 def test_decoder_without_draft_kv_never_builds_the_draft_source(
         make_harness: MakeHarness) -> None:
-    """A Hello without a draft-KV descriptor: a whole request is prefilled and shipped and the
-    factory is never called (no MTP head is built for nobody)."""
-    calls: list[str] = []
-
-    def factory() -> DraftSource:
-        calls.append("built")
-        raise AssertionError("draft source built for a decoder that did not ask")
-
-    h = make_harness(make_draft_source=factory)
+    """A Hello without a draft-KV descriptor: a whole request is prefilled and shipped and no
+    draft source is built (no MTP head is built for nobody)."""
+    h = make_harness()
     assert h.decode.hello().draft_kv_descriptor == b""
     request = h.submit(random_prompt(9, seed=1))
     h.run_to_end(request)
-    assert (calls, h.prefill.draft) == ([], None)
+    assert h.prefill.draft is None
     h.check_clean()
 
 
 def test_draft_source_is_built_once_when_a_decoder_first_asks(make_harness: MakeHarness) -> None:
     """Not at construction; at the first Hello with a draft-KV descriptor; not again for a
     second such decoder. Its pages then count in what the decoder expects."""
-    built: list[DraftSource] = []
-
-    def factory() -> DraftSource:
-        built.append(DraftKVSource(h.prefill_parts, h.prefill_transfer))
-        return built[-1]
-
-    h = make_harness(draft_kv=True, connect=False, make_draft_source=factory)
-    assert (built, h.prefill.draft) == ([], None)
+    h = make_harness(draft_kv=True, connect=False)
+    assert h.prefill.draft is None
     h.handshake()
-    assert len(built) == 1
-    assert h.prefill.draft is built[0]
+    built = h.prefill.draft
+    assert isinstance(built, DraftKVSource)
     h.extra_peer(replace(h.decode.hello(), node_id="decode-1"))
-    assert len(built) == 1
+    assert h.prefill.draft is built
     request = h.submit(random_prompt(14, seed=2))
     h.run_to_end(request)
     (outcome,) = h.outcomes
@@ -79,7 +66,7 @@ def test_draft_source_is_built_once_when_a_decoder_first_asks(make_harness: Make
     assert outcome.receipt is not None
     plain = expected_write_count(14, CACHE.page_size, tiny_model().config.num_layers)
     assert outcome.receipt.writes == plain + draft_kv_pages(14, CACHE.page_size)
-    assert len(built) == 1
+    assert h.prefill.draft is built
     h.check_clean()
 
 
