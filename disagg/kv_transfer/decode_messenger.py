@@ -32,17 +32,12 @@ from disagg.config import ReliabilityConfig
 from disagg.control.channel import Channel
 from disagg.engine.llm_engine import EngineParts
 from disagg.engine.request import FailureCause, Request, RequestState
-from disagg.kv_transfer.context_slot import (
-    LandingSlots,
-    context_slot_nbytes,
-    new_nonce,
-    slot_matches,
-)
+from disagg.kv_transfer.context_slot import LandingSlots, new_nonce
 from disagg.kv_transfer.handshake import decoder_hello
-from disagg.kv_transfer.kv_checksum import kv_checksum
+from disagg.kv_transfer.kv_arrival import KVArrival
 from disagg.kv_transfer.kv_recovery import ABORTED, KVRecovery, dropped
 from disagg.kv_transfer.messages import Hello, HelloAck, KVFailed, KVRequest
-from disagg.kv_transfer.pending_kv import KVReceipt, Outcome, PendingKV, PendingTable
+from disagg.kv_transfer.pending_kv import Outcome, PendingKV, PendingTable
 from disagg.kv_transfer.plugins import DraftSink
 from disagg.kv_transfer.prefiller_pool import PrefillerPool
 from disagg.kv_transfer.quarantine import PageQuarantine, Verdict
@@ -73,6 +68,7 @@ class DecodeMessenger:
         self.draft_kv = draft_sink  # the MTP head's cache, when this decoder drafts with one
         self.pool = PrefillerPool(cache.sharding, PageGeometry.of(cache))
         self.pending = PendingTable(self.pool, self.slots)
+        self.arrival = KVArrival(parts, self.kv, self.slots, draft_sink)
         self.recovery = KVRecovery(transport, parts.allocator, self.pending, self.pool,
                                    reliability or ReliabilityConfig())
         self.waiting: deque[Request] = deque()  # no pages (or no context slot) yet
@@ -128,7 +124,8 @@ class DecodeMessenger:
                 scheduler.release_cached_prefix(request)
                 scheduler.add_request(request)
                 continue
-            needed = num_pages(request.num_prompt_tokens, self._page_size) - len(request.page_ids)
+            needed = (num_pages(request.num_prompt_tokens, self._parts.kv_cache.page_size)
+                      - len(request.page_ids))
             if not allocator.can_allocate(needed) or not self.slots:
                 scheduler.release_cached_prefix(request)  # hold nothing while waiting
                 return
@@ -141,7 +138,7 @@ class DecodeMessenger:
         index = self.pool.choose()
         if index is None:
             # Nothing was asked of anyone, so no write can land: the pages go back at once.
-            self._parts.allocator.unpin(request.page_ids[self._held_pages(request):])
+            self._parts.allocator.unpin(request.page_ids[self.arrival.held_pages(request):])
             self._parts.allocator.free(request.page_ids)
             request.page_ids, request.page_digests = [], []
             self._outcomes.append(dropped(request, Verdict(
@@ -150,8 +147,9 @@ class DecodeMessenger:
         imm = random_imm(lambda v: v in self.quarantine or self.transport.imm_counted(v) > 0
                          or self.pending.uses_imm(v))
         expected = expected_write_count(
-            request.num_prompt_tokens, self._page_size, self._parts.model.config.num_layers,
-            self.pool.link(index).writes_per_page, request.num_cached_tokens)
+            request.num_prompt_tokens, self._parts.kv_cache.page_size,
+            self._parts.model.config.num_layers, self.pool.link(index).writes_per_page,
+            request.num_cached_tokens)
         if self.draft_kv is not None:
             expected += self.draft_kv.expected_writes(request.num_prompt_tokens)
         now = time.monotonic()
@@ -183,16 +181,13 @@ class DecodeMessenger:
                 break
             if pending is None or pending.cancel is not None:
                 continue  # abandoned meanwhile: the quarantine's fence takes it from here
-            self._stage_in(pending.request)  # no-op unless staged; the checksum reads the cache
-            if self.recovery.reliability.verify_kv and not self._checksum_matches(pending):
+            self.arrival.stage_in(pending.request)  # the checksum reads the cache
+            if self.recovery.reliability.verify_kv and not self.arrival.verified(pending):
                 self.recovery.reject(pending, FailureCause.CHECKSUM, "KV checksum mismatch")
                 continue
-            if self.draft_kv is not None:
-                self.draft_kv.keep_context(pending.request, self.context[pending.context_slot])
+            receipt = self.arrival.release(pending)
             self.pending.forget(pending)
-            self._release(pending.request)
-            outcomes.append(Outcome(pending.request, RequestState.RUNNING,
-                                    receipt=self._receipt(pending)))
+            outcomes.append(Outcome(pending.request, RequestState.RUNNING, receipt=receipt))
         self.recovery.check_deadlines()
         for outcome in self.recovery.released():
             if outcome.state is RequestState.WAITING_FOR_KV:
@@ -223,44 +218,6 @@ class DecodeMessenger:
             return False
         self.recovery.abort(pending)
         return True
-
-    @property
-    def _page_size(self) -> int:
-        return self._parts.kv_cache.page_size
-
-    def _held_pages(self, request: Request) -> int:
-        """Leading pages found in this node's prefix cache: never written by a prefiller."""
-        return request.num_cached_tokens // self._page_size
-
-    def _stage_in(self, request: Request) -> None:
-        # Only the written pages: a held page's shadow is stale (its KV may be computed here).
-        pages = num_pages(request.num_prompt_tokens - 1, self._page_size)
-        for kv in self.kv:
-            kv.stage_in(request.page_ids[self._held_pages(request):pages])
-        if self.draft_kv is not None:
-            self.draft_kv.stage_in(request)
-
-    def _checksum_matches(self, pending: PendingKV) -> bool:
-        request = pending.request
-        got = kv_checksum(self._parts.kv_cache, request.page_ids, request.num_prompt_tokens - 1,
-                          self._held_pages(request))
-        if self.draft_kv is not None:
-            got += self.draft_kv.checksum(request)
-        return slot_matches(self.context[pending.context_slot], self._parts.model.config,
-                            pending.nonce, got, request.request_id)
-
-    def _receipt(self, pending: PendingKV) -> KVReceipt:
-        cache, request = self._parts.kv_cache, pending.request
-        moved = num_pages(request.num_prompt_tokens - 1, cache.page_size) - self._held_pages(
-            request)
-        return pending.receipt(moved, sum(shard.page_nbytes for shard in cache.shards),
-                               self._parts.model.config.num_layers,
-                               context_slot_nbytes(self._parts.model.config))
-
-    def _release(self, request: Request) -> None:
-        self._parts.allocator.unpin(request.page_ids[self._held_pages(request):])
-        request.num_computed_tokens = request.num_prompt_tokens - 1
-        self._parts.scheduler.add_prefilled(request)
 
     def received_writes(self, request_id: str) -> tuple[int, int]:
         """(writes landed, writes expected) of a pending request, for progress displays."""

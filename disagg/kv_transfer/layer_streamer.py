@@ -1,8 +1,8 @@
 """Layer-by-layer KV streaming on the prefiller: counter bumps become that layer's page writes
 (S3, S3a, S3b, S6a, S9a).
 
-NOTE (the streaming invariant). Before a forward runs, the messenger hands the streamer the
-pages each request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter
+NOTE (the streaming invariant). Before a forward runs, the streamer plans the pages each
+request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter
 after each layer's attention output projection; a `CounterPoller` thread sees every bump and,
 for that layer, posts the writes of every planned request at once, while the forward moves on
 (S3b). So layer l's KV is on the wire while layer l + 1 computes, and after the forward only
@@ -19,8 +19,11 @@ from __future__ import annotations
 
 import threading
 import time
+from collections.abc import Mapping
 
+from disagg.engine.batch import Batch
 from disagg.kv_transfer.outgoing_kv import ChunkPages, OutgoingKV
+from disagg.kv_transfer.transfer_plan import pages_to_send
 from disagg.model.kv_cache import KVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.utils.tally import Tally
@@ -41,6 +44,7 @@ class LayerStreamer:
         self._kv = kv  # one registered region per TP rank (S5a)
         self._page_nbytes = kv_cache.shards[0].page_nbytes
         self._layer_nbytes = kv_cache.shards[0].layer_nbytes
+        self._page_size = kv_cache.page_size
         self.num_layers = kv_cache.num_layers
         self._stats = stats
         self._tracer = tracer
@@ -53,8 +57,23 @@ class LayerStreamer:
                                      name="layer-counter-poller", cpus=poller_cpus)
         self._poller.start()
 
-    def plan_forward(self, chunks: list[ChunkPages]) -> None:
-        """Engine thread, before a forward: the pages it completes, per request (S3a)."""
+    def plan_forward(self, batch: Batch, in_flight: Mapping[str, OutgoingKV]) -> None:
+        """Engine thread, before a forward (S3a): plan the pages each chunk of a request in
+        `in_flight` completes, and with a request's first chunk the pages found in this
+        node's prefix cache (the decoder lacks them; X2b)."""
+        chunks = []
+        for chunk in batch.chunks:
+            outgoing = in_flight.get(chunk.request.request_id)
+            if outgoing is None or outgoing.failed:
+                continue
+            request = chunk.request
+            outgoing.first_scheduled_at = outgoing.first_scheduled_at or time.time()
+            indices = pages_to_send(outgoing.num_planned_pages, chunk.start, chunk.end,
+                                    request.num_prompt_tokens, self._page_size)
+            if indices:
+                outgoing.num_planned_pages = indices.stop
+                chunks.append(ChunkPages(outgoing, [request.page_ids[i] for i in indices],
+                                         [outgoing.dst_page_ids[i] for i in indices]))
         with self._lock:
             self._forwards[self._num_forwards] = chunks
             self._num_forwards += 1

@@ -3,17 +3,17 @@ computed (S2b, S3, S4a, S4b).
 
 A decoder's `KVRequest` becomes a prefill-only request in this node's scheduler and an
 `OutgoingKV` record. Before each forward the engine tells the messenger which chunks it holds
-(`on_batch`); the messenger plans, per request, the pages those chunks complete and hands them
-to the `LayerStreamer`, which posts each layer's writes as the model's counter reports the
-layer done (S3). After the request's last chunk the messenger writes the context slot (hidden
+(`on_batch`); the `LayerStreamer` plans, per request, the pages those chunks complete and posts
+each layer's writes as the model's counter reports the layer done (S3). After the request's last chunk the messenger writes the context slot (hidden
 state, logits, KV checksum, S4a); when every write has completed the record ends and, on the
 engine thread, `poll` frees the source pages (S4b). Pages the decoder holds already are never
 written; pages found in this node's prefix cache go with the first chunk (X2b). Every write
 carries the request's immediate value; the decoder counts them (S4c).
 
-Collaborators, wired once by the node's builder: the layer streamer (poller thread and page
-writes), the context slots, the handshake's prefiller side (`handshake.py`), the draft-KV
-plug-in, built when a decoder first asks for it (`plugins.py`). `wake` rings the node's inbox.
+Collaborators, wired once by the node's builder: the layer streamer (plans, poller thread,
+page writes), the context sender (context slots and the draft-KV plug-in, built when a decoder
+first asks for it), the handshake's prefiller side (`handshake.py`). `wake` rings the node's
+inbox.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ from __future__ import annotations
 import logging
 import queue
 import random
-import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -32,14 +31,14 @@ from disagg.engine.llm_engine import EngineParts
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import PeerClosedError, RequestError
 from disagg.kv_transfer import handshake
-from disagg.kv_transfer.context_slot import ContextSlots, pack_context, prefill_token_ids
+from disagg.kv_transfer.context_sender import ContextSender
+from disagg.kv_transfer.context_slot import ContextSlots, prefill_token_ids
 from disagg.kv_transfer.decoder_peer import DecoderPeer, check_kv_request
-from disagg.kv_transfer.kv_checksum import kv_checksum
 from disagg.kv_transfer.layer_streamer import LayerStreamer
 from disagg.kv_transfer.messages import Hello, HelloProof, KVFailed, KVRequest
-from disagg.kv_transfer.outgoing_kv import ChunkPages, OutgoingKV, trace_outgoing
+from disagg.kv_transfer.outgoing_kv import OutgoingKV, trace_outgoing
 from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
-from disagg.kv_transfer.transfer_plan import PageGeometry, pages_to_send, plan_request
+from disagg.kv_transfer.transfer_plan import PageGeometry, plan_request
 from disagg.model.layer_counter import LayerCounter
 from disagg.utils.tally import Tally
 from disagg.utils.trace import Tracer
@@ -76,17 +75,21 @@ class PrefillMessenger:
                    for rank, shard in enumerate(self.kv_cache.shards)]
         self.streamer = LayerStreamer(transport, self.kv, self.kv_cache, counter, self.stats,
                                       self.tracer, poller_cpus)
-        self._slots = ContextSlots(transport, parts.model.config, num_context_slots)
+        self.context = ContextSender(
+            ContextSlots(transport, parts.model.config, num_context_slots), self.kv_cache,
+            self.stats, make_draft_source, wait_timeout_s)
         self._rank_domains = rank_domains  # rank r's writes leave through these (S6a, S9a)
         self._rng = random.Random(0)  # source replica sets and NICs per request (S6c, S9a)
-        self._make_draft = make_draft_source
-        self.draft: DraftSource | None = None  # built when a decoder first asks (S8)
-        self._draft_lock = threading.Lock()
         self._in_flight: dict[str, OutgoingKV] = {}  # by key; the engine thread's alone
         self._ended: queue.SimpleQueue[OutgoingKV] = queue.SimpleQueue()
         self._ended_writes: OrderedDict[str, int] = OrderedDict()  # for a late Cancel
         self.recent: deque[OutgoingKV] = deque(maxlen=64)  # ended requests, for tools
         self._wake = wake  # the node's "something happened" bell
+
+    @property
+    def draft(self) -> DraftSource | None:
+        """The draft-KV plug-in, once a decoder asked for it."""
+        return self.context.draft
 
     # Decoders (their reader threads).
 
@@ -94,13 +97,14 @@ class PrefillMessenger:
         """A decoder whose Hello matched: parse its regions, open the fabric connection (warm,
         before its first request), write its proof. Raises `RequestError`/`TransferError`."""
         peer = handshake.parse_peer(hello, channel, self.kv_cache.num_layers,
-                                    PageGeometry.of(self.kv_cache), self._slots.slot_nbytes)
+                                    PageGeometry.of(self.kv_cache), self.context.slots.slot_nbytes)
         # tcp;ofi_rxm connects on the first write (25-80 ms); pay it now, not in a request's
         # first layer.
         self.transport.connect(hello.engine_address, timeout_s=CONNECT_TIMEOUT_S)
-        peer.proof = handshake.write_proof(self._slots, self.transport, hello, peer.context)
+        peer.proof = handshake.write_proof(self.context.slots, self.transport, hello,
+                                          peer.context)
         if hello.draft_kv_descriptor:
-            self._draft_source()  # built before HelloAck; told of the peer once it proved
+            self.context.draft_source()  # built before HelloAck; told of the peer once proven
         logger.info("decoder %s: its KV memory path is %s; ours is %s", peer.peer_id,
                     peer.kv_memory_path or "unknown", self.kv[0].path.kind)
         return peer
@@ -109,15 +113,7 @@ class PrefillMessenger:
         """The decoder's answer to HelloAck (S5): only now are its requests taken."""
         handshake.check_proof(peer, proof)
         if hello.draft_kv_descriptor:
-            self._draft_source().add_peer(hello, peer.num_pages)
-
-    def _draft_source(self) -> DraftSource:
-        with self._draft_lock:
-            if self.draft is None:
-                if self._make_draft is None:
-                    raise RequestError("this prefiller cannot ship draft KV")
-                self.draft = self._make_draft()
-            return self.draft
+            self.context.add_draft_peer(hello, peer.num_pages)
 
     # Requests (engine thread).
 
@@ -186,53 +182,21 @@ class PrefillMessenger:
     # The engine's step observer (engine thread).
 
     def on_batch(self, batch: Batch) -> None:
-        """Before a forward (S3a): the pages each chunk completes, and with a request's first
-        chunk those found in this node's prefix cache (the decoder lacks them)."""
-        chunks = []
-        for chunk in batch.chunks:
-            outgoing = self._in_flight.get(chunk.request.request_id)
-            if outgoing is None or outgoing.failed:
-                continue
-            request = chunk.request
-            outgoing.first_scheduled_at = outgoing.first_scheduled_at or time.time()
-            indices = pages_to_send(outgoing.num_planned_pages, chunk.start, chunk.end,
-                                    request.num_prompt_tokens, self.kv_cache.page_size)
-            if indices:
-                outgoing.num_planned_pages = indices.stop
-                chunks.append(ChunkPages(outgoing, [request.page_ids[i] for i in indices],
-                                         [outgoing.dst_page_ids[i] for i in indices]))
-        self.streamer.plan_forward(chunks)
+        """Before a forward (S3a): the streamer plans the pages its chunks complete."""
+        self.streamer.plan_forward(batch, self._in_flight)
 
     def after_forward(self, batch: Batch, output: ForwardOutput) -> None:
         """After a forward: once every layer's writes are posted, write the context of the
         requests whose prefill is complete (S4a); their writes are then all posted."""
-        if self.draft is not None:  # the head's pages must exist before the context ships
-            self.draft.after_forward(batch, output, self._in_flight)
+        self.context.after_forward(batch, output, self._in_flight)
         self.streamer.wait_posted(self.wait_timeout_s)
         for row, chunk_index in enumerate(output.sample_chunk_indices):
             outgoing = self._in_flight.get(batch.chunks[chunk_index].request.request_id)
             if outgoing is None:
                 continue
             outgoing.last_layer_at = time.time()
-            self._post_context(outgoing, output, row)
+            self.context.post(outgoing, output.hidden_states[row], output.logits[row])
             outgoing.all_posted()
-
-    def _post_context(self, outgoing: OutgoingKV, output: ForwardOutput, row: int) -> None:
-        """The draft plug-in's pages (if any), then the context slot: the last writes."""
-        if not outgoing.begin_write():
-            return
-        draft = self.draft if self.draft is not None and self.draft.wants(outgoing) else None
-        if draft is not None and outgoing.begin_write():
-            draft.post(outgoing, lambda error=None, n=0: outgoing.write_done(error, n))
-        slot, request = self._slots.take(self.wait_timeout_s), outgoing.request
-        checksum = kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens,
-                               outgoing.num_held_pages)  # held pages: neither sent nor summed
-        checksum += draft.checksum(outgoing) if draft is not None else 0.0
-        pack_context(self._slots.buffer[slot], output.hidden_states[row], output.logits[row],
-                     checksum, outgoing.nonce)
-        if self._slots.post(slot, outgoing.imm, outgoing.peer.context, outgoing.context_slot,
-                            lambda error: outgoing.write_done(error, 1)):
-            self.stats.add(writes=1, bytes=self._slots.slot_nbytes)
 
     def _on_end(self, outgoing: OutgoingKV) -> None:
         """Any thread: nothing of `outgoing` is in flight; the engine thread frees it."""
@@ -283,6 +247,4 @@ class PrefillMessenger:
         self.streamer.close()
         for kv in self.kv:
             kv.close(self.transport)
-        self._slots.close()
-        if self.draft is not None:
-            self.draft.close()
+        self.context.close()

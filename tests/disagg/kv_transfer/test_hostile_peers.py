@@ -125,8 +125,8 @@ def test_sources_are_not_writable_by_peers(make_harness: MakeHarness,
     KV and context slots, which prefillers must write, are writable."""
     h = make_harness()
     attacker, _ = attacker_of(h)
-    prefill_kv = h.prefill.kv[0].descriptor
-    assert (prefill_kv.writable, h.prefill._slots.region.descriptor.writable) == (False, False)
+    prefill_kv, slots = h.prefill.kv[0].descriptor, h.prefill.context.slots.region.descriptor
+    assert (prefill_kv.writable, slots.writable) == (False, False)
     assert h.decode.kv[0].descriptor.writable
     assert MemoryRegionDescriptor.from_bytes(h.decode.hello().context_descriptor).writable
     source = attacker.register_memory(torch.full((16,), 7.0))[0]
