@@ -268,7 +268,7 @@ class DecodeNode(NodeBase):
             case Wake():
                 pass  # a counter fired: `run` polls the messenger next
             case FromRouter(channel, Submit() as message):
-                self._submit(channel, message)
+                self._admit(channel, message)
             case FromRouter(_, Abort(request_id)):
                 self._abort(request_id)
             case FromRouter(_, Shutdown()):
@@ -294,7 +294,7 @@ class DecodeNode(NodeBase):
             self._report(request, RequestState.FINISHED_ABORTED, cause=FailureCause.ABORTED,
                          detail="aborted by the client")
 
-    def _submit(self, channel: Channel, message: Submit) -> None:
+    def _admit(self, channel: Channel, message: Submit) -> None:
         if message.request_id in self._clients:
             # Refused by a Reject, not a RequestEvent: an event for that id would end the
             # request already in flight, as far as its router can tell.
