@@ -7,6 +7,8 @@ for the control channel. Nothing runs in node threads: `pump()` does one turn of
 loops, in their order (prefiller: deliver the decoder's messages, step, poll, expire leases;
 decoder: deliver the prefiller's messages, poll, step), and `run_until` repeats it.
 Messages crossing the channel are logged per direction so tests can look at them.
+`prefill_tp` / `decode_tp` split a side's KV by head over that many shards in this process,
+the regions a TP leader maps from its ranks (S5a, S6b), without rank processes.
 """
 
 from __future__ import annotations
@@ -23,6 +25,7 @@ from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, Schedule
 from disagg.control.channel import Channel
 from disagg.control.framing import Message
 from disagg.engine.llm_engine import EngineParts, LLMEngine, build_engine, load_transformer
+from disagg.engine.model_runner import ModelRunner
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import RequestError
 from disagg.kv_transfer.context_slot import read_proof
@@ -33,9 +36,12 @@ from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.kv_transfer.transfer_context import DecoderPeer, Outcome
 from disagg.model.draft_heads import mtp_kv_cache
+from disagg.model.kv_cache import PagedKVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.fingerprint import model_fingerprint
 from disagg.model.loading.registry import LoadedModel, load_model
+from disagg.model.sharded_kv_cache import ShardedKVCache, shard_config
+from disagg.model.sharding import Sharding
 from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
 
 CACHE = CacheConfig(page_size=4, num_pages=64)
@@ -63,6 +69,21 @@ def single_node_tokens(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[
     loaded = tiny_model()
     engine = build_engine(EngineConfig(loaded.config, CACHE), loaded.state_dict)
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].output_token_ids
+
+
+def sharded_stand_in(parts: EngineParts, tp: int) -> EngineParts:
+    """`parts` with its KV split by head over `tp` shards in this process: one region per
+    rank, as a TP leader holds them (S5a), but no rank processes. The TP 1 model reads and
+    writes every head through the `ShardedKVCache` view, so a mismatched pair's writes (S6b)
+    move real bytes; allocator and scheduler stay as they were."""
+    if tp == 1:
+        return parts
+    config, model = parts.config, parts.model.config
+    sharding = Sharding(tp, model.num_kv_heads)
+    shards = [PagedKVCache(shard_config(model, sharding), config.cache, config.device)
+              for _ in range(tp)]
+    kv_cache = ShardedKVCache(model, config.cache, sharding, shards)
+    return replace(parts, kv_cache=kv_cache, runner=ModelRunner(parts.model, kv_cache))
 
 
 def never_build_draft() -> DraftSource:
@@ -93,6 +114,8 @@ class Harness:
     decode_prefix_caching: bool = True
     prefill_num_pages: int = CACHE.num_pages
     prefill_budget: int = PREFILL_CHUNK  # tokens per prefill step (chunks stay PREFILL_CHUNK)
+    prefill_tp: int = 1  # KV shards on each side (`sharded_stand_in`)
+    decode_tp: int = 1
     to_prefiller: list[Message] = field(default_factory=list)  # every message, in order
     to_decoder: list[Message] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # of every decode_messenger.poll()
@@ -110,8 +133,8 @@ class Harness:
             chunk_size=PREFILL_CHUNK, max_num_batched_tokens=self.prefill_budget,
             mode="prefill_only"))
         self.counter = LayerCounter.for_device("cpu")
-        self.prefill_parts = EngineParts.build(prefill_config, load_transformer(
-            prefill_config, loaded.state_dict, self.counter))
+        self.prefill_parts = sharded_stand_in(EngineParts.build(prefill_config, load_transformer(
+            prefill_config, loaded.state_dict, self.counter)), self.prefill_tp)
         self.prefill = PrefillMessenger(self.prefill_parts, self.prefill_transfer, self.counter,
                                         wake=lambda: None,
                                         make_draft_source=self.make_draft_source,
@@ -119,8 +142,8 @@ class Harness:
         self.prefill_engine = LLMEngine(self.prefill_parts, observers=[self.prefill])
         decode_config = EngineConfig(loaded.config, decode_cache, SchedulerConfig(
             chunk_size=8, max_num_batched_tokens=16))
-        self.decode_parts = EngineParts.build(decode_config, load_transformer(
-            decode_config, loaded.state_dict))
+        self.decode_parts = sharded_stand_in(EngineParts.build(decode_config, load_transformer(
+            decode_config, loaded.state_dict)), self.decode_tp)
         sink = None
         if self.draft_kv:
             sink = DraftKVSink(mtp_kv_cache(loaded.config, CACHE, "cpu"), loaded.config,
