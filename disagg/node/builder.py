@@ -112,10 +112,26 @@ def build_prefill_side(config: NodeConfig, loaded: LoadedModel, transport: Trans
     """A prefiller's engine and messenger over `transport`, wired (the node adds its control
     plane). Without a `placement`, writes may leave through any domain and the poller is not
     pinned (in-process tests over a loopback transport)."""
+    parts, counter = prefill_parts(config, loaded, inbox)
+    return wire_prefill_side(config, parts, counter, transport, inbox, tracer, placement)
+
+
+def prefill_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox,
+                  ) -> tuple[EngineParts, LayerCounter]:
+    """A prefiller's model, KV cache, allocator and scheduler, and the counter its model bumps
+    after each layer (S3b)."""
     engine_config = _engine_config(config, loaded)
-    # The model bumps this after each layer (S3b); the messenger's poller watches it.
     counter = LayerCounter.for_device(config.device)
     parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox, counter))
+    return parts, counter
+
+
+def wire_prefill_side(config: NodeConfig, parts: EngineParts, counter: LayerCounter,
+                      transport: TransferEngine, inbox: Inbox, tracer: Tracer,
+                      placement: NodePlacement | None = None,
+                      ) -> tuple[LLMEngine, PrefillMessenger]:
+    """The messenger over `parts`' KV, the engine whose step observer it is; `counter` is the
+    one `parts.model` bumps."""
     rank_domains = None if placement is None else [r.domains for r in placement.ranks]
     poller_cpus = None if placement is None else allowed(placement.ranks[0].cpus) or None
     messenger = PrefillMessenger(parts, transport, counter, wake=inbox.wake,
@@ -143,14 +159,25 @@ def build_decode_side(config: NodeConfig, loaded: LoadedModel, transport: Transf
                       inbox: Inbox) -> tuple[LLMEngine, DecodeMessenger]:
     """A decoder's engine (with its speculator, if asked for) and messenger over `transport`,
     wired (the node adds its control plane and prefillers)."""
+    return wire_decode_side(config, loaded, decode_parts(config, loaded, inbox), transport,
+                            inbox)
+
+
+def decode_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox) -> EngineParts:
+    """A decoder's model, KV cache, allocator and scheduler."""
     engine_config = _engine_config(config, loaded)
-    mtp = config.speculative is not None and config.speculative.kind == "mtp"
-    if mtp and engine_config.cache.prefix_caching:
-        # The MTP head keeps its own KV per page, shipped with the target's: a page reused
-        # from the cache would come without it. So an MTP decoder caches no prefixes.
-        logger.info("prefix caching is off on this decoder: its MTP head needs every page")
+    if config.speculative is not None and config.speculative.kind == "mtp":
+        if engine_config.cache.prefix_caching:
+            # The MTP head keeps its own KV per page, shipped with the target's: a page reused
+            # from the cache would come without it. So an MTP decoder caches no prefixes.
+            logger.info("prefix caching is off on this decoder: its MTP head needs every page")
         engine_config = engine_config.with_cache(prefix_caching=False)
-    parts = EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox))
+    return EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox))
+
+
+def wire_decode_side(config: NodeConfig, loaded: LoadedModel, parts: EngineParts,
+                     transport: TransferEngine, inbox: Inbox) -> tuple[LLMEngine, DecodeMessenger]:
+    """The speculator (when asked for), the messenger over `parts`' KV and the engine."""
     speculator = None if config.speculative is None else Speculator(parts, config.speculative)
     sink = None
     if speculator is not None and speculator.kv_cache is not None:  # an MTP head (S4a, S8)

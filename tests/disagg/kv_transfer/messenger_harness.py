@@ -8,6 +8,8 @@ for the control channel. Nothing runs in node threads: `pump()` does one turn of
 loops, in their order (prefiller: deliver the decoder's messages, step, poll, expire leases;
 decoder: deliver the prefiller's messages, poll, step), and `run_until` repeats it.
 Messages crossing the channel are logged per direction so tests can look at them.
+`prefill_tp` / `decode_tp` split a side's KV by head over that many shards in this process,
+the regions a TP leader maps from its ranks (S5a, S6b), without rank processes.
 """
 
 from __future__ import annotations
@@ -29,16 +31,20 @@ from disagg.config import (
 )
 from disagg.control.channel import Channel
 from disagg.control.framing import Message
-from disagg.engine.llm_engine import build_engine
+from disagg.engine.llm_engine import EngineParts, build_engine
+from disagg.engine.model_runner import ModelRunner
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import RequestError
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.decoder_peer import DecoderPeer
 from disagg.kv_transfer.handshake import clear_proof, read_proof
 from disagg.kv_transfer.pending_kv import Outcome
+from disagg.model.kv_cache import PagedKVCache
 from disagg.model.loading.registry import LoadedModel, load_model
+from disagg.model.sharded_kv_cache import ShardedKVCache, shard_config
+from disagg.model.sharding import Sharding
 from disagg.node.base import Inbox
-from disagg.node.builder import build_decode_side, build_prefill_side
+from disagg.node.builder import decode_parts, prefill_parts, wire_decode_side, wire_prefill_side
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.utils.trace import Tracer
 from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
@@ -70,6 +76,21 @@ def single_node_tokens(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[
     return engine.generate([prompt], SamplingParams(max_tokens=max_tokens))[0].output_token_ids
 
 
+def sharded_stand_in(parts: EngineParts, tp: int) -> EngineParts:
+    """`parts` with its KV split by head over `tp` shards in this process: one region per
+    rank, as a TP leader holds them (S5a), but no rank processes. The TP 1 model reads and
+    writes every head through the `ShardedKVCache` view, so a mismatched pair's writes (S6b)
+    move real bytes; allocator and scheduler stay as they were."""
+    if tp == 1:
+        return parts
+    config, model = parts.config, parts.model.config
+    sharding = Sharding(tp, model.num_kv_heads)
+    shards = [PagedKVCache(shard_config(model, sharding), config.cache, config.device)
+              for _ in range(tp)]
+    kv_cache = ShardedKVCache(model, config.cache, sharding, shards)
+    return replace(parts, kv_cache=kv_cache, runner=ModelRunner(parts.model, kv_cache))
+
+
 def receive_ready(channel: Channel) -> list[Message]:
     """Every message already waiting on `channel` (never blocks on an empty socket)."""
     messages = []
@@ -92,6 +113,8 @@ class Harness:
     decode_prefix_caching: bool = True
     prefill_num_pages: int = CACHE.num_pages
     prefill_budget: int = PREFILL_CHUNK  # tokens per prefill step (chunks stay PREFILL_CHUNK)
+    prefill_tp: int = 1  # KV shards on each side (`sharded_stand_in`)
+    decode_tp: int = 1
     to_prefiller: list[Message] = field(default_factory=list)  # every message, in order
     to_decoder: list[Message] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # of every decode_messenger.poll()
@@ -118,11 +141,15 @@ class Harness:
         # The nodes' own wiring (`builder.py`), over loopback transports, without their
         # control planes: this harness carries the messages.
         self.inboxes = (Inbox(), Inbox())
-        self.prefill_engine, self.prefill = build_prefill_side(
-            prefill_config, loaded, self.prefill_transfer, self.inboxes[0], Tracer())
-        self.decode_engine, self.decode = build_decode_side(
-            decode_config, loaded, self.decode_transfer, self.inboxes[1])
-        self.prefill_parts, self.decode_parts = self.prefill_engine, self.decode_engine
+        parts, counter = prefill_parts(prefill_config, loaded, self.inboxes[0])
+        self.prefill_parts = sharded_stand_in(parts, self.prefill_tp)
+        self.prefill_engine, self.prefill = wire_prefill_side(
+            prefill_config, self.prefill_parts, counter, self.prefill_transfer, self.inboxes[0],
+            Tracer())
+        self.decode_parts = sharded_stand_in(decode_parts(decode_config, loaded, self.inboxes[1]),
+                                             self.decode_tp)
+        self.decode_engine, self.decode = wire_decode_side(
+            decode_config, loaded, self.decode_parts, self.decode_transfer, self.inboxes[1])
         self.free_pages = (self.prefill_parts.allocator.num_free,
                            self.decode_parts.allocator.num_free)
         a, b = socket.socketpair()

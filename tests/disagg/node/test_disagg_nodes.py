@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import pytest
@@ -84,6 +84,14 @@ def pair() -> Iterator[Pair]:
     decode.check_clean()
     decode.close()
     prefill.close()
+
+
+def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:
+    """Poll `predicate` until it holds; fail naming `what` after `timeout_s`."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate():
+        assert time.monotonic() < deadline, f"not within {timeout_s:g} s: {what}"
+        time.sleep(0.005)
 
 
 def serve(router: Router, prompt: list[int], request_id: str = "ok", max_tokens: int = 4
@@ -160,9 +168,11 @@ def test_malformed_frame_is_rejected_and_connection_closed(pair: Pair) -> None:
 def test_truncated_frame_from_a_vanishing_peer(pair: Pair) -> None:
     """A peer that dies mid-frame costs the prefiller nothing."""
     channel = rogue_channel(pair)
+    assert len(pair.prefill._channels) == 2  # the decoder's and the rogue's
     channel.sock.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, KVRequest.TYPE, 500) + b"{")
     channel.close()
-    time.sleep(0.1)
+    wait_until(lambda: len(pair.prefill._channels) == 1,
+               "the prefiller's reader ended the vanished peer's connection")
     assert len(serve(pair.router, [4, 4, 4, 4])) == 4
 
 
@@ -178,7 +188,8 @@ def test_layer_zero_is_posted_before_the_last_layer_runs() -> None:
     router = Router([decode.address])
     try:
         assert len(serve(router, list(range(3, 203)))) == 4
-        time.sleep(0.05)
+        # The decoder's counter fired; the prefiller frees the request on its next poll.
+        wait_until(lambda: prefill.messenger.recent, "the prefiller ended the transfer")
         transfer_record = prefill.messenger.recent[-1]
         posts = transfer_record.layer_post_times
         assert [layer for layer, _ in posts] == [0, 1, 2, 3]

@@ -54,6 +54,17 @@ class Cluster:
     router: Router
     threads: list[threading.Thread] = field(default_factory=list)
     retries: list[tuple[str, FailureCause]] = field(default_factory=list)  # (id, why) each
+    silent: list[PrefillNode] = field(default_factory=list)  # its writes vanish by design
+
+    def settled(self) -> bool:
+        """Nothing left to finish: the decoder holds no request, and every prefiller still
+        running (but a silent one, which never ends its transfers) has ended its own."""
+        decoder = self.decoder
+        if decoder.engine.scheduler.has_unfinished() or not decoder.messenger.idle():
+            return False
+        return all(not prefiller.messenger.has_work()
+                   for prefiller, thread in zip(self.prefillers, self.threads, strict=False)
+                   if thread.is_alive() and prefiller not in self.silent)
 
     def run_all(self, timeout_s: float = 30.0, abort: set[str] = frozenset()
                 ) -> dict[str, tuple[str, list[int]]]:
@@ -107,6 +118,8 @@ def make_cluster() -> Iterator:
         decoder = build_node(config)
         assert isinstance(decoder, DecodeNode)
         cluster = Cluster(prefillers, decoder, Router([decoder.address]))
+        if prefill_faults is not None and "stop_after" in prefill_faults:
+            cluster.silent.append(prefillers[0])
         for node in [*prefillers, decoder]:
             thread = threading.Thread(target=node.run, daemon=True)
             thread.start()
@@ -117,7 +130,11 @@ def make_cluster() -> Iterator:
     yield make
     for cluster in made:
         cluster.router.close()
-        time.sleep(0.1)
+        # A request's last writes may complete at its prefiller (which then frees its pages)
+        # after the decoder reported it; wait for that, bounded: check_clean says what is left.
+        deadline = time.monotonic() + 10
+        while not cluster.settled() and time.monotonic() < deadline:
+            time.sleep(0.01)
         for node in [cluster.decoder, *cluster.prefillers]:
             node.stop()
         for thread in cluster.threads:
