@@ -38,6 +38,7 @@ from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.staging import register_kv
+from transfer_core.transport import PagedWrite
 
 
 def draft_kv_pages(num_prompt_tokens: int, page_size: int) -> int:
@@ -130,9 +131,9 @@ class DraftKVSource:
         self.kv.stage_out(0, page_ids, wait_for_compute=True)
         try:
             self.transfer.submit_paged_writes(
-                nbytes, self.kv.region, page_ids, nbytes, 0,
-                self._peers[transfer.peer.peer_id], transfer.dst_page_ids[:count], nbytes, 0,
-                transfer.imm, on_done=lambda: done(None, count), on_error=done)
+                PagedWrite(self.kv.region, page_ids, nbytes, 0, self._peers[transfer.peer.peer_id],
+                           transfer.dst_page_ids[:count], nbytes, 0, nbytes, transfer.imm),
+                on_done=lambda: done(None, count), on_error=done)
         except (TransferError, ValueError) as error:
             done(error)
 

@@ -59,6 +59,7 @@ from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.poller import CounterPoller
 from transfer_core.staging import register_kv
+from transfer_core.transport import PagedWrite
 
 logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0  # warming a new decoder's fabric connection at handshake
@@ -265,13 +266,13 @@ class PrefillMessenger:
                 transfer.pending_writes += 1
             try:
                 self.transfer.submit_paged_writes(
-                    plan.nbytes, self._kv[plan.src_rank].region, write.src_page_ids,
-                    src_page_nbytes, layer * src_layer_nbytes + plan.src_offset,
-                    peer.kv[plan.dst_rank], write.dst_page_ids, peer.page_nbytes,
-                    layer * peer.layer_nbytes + plan.dst_offset, transfer.imm,
+                    PagedWrite(self._kv[plan.src_rank].region, write.src_page_ids,
+                               src_page_nbytes, layer * src_layer_nbytes + plan.src_offset,
+                               peer.kv[plan.dst_rank], write.dst_page_ids, peer.page_nbytes,
+                               layer * peer.layer_nbytes + plan.dst_offset, plan.nbytes,
+                               transfer.imm, plan.domains),
                     on_done=lambda n=num_pages, layer=layer: self._layer_done(transfer, n, layer),
-                    on_error=lambda error: self._write_done(transfer, error),
-                    domains=plan.domains)
+                    on_error=lambda error: self._write_done(transfer, error))
             except (TransferError, ValueError) as error:
                 self._write_done(transfer, error)
                 return

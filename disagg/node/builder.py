@@ -42,10 +42,11 @@ from disagg.parallel.leader import TPLeader
 from disagg.speculative.speculator import Speculator
 from disagg.utils.trace import Tracer, trace_path
 from transfer_core.engine import TransferEngine
+from transfer_core.faults import FaultPlan, FaultyTransport
 from transfer_core.shm_sweep import sweep_dead_shm_files
 from transfer_core.staging import open_engine
-from transfer_core.testing.faults import FaultPlan, FaultyTransferEngine
 from transfer_core.topology import detect_topology
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -167,24 +168,27 @@ def node_placement(config: NodeConfig) -> NodePlacement:
         return plan_placement(topology, config.parallel.tp, "cpu", config.domains_per_rank)
 
 
-def open_transfer(config: NodeConfig, placement: NodePlacement | None = None) -> TransferEngine:
+def open_transfer(config: NodeConfig, placement: NodePlacement | None = None) -> Transport:
     """The node's transfer engine: one domain per entry of `placement` (rank i's NICs, or
     stand-ins), each progress thread pinned to its rank's cores (S5b). KV on CUDA with path
     auto or hmem asks for FI_HMEM first; without a provider that has it, the engine opens
     without, so auto stages through host memory and hmem fails at registration with the
-    provider's name (both say why)."""
+    provider's name (both say why). With `config.faults` (tests) the engine is wrapped in a
+    `FaultyTransport` of that plan."""
     want_hmem = (torch.device(config.device).type == "cuda"
                  and config.kv_memory_path in ("auto", "hmem"))
     placement = placement or node_placement(config)
     domain_cpus = [allowed(cpus) for cpus in placement.domain_cpus]
-    kwargs: dict[str, object] = {
-        "node": config.fabric_node, "memory_path": config.kv_memory_path,
-        "num_domains": placement.num_domains,
-        "domain_cpus": domain_cpus if all(domain_cpus) else None,
-        "nics": list(placement.domain_nics) if any(placement.domain_nics) else None}
+    num_domains = placement.num_domains
+    nics = list(placement.domain_nics) if any(placement.domain_nics) else None
+
+    def make(hmem: bool) -> TransferEngine:
+        return TransferEngine(config.provider, config.fabric_node, num_domains,
+                              hmem=hmem, memory_path=config.kv_memory_path,
+                              domain_cpus=domain_cpus if all(domain_cpus) else None, nics=nics)
+
+    plan = FaultPlan.parse(config.faults) if config.faults else None  # before opening: it may fail
     if "shm" in config.provider:
         sweep_dead_shm_files()  # what nodes killed with SIGKILL left behind (16 MiB each)
-    if config.faults:
-        return open_engine(config.provider, want_hmem, FaultyTransferEngine,
-                           faults=FaultPlan.parse(config.faults), **kwargs)
-    return open_engine(config.provider, want_hmem, **kwargs)
+    engine = open_engine(make, want_hmem)
+    return engine if plan is None else FaultyTransport(engine, plan)
