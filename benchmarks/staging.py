@@ -28,7 +28,9 @@ import torch  # noqa: E402
 from rich.console import Console  # noqa: E402
 from rich.table import Table  # noqa: E402
 
+from transfer_core.engine import TransferEngine  # noqa: E402
 from transfer_core.staging import open_engine, register_kv  # noqa: E402
+from transfer_core.transport import PagedWrite  # noqa: E402
 
 PAGE_SHAPE = (2, 16, 8, 128)  # K/V x tokens x heads x dim, bf16: 64 KiB pages
 IMM = 5
@@ -43,7 +45,11 @@ def one_run(provider: str, device: str, path: str, layers: int, pages: int,
     src_pages = torch.randperm(pages, generator=generator)[:pages // 2].tolist()
     dst_pages = torch.randperm(pages, generator=generator)[:pages // 2].tolist()
     want_hmem = device == "cuda" and path == "auto"
-    with open_engine(provider, want_hmem) as sender, open_engine(provider, want_hmem) as receiver:
+
+    def make(hmem: bool) -> TransferEngine:
+        return TransferEngine(provider, hmem=hmem)
+
+    with open_engine(make, want_hmem) as sender, open_engine(make, want_hmem) as receiver:
         src = register_kv(sender, kv.to(device), "bench-src", path)
         dst = register_kv(receiver, torch.zeros_like(src.tensor), "bench-dst", path)
         page_nbytes = kv[0, 0].numel() * kv.element_size()
@@ -56,9 +62,10 @@ def one_run(provider: str, device: str, path: str, layers: int, pages: int,
             copy_started = time.perf_counter()
             src.stage_out(layer, src_pages)
             copying += time.perf_counter() - copy_started
-            sender.submit_paged_writes(page_nbytes, src.region, src_pages, page_nbytes,
-                                       layer * layer_nbytes, dst.descriptor, dst_pages,
-                                       page_nbytes, layer * layer_nbytes, IMM)
+            sender.submit_paged_writes(PagedWrite(src.region, src_pages, page_nbytes,
+                                                  layer * layer_nbytes, dst.descriptor, dst_pages,
+                                                  page_nbytes, layer * layer_nbytes, page_nbytes,
+                                                  IMM))
         if not landed.wait(300):
             raise TimeoutError(f"{receiver.imm_counted(IMM)} writes landed")
         copy_started = time.perf_counter()

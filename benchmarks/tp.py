@@ -37,6 +37,7 @@ from disagg.engine.llm_engine import build_engine  # noqa: E402
 from disagg.engine.request import SamplingParams  # noqa: E402
 from disagg.model.loading.registry import load_model  # noqa: E402
 from transfer_core.engine import TransferEngine  # noqa: E402
+from transfer_core.transport import PagedWrite  # noqa: E402
 
 
 def step_times(model: str, tp: int, reps: int) -> dict[str, Any]:
@@ -94,9 +95,9 @@ def transfer_gbps(num_domains: int, pages: int, page_bytes: int, reps: int) -> d
             receiver.expect_imm_count(imm, 2 * pages, counted.set)
             start = time.perf_counter()
             for rank in range(2):
-                sender.submit_paged_writes(page_bytes, src_mr[rank], ids, page_bytes, 0,
-                                           dst_desc[rank], ids, page_bytes, 0, imm,
-                                           domains=[rank % num_domains])
+                sender.submit_paged_writes(PagedWrite(src_mr[rank], ids, page_bytes, 0,
+                                                      dst_desc[rank], ids, page_bytes, 0,
+                                                      page_bytes, imm, [rank % num_domains]))
             if not counted.wait(60):
                 raise TimeoutError(f"{num_domains} domain(s): the receiver counted too few")
             if rep:  # the first is a warm-up

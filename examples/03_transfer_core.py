@@ -21,6 +21,7 @@ import numpy as np
 
 from transfer_core.engine import TransferEngine
 from transfer_core.memory import MemoryRegionDescriptor
+from transfer_core.transport import PagedWrite
 
 PAGE = 4096  # bytes per page
 NUM_SLOTS = 16  # pages the receiver has room for
@@ -55,10 +56,11 @@ def send(descriptor: MemoryRegionDescriptor) -> None:
         for imm in IMMS:
             done, errors = threading.Event(), []
             start = time.perf_counter()
-            engine.submit_paged_writes(
-                PAGE, region, np.arange(5), PAGE, 0,  # source: pages 0..4, stride PAGE
-                descriptor, DST_SLOTS, PAGE, 0,  # destination: those slots, stride PAGE
-                imm, on_done=done.set, on_error=errors.append)
+            write = PagedWrite(
+                src_mr=region, src_page_ids=np.arange(5), src_page_stride=PAGE, src_offset=0,
+                dst_mr=descriptor, dst_page_ids=DST_SLOTS, dst_page_stride=PAGE, dst_offset=0,
+                nbytes=PAGE, imm=imm)  # pages 0..4 to those slots, PAGE bytes each
+            engine.submit_paged_writes(write, on_done=done.set, on_error=errors.append)
             posted_us = (time.perf_counter() - start) * 1e6
             if not done.wait(timeout=30) or errors:
                 raise RuntimeError(f"writes did not complete: {errors}")

@@ -23,6 +23,7 @@ from disagg.model.layer_counter import LayerCounter
 from disagg.model.transformer import Transformer
 from transfer_core.engine import TransferEngine
 from transfer_core.poller import CounterPoller
+from transfer_core.transport import PagedWrite
 
 IMM = 7
 
@@ -65,11 +66,13 @@ def main() -> None:
         for value in range(old + 1, new + 1):
             _, layer = LayerCounter.decode(value, config.num_layers)
             seen[layer] = time.perf_counter()
+            write = PagedWrite(
+                src_mr=src, src_page_ids=request.page_ids, src_page_stride=cache.page_nbytes,
+                src_offset=layer * cache.layer_nbytes, dst_mr=remote_descriptor,
+                dst_page_ids=request.page_ids, dst_page_stride=cache.page_nbytes,
+                dst_offset=layer * cache.layer_nbytes, nbytes=cache.page_nbytes, imm=IMM)
             sender.submit_paged_writes(
-                cache.page_nbytes, src, request.page_ids, cache.page_nbytes,
-                layer * cache.layer_nbytes, remote_descriptor, request.page_ids,
-                cache.page_nbytes, layer * cache.layer_nbytes, IMM,
-                on_done=lambda layer=layer: written.__setitem__(layer, time.perf_counter()))
+                write, on_done=lambda layer=layer: written.__setitem__(layer, time.perf_counter()))
 
     with CounterPoller([counter.value], on_counter, name="layer-poller"):
         start = time.perf_counter()

@@ -24,6 +24,7 @@ from disagg.model.transformer import Transformer
 from transfer_core.engine import TransferEngine
 from transfer_core.poller import CounterPoller
 from transfer_core.staging import register_kv
+from transfer_core.transport import PagedWrite
 
 IMM = 10
 
@@ -74,9 +75,11 @@ def main() -> None:
         receiver.expect_imm_count(IMM, len(pages) * config.num_layers, landed.set)
         for layer in range(config.num_layers):
             src.stage_out(layer, pages)  # the copy engine's job on a GPU; no-op unless staged
-            sender.submit_paged_writes(cache.page_nbytes, src.region, pages, cache.page_nbytes,
-                                       layer * cache.layer_nbytes, dst.descriptor, pages,
-                                       cache.page_nbytes, layer * cache.layer_nbytes, IMM)
+            sender.submit_paged_writes(PagedWrite(
+                src_mr=src.region, src_page_ids=pages, src_page_stride=cache.page_nbytes,
+                src_offset=layer * cache.layer_nbytes, dst_mr=dst.descriptor, dst_page_ids=pages,
+                dst_page_stride=cache.page_nbytes, dst_offset=layer * cache.layer_nbytes,
+                nbytes=cache.page_nbytes, imm=IMM))
         if not landed.wait(30):
             raise TimeoutError(f"{receiver.imm_counted(IMM)} writes landed")
         dst.stage_in(pages)  # the receiving side's copy back into the cache

@@ -59,12 +59,17 @@ def posting_latency_check(device: str = "cuda", samples: int = 300, num_pages: i
     from transfer_core.engine import TransferEngine
     from transfer_core.poller import CounterPoller
     from transfer_core.staging import open_engine, register_kv
+    from transfer_core.transport import PagedWrite
 
     counter = LayerCounter.for_device(device)
     bump = _one_bump(counter, device)
     arrived, posted, done = [0], [0], threading.Event()
     written = threading.Semaphore(0)
-    with open_engine("tcp", device == "cuda") as a, TransferEngine("tcp") as b:
+
+    def make(hmem: bool) -> TransferEngine:
+        return TransferEngine("tcp", hmem=hmem)
+
+    with open_engine(make, device == "cuda") as a, TransferEngine("tcp") as b:
         path = "auto" if device == "cuda" else "staged"
         src = register_kv(a, _kv(device, num_pages), "lat-src", path)
         dst_buffer = bytearray(src.tensor[0, 0].numel() * src.tensor.element_size())
@@ -73,8 +78,9 @@ def posting_latency_check(device: str = "cuda", samples: int = 300, num_pages: i
         def on_change(_: int, old: int, new: int) -> None:
             arrived[0] = time.perf_counter_ns()
             src.stage_out(0, [new % num_pages])
-            a.submit_paged_writes(len(dst_buffer), src.region, [new % num_pages], len(dst_buffer),
-                                  0, dst, [0], len(dst_buffer), 0, None, on_done=written.release)
+            n = len(dst_buffer)
+            a.submit_paged_writes(PagedWrite(src.region, [new % num_pages], n, 0, dst, [0], n, 0,
+                                             n, None), on_done=written.release)
             posted[0] = time.perf_counter_ns()
             done.set()
 

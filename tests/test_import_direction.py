@@ -106,6 +106,17 @@ def test_transfer_core_uses_its_test_doubles_only_in_them() -> None:
     assert not wrong, "\n".join(wrong)
 
 
+def test_production_never_imports_the_test_doubles() -> None:
+    """`disagg` and `transfer_core` outside `transfer_core/testing/` never import it, late
+    imports included: a node runs with no test double in reach (fault injection, which a
+    node may run with, is `transfer_core.faults`)."""
+    testing = ROOT / "transfer_core" / "testing"
+    wrong = [f"{module_name(p)} imports {m}" for pkg in ("disagg", "transfer_core")
+             for p in source_files(pkg) if testing not in p.parents
+             for m in imports_of(p) if m.startswith("transfer_core.testing")]
+    assert not wrong, "\n".join(wrong)
+
+
 def import_closure(start: list[Path]) -> dict[str, str]:
     """Every module reachable from the files `start` through their imports (late ones too),
     each with the module that first pulled it in."""

@@ -26,6 +26,7 @@ import numpy as np
 
 from transfer_core.engine import TransferEngine
 from transfer_core.memory import MemoryRegionDescriptor
+from transfer_core.transport import PagedWrite
 
 LATENCY_IMM = 0xFFFF_FFFF  # counted (and ignored) by the receiver
 
@@ -110,20 +111,19 @@ class _Sender:
         self.engine.expect_imm_count(imm, 1, acked.set)
         num_pages, page_bytes = self.src.shape
         start = time.perf_counter()
-        self.engine.submit_paged_writes(
-            page_bytes,
-            self.src_mr,
-            np.arange(num_pages),
-            page_bytes,
-            0,
-            dst,
-            self.perm,
-            page_bytes,
-            0,
-            imm,
-            done.set,
-            self.errors.append,
+        write = PagedWrite(
+            src_mr=self.src_mr,
+            src_page_ids=np.arange(num_pages),
+            src_page_stride=page_bytes,
+            src_offset=0,
+            dst_mr=dst,
+            dst_page_ids=self.perm,
+            dst_page_stride=page_bytes,
+            dst_offset=0,
+            nbytes=page_bytes,
+            imm=imm,
         )
+        self.engine.submit_paged_writes(write, done.set, self.errors.append)
         if not acked.wait(timeout_s):
             raise TimeoutError(f"rep imm={imm}: receiver did not acknowledge ({self.errors})")
         elapsed = time.perf_counter() - start

@@ -1,53 +1,42 @@
 """`TransferEngine`: one-sided RDMA writes with immediate data between processes (S5, S4c).
 
-The Python surface follows pplx-garden's TransferEngine: `register_memory` returns a local
-`MemoryRegion` and a `MemoryRegionDescriptor` (bytes) for peers; `submit_write`,
-`submit_paged_writes` and `submit_imm` take `on_done`/`on_error`; `expect_imm_count` fires
-once the receiver has counted the expected writes. Several domains (NICs) each run a
-`DomainWorker` progress thread; a paged write is cut into contiguous page ranges, one per
-domain, or per domain of those the caller names (S6a: rank i's pages through rank i's NIC);
-local domain d writes to the peer's domain d modulo the peer's count. The receiver's
+The libfabric implementation of `transport.Transport`, after pplx-garden's TransferEngine:
+`register_memory` returns a local `MemoryRegion` and a `MemoryRegionDescriptor` (bytes) for
+peers; `submit_write`, `submit_paged_writes` (a `PagedWrite`) and `submit_imm` take
+`on_done`/`on_error`; `expect_imm_count` fires once the receiver has counted the expected
+writes. Several domains (NICs) each run a `DomainWorker` progress thread. The receiver's
 immediate count is the truth of placement: a sender's `on_done` only means the provider is
-done with the source buffer. `connect` opens a peer's connection at handshake rather than on
-the first write (`warmup.py`). Argument checks are shared with the loopback test double
-(`write_checks.py`); which NIC and cores each domain gets is `placement.py`.
+done with the source buffer. This file checks and dispatches; its collaborators do the work:
+which domain a write leaves on (`write_router.py`, S6a), the receiver's counters
+(`imm_counting.py`, shared with the loopback), waited writes (`waited.py`), `connect`'s early
+connection (`warmup.py`), argument checks (`write_checks.py`, shared with the loopback) and
+which NIC and cores each domain gets (`placement.py`).
 """
 
 from __future__ import annotations
 
-import functools
 import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any
 
-import numpy as np
-
-from transfer_core.domain_worker import Completion, DomainWorker, OnDone, OnError
-from transfer_core.errors import PeerError, TransferError
+from transfer_core.domain_worker import DomainWorker, OnDone, OnError
+from transfer_core.errors import TransferError
 from transfer_core.imm_counter import ImmCounterMap
+from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
 from transfer_core.owner_errors import OwnerErrors
 from transfer_core.placement import plan_domains
 from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, find_infos
 from transfer_core.registration import register_on
-from transfer_core.waited import PreparedWrite, RepeatedWrites, prepared_write
+from transfer_core.transport import MEMORY_PATHS, PagedWrite
+from transfer_core.waited import PreparedWrite, RepeatedWrites
 from transfer_core.warmup import Warmup
-from transfer_core.write_checks import (  # noqa: F401  (MAX_IMM: re-exported, callers import it)
-    MAX_IMM,
-    check_domain,
-    check_domains,
-    check_paged,
-    check_single,
-    check_target,
-    stripe,
-)
-
-# How `staging.register_kv` places a tensor's memory: "auto" picks host, hmem or staged.
-MEMORY_PATHS = ("auto", "host", "hmem", "staged")
+from transfer_core.write_checks import check_single, check_target
+from transfer_core.write_router import WriteRouter
 
 
-class TransferEngine:
+class TransferEngine(ImmCounting):
     """RMA writes with immediates over libfabric; see the module docstring.
 
     provider: a name, an alias ("tcp", "shm", "efa", "verbs") or a preference list; the
@@ -86,27 +75,27 @@ class TransferEngine:
         self.memory_path = memory_path
         self.timeout_s = timeout_s
         self._errors = OwnerErrors()
-        self._counters = ImmCounterMap(fire=self._fire)
+        self.imm_counters = ImmCounterMap(fire=self._fire)
         self._regions: list[MemoryRegion] = []
         self._repeated = RepeatedWrites()
         self._names = itertools.count()
-        self._round_robin = itertools.count()
         self._closed = False
         self._threads: set[threading.Thread] = set()
         self._warmup: Warmup | None = None
         infos = find_infos(provider, node=node, hmem=hmem, delivery_complete=delivery_complete)
         plans = plan_domains(infos, num_domains, cpus, domain_cpus, nics)
         self._domains: list[DomainWorker] = []
+        # Each domain's progress thread hands its arrivals to the counters (S4c).
+        on_imms, guard = self.imm_counters.on_imms, self._errors.guard
         try:
             for d, plan in enumerate(plans):
-                worker = DomainWorker(
-                    d, plan.info, self._on_imms, self._errors.guard, plan.cpus, max_inflight
-                )
+                worker = DomainWorker(d, plan.info, on_imms, guard, plan.cpus, max_inflight)
                 self._domains.append(worker)
             self._warmup = Warmup(self._domains)
         except BaseException:
             self.close()
             raise
+        self._router = WriteRouter(self._domains, self._errors.report)
         self._info = self._domains[0].info
         self._threads = {w.thread for w in self._domains}
         self._address = EngineAddress(
@@ -185,92 +174,102 @@ class TransferEngine:
         local domain `domain` (None: round robin)."""
         self._check_write(src_mr, dst_mr, imm_data)
         check_single(src_mr, offset, length, dst_mr, dst_offset)
-        d = self._pick(domain)
-        done = Completion(1, on_done, on_error, self._errors.report)
-        self._post(
-            d, done, timeout_s, src_mr, dst_mr, 1, length, offset, 0, dst_offset, 0, imm_data
+        d = self._router.pick(domain)
+        self._router.single(
+            d,
+            src_mr,
+            offset,
+            length,
+            imm_data,
+            dst_mr,
+            dst_offset,
+            on_done,
+            on_error,
+            self._timeout(timeout_s),
         )
 
     def prepare_write(
-        self, src_mr: MemoryRegion, offset: int, length: int, imm_data: int | None,
-        dst_mr: MemoryRegionDescriptor, dst_offset: int, *, timeout_s: float | None = None,
+        self,
+        src_mr: MemoryRegion,
+        offset: int,
+        length: int,
+        imm_data: int | None,
+        dst_mr: MemoryRegionDescriptor,
+        dst_offset: int,
+        *,
+        timeout_s: float | None = None,
         domain: int | None = None,
-    ) -> PreparedWrite:  # fmt: skip
+    ) -> PreparedWrite:
         """Check one write (as `submit_write` would) to run it, once or again and again, with
         `PreparedWrite.run()`: the caller's thread posts it and reaps its completion itself,
         with no hand-off from a progress thread (see `waited.py`)."""
         self._check_write(src_mr, dst_mr, imm_data)
         check_single(src_mr, offset, length, dst_mr, dst_offset)
-        worker = self._domains[self._pick(domain)]
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        make_op = functools.partial(
-            worker.write_op, dst_mr, timeout, src_mr, 1, length, offset, 0, dst_offset, 0, imm_data
+        d = self._router.pick(domain)
+        return self._router.prepare(
+            d, self._timeout(timeout_s), src_mr, offset, length, imm_data, dst_mr, dst_offset
         )
-        peer = dst_mr.domains[worker.index % len(dst_mr.domains)][0]
-        return prepared_write(worker, make_op, peer, timeout)
 
     def write_and_wait(
-        self, *args: Any, timeout_s: float | None = None, domain: int | None = None
+        self,
+        src_mr: MemoryRegion,
+        offset: int,
+        length: int,
+        imm_data: int | None,
+        dst_mr: MemoryRegionDescriptor,
+        dst_offset: int,
+        *,
+        timeout_s: float | None = None,
+        domain: int | None = None,
     ) -> None:
-        """`prepare_write(*args, ...)` and `run()` once: returns when the write is done, raises
-        its TransferError if it failed. Called again with the same arguments (the same region
+        """`prepare_write(...)` and `run()` once: returns when the write is done, raises its
+        TransferError if it failed. Called again with the same arguments (the same region
         objects), it runs the prepared write of the first call (`waited.RepeatedWrites`)."""
-        src_mr, offset, length, imm_data, dst_mr, dst_offset = args
         self._check_write(src_mr, dst_mr, imm_data)
-        d = self._pick(domain)
+        d = self._router.pick(domain)
         key = (id(src_mr), offset, length, imm_data, id(dst_mr), dst_offset, timeout_s, d)
-        prepare = lambda: self.prepare_write(*args, timeout_s=timeout_s, domain=d)  # noqa: E731
+
+        def prepare() -> PreparedWrite:
+            return self.prepare_write(
+                src_mr, offset, length, imm_data, dst_mr, dst_offset, timeout_s=timeout_s, domain=d
+            )
+
         self._repeated.run(key, src_mr, dst_mr, prepare)
 
     def submit_paged_writes(
         self,
-        length: int,
-        src_mr: MemoryRegion,
-        src_page_indices: Sequence[int] | np.ndarray,
-        src_stride: int,
-        src_offset: int,
-        dst_mr: MemoryRegionDescriptor,
-        dst_page_indices: Sequence[int] | np.ndarray,
-        dst_stride: int,
-        dst_offset: int,
-        imm_data: int | None,
+        write: PagedWrite,
         on_done: OnDone | None = None,
         on_error: OnError | None = None,
         *,
         timeout_s: float | None = None,
-        domains: Sequence[int] | None = None,
     ) -> None:
-        """Page i goes from `src_offset + src_page_indices[i] * src_stride` to
-        `dst_offset + dst_page_indices[i] * dst_stride`, `length` bytes each, every write
-        carrying `imm_data`: the receiver counts len(pages) immediates. Page ranges are
-        striped over `domains` (local indices; None: all of them); `on_done` fires once all
-        pages are written."""
-        self._check_write(src_mr, dst_mr, imm_data)
-        src, dst = check_paged(
-            length, src_mr, src_page_indices, src_stride, src_offset,
-            dst_mr, dst_page_indices, dst_stride, dst_offset,
-        )  # fmt: skip
-        parts = stripe(src.size, check_domains(domains, len(self._domains)))
-        done = Completion(len(parts), on_done, on_error, self._errors.report)
-        for d, lo, hi in parts:
-            self._post(
-                d, done, timeout_s, src_mr, dst_mr, hi - lo, length, src_offset, src_stride,
-                dst_offset, dst_stride, imm_data, src[lo:hi], dst[lo:hi],
-            )  # fmt: skip
+        """Every page of `write` (checked when it was made), each write carrying `write.imm`:
+        the receiver counts `write.num_pages` immediates. Page ranges are striped over
+        `write.domains` (local indices; None: all of them); `on_done` fires once all pages
+        are written, `on_error` once if any failed."""
+        self._check_write(write.src_mr, write.dst_mr, write.imm)
+        self._router.paged(write, on_done, on_error, self._timeout(timeout_s))
 
     def submit_imm(
-        self, imm_data: int, dst_mr: MemoryRegionDescriptor, on_done: OnDone | None = None,
-        on_error: OnError | None = None, *, timeout_s: float | None = None,
+        self,
+        imm_data: int,
+        dst_mr: MemoryRegionDescriptor,
+        on_done: OnDone | None = None,
+        on_error: OnError | None = None,
+        *,
+        timeout_s: float | None = None,
         domain: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """A zero-byte write that only delivers `imm_data` to the owner of `dst_mr`, posted
         on local domain `domain` (None: round robin)."""
         self._check_write(None, dst_mr, imm_data)
         if imm_data is None:
             raise ValueError("submit_imm needs an imm value")
-        d = self._pick(domain)
-        done = Completion(1, on_done, on_error, self._errors.report)
-        self._post(d, done, timeout_s, None, dst_mr, 1, 0, 0, 0, 0, 0, imm_data)
+        d = self._router.pick(domain)
+        self._router.single(
+            d, None, 0, 0, imm_data, dst_mr, 0, on_done, on_error, self._timeout(timeout_s)
+        )
 
     def connect(self, peer_address: bytes, *, timeout_s: float | None = None) -> None:
         """Open the connection to the engine at `peer_address` (its `address` bytes) now, so
@@ -287,34 +286,9 @@ class TransferEngine:
         if threading.current_thread() in self._threads:
             raise RuntimeError("TransferEngine.connect() would block its own callback thread")
         assert self._warmup is not None  # set in __init__ once the domains are open
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        self._warmup.connect(self.provider, peer_address, timeout)
+        self._warmup.connect(self.provider, peer_address, self._timeout(timeout_s))
 
-    # -- immediate counters -----------------------------------------------------------------
-
-    def expect_imm_count(self, imm: int, count: int, on_reached: OnDone) -> tuple[int, int] | None:
-        """Call `on_reached` (on an engine thread) once `count` writes carrying `imm` have
-        landed here, counting those that landed before this call; then forget `imm`."""
-        self._check_open()
-        return self._counters.expect(imm, count, on_reached)
-
-    def remove_imm_count(self, imm: int) -> tuple[int, int] | None:
-        """Drop the counter of `imm` (e.g. a cancelled request): (counted, expected) or None."""
-        return self._counters.remove(imm)
-
-    def pending_imm_counts(self) -> dict[int, tuple[int, int]]:
-        """Armed counters not yet fired: imm -> (counted, expected). Empty when idle."""
-        return self._counters.pending()
-
-    def imm_counted(self, imm: int) -> int:
-        """Arrivals of `imm` counted here and not yet consumed by a fired expectation."""
-        return self._counters.counted(imm)
-
-    @property
-    def dropped_imms(self) -> int:
-        """Arrivals of values nobody expected, thrown away: past `imm_counter`'s bound on such
-        values or kept past its time (a flood, or late writes of a forgotten request)."""
-        return self._counters.dropped
+    # -- counters (expect_imm_count and the rest: inherited from ImmCounting, S4c) ----------
 
     def stats(self) -> list[Stats]:
         """Per-domain counters of the C worker (writes, bytes written, EAGAIN returns,
@@ -350,30 +324,8 @@ class TransferEngine:
 
     # -- internals --------------------------------------------------------------------------
 
-    def _post(
-        self, d: int, done: Completion, timeout_s: float | None, src_mr: MemoryRegion | None,
-        dst_mr: MemoryRegionDescriptor, n: int, length: int, src_offset: int, src_stride: int,
-        dst_offset: int, dst_stride: int, imm: int | None,
-        src_idx: np.ndarray | None = None, dst_idx: np.ndarray | None = None,
-    ) -> None:  # fmt: skip
-        """Queue n writes on domain d (`DomainWorker.write_op` says to which peer domain)."""
-        worker = self._domains[d]
-        timeout = self.timeout_s if timeout_s is None else timeout_s
-        try:
-            op = worker.write_op(
-                dst_mr, timeout, src_mr, n, length, src_offset, src_stride, dst_offset,
-                dst_stride, imm, src_idx, dst_idx,
-            )  # fmt: skip
-        except PeerError as exc:  # an unreachable peer is reported like a failed write
-            error = exc
-            worker.call_soon(lambda: done.part_finished(error))
-            return
-        worker.submit(op, done.part_finished)
-
-    def _pick(self, domain: int | None) -> int:
-        if domain is None:
-            return next(self._round_robin) % len(self._domains)
-        return check_domain(domain, len(self._domains))
+    def _timeout(self, timeout_s: float | None) -> float:
+        return self.timeout_s if timeout_s is None else timeout_s
 
     def _check_write(
         self, src_mr: MemoryRegion | None, dst_mr: MemoryRegionDescriptor, imm_data: int | None
@@ -387,10 +339,6 @@ class TransferEngine:
         if self._closed:
             raise TransferError("engine is closed")
         self._errors.raise_first()
-
-    def _on_imms(self, imms: list[tuple[int, int]]) -> None:
-        for imm, count in imms:
-            self._counters.on_imm(imm, count)
 
     def _fire(self, callback: OnDone) -> None:
         if threading.current_thread() in self._threads:

@@ -5,7 +5,9 @@ carries the request's immediate value, the receiver counts them, and when the kn
 of writes has landed the request is ready. Writes may land before the decoder registers its
 expectation, so arrivals without an expectation are kept and count towards it. A counter
 fires exactly once and is then removed. Pure Python, thread-safe; callbacks run outside the
-lock through `fire`, so the engine can route them to its own thread.
+lock through `fire`, so the engine can route them to its own thread. Arrivals come in
+batches (`on_imms`, as a progress loop reports them) and pass through the taps first: fault
+injection loses or duplicates arrivals there (`faults.py`).
 
 Anyone who can reach the endpoint can send immediates (S5), so what is kept for values nobody
 expects is bounded: at most `max_unarmed` distinct values, each for `unarmed_ttl_s`; arrivals
@@ -25,6 +27,8 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 Callback = Callable[[], None]
+ImmBatch = list[tuple[int, int]]  # (imm value, arrivals of it), as a progress loop reports them
+ImmTap = Callable[[ImmBatch], ImmBatch]  # sees a batch before it is counted; returns what counts
 MAX_IMM = 2**32 - 1
 # Early arrivals are legitimate only for a moment (a counter re-armed by the quarantine, or a
 # write racing its expectation): a few thousand distinct values for half a minute is plenty.
@@ -68,6 +72,7 @@ class ImmCounterMap:
         # Values counted with no expectation, oldest first: imm -> when it was first seen.
         self._unarmed: OrderedDict[int, float] = OrderedDict()
         self.dropped = 0  # arrivals thrown away: over the bound, or kept past their time
+        self._taps: list[ImmTap] = []
 
     def expect(self, imm: int, count: int, on_reached: Callback) -> tuple[int, int] | None:
         """Fire `on_reached` once `count` arrivals of `imm` have been seen (including any that
@@ -103,6 +108,17 @@ class ImmCounterMap:
             self._unarmed.pop(imm, None)
             previous = self._expected.pop(imm, None)
         return None if previous is None else (counted, previous[0])
+
+    def tap(self, tap: ImmTap) -> None:
+        """Pass every batch `on_imms` gets through `tap` (after the taps added before)."""
+        self._taps.append(tap)
+
+    def on_imms(self, imms: ImmBatch) -> None:
+        """Record a batch of arrivals, after the taps have seen it."""
+        for tap in self._taps:
+            imms = tap(imms)
+        for imm, n in imms:
+            self.on_imm(imm, n)
 
     def on_imm(self, imm: int, n: int = 1) -> None:
         """Record `n` arrivals of `imm` (the progress loop reports them batched per value)."""

@@ -16,20 +16,21 @@ named here, not built.
 from __future__ import annotations
 
 import logging
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal
+from typing import Literal, TypeVar
 
 import numpy as np
 import torch
 
-from transfer_core.engine import MEMORY_PATHS, TransferEngine
 from transfer_core.errors import BoundsError, FabricError, ProviderNotFoundError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+from transfer_core.transport import MEMORY_PATHS, Transport
 
 logger = logging.getLogger(__name__)
 
 MemoryPathKind = Literal["host", "hmem", "staged"]
+T = TypeVar("T", bound=Transport)
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,7 +41,7 @@ class MemoryPath:
     reason: str
 
 
-def choose_memory_path(tensor: torch.Tensor, engine: TransferEngine,
+def choose_memory_path(tensor: torch.Tensor, engine: Transport,
                        requested: str = "auto") -> MemoryPath:
     """The path for `tensor` on `engine`: "auto" picks, "host", "hmem" or "staged" insist.
 
@@ -77,17 +78,18 @@ def choose_memory_path(tensor: torch.Tensor, engine: TransferEngine,
     return MemoryPath("staged", f"{why}: {device} memory staged through pinned host memory")
 
 
-def open_engine(provider: str, want_hmem: bool, engine_class: type[TransferEngine] = TransferEngine,
-                **kwargs: object) -> TransferEngine:
-    """An engine for KV memory: with `want_hmem` (device KV, path auto or hmem) it asks the
-    provider for FI_HMEM first and, where none offers it, opens without and says why; then
-    `register_kv` stages (auto) or names the provider (hmem). `kwargs` go to `engine_class`."""
+def open_engine(make: Callable[[bool], T], want_hmem: bool) -> T:
+    """An engine for KV memory, `make(hmem)` opening it: with `want_hmem` (device KV, path auto
+    or hmem) it asks for FI_HMEM first and, where no provider offers it, opens without and says
+    why; then `register_kv` stages (auto) or names the provider (hmem).
+
+    `make` is e.g. ``lambda hmem: TransferEngine("tcp", hmem=hmem)``."""
     if want_hmem:
         try:
-            return engine_class(provider, hmem=True, **kwargs)
+            return make(True)
         except ProviderNotFoundError as error:
             logger.info("no provider offers FI_HMEM (%s): opening without it", error)
-    return engine_class(provider, **kwargs)
+    return make(False)
 
 
 def page_runs(page_ids: Sequence[int] | np.ndarray) -> list[tuple[int, int]]:
@@ -173,12 +175,12 @@ class RegisteredKV:
         page_nbytes = self.tensor[0, 0].numel() * self.tensor.element_size()
         self.staged_bytes += len(layers) * sum(end - start for start, end in runs) * page_nbytes
 
-    def close(self, engine: TransferEngine) -> None:
+    def close(self, engine: Transport) -> None:
         """Unregister the region (after the engine drained); the shadow goes with this object."""
         engine.unregister_memory(self.region)
 
 
-def register_kv(engine: TransferEngine, tensor: torch.Tensor, name: str,
+def register_kv(engine: Transport, tensor: torch.Tensor, name: str,
                 path: MemoryPath | str | None = None, *,
                 remote_write: bool = True) -> RegisteredKV:
     """Register a KV tensor ``[num_layers, num_pages, ...]`` through its memory path.
@@ -187,7 +189,7 @@ def register_kv(engine: TransferEngine, tensor: torch.Tensor, name: str,
     `memory_path`). Staged tensors get a zeroed shadow of the same shape and dtype in host
     memory, pinned when CUDA is present, and a dedicated copy stream on CUDA. `remote_write`
     says whether peers write this KV (a decoder's) or only read from it (a prefiller's):
-    sources are registered without FI_REMOTE_WRITE (`TransferEngine.register_memory`).
+    sources are registered without FI_REMOTE_WRITE (`Transport.register_memory`).
     """
     if tensor.dim() < 2:
         raise ValueError(f"a KV tensor is [num_layers, num_pages, ...], got {tuple(tensor.shape)}")
@@ -205,7 +207,7 @@ def register_kv(engine: TransferEngine, tensor: torch.Tensor, name: str,
     return _register(engine, tensor, name, chosen, remote_write)
 
 
-def _register(engine: TransferEngine, tensor: torch.Tensor, name: str,
+def _register(engine: Transport, tensor: torch.Tensor, name: str,
               path: MemoryPath, remote_write: bool) -> RegisteredKV:
     shadow, stream = None, None
     if path.kind == "staged":

@@ -3,10 +3,10 @@
 `TransferEngine` and the in-process `testing.loopback.LoopbackEngine` both call these, so a
 caller sees the same exception, with the same text, whichever engine it was handed: a test
 double that validated differently would let messenger bugs pass its unit tests. The bounds
-checks themselves are `memory.check_range` / `memory.check_pages`; striping a paged write over
-domains is here too because the receiver's count does not depend on it but `stats()` does, and
-so is the choice of local domains a caller may pin a write to (S6a: rank i's pages through
-rank i's domain).
+checks themselves are `memory.check_range` / `memory.check_pages`; a paged write's own checks
+run when its `transport.PagedWrite` is made. Striping a paged write over domains is here too
+because the receiver's count does not depend on it but `stats()` does, and so is the choice of
+local domains a caller may pin a write to (S6a: rank i's pages through rank i's domain).
 """
 
 from __future__ import annotations
@@ -17,7 +17,7 @@ from typing import Any
 import numpy as np
 
 from transfer_core.imm_counter import MAX_IMM
-from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_pages, check_range
+from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_range
 
 
 def as_indices(pages: Any, what: str) -> np.ndarray:
@@ -49,29 +49,6 @@ def check_single(
         raise ValueError(f"write length must be > 0, got {length}")
     check_range(src_mr.name, src_mr.length, offset, length)
     check_range(dst_mr.name, dst_mr.length, dst_offset, length)
-
-
-def check_paged(
-    length: int,
-    src_mr: MemoryRegion,
-    src_page_indices: Sequence[int] | np.ndarray,
-    src_stride: int,
-    src_offset: int,
-    dst_mr: MemoryRegionDescriptor,
-    dst_page_indices: Sequence[int] | np.ndarray,
-    dst_stride: int,
-    dst_offset: int,
-) -> tuple[np.ndarray, np.ndarray]:
-    """Validate a paged write; returns the (source, destination) page ids as int64 arrays."""
-    src = as_indices(src_page_indices, "src_page_indices")
-    dst = as_indices(dst_page_indices, "dst_page_indices")
-    if src.size != dst.size:
-        raise ValueError(f"{src.size} source pages but {dst.size} destination pages")
-    if length <= 0 or src_stride <= 0 or dst_stride <= 0:
-        raise ValueError(f"length and strides must be > 0: {length}, {src_stride}, {dst_stride}")
-    check_pages(src_mr.name, src_mr.length, src, src_stride, src_offset, length)
-    check_pages(dst_mr.name, dst_mr.length, dst, dst_stride, dst_offset, length)
-    return src, dst
 
 
 def check_domain(domain: int, num_domains: int) -> int:

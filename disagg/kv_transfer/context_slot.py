@@ -23,9 +23,9 @@ from collections.abc import Callable
 import torch
 
 from disagg.config import ModelConfig
-from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 CONTEXT_DTYPE = torch.float32
@@ -125,7 +125,7 @@ class ContextSlots:
     without remote write.
     """
 
-    def __init__(self, transfer: TransferEngine, model: ModelConfig, num_slots: int) -> None:
+    def __init__(self, transfer: Transport, model: ModelConfig, num_slots: int) -> None:
         self.buffer = allocate_context_buffer(model, num_slots)
         self.region, _ = transfer.register_memory(self.buffer, name="prefill-ctx",
                                                   remote_write=False)
@@ -171,7 +171,7 @@ class LandingSlots:
     request asking for KV and given back when the request leaves; the last is the proof slot
     of every handshake and is never taken."""
 
-    def __init__(self, transfer: TransferEngine, model: ModelConfig, num_slots: int) -> None:
+    def __init__(self, transfer: Transport, model: ModelConfig, num_slots: int) -> None:
         self.buffer = allocate_context_buffer(model, num_slots)
         self.region: MemoryRegion
         self.region, self.descriptor = transfer.register_memory(

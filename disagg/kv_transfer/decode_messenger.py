@@ -42,15 +42,15 @@ from disagg.kv_transfer.plugins import DraftSink
 from disagg.kv_transfer.prefiller_pool import PrefillerPool
 from disagg.kv_transfer.quarantine import PageQuarantine, Verdict
 from disagg.kv_transfer.transfer_plan import PageGeometry, expected_write_count, num_pages
-from transfer_core.engine import TransferEngine
 from transfer_core.imm_counter import random_imm
 from transfer_core.staging import register_kv
+from transfer_core.transport import Transport
 
 
 class DecodeMessenger:
     """Gets KV for new requests from prefillers and releases them to the engine."""
 
-    def __init__(self, parts: EngineParts, transport: TransferEngine, node_id: str,
+    def __init__(self, parts: EngineParts, transport: Transport, node_id: str,
                  model_fingerprint: str, *, wake: Callable[[], None],
                  draft_sink: DraftSink | None = None, num_context_slots: int = 16,
                  reliability: ReliabilityConfig | None = None,

@@ -34,10 +34,11 @@ from disagg.kv_transfer.transfer_plan import num_pages
 from disagg.model.draft_heads import build_mtp_head, mtp_kv_cache
 from disagg.model.kv_cache import PagedKVCache
 from disagg.speculative.proposers import CatchUp, mtp_catch_up
-from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.staging import register_kv
+from transfer_core.transport import Transport
+from transfer_core.transport import PagedWrite
 
 
 def draft_kv_pages(num_prompt_tokens: int, page_size: int) -> int:
@@ -55,7 +56,7 @@ class DraftKVSource:
     """Prefiller side (a `DraftSource`): the MTP head over prefill chunks, and its pages
     written after the last one."""
 
-    def __init__(self, parts: EngineParts, transport: TransferEngine,
+    def __init__(self, parts: EngineParts, transport: Transport,
                  kv_memory_path: str | None = None) -> None:
         model, config = parts.model, parts.config
         self.target = model
@@ -130,9 +131,10 @@ class DraftKVSource:
         self.kv.stage_out(0, page_ids, wait_for_compute=True)
         try:
             self.transport.submit_paged_writes(
-                nbytes, self.kv.region, page_ids, nbytes, 0,
-                self._peers[outgoing.peer.peer_id], outgoing.dst_page_ids[:count], nbytes, 0,
-                outgoing.imm, on_done=lambda: done(None, count), on_error=done)
+                PagedWrite(self.kv.region, page_ids, nbytes, 0,
+                           self._peers[outgoing.peer.peer_id], outgoing.dst_page_ids[:count],
+                           nbytes, 0, nbytes, outgoing.imm),
+                on_done=lambda: done(None, count), on_error=done)
         except (TransferError, ValueError) as error:
             done(error)
 
@@ -146,7 +148,7 @@ class DraftKVSink:
     prefillers to write, and what it adds to a request's expected writes and KV checksum."""
 
     def __init__(self, kv_cache: PagedKVCache, model: ModelConfig, page_size: int,
-                 transport: TransferEngine, kv_memory_path: str | None = None) -> None:
+                 transport: Transport, kv_memory_path: str | None = None) -> None:
         self.transport = transport
         self._model = model
         self.page_size = page_size

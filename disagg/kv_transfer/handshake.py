@@ -42,9 +42,9 @@ from disagg.kv_transfer.messages import Hello, HelloAck, HelloProof
 from disagg.kv_transfer.transfer_plan import PageGeometry
 from disagg.model.kv_cache import KVCache
 from disagg.model.sharding import Sharding
-from transfer_core.engine import TransferEngine
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.memory import EngineAddress, MemoryRegionDescriptor
+from transfer_core.transport import Transport
 
 PROOF_TIMEOUT_S = 10.0  # for a proof write to complete, and for the decoder to see it land
 ANSWER_TIMEOUT_S = 10.0  # for the prefiller's answer to Hello: a frozen one must not hold us
@@ -173,7 +173,7 @@ def check_bound(hello: Hello) -> None:
                                "the engine address of its Hello")
 
 
-def write_proof(slots: ContextSlots, transport: TransferEngine, hello: Hello,
+def write_proof(slots: ContextSlots, transport: Transport, hello: Hello,
                 peer: MemoryRegionDescriptor, timeout_s: float = PROOF_TIMEOUT_S) -> int:
     """Write a fresh random nonce into the proof slot (the last) of a decoder's context
     region `peer`, one share per endpoint of the decoder and through that endpoint (their

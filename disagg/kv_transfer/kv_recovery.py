@@ -25,7 +25,7 @@ from disagg.kv_transfer.messages import Cancel, KVFailed
 from disagg.kv_transfer.pending_kv import Outcome, PendingKV, PendingTable
 from disagg.kv_transfer.prefiller_pool import PrefillerPool
 from disagg.kv_transfer.quarantine import PageQuarantine, Verdict
-from transfer_core.engine import TransferEngine
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 ABORTED = Verdict(RequestState.FINISHED_ABORTED, FailureCause.ABORTED, "aborted by the client")
@@ -42,7 +42,7 @@ def dropped(request: Request, verdict: Verdict) -> Outcome:
 class KVRecovery:
     """Deadlines, cancel fences, quarantine and retries of the requests waiting for KV."""
 
-    def __init__(self, transport: TransferEngine, allocator: PageAllocator,
+    def __init__(self, transport: Transport, allocator: PageAllocator,
                  pending: PendingTable, pool: PrefillerPool,
                  reliability: ReliabilityConfig) -> None:
         self.reliability = reliability

@@ -28,16 +28,17 @@ from disagg.model.kv_cache import KVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.utils.tally import Tally
 from disagg.utils.trace import Tracer
-from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.poller import CounterPoller
 from transfer_core.staging import RegisteredKV
+from transfer_core.transport import Transport
+from transfer_core.transport import PagedWrite
 
 
 class LayerStreamer:
     """Posts each layer's page writes as soon as the model's counter says the layer is done."""
 
-    def __init__(self, transport: TransferEngine, kv: list[RegisteredKV], kv_cache: KVCache,
+    def __init__(self, transport: Transport, kv: list[RegisteredKV], kv_cache: KVCache,
                  counter: LayerCounter, stats: Tally, tracer: Tracer,
                  poller_cpus: tuple[int, ...] | None = None) -> None:
         self._transport = transport
@@ -118,12 +119,13 @@ class LayerStreamer:
                 return  # stopped or failed: nothing more is posted for it
             try:
                 self._transport.submit_paged_writes(
-                    write.nbytes, self._kv[write.src_rank].region, chunk.src_page_ids,
-                    self._page_nbytes, layer * self._layer_nbytes + write.src_offset,
-                    peer.kv[write.dst_rank], chunk.dst_page_ids, peer.page_nbytes,
-                    layer * peer.layer_nbytes + write.dst_offset, outgoing.imm,
+                    PagedWrite(self._kv[write.src_rank].region, chunk.src_page_ids,
+                               self._page_nbytes, layer * self._layer_nbytes + write.src_offset,
+                               peer.kv[write.dst_rank], chunk.dst_page_ids, peer.page_nbytes,
+                               layer * peer.layer_nbytes + write.dst_offset, write.nbytes,
+                               outgoing.imm, write.domains),
                     on_done=lambda layer=layer: self._layer_done(outgoing, num_pages, layer),
-                    on_error=outgoing.write_done, domains=write.domains)
+                    on_error=outgoing.write_done)
             except (TransferError, ValueError) as error:
                 outgoing.write_done(error)
                 return

@@ -42,8 +42,8 @@ from disagg.kv_transfer.transfer_plan import PageGeometry, plan_request
 from disagg.model.layer_counter import LayerCounter
 from disagg.utils.tally import Tally
 from disagg.utils.trace import Tracer
-from transfer_core.engine import TransferEngine
 from transfer_core.staging import register_kv
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 10.0  # warming a new decoder's fabric connection at handshake
@@ -54,7 +54,7 @@ FORGET_AFTER = 4096  # ended requests remembered, for a late Cancel's fence
 class PrefillMessenger:
     """Follows the prefiller's forward passes and ships KV pages as layers finish."""
 
-    def __init__(self, parts: EngineParts, transport: TransferEngine, counter: LayerCounter, *,
+    def __init__(self, parts: EngineParts, transport: Transport, counter: LayerCounter, *,
                  wake: Callable[[], None], make_draft_source: DraftSourceFactory | None = None,
                  num_context_slots: int = 16, wait_timeout_s: float = 60.0,
                  tracer: Tracer | None = None, lease_s: float = 300.0,

@@ -21,7 +21,7 @@ from dataclasses import dataclass
 
 from disagg.engine.page_allocator import PageAllocator
 from disagg.engine.request import FailureCause, Request, RequestState
-from transfer_core.engine import TransferEngine
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -60,7 +60,7 @@ class Quarantined:
 class PageQuarantine:
     """Holds pinned pages until their counted fence fires or a deadline passes."""
 
-    def __init__(self, transfer: TransferEngine, allocator: PageAllocator,
+    def __init__(self, transfer: Transport, allocator: PageAllocator,
                  timeout_s: float = 10.0) -> None:
         self.transfer = transfer
         self.allocator = allocator

@@ -27,7 +27,7 @@ from disagg.engine.batch import TokenEvent
 from disagg.engine.llm_engine import LLMEngine
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
-from transfer_core.engine import TransferEngine
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256  # live accepted connections per node: each holds a reader thread
@@ -48,7 +48,7 @@ def add_cache_metrics(metrics: Metrics, engine: LLMEngine) -> None:
     metrics.counter_from("prefix_cache_evictions_total", lambda: cache.evictions)
 
 
-def add_fabric_metrics(metrics: Metrics, transfer: TransferEngine) -> None:
+def add_fabric_metrics(metrics: Metrics, transfer: Transport) -> None:
     """Bytes each fabric domain (NIC) wrote: with TP, rank i's pages leave through rank i's
     domains (S6a), so the split shows here."""
     metrics.counters_from("fabric_bytes_written_total", "domain", lambda: {
@@ -100,7 +100,7 @@ class NodeBase:
     _server: socket.socket
     _channels: list[Channel]
     messenger: Any
-    transfer: TransferEngine
+    transfer: Transport
     tracer: Tracer
     engine: LLMEngine
     inbox: Inbox

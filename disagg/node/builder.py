@@ -42,10 +42,11 @@ from disagg.parallel.leader import TPLeader
 from disagg.speculative.speculator import Speculator
 from disagg.utils.trace import Tracer, trace_path
 from transfer_core.engine import TransferEngine
+from transfer_core.faults import FaultPlan, FaultyTransport
 from transfer_core.shm_sweep import sweep_dead_shm_files
 from transfer_core.staging import open_engine
-from transfer_core.testing.faults import FaultPlan, FaultyTransferEngine
 from transfer_core.topology import detect_topology
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -98,7 +99,7 @@ def _model(config: NodeConfig, engine_config: EngineConfig, loaded: LoadedModel,
                        threads=config.threads, node_id=config.node_id, on_failure=inbox.fail)
 
 
-def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
+def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: Transport,
                   tracer: Tracer, placement: NodePlacement) -> PrefillNode:
     inbox = Inbox()
     engine, messenger = build_prefill_side(config, loaded, transfer, inbox, tracer, placement)
@@ -106,7 +107,7 @@ def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEng
                        config.listen, config.node_id, tracer)
 
 
-def build_prefill_side(config: NodeConfig, loaded: LoadedModel, transport: TransferEngine,
+def build_prefill_side(config: NodeConfig, loaded: LoadedModel, transport: Transport,
                        inbox: Inbox, tracer: Tracer, placement: NodePlacement | None = None,
                        ) -> tuple[LLMEngine, PrefillMessenger]:
     """A prefiller's engine and messenger over `transport`, wired (the node adds its control
@@ -127,7 +128,7 @@ def prefill_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox,
 
 
 def wire_prefill_side(config: NodeConfig, parts: EngineParts, counter: LayerCounter,
-                      transport: TransferEngine, inbox: Inbox, tracer: Tracer,
+                      transport: Transport, inbox: Inbox, tracer: Tracer,
                       placement: NodePlacement | None = None,
                       ) -> tuple[LLMEngine, PrefillMessenger]:
     """The messenger over `parts`' KV, the engine whose step observer it is; `counter` is the
@@ -141,7 +142,7 @@ def wire_prefill_side(config: NodeConfig, parts: EngineParts, counter: LayerCoun
     return LLMEngine(parts, observers=[messenger]), messenger
 
 
-def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
+def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: Transport,
                  tracer: Tracer) -> DecodeNode:
     inbox = Inbox()
     engine, messenger = build_decode_side(config, loaded, transfer, inbox)
@@ -155,7 +156,7 @@ def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngi
         raise
 
 
-def build_decode_side(config: NodeConfig, loaded: LoadedModel, transport: TransferEngine,
+def build_decode_side(config: NodeConfig, loaded: LoadedModel, transport: Transport,
                       inbox: Inbox) -> tuple[LLMEngine, DecodeMessenger]:
     """A decoder's engine (with its speculator, if asked for) and messenger over `transport`,
     wired (the node adds its control plane and prefillers)."""
@@ -176,7 +177,7 @@ def decode_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox) -> Engin
 
 
 def wire_decode_side(config: NodeConfig, loaded: LoadedModel, parts: EngineParts,
-                     transport: TransferEngine, inbox: Inbox) -> tuple[LLMEngine, DecodeMessenger]:
+                     transport: Transport, inbox: Inbox) -> tuple[LLMEngine, DecodeMessenger]:
     """The speculator (when asked for), the messenger over `parts`' KV and the engine."""
     speculator = None if config.speculative is None else Speculator(parts, config.speculative)
     sink = None
@@ -212,24 +213,27 @@ def node_placement(config: NodeConfig) -> NodePlacement:
         return plan_placement(topology, config.parallel.tp, "cpu", config.domains_per_rank)
 
 
-def open_transfer(config: NodeConfig, placement: NodePlacement | None = None) -> TransferEngine:
+def open_transfer(config: NodeConfig, placement: NodePlacement | None = None) -> Transport:
     """The node's transfer engine: one domain per entry of `placement` (rank i's NICs, or
     stand-ins), each progress thread pinned to its rank's cores (S5b). KV on CUDA with path
     auto or hmem asks for FI_HMEM first; without a provider that has it, the engine opens
     without, so auto stages through host memory and hmem fails at registration with the
-    provider's name (both say why)."""
+    provider's name (both say why). With `config.faults` (tests) the engine is wrapped in a
+    `FaultyTransport` of that plan."""
     want_hmem = (torch.device(config.device).type == "cuda"
                  and config.kv_memory_path in ("auto", "hmem"))
     placement = placement or node_placement(config)
     domain_cpus = [allowed(cpus) for cpus in placement.domain_cpus]
-    kwargs: dict[str, object] = {
-        "node": config.fabric_node, "memory_path": config.kv_memory_path,
-        "num_domains": placement.num_domains,
-        "domain_cpus": domain_cpus if all(domain_cpus) else None,
-        "nics": list(placement.domain_nics) if any(placement.domain_nics) else None}
+    num_domains = placement.num_domains
+    nics = list(placement.domain_nics) if any(placement.domain_nics) else None
+
+    def make(hmem: bool) -> TransferEngine:
+        return TransferEngine(config.provider, config.fabric_node, num_domains,
+                              hmem=hmem, memory_path=config.kv_memory_path,
+                              domain_cpus=domain_cpus if all(domain_cpus) else None, nics=nics)
+
+    plan = FaultPlan.parse(config.faults) if config.faults else None  # before opening: it may fail
     if "shm" in config.provider:
         sweep_dead_shm_files()  # what nodes killed with SIGKILL left behind (16 MiB each)
-    if config.faults:
-        return open_engine(config.provider, want_hmem, FaultyTransferEngine,
-                           faults=FaultPlan.parse(config.faults), **kwargs)
-    return open_engine(config.provider, want_hmem, **kwargs)
+    engine = open_engine(make, want_hmem)
+    return engine if plan is None else FaultyTransport(engine, plan)

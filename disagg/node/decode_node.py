@@ -41,7 +41,7 @@ from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabri
 from disagg.node.prefiller_link import PrefillerBack, Reconnector
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
-from transfer_core.engine import TransferEngine
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.05
@@ -103,7 +103,7 @@ def sampling_params(message: Submit) -> SamplingParams:
 class DecodeNode(NodeBase):
     """One decoder, fed by one or more prefillers."""
 
-    def __init__(self, engine: LLMEngine, messenger: DecodeMessenger, transfer: TransferEngine,
+    def __init__(self, engine: LLMEngine, messenger: DecodeMessenger, transfer: Transport,
                  inbox: Inbox, prefillers: Sequence[str], listen_address: str = "127.0.0.1:0",
                  node_id: str = "decode-0", tracer: Tracer | None = None) -> None:
         self.engine = engine

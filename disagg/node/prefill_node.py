@@ -27,8 +27,8 @@ from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabric_metrics
 from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
-from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 
@@ -64,7 +64,7 @@ class ShutdownAsked:
 class PrefillNode(NodeBase):
     """One prefiller serving any number of decoders."""
 
-    def __init__(self, engine: LLMEngine, messenger: PrefillMessenger, transfer: TransferEngine,
+    def __init__(self, engine: LLMEngine, messenger: PrefillMessenger, transfer: Transport,
                  inbox: Inbox, fingerprint: str, listen_address: str = "127.0.0.1:0",
                  node_id: str = "prefill-0", tracer: Tracer | None = None) -> None:
         self.engine = engine

@@ -10,6 +10,7 @@ import pytest
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import BoundsError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_pages, check_range
+from transfer_core.transport import PagedWrite
 
 PAGE = 4096
 NUM_PAGES = 16
@@ -76,22 +77,24 @@ def _posted(engine: TransferEngine) -> int:
 def test_engine_refuses_out_of_bounds_pages(
     engine: TransferEngine, regions: Regions, side: str
 ) -> None:
-    """submit_paged_writes raises BoundsError naming the region and posts nothing."""
+    """A paged write out of bounds raises BoundsError naming the region and posts nothing."""
     src, dst = regions
     good, bad = np.arange(4), np.array([0, 1, NUM_PAGES, 2])
     before = _posted(engine)
     with pytest.raises(BoundsError, match=f"'{side}'"):
         engine.submit_paged_writes(
-            PAGE,
-            src,
-            bad if side == "src" else good,
-            PAGE,
-            0,
-            dst,
-            bad if side == "dst" else good,
-            PAGE,
-            0,
-            1,
+            PagedWrite(
+                src,
+                bad if side == "src" else good,
+                PAGE,
+                0,
+                dst,
+                bad if side == "dst" else good,
+                PAGE,
+                0,
+                PAGE,
+                1,
+            )
         )
     assert _posted(engine) == before
 
@@ -109,4 +112,4 @@ def test_engine_refuses_mismatched_page_lists(engine: TransferEngine, regions: R
     """Source and destination page lists must pair up one to one."""
     src, dst = regions
     with pytest.raises(ValueError, match="3 source pages but 2"):
-        engine.submit_paged_writes(PAGE, src, [0, 1, 2], PAGE, 0, dst, [0, 1], PAGE, 0, 1)
+        PagedWrite(src, [0, 1, 2], PAGE, 0, dst, [0, 1], PAGE, 0, PAGE, 1)

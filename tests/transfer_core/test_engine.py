@@ -24,6 +24,7 @@ from transfer_core.errors import TransferError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import EngineAddress, MemoryRegionDescriptor
 from transfer_core.pyfabric import lib
+from transfer_core.transport import PagedWrite
 
 PAGE = 4096
 Engines = tuple[TransferEngine, TransferEngine]
@@ -59,7 +60,7 @@ def test_tensor_target_receives_striped_pages(engines: Engines) -> None:
     reached = threading.Event()
     b.expect_imm_count(1, 64, reached.set)
     a.submit_paged_writes(
-        PAGE, src_mr, np.arange(64), PAGE, 0, dst_desc, np.arange(64)[::-1], PAGE, 0, 1
+        PagedWrite(src_mr, np.arange(64), PAGE, 0, dst_desc, np.arange(64)[::-1], PAGE, 0, PAGE, 1)
     )
     _wait(reached)
     assert torch.equal(dst.view(64, -1).flip(0), src.view(64, -1))
@@ -71,9 +72,9 @@ def test_two_domains_stripe_page_ranges() -> None:
         src_mr, _ = a.register_memory(np.ones(16 * PAGE, np.uint8))
         _, dst_desc = b.register_memory(np.zeros(16 * PAGE, np.uint8))
         done = threading.Event()
-        a.submit_paged_writes(
-            PAGE, src_mr, np.arange(16), PAGE, 0, dst_desc, np.arange(16), PAGE, 0, 5, done.set
-        )
+        pages = np.arange(16)
+        write = PagedWrite(src_mr, pages, PAGE, 0, dst_desc, pages, PAGE, 0, PAGE, 5)
+        a.submit_paged_writes(write, done.set)
         _wait(done)
         assert [s.writes_completed for s in a.stats()] == [8, 8]
 

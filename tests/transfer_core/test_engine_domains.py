@@ -17,6 +17,7 @@ import pytest
 from transfer_core.engine import TransferEngine
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.pyfabric import find_infos
+from transfer_core.transport import PagedWrite
 
 PAGE = 4096
 PAGES = 8
@@ -46,12 +47,17 @@ def checked() -> Iterator[Pair]:
     yield from _pair("tcp")
 
 
-def _paged(a: TransferEngine, src_mr: MemoryRegion, dst: MemoryRegionDescriptor, **kw) -> None:
+def _paged(
+    a: TransferEngine,
+    src_mr: MemoryRegion,
+    dst: MemoryRegionDescriptor,
+    domains: list[int] | None = None,
+) -> None:
     done = threading.Event()
     pages = np.arange(PAGES)
     a.submit_paged_writes(
-        PAGE, src_mr, pages, PAGE, 0, dst, pages, PAGE, 0, 7, done.set, **kw
-    )  # fmt: skip
+        PagedWrite(src_mr, pages, PAGE, 0, dst, pages, PAGE, 0, PAGE, 7, domains), done.set
+    )
     assert done.wait(10.0), "paged write did not finish"
 
 

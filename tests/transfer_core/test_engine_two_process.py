@@ -21,6 +21,7 @@ import pytest
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+from transfer_core.transport import PagedWrite
 
 # Real processes: a spawned receiver per provider, and more for the dead peer and the
 # benchmark; about 5 s in all, so outside the inner loop.
@@ -33,6 +34,13 @@ Sender = tuple[TransferEngine, MemoryRegion, np.ndarray]
 
 def digest(pages: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(pages).data, digest_size=16).hexdigest()
+
+
+def _pages(
+    region: MemoryRegion, src: Any, dst_mr: MemoryRegionDescriptor, dst: Any, imm: int
+) -> PagedWrite:
+    """Pages `src` of `region` to pages `dst` of `dst_mr`, PAGE bytes each, carrying `imm`."""
+    return PagedWrite(region, src, PAGE, 0, dst_mr, dst, PAGE, 0, PAGE, imm)
 
 
 def _serve(provider: str, conn: Any) -> None:
@@ -167,7 +175,7 @@ def test_paged_writes_land_at_scattered_pages(sender: Sender, fresh: Peer) -> No
     dst = np.random.default_rng(1).permutation(NUM_PAGES)[:64]
     fresh.call("expect", imm, 64)
     engine.submit_paged_writes(
-        PAGE, region, src, PAGE, 0, fresh.descriptor, dst, PAGE, 0, imm, cb.on_done, cb.on_error
+        _pages(region, src, fresh.descriptor, dst, imm), cb.on_done, cb.on_error
     )
     assert fresh.call("wait", imm, WAIT_S) == 1
     assert cb.finished.wait(WAIT_S)
@@ -180,16 +188,7 @@ def test_counter_fires_for_writes_landed_before_expectation(sender: Sender, fres
     engine, region, _ = sender
     imm, cb = next(_imms), _Callbacks()
     engine.submit_paged_writes(
-        PAGE,
-        region,
-        np.arange(16),
-        PAGE,
-        0,
-        fresh.descriptor,
-        np.arange(16),
-        PAGE,
-        0,
-        imm,
+        _pages(region, np.arange(16), fresh.descriptor, np.arange(16), imm),
         cb.on_done,
         cb.on_error,
     )
@@ -210,16 +209,7 @@ def test_counter_waits_for_exact_count(sender: Sender, fresh: Peer) -> None:
     imm, first, last = next(_imms), _Callbacks(), _Callbacks()
     fresh.call("expect", imm, 16)
     engine.submit_paged_writes(
-        PAGE,
-        region,
-        np.arange(15),
-        PAGE,
-        0,
-        fresh.descriptor,
-        np.arange(15),
-        PAGE,
-        0,
-        imm,
+        _pages(region, np.arange(15), fresh.descriptor, np.arange(15), imm),
         first.on_done,
         first.on_error,
     )
@@ -258,16 +248,7 @@ def test_many_requests_in_flight(sender: Sender, fresh: Peer) -> None:
     for r, (imm, cb) in enumerate(zip(imms, callbacks, strict=True)):
         pages = np.arange(8 * r, 8 * r + 8)
         engine.submit_paged_writes(
-            PAGE,
-            region,
-            pages,
-            PAGE,
-            0,
-            fresh.descriptor,
-            pages[::-1],
-            PAGE,
-            0,
-            imm,
+            _pages(region, pages, fresh.descriptor, pages[::-1], imm),
             cb.on_done,
             cb.on_error,
         )
@@ -291,16 +272,7 @@ def test_dead_peer_reports_every_op_once(provider: str) -> None:
     gone.stop()
     callbacks = [_Callbacks() for _ in range(3)]
     engine.submit_paged_writes(
-        PAGE,
-        region,
-        np.arange(8),
-        PAGE,
-        0,
-        gone.descriptor,
-        np.arange(8),
-        PAGE,
-        0,
-        1,
+        _pages(region, np.arange(8), gone.descriptor, np.arange(8), 1),
         callbacks[0].on_done,
         callbacks[0].on_error,
         timeout_s=0.5,

@@ -1,5 +1,5 @@
 """Unit tests of `ImmCounterMap` (S4c): expected counts, early arrivals, exactly-once firing,
-and the bound on values nobody expects (S5); `random_imm`."""
+taps on arriving batches, and the bound on values nobody expects (S5); `random_imm`."""
 
 from __future__ import annotations
 
@@ -119,6 +119,18 @@ def test_callbacks_go_through_fire_hook() -> None:
     assert len(queued) == 1
     queued[0]()
     assert hit.calls == 1
+
+
+def test_taps_see_each_batch_first_in_order() -> None:
+    """`on_imms` passes a batch through every tap, in the order added, and counts what the
+    last one returns: a tap may drop arrivals (none of 5) or add some (3 become 6)."""
+    counters, seen = ImmCounterMap(), []
+    counters.tap(lambda batch: (seen.append(("first", list(batch))), batch)[1])
+    counters.tap(lambda batch: [(imm, 2 * n) for imm, n in batch if imm != 5])
+    counters.tap(lambda batch: (seen.append(("last", list(batch))), batch)[1])
+    counters.on_imms([(5, 4), (6, 3)])
+    assert seen == [("first", [(5, 4), (6, 3)]), ("last", [(6, 6)])]
+    assert (counters.counted(5), counters.counted(6)) == (0, 6)
 
 
 def test_concurrent_arrivals_fire_each_counter_once() -> None:

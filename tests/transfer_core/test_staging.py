@@ -27,6 +27,7 @@ from transfer_core.staging import (
     page_runs,
     register_kv,
 )
+from transfer_core.transport import PagedWrite
 
 NUM_LAYERS, NUM_PAGES, PAGE_NUMEL = 3, 8, 256  # 1 KiB pages of float32
 CUDA_LIKE = SimpleNamespace(device=torch.device("cuda", 0))
@@ -195,9 +196,9 @@ def staged_transfer(device: str, pages: list[int], dst_pages: list[int]) -> tupl
         page_nbytes, layer_nbytes = PAGE_NUMEL * 4, NUM_PAGES * PAGE_NUMEL * 4
         for layer in range(NUM_LAYERS):
             src.stage_out(layer, pages)
-            a.submit_paged_writes(page_nbytes, src.region, pages, page_nbytes,
-                                  layer * layer_nbytes, dst.descriptor, dst_pages, page_nbytes,
-                                  layer * layer_nbytes, 7)
+            a.submit_paged_writes(PagedWrite(src.region, pages, page_nbytes, layer * layer_nbytes,
+                                             dst.descriptor, dst_pages, page_nbytes,
+                                             layer * layer_nbytes, page_nbytes, 7))
         assert reached.wait(10.0), "writes did not land"
         assert not dst.tensor.any(), "writes must land in the shadow, not the tensor"
         dst.stage_in(dst_pages)

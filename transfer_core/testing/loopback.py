@@ -1,13 +1,15 @@
-"""`LoopbackEngine`: an in-process stand-in for `TransferEngine`, for unit tests of messenger
-logic (S5 surface, S4c counting) without libfabric endpoints or a second process.
+"""`LoopbackEngine`: an in-process `Transport`, for unit tests of messenger logic (S5 surface,
+S4c counting) without libfabric endpoints or a second process.
 
 It offers what callers use of `TransferEngine` and behaves the same where a caller can tell:
-the argument and bounds checks are the real engine's own (`write_checks`), descriptors and
-addresses are the real classes and round-trip through bytes, a paged write delivers one
-immediate per page, on_done/on_error and counter callbacks run on an engine thread (the
-`DeliveryQueue`, standing in for a progress thread), a callback's exception resurfaces on the
-owner's next call, and a write to a gone peer fails through `on_error` with `PeerError`.
-`tests/transfer_core/testing/test_loopback_contract.py` runs one scenario on both engines.
+the argument and bounds checks are the real engine's own (`write_checks`, `PagedWrite`), so
+are the counters (`imm_counting.ImmCounting`), descriptors and addresses are the real classes
+and round-trip through bytes, a paged write delivers one immediate per page, on_done/on_error
+and counter callbacks run on an engine thread (the `DeliveryQueue`, standing in for a progress
+thread), a callback's exception resurfaces on the owner's next call, and a write to a gone
+peer fails through `on_error` with `PeerError`. `tests/transfer_core/test_transport.py` holds
+both engines to the protocol; `tests/transfer_core/testing/test_loopback_contract.py` runs one
+scenario on both.
 
 Differences, on purpose: ops never time out (`timeout_s` is accepted and ignored), bytes move
 (memmove, `loopback_memory.py`) when the sender's queue runs the write, and three test hooks
@@ -26,9 +28,9 @@ import numpy as np
 
 from transfer_core import write_checks as checks
 from transfer_core.domain_worker import Completion, OnDone, OnError
-from transfer_core.engine import MEMORY_PATHS
 from transfer_core.errors import ProviderNotFoundError, TransferError, TransferTimeoutError
 from transfer_core.imm_counter import ImmCounterMap
+from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor
 from transfer_core.owner_errors import OwnerErrors
 from transfer_core.pyfabric import Stats
@@ -38,6 +40,7 @@ from transfer_core.testing.loopback_wire import (
     LoopbackFabric,
     default_fabric,
 )
+from transfer_core.transport import MEMORY_PATHS, PagedWrite
 
 __all__ = ["LoopbackEngine", "LoopbackFabric", "default_fabric"]
 
@@ -45,7 +48,7 @@ PROVIDER = "loopback"
 _engine_ids = itertools.count()
 
 
-class LoopbackEngine:
+class LoopbackEngine(ImmCounting):
     """`TransferEngine`'s caller-facing API over a `LoopbackFabric`; see the module docstring.
 
     `provider`, `node`, `cpus`, `domain_cpus`, `nics`, `delivery_complete` and `max_inflight`
@@ -86,7 +89,7 @@ class LoopbackEngine:
         self._drop: Callable[[int], bool] | None = None
         self._errors = OwnerErrors("loopback engine")
         self._lock = threading.Lock()
-        self._counters = ImmCounterMap(fire=self._fire)
+        self.imm_counters = ImmCounterMap(fire=self._fire)
         self._round_robin = itertools.count()
         self._stats = [[0, 0, 0, 0] for _ in range(num_domains)]  # posted, done, imms, bytes
         self._closed = False
@@ -131,60 +134,98 @@ class LoopbackEngine:
     # -- writes -----------------------------------------------------------------------------
 
     def submit_write(
-        self, src_mr: MemoryRegion, offset: int, length: int, imm_data: int | None,
-        dst_mr: MemoryRegionDescriptor, dst_offset: int, on_done: OnDone | None = None,
-        on_error: OnError | None = None, *, timeout_s: float | None = None,
+        self,
+        src_mr: MemoryRegion,
+        offset: int,
+        length: int,
+        imm_data: int | None,
+        dst_mr: MemoryRegionDescriptor,
+        dst_offset: int,
+        on_done: OnDone | None = None,
+        on_error: OnError | None = None,
+        *,
+        timeout_s: float | None = None,
         domain: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """As `TransferEngine.submit_write`."""
         self._check_write(src_mr, dst_mr, imm_data)
         checks.check_single(src_mr, offset, length, dst_mr, dst_offset)
         d = self._pick(domain)
         done = Completion(1, on_done, on_error, self._errors.report)
         at = np.zeros(1, np.int64)  # one write: offsets relative to `offset` / `dst_offset`
-        self._post(WritePart(self, d, done, src_mr, dst_mr, length, imm_data,
-                             offset + at, dst_offset + at))  # fmt: skip
+        part = WritePart(
+            self, d, done, src_mr, dst_mr, length, imm_data, offset + at, dst_offset + at
+        )
+        self._post(part)
 
     def write_and_wait(
-        self, src_mr: MemoryRegion, offset: int, length: int, imm_data: int | None,
-        dst_mr: MemoryRegionDescriptor, dst_offset: int, *, timeout_s: float | None = None,
+        self,
+        src_mr: MemoryRegion,
+        offset: int,
+        length: int,
+        imm_data: int | None,
+        dst_mr: MemoryRegionDescriptor,
+        dst_offset: int,
+        *,
+        timeout_s: float | None = None,
         domain: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """As `TransferEngine.write_and_wait`: returns once done, raises the write's error
         (here through `submit_write` and a wait, as nothing to reap exists)."""
         done, failed = threading.Event(), []
-        self.submit_write(src_mr, offset, length, imm_data, dst_mr, dst_offset, done.set,
-                          lambda e: (failed.append(e), done.set()), domain=domain)  # fmt: skip
+
+        def on_error(error: TransferError) -> None:
+            failed.append(error)
+            done.set()
+
+        self.submit_write(
+            src_mr, offset, length, imm_data, dst_mr, dst_offset, done.set, on_error, domain=domain
+        )
         if not done.wait(self.timeout_s if timeout_s is None else timeout_s):
             raise TransferTimeoutError("loopback waited write not finished")
         if failed:
             raise failed[0]
 
     def submit_paged_writes(
-        self, length: int, src_mr: MemoryRegion, src_page_indices: Sequence[int] | np.ndarray,
-        src_stride: int, src_offset: int, dst_mr: MemoryRegionDescriptor,
-        dst_page_indices: Sequence[int] | np.ndarray, dst_stride: int, dst_offset: int,
-        imm_data: int | None, on_done: OnDone | None = None, on_error: OnError | None = None,
-        *, timeout_s: float | None = None, domains: Sequence[int] | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        write: PagedWrite,
+        on_done: OnDone | None = None,
+        on_error: OnError | None = None,
+        *,
+        timeout_s: float | None = None,
+    ) -> None:
         """As `TransferEngine.submit_paged_writes`: one immediate per page, striped the same."""
-        self._check_write(src_mr, dst_mr, imm_data)
-        src, dst = checks.check_paged(
-            length, src_mr, src_page_indices, src_stride, src_offset,
-            dst_mr, dst_page_indices, dst_stride, dst_offset,
-        )  # fmt: skip
-        parts = checks.stripe(src.size, checks.check_domains(domains, self.num_domains))
+        self._check_write(write.src_mr, write.dst_mr, write.imm)
+        parts = checks.stripe(
+            write.num_pages, checks.check_domains(write.domains, self.num_domains)
+        )
         done = Completion(len(parts), on_done, on_error, self._errors.report)
+        src, dst = write.src_byte_offsets(), write.dst_byte_offsets()
         for d, lo, hi in parts:
-            self._post(WritePart(self, d, done, src_mr, dst_mr, length, imm_data,
-                                 src_offset + src[lo:hi] * src_stride,
-                                 dst_offset + dst[lo:hi] * dst_stride))  # fmt: skip
+            self._post(
+                WritePart(
+                    self,
+                    d,
+                    done,
+                    write.src_mr,
+                    write.dst_mr,
+                    write.nbytes,
+                    write.imm,
+                    src[lo:hi],
+                    dst[lo:hi],
+                )
+            )
 
     def submit_imm(
-        self, imm_data: int, dst_mr: MemoryRegionDescriptor, on_done: OnDone | None = None,
-        on_error: OnError | None = None, *, timeout_s: float | None = None,
+        self,
+        imm_data: int,
+        dst_mr: MemoryRegionDescriptor,
+        on_done: OnDone | None = None,
+        on_error: OnError | None = None,
+        *,
+        timeout_s: float | None = None,
         domain: int | None = None,
-    ) -> None:  # fmt: skip
+    ) -> None:
         """As `TransferEngine.submit_imm`: a zero-byte write carrying one immediate."""
         self._check_write(None, dst_mr, imm_data)
         if imm_data is None:
@@ -201,25 +242,12 @@ class LoopbackEngine:
             raise RuntimeError("LoopbackEngine.connect() would block its own callback thread")
         self.fabric.check_reachable(PROVIDER, peer_address, self.num_domains)
 
-    # -- immediate counters -----------------------------------------------------------------
-
-    def expect_imm_count(self, imm: int, count: int, on_reached: OnDone) -> tuple[int, int] | None:
-        self._check_open()
-        return self._counters.expect(imm, count, on_reached)
-
-    def remove_imm_count(self, imm: int) -> tuple[int, int] | None:
-        return self._counters.remove(imm)
-
-    def pending_imm_counts(self) -> dict[int, tuple[int, int]]:
-        return self._counters.pending()
-
-    def imm_counted(self, imm: int) -> int:
-        return self._counters.counted(imm)
+    # -- counters (expect_imm_count and the rest: inherited from ImmCounting, S4c) ----------
 
     @property
     def dropped_imms(self) -> int:
         """As `TransferEngine.dropped_imms`, plus the arrivals `drop_imm` lost."""
-        return self._hook_dropped + self._counters.dropped
+        return self._hook_dropped + self.imm_counters.dropped
 
     def stats(self) -> list[Stats]:
         """Per domain: writes posted and completed, immediates received, bytes written by
@@ -286,7 +314,7 @@ class LoopbackEngine:
             self._stats[d][2] += count
             self._hook_dropped += count if dropped else 0
         if not dropped:
-            self._counters.on_imm(imm, count)
+            self.imm_counters.on_imms([(imm, count)])
 
     def _post(self, part: WritePart) -> None:
         self.count_posted(part.domain, part.n, completed=False)

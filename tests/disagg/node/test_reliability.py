@@ -1,6 +1,6 @@
 """Failure handling (issue 8): faults injected into the real fabric, deterministic by seed.
 
-Nodes run in threads of this process over the tcp provider; a `FaultyTransferEngine` loses,
+Nodes run in threads of this process over the tcp provider; a `FaultyTransport` loses,
 duplicates, delays or fails operations, or stops answering. Whatever happens, every request
 must reach exactly one terminal state in bounded time, every request that finishes must decode
 the single-node engine's tokens, and both nodes must end with no page, request or counter left.

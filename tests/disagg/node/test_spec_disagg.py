@@ -179,7 +179,7 @@ def test_a_duplicated_context_write_is_caught_by_the_checksum(
             original(*args, **{**kwargs, "on_done": lambda: None, "on_error": lambda _: None})
 
     def late(original: Callable[..., None], *args: Any, **kwargs: Any) -> None:
-        if args[1] is region and once.pop("delay", False):
+        if args[0].src_mr is region and once.pop("delay", False):  # args[0]: the PagedWrite
             threading.Timer(0.4, original, args, kwargs).start()
             return
         original(*args, **kwargs)

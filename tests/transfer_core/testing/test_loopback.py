@@ -17,9 +17,10 @@ import pytest
 import torch
 
 from transfer_core.errors import DescriptorError, PeerError, ProviderNotFoundError, TransferError
-from transfer_core.memory import EngineAddress, MemoryRegionDescriptor
+from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor
 from transfer_core.staging import open_engine, register_kv
 from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
+from transfer_core.transport import PagedWrite, PageIds
 
 PAGE = 256
 Pair = tuple[LoopbackEngine, LoopbackEngine]
@@ -41,6 +42,11 @@ def _regions(a: LoopbackEngine, b: LoopbackEngine, pages: int = 8) -> tuple:
     smr, _ = a.register_memory(src, name="src")
     _, desc = b.register_memory(dst, name="dst")
     return src.reshape(pages, PAGE), dst.reshape(pages, PAGE), smr, desc
+
+
+def _pages(smr: MemoryRegion, src: PageIds, desc: MemoryRegionDescriptor, dst: PageIds,
+           imm: int, domains: list[int] | None = None) -> PagedWrite:
+    return PagedWrite(smr, src, PAGE, 0, desc, dst, PAGE, 0, PAGE, imm, domains)
 
 
 def _settle(*engines: LoopbackEngine) -> None:
@@ -71,8 +77,8 @@ def test_inline_delivery_is_synchronous() -> None:
         src, dst, smr, desc = _regions(a, b)
         seen: list[str] = []
         b.expect_imm_count(3, 4, lambda: seen.append(threading.current_thread().name))
-        a.submit_paged_writes(PAGE, smr, [0, 1, 2, 3], PAGE, 0, desc, [7, 5, 3, 1], PAGE, 0, 3,
-                              lambda: seen.append("done"))  # fmt: skip
+        write = _pages(smr, [0, 1, 2, 3], desc, [7, 5, 3, 1], 3)
+        a.submit_paged_writes(write, lambda: seen.append("done"))
         assert seen == [threading.current_thread().name, "done"]
         assert (dst[[7, 5, 3, 1]] == src[:4]).all()
 
@@ -99,7 +105,7 @@ def test_hold_keeps_writes_in_flight(pair: Pair) -> None:
     src, dst, smr, desc = _regions(a, b)
     done = threading.Event()
     a.hold()
-    a.submit_paged_writes(PAGE, smr, [0, 1], PAGE, 0, desc, [4, 6], PAGE, 0, 8, done.set)
+    a.submit_paged_writes(_pages(smr, [0, 1], desc, [4, 6], 8), done.set)
     _settle(a, b)
     assert (a.held_writes(), b.imm_counted(8), done.is_set(), dst.any()) == (1, 0, False, False)
     assert a.stats()[0].inflight == 2
@@ -114,7 +120,7 @@ def test_drop_imm_loses_immediates_not_bytes(pair: Pair) -> None:
     a, b = pair
     src, dst, smr, desc = _regions(a, b)
     b.drop_imm(lambda imm: imm == 5)
-    a.submit_paged_writes(PAGE, smr, [0, 1, 2], PAGE, 0, desc, [0, 1, 2], PAGE, 0, 5)
+    a.submit_paged_writes(_pages(smr, [0, 1, 2], desc, [0, 1, 2], 5))
     a.submit_imm(6, desc)
     _settle(a, b)
     assert (b.imm_counted(5), b.imm_counted(6), b.dropped_imms) == (0, 1, 3)
@@ -239,7 +245,8 @@ def test_fits_the_real_engines_factories() -> None:
     CPU KV tensor on the host path (it reads memory_path and supports_hmem)."""
     with pytest.raises(ProviderNotFoundError):
         LoopbackEngine(hmem=True)
-    with open_engine("tcp", True, LoopbackEngine, fabric=LoopbackFabric()) as engine:
+    fabric = LoopbackFabric()
+    with open_engine(lambda hmem: LoopbackEngine(hmem=hmem, fabric=fabric), True) as engine:
         kv = register_kv(engine, torch.zeros(2, 4, 8), "kv")
         assert kv.path.kind == "host"
         assert kv.descriptor.length == 2 * 4 * 8 * 4
@@ -254,7 +261,7 @@ def test_named_domains_carry_the_writes() -> None:
     ):
         _, _, smr, desc = _regions(a, b)
         pages = np.arange(8)
-        a.submit_paged_writes(PAGE, smr, pages, PAGE, 0, desc, pages, PAGE, 0, 4, domains=[1])
+        a.submit_paged_writes(_pages(smr, pages, desc, pages, 4, domains=[1]))
         a.submit_write(smr, 0, PAGE, 4, desc, 0, domain=1)
         a.submit_imm(4, desc, domain=1)
         _settle(a, b)
@@ -262,7 +269,7 @@ def test_named_domains_carry_the_writes() -> None:
         assert [s.bytes_written for s in a.stats()] == [0, 9 * PAGE]
         assert [s.imms_received for s in b.stats()] == [0, 10]
         with pytest.raises(ValueError, match="domain index 2 is out of range: num_domains=2"):
-            a.submit_paged_writes(PAGE, smr, pages, PAGE, 0, desc, pages, PAGE, 0, 4, domains=[2])
+            a.submit_paged_writes(_pages(smr, pages, desc, pages, 4, domains=[2]))
         with pytest.raises(ValueError, match="domain index 3 is out of range"):
             a.submit_imm(4, desc, domain=3)
 

@@ -22,6 +22,7 @@ from transfer_core.engine import TransferEngine
 from transfer_core.errors import BoundsError, TransferError
 from transfer_core.memory import MemoryRegionDescriptor
 from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
+from transfer_core.transport import PagedWrite
 
 PAGE = 512
 NUM_PAGES = 32
@@ -74,8 +75,10 @@ def scenario(make: Factory) -> dict[str, Any]:
         desc = MemoryRegionDescriptor.from_bytes(local.to_bytes())
         rec["descriptor_round_trip"] = desc == local and desc.name == "dst"
 
-        def paged(s: Any, d: Any, imm: int | None, **kw: Any) -> None:
-            a.submit_paged_writes(PAGE, smr, s, PAGE, 0, desc, d, PAGE, 0, imm, **kw)
+        def paged(s: Any, d: Any, imm: int | None, on_done: Any = None, on_error: Any = None,
+                  timeout_s: float | None = None) -> None:
+            write = PagedWrite(smr, s, PAGE, 0, desc, d, PAGE, 0, PAGE, imm)
+            a.submit_paged_writes(write, on_done, on_error, timeout_s=timeout_s)
 
         rec["errors"] = [
             _raises(lambda: paged([0, 1, 2], [0, NUM_PAGES, 1], 1)),
