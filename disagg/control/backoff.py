@@ -1,5 +1,5 @@
 """Waits between reconnection attempts to a lost peer: doubling from `FIRST_S` up to `MAX_S`
-(design: failure handling; the router's decoders and a decoder's prefillers both use it)."""
+(X4d; the router's decoders and a decoder's prefillers both use it)."""
 
 from __future__ import annotations
 

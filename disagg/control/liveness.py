@@ -1,4 +1,4 @@
-"""Peer liveness on the control plane: heartbeats out, silence in (S2; design: failure handling).
+"""Peer liveness on the control plane: heartbeats out, silence in (S2, X4d).
 
 Every node sends a Heartbeat on each of its control connections every `HEARTBEAT_INTERVAL_S`
 from a thread of its own, so a long forward step never looks like a dead node; a peer whose

@@ -1,4 +1,4 @@
-"""What a decoder does when a request's KV does not come (design: failure handling; S2, S4c).
+"""What a decoder does when a request's KV does not come (X4a-c; S2, S4c).
 
 NOTE (one exit per request). A request waiting for KV leaves the `PendingTable` exactly once:
 released to the engine (the messenger, when its counter fired and its checksum matched), or

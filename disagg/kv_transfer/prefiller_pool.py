@@ -1,5 +1,5 @@
 """The prefillers a decoder uses: which are alive, which to ask next, and bringing one back
-(S2a, S6b; design: failure handling).
+(S2a, S6b, X4d).
 
 Each prefiller that shook hands is a `PrefillerLink`: its control channel, how many writes one
 page of one layer costs from it (its sharding against ours, S6b: both sides plan with the same

@@ -1,4 +1,4 @@
-"""Bringing a decoder's lost prefiller back (S2a; design: failure handling).
+"""Bringing a decoder's lost prefiller back (S2a, X4d).
 
 A prefiller that was lost (its connection broke, or it fell silent: frozen, restarted, cut
 off) is tried again with doubling waits (`disagg.control.backoff`), from a thread of its own,
