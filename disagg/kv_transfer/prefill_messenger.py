@@ -4,9 +4,10 @@ computed (S2b, S3, S4a, S4b).
 A decoder's `KVRequest` becomes a prefill-only request in this node's scheduler and an
 `OutgoingKV` record. Before each forward the engine tells the messenger which chunks it holds
 (`on_batch`); the `LayerStreamer` plans, per request, the pages those chunks complete and posts
-each layer's writes as the model's counter reports the layer done (S3). After the request's last chunk the messenger writes the context slot (hidden
-state, logits, KV checksum, S4a); when every write has completed the record ends and, on the
-engine thread, `poll` frees the source pages (S4b). Pages the decoder holds already are never
+each layer's writes as the model's counter reports the layer done (S3). After the request's
+last chunk the messenger writes the context slot (hidden state, logits, KV checksum, S4a); when
+every write has completed the record ends and, on the engine thread, `poll` frees the source
+pages (S4b). Pages the decoder holds already are never
 written; pages found in this node's prefix cache go with the first chunk (X2b). Every write
 carries the request's immediate value; the decoder counts them (S4c).
 
