@@ -13,7 +13,7 @@ import os
 from collections import defaultdict
 from typing import Any
 
-ITL_GOAL = 1.3  # issue 4: disaggregated decode ITL p99 within 1.3x of its median
+ITL_GOAL = 1.3  # S2: disaggregated decode ITL p99 within 1.3x of its median
 DISTURBED = 0.05  # other processes above this share of the machine (a tenth of a core) count
 
 

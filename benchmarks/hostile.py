@@ -1,5 +1,5 @@
 """A hostile process on the fabric for `load.py`: guessed keys, guessed immediates and forged
-Hellos against one decoder of a running cluster (S5, issue 15). It shares no memory with them.
+Hellos against one decoder of a running cluster (S5). It shares no memory with them.
 
 What it knows is what an attacker on the network learns. Control traffic is not encrypted (the
 cluster secret authenticates, it does not hide), so it taps the loopback (AF_PACKET, needs

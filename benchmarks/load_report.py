@@ -3,7 +3,7 @@
 `Run` is the client's view of each request (submit time, decoder, retries, terminal state,
 tokens) and of the nodes (when each fault hit, time-stamped log lines, metrics scraped around
 a freeze). `summarize` turns it into the issue-8 figures plus one row per new fault
-(issue 15); each row's check says what would show that the fault did nothing or that the
+(S5); each row's check says what would show that the fault did nothing or that the
 system broke a promise under it. Nothing here starts or signals a process.
 """
 

@@ -1,6 +1,6 @@
 """Prefix caching across the split, measured through the OpenAI HTTP API: one seeded multi-turn
 stream against `disagg serve cluster` (1 prefiller + 1 decoder) with the cache and with
-`--no-prefix-caching`, side by side in one run (issue 18).
+`--no-prefix-caching`, side by side in one run (X2).
 
 The stream: `--conversations` chats sharing one system prompt (`--system-len` tokens). Each
 turn's prompt is the chat so far (the last prompt plus its answer) plus `--user-len` new

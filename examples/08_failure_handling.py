@@ -1,4 +1,4 @@
-"""Step 8: failure handling. Lose immediates on purpose and watch the decoder recover (issue 8).
+"""Step 8: failure handling. Lose immediates on purpose and watch the decoder recover (X4).
 
 A prefiller and a decoder run as threads of this process over the real tcp provider. The
 decoder's transfer engine drops 10% of arriving immediates (seeded), so some KV counters never

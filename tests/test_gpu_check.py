@@ -1,4 +1,4 @@
-"""`scripts/gpu_check.py` on a machine without a GPU: it says so and exits 0 (issue 9)."""
+"""`scripts/gpu_check.py` on a machine without a GPU: it says so and exits 0 (S5)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,5 @@
 """The load-under-failure benchmark at a small size: kills, aborts, frozen nodes, a hostile
-process, and no leak (issues 8, 15)."""
+process, and no leak (X4, S5)."""
 
 from __future__ import annotations
 

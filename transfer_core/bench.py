@@ -1,4 +1,4 @@
-"""Transfer benchmark: the peer workload of issue 3, between two processes (S5, S4c).
+"""Transfer benchmark: the peers' workload (`benchmarks/peers`), between two processes (S5, S4c).
 
 A sender writes `num_pages` pages of `page_bytes` to shuffled slots of a receiver's region
 with `submit_paged_writes`, one immediate value per request. A rep is timed from submit until

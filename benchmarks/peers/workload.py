@@ -3,7 +3,7 @@
 2048 pages of 64 KiB written from one process into a seeded random permutation of page slots
 of another process's registered region, checked by a hash of the whole destination; plus a
 single 4 KiB write latency distribution. This is the same workload as `benchmarks/transfer.py`
-(issue 3, S5), so the numbers line up with ours. Runs in `.venv-peers` (numpy only, no torch)
+(S5), so the numbers line up with ours. Runs in `.venv-peers` (numpy only, no torch)
 and is never imported by `disagg` or `transfer_core`.
 """
 

@@ -29,7 +29,7 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
                  tracer: Tracer | None = None,
                  speculative: SpeculativeConfig | None = None) -> dict[str, Any]:
     """Generate for one prompt (text or ids); `on_text` receives text as it decodes; `tracer`
-    records each step; `speculative` drafts and verifies (issue 6)."""
+    records each step; `speculative` drafts and verifies (S8)."""
     loaded = load_model(model_spec)
     tokenizer = loaded.tokenizer
     if prompt is not None:

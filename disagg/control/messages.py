@@ -26,7 +26,7 @@ class Reject(Message):
 @register
 @dataclass(frozen=True, slots=True)
 class Heartbeat(Message):
-    """Either direction, every second or so: "I am alive" (peer liveness, issue 8)."""
+    """Either direction, every second or so: "I am alive" (peer liveness, X4)."""
 
     TYPE: ClassVar[int] = 7
 
@@ -72,7 +72,7 @@ class RequestEvent(Message):
     kv_wait_ms: float = 0.0  # ... and the time from asking a prefiller to the counter firing
     cause: FailureCause | None = None  # why it failed, was retried or aborted
     detail: str = ""
-    num_draft_tokens: int = 0  # speculative decoding so far: drafts verified (issue 6)
+    num_draft_tokens: int = 0  # speculative decoding so far: drafts verified (S8)
     num_accepted_tokens: int = 0  # ... and accepted
     num_cached_tokens: int = 0  # prompt tokens found in the decoder's prefix cache
 

@@ -279,4 +279,4 @@ def _token_at(chunk: ScheduledChunk) -> int:
         return prompt[position]
     if position < len(prompt) + len(outputs):
         return outputs[position - len(prompt)]
-    return request.spec_token_ids[position - len(prompt) - len(outputs)]  # drafts (issue 6)
+    return request.spec_token_ids[position - len(prompt) - len(outputs)]  # drafts (S8)

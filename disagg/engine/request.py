@@ -103,7 +103,7 @@ class Request:
     state: RequestState = RequestState.WAITING
     generator: torch.Generator | None = None
     kv_attempts: int = 1  # decoder: times the KV was asked for (a retry after a failure adds one)
-    # Speculative decoding (issue 6): drafts awaiting verification (they follow the real tokens
+    # Speculative decoding (S8): drafts awaiting verification (they follow the real tokens
     # in the next forward), the shipped (hidden state, logits) of the last prefilled position
     # (S4a), and how many drafts were verified and accepted.
     spec_token_ids: list[int] = field(default_factory=list)

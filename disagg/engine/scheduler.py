@@ -183,7 +183,7 @@ class Scheduler:
         return None
 
     def accept_tokens(self, request: Request, token_ids: list[int]) -> None:
-        """After a speculative chunk (issue 6): append the verified tokens (up to a stop), roll
+        """After a speculative chunk (S8): append the verified tokens (up to a stop), roll
         `num_computed_tokens` back over the rejected drafts, whose K/V are now scratch, and free
         the pages only they used. The request then holds the pages up to its next position."""
         request.spec_token_ids = []
@@ -214,7 +214,7 @@ class Scheduler:
     # Helpers.
 
     def _chunk_len(self, request: Request, budget: int) -> int:
-        # Draft tokens ride along after the real ones: one forward verifies them (issue 6).
+        # Draft tokens ride along after the real ones: one forward verifies them (S8).
         remaining = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
         return min(remaining, self.config.chunk_size, budget)
 

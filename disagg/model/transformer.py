@@ -150,7 +150,7 @@ class Transformer(nn.Module):
                 num_layers: int | None = None) -> torch.Tensor:
         """Run `input_ids` ``[num_tokens]`` through every layer; returns the final-norm hidden
         states ``[num_tokens, hidden_size]`` and leaves each layer's K/V in `kv_cache`. With
-        `num_layers`, only the first ones run: an early-exit draft (decoders only, issue 6)."""
+        `num_layers`, only the first ones run: an early-exit draft (decoders only, S8)."""
         h = self.embed_tokens(input_ids)
         for layer_idx, layer in enumerate(self.layers[:num_layers]):
             attn_out = layer.self_attn(layer.input_layernorm(h), positions, self.rope,

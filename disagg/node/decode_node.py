@@ -86,7 +86,7 @@ def decode_metrics(node: DecodeNode) -> Metrics:
     # Decode steps through the static buffers (CUDA graph replays on a GPU, S3b).
     metrics.counter_from("static_decode_steps_total",
                          lambda: node.engine.runner.graph_stats["static"])
-    # Bytes copied between the KV cache and its pinned host shadow (staged path, issue 9).
+    # Bytes copied between the KV cache and its pinned host shadow (staged path, S5).
     metrics.counter_from("staged_bytes_total",
                          lambda: sum(kv.staged_bytes for kv in messenger.kv))
     return metrics

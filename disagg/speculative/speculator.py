@@ -1,5 +1,5 @@
 """Speculative decoding on an `LLMEngine`: verify drafts in one target forward, accept, roll
-back, draft again (issue 6, S8).
+back, draft again (S8).
 
 NOTE on the step. Drafts are proposed at the end of a step, for every request whose prompt is
 computed, and stored in `request.spec_token_ids`; the scheduler then gives the request a chunk

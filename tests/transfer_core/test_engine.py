@@ -188,7 +188,7 @@ def test_close_from_callback_is_refused(engines: Engines) -> None:
     assert "callback thread" in str(errors[0])
 
 
-# Who can write what (issue 15): keys, access flags, immediates nobody expects.
+# Who can write what (S5): keys, access flags, immediates nobody expects.
 
 
 def _forged(desc: MemoryRegionDescriptor) -> MemoryRegionDescriptor:

@@ -164,7 +164,7 @@ def test_concurrent_arrivals_fire_each_counter_once() -> None:
     assert counters.pending() == {}
 
 
-# Immediates nobody expects (issue 15): kept for a while, bounded, then dropped and counted.
+# Immediates nobody expects (S5): kept for a while, bounded, then dropped and counted.
 
 
 class _Clock:

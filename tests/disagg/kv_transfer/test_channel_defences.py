@@ -1,4 +1,4 @@
-"""A control channel's defences (S2, issue 15): with a secret, per-connection nonces and
+"""A control channel's defences (S2, S5): with a secret, per-connection nonces and
 per-direction sequence numbers inside every tag, so no frame replays, on its own connection or
 another, or reflects; a small size limit before the first good frame; a deadline on the
 accepting side's handshake and on every frame once started, but none between frames. Real tcp

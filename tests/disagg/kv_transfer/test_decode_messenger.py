@@ -1,5 +1,5 @@
 """`DecodeMessenger` against a real `PrefillMessenger` over the in-process loopback fabric
-(S2a, S2c, S4c; issue 8: deadlines, retries, aborts, the quarantine fence, the KV checksum).
+(S2a, S2c, S4c; X4: deadlines, retries, aborts, the quarantine fence, the KV checksum).
 
 Each test drives both messengers by hand through `Harness` (no node threads, no libfabric):
 what arrives, when the counter fires, what `poll()` reports, and whether every page comes back.

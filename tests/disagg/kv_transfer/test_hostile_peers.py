@@ -1,4 +1,4 @@
-"""The messengers against a stranger on the fabric (S5, issue 15), over the loopback fabric.
+"""The messengers against a stranger on the fabric (S5), over the loopback fabric.
 
 The attacker is a third `LoopbackEngine` on the harness's fabric, or a second connection to
 the prefiller. It knows everything that travels in the clear (the decoder's Hello, hence its

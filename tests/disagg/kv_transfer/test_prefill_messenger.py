@@ -1,4 +1,4 @@
-"""`PrefillMessenger` over the in-process loopback fabric (S2b, S3, S4b; issues 6 and 8).
+"""`PrefillMessenger` over the in-process loopback fabric (S2b, S3, S4b; S8, X4).
 
 The prefiller side of `Harness`: the draft-KV plug-in is built only for decoders that ask,
 once; a cancelled or orphaned transfer posts nothing more, keeps its source pages while writes

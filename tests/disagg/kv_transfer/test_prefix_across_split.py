@@ -1,4 +1,4 @@
-"""Prefix caching across the split (issue 18): the decoder asks only for the pages it lacks,
+"""Prefix caching across the split (X2): the decoder asks only for the pages it lacks,
 the prefiller computes only what it lacks and writes only what the decoder lacks, both count
 the same writes, and the tokens are those of one engine without any cache."""
 

@@ -1,4 +1,4 @@
-"""The accept loop both nodes share (S2, issue 15): a cap on live connections, readers that
+"""The accept loop both nodes share (S2, S5): a cap on live connections, readers that
 close and forget their channel however they end, and accepting that survives EMFILE and
 stops only when the node closes its server socket. A stand-in node (no model, no fabric)."""
 

@@ -1,4 +1,4 @@
-"""A hostile client against a real prefiller and decoder over the tcp provider (S5, issue 15).
+"""A hostile client against a real prefiller and decoder over the tcp provider (S5).
 
 The nodes run in a `spawn`ed process (threads there, as in test_disagg_nodes.py), so this test
 process, the attacker, shares no memory with them. It holds what travels in the clear, the

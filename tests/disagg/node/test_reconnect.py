@@ -1,4 +1,4 @@
-"""A decoder takes a lost prefiller back (issue 15, part 5): its connection cut, the decoder
+"""A decoder takes a lost prefiller back (X4d): its connection cut, the decoder
 fails or retries what was in flight, shakes hands again with backoff, and later requests are
 served by it again, token-exact. Nodes in threads over the tcp provider."""
 

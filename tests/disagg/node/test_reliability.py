@@ -1,4 +1,4 @@
-"""Failure handling (issue 8): faults injected into the real fabric, deterministic by seed.
+"""Failure handling (X4): faults injected into the real fabric, deterministic by seed.
 
 Nodes run in threads of this process over the tcp provider; a `FaultyTransport` loses,
 duplicates, delays or fails operations, or stops answering. Whatever happens, every request

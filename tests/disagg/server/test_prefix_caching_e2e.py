@@ -1,4 +1,4 @@
-"""Prefix caching through the HTTP API (issue 18): a conversation of three turns against a real
+"""Prefix caching through the HTTP API (X2): a conversation of three turns against a real
 cluster (1 prefiller, 2 decoders, processes over libfabric), with and without the cache."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""CPU calibration: measured constants predict SmolLM2-135M step times within 25% (issue 7)."""
+"""CPU calibration: measured constants predict SmolLM2-135M step times within 25% (S9)."""
 
 from __future__ import annotations
 

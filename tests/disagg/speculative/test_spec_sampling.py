@@ -1,4 +1,4 @@
-"""Sampling with speculation keeps the target's distribution: chi-square tests (issue 6).
+"""Sampling with speculation keeps the target's distribution: chi-square tests (S8).
 
 A small-vocabulary model (8 tokens, an LM head scaled so the distributions are far from
 uniform) serves the same prompt 2000 times with seeds 0..1999 and temperature 1. The first

@@ -1,4 +1,4 @@
-"""Speculative decoding on one node: same greedy tokens, rollback without leaks (issue 6).
+"""Speculative decoding on one node: same greedy tokens, rollback without leaks (S8).
 
 The reference is the same engine without speculation. Drafts from the real proposers (early
 exit, random MTP head) are mostly wrong on random weights, so an oracle wrapper also feeds

@@ -1,4 +1,4 @@
-"""Verification of draft tokens: greedy prefix match and rejection sampling (issue 6).
+"""Verification of draft tokens: greedy prefix match and rejection sampling (S8).
 
 The sampled case is checked the way the acceptance criterion asks: the distribution of the
 first token a speculative chunk yields is the target's, by a chi-square test with fixed seeds;
