@@ -41,7 +41,7 @@ from disagg.kv_transfer.context_slot import (
     new_nonce,
     slot_matches,
 )
-from disagg.kv_transfer.kv_checksum import kv_checksum
+from disagg.kv_transfer.kv_checksum import agreed_kv_checksum
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, KVFailed, KVRequest
 from disagg.kv_transfer.plugins import DraftSink
 from disagg.kv_transfer.quarantine import PageQuarantine, Verdict
@@ -257,8 +257,8 @@ class DecodeMessenger:
 
     def _checksum_matches(self, pending: PendingKV) -> bool:
         request = pending.request
-        got = kv_checksum(self._parts.kv_cache, request.page_ids, request.num_prompt_tokens - 1,
-                          self._held_pages(request))
+        got = agreed_kv_checksum(self._parts.kv_cache, request.page_ids,
+                                 request.num_prompt_tokens - 1, self._held_pages(request))
         if self.draft_kv is not None:
             got += self.draft_kv.checksum(request)
         return slot_matches(self.context[pending.context_slot], self._parts.model.config,
