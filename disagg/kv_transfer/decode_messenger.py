@@ -50,6 +50,7 @@ from disagg.kv_transfer.transfer_plan import (
     PageGeometry,
     expected_write_count,
     num_pages,
+    rank_descriptors,
     writes_per_page,
 )
 from disagg.model.sharding import Sharding
@@ -68,8 +69,10 @@ class DecodeMessenger:
                  model_fingerprint: str, *, wake: Callable[[], None],
                  draft_sink: DraftSink | None = None, num_context_slots: int = 16,
                  reliability: ReliabilityConfig | None = None,
-                 kv_memory_path: str | None = None) -> None:
+                 kv_memory_path: str | None = None,
+                 rank_domains: list[tuple[int, ...]] | None = None) -> None:
         self._parts = parts
+        self._rank_domains = rank_domains  # rank r's KV is written through these (S5b, S6a)
         self.reliability = reliability or ReliabilityConfig()
         self.quarantine = PageQuarantine(transfer, parts.allocator,
                                          self.reliability.quarantine_timeout_s)
@@ -106,7 +109,8 @@ class DecodeMessenger:
             kv_layout=cache.kv_layout, num_layers=config.num_layers,
             num_kv_heads=config.num_kv_heads, head_dim=config.head_dim,
             engine_address=self.transfer.address,
-            kv_descriptors=[kv.descriptor.to_bytes() for kv in self.kv],
+            kv_descriptors=[d.to_bytes() for d in rank_descriptors(
+                [kv.descriptor for kv in self.kv], self._rank_domains)],
             context_descriptor=self._context_descriptor.to_bytes(),
             context_slot_nbytes=context_slot_nbytes(config), tp=cache.sharding.tp,
             replicated_kv=cache.sharding.replicated,

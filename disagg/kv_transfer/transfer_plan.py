@@ -18,6 +18,7 @@ from dataclasses import dataclass, replace
 
 from disagg.model.kv_cache import KVCache
 from disagg.model.sharding import Sharding
+from transfer_core.memory import MemoryRegionDescriptor
 
 CONTEXT_WRITES = 1  # hidden state + logits of the last prefilled position, one slot
 
@@ -207,6 +208,27 @@ def plan_request(ours: Sharding, theirs: Sharding, geometry: PageGeometry,
     chosen = {rank: rank_domains[rank] if matched else (rng.choice(rank_domains[rank]),)
               for rank in sorted({w.src_rank for w in writes})}
     return [replace(w, domains=chosen[w.src_rank]) for w in writes]
+
+
+def rank_descriptors(descriptors: Sequence[MemoryRegionDescriptor],
+                     rank_domains: Sequence[tuple[int, ...]] | None
+                     ) -> list[MemoryRegionDescriptor]:
+    """Each rank's KV region as a decoder hands it out: rank r's descriptor names only rank
+    r's own domains (its NICs), so every write into rank r's KV lands on one of rank r's
+    endpoints (S5b, S6a). A sender's domain d writes to a descriptor's domain d modulo its
+    count; with every domain of the node named, a prefiller whose domain count differs would
+    reach rank r's KV through another rank's NIC. `rank_domains` None: every domain."""
+    if rank_domains is None:
+        return list(descriptors)
+    if len(rank_domains) != len(descriptors):
+        raise ValueError(f"{len(rank_domains)} ranks' domains for {len(descriptors)} regions")
+    out = []
+    for descriptor, domains in zip(descriptors, rank_domains, strict=True):
+        if not domains or not all(0 <= d < len(descriptor.domains) for d in domains):
+            raise ValueError(f"domains {domains} are not domains of region "
+                             f"{descriptor.name!r} ({len(descriptor.domains)} of them)")
+        out.append(replace(descriptor, domains=tuple(descriptor.domains[d] for d in domains)))
+    return out
 
 
 def _head_runs(src: Sharding, dst: Sharding, source_set: list[int], dst_rank: int

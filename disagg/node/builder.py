@@ -79,7 +79,7 @@ def build_node(config: NodeConfig, tracer: Tracer | None = None) -> PrefillNode 
     try:
         if config.role is NodeRole.PREFILL:
             return _prefill_node(config, loaded, transfer, tracer, placement)
-        return _decode_node(config, loaded, transfer, tracer)
+        return _decode_node(config, loaded, transfer, tracer, placement)
     except BaseException:
         transfer.close()
         raise
@@ -116,7 +116,7 @@ def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEng
 
 
 def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngine,
-                 tracer: Tracer) -> DecodeNode:
+                 tracer: Tracer, placement: NodePlacement) -> DecodeNode:
     engine_config = _engine_config(config, loaded)
     mtp = config.speculative is not None and config.speculative.kind == "mtp"
     if mtp and engine_config.cache.prefix_caching:
@@ -132,7 +132,8 @@ def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: TransferEngi
         sink = DraftKVSink(speculator.kv_cache, loaded.config, config.cache.page_size, transfer)
     messenger = DecodeMessenger(parts, transfer, config.node_id, model_fingerprint(loaded),
                                 wake=inbox.wake, draft_sink=sink,
-                                reliability=config.reliability)
+                                reliability=config.reliability,
+                                rank_domains=[r.domains for r in placement.ranks])
     engine = LLMEngine(parts, observers=[] if speculator is None else [speculator],
                        finisher=speculator)
     if engine.runner.graphs is not None:

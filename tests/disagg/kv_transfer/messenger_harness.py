@@ -33,9 +33,14 @@ from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.kv_transfer.transfer_context import DecoderPeer, Outcome
 from disagg.model.draft_heads import mtp_kv_cache
+from disagg.model.kv_cache import PagedKVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.fingerprint import model_fingerprint
 from disagg.model.loading.registry import LoadedModel, load_model
+from disagg.model.sharded_kv_cache import ShardedKVCache, shard_config
+from disagg.model.sharding import Sharding
+from disagg.model.transformer import Transformer
+from disagg.parallel.leader import TPLeader
 from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
 
 CACHE = CacheConfig(page_size=4, num_pages=64)
@@ -93,6 +98,9 @@ class Harness:
     decode_prefix_caching: bool = True
     prefill_num_pages: int = CACHE.num_pages
     prefill_budget: int = PREFILL_CHUNK  # tokens per prefill step (chunks stay PREFILL_CHUNK)
+    tp: int = 1  # both sides: at TP > 1 one process runs the model over every rank's shard
+    prefill_domains_per_rank: int = 1  # each rank's fabric domains (S5b, S6a)
+    decode_domains_per_rank: int = 1
     to_prefiller: list[Message] = field(default_factory=list)  # every message, in order
     to_decoder: list[Message] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # of every decode_messenger.poll()
@@ -100,8 +108,10 @@ class Harness:
     def __post_init__(self) -> None:
         loaded = tiny_model()
         self.fabric = LoopbackFabric()
-        self.prefill_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
-        self.decode_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
+        self.prefill_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline,
+                                               num_domains=self.tp * self.prefill_domains_per_rank)
+        self.decode_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline,
+                                              num_domains=self.tp * self.decode_domains_per_rank)
         prefill_cache = replace(CACHE, kv_layout=self.kv_layout, num_pages=self.prefill_num_pages,
                                 prefix_caching=self.prefill_prefix_caching)
         decode_cache = replace(CACHE, kv_layout=self.kv_layout,  # as the builder does for MTP
@@ -110,24 +120,27 @@ class Harness:
             chunk_size=PREFILL_CHUNK, max_num_batched_tokens=self.prefill_budget,
             mode="prefill_only"))
         self.counter = LayerCounter.for_device("cpu")
-        self.prefill_parts = EngineParts.build(prefill_config, load_transformer(
-            prefill_config, loaded.state_dict, self.counter))
+        self.prefill_parts = EngineParts.build(prefill_config, self._model(
+            prefill_config, self.counter))
         self.prefill = PrefillMessenger(self.prefill_parts, self.prefill_transfer, self.counter,
                                         wake=lambda: None,
                                         make_draft_source=self.make_draft_source,
-                                        lease_s=self.lease_s)
+                                        lease_s=self.lease_s,
+                                        rank_domains=self._rank_domains(
+                                            self.prefill_domains_per_rank))
         self.prefill_engine = LLMEngine(self.prefill_parts, observers=[self.prefill])
         decode_config = EngineConfig(loaded.config, decode_cache, SchedulerConfig(
             chunk_size=8, max_num_batched_tokens=16))
-        self.decode_parts = EngineParts.build(decode_config, load_transformer(
-            decode_config, loaded.state_dict))
+        self.decode_parts = EngineParts.build(decode_config, self._model(decode_config))
         sink = None
         if self.draft_kv:
             sink = DraftKVSink(mtp_kv_cache(loaded.config, CACHE, "cpu"), loaded.config,
                                CACHE.page_size, self.decode_transfer)
         self.decode = DecodeMessenger(self.decode_parts, self.decode_transfer, "decode-0",
                                       model_fingerprint(loaded), wake=lambda: None,
-                                      draft_sink=sink, reliability=self.reliability)
+                                      draft_sink=sink, reliability=self.reliability,
+                                      rank_domains=self._rank_domains(
+                                          self.decode_domains_per_rank))
         self.decode_engine = LLMEngine(self.decode_parts)
         self.free_pages = (self.prefill_parts.allocator.num_free,
                            self.decode_parts.allocator.num_free)
@@ -138,6 +151,25 @@ class Harness:
         self.peer: DecoderPeer | None = None
         if self.connect:
             self.handshake()
+
+    def _model(self, config: EngineConfig, counter: LayerCounter | None = None
+               ) -> Transformer | TPLeader:
+        """The whole model; at TP > 1 run over every rank's shard of an in-process
+        `ShardedKVCache` (no rank processes: the messengers see the shards a leader maps)."""
+        model = load_transformer(config, tiny_model().state_dict, counter)
+        if self.tp == 1:
+            return model
+        sharding = Sharding(self.tp, config.model.num_kv_heads)
+        shards = [PagedKVCache(shard_config(config.model, sharding), config.cache)
+                  for _ in range(self.tp)]
+        cache = ShardedKVCache(config.model, config.cache, sharding, shards)
+        return TPLeader(model, cache, cache, None)  # type: ignore[arg-type]
+
+    def _rank_domains(self, per_rank: int) -> list[tuple[int, ...]] | None:
+        """Rank r's domains, numbered rank by rank as `plan_placement` does (None at TP 1)."""
+        if self.tp == 1 and per_rank == 1:
+            return None
+        return [tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(self.tp)]
 
     def handshake(self) -> None:
         """As the nodes shake hands: Hello over the channel, `add_peer` (which writes the proof
