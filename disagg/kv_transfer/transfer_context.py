@@ -19,7 +19,8 @@ from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.errors import RequestError
 from disagg.kv_transfer.messages import Hello, KVRequest
 from disagg.kv_transfer.quarantine import Verdict
-from disagg.kv_transfer.transfer_plan import PageGeometry, PageWrite, num_pages
+from disagg.kv_transfer.transfer_plan import PageWrite, num_pages
+from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 from disagg.utils.trace import Tracer
 from transfer_core.memory import MemoryRegionDescriptor

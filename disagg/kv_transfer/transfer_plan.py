@@ -16,7 +16,7 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from disagg.model.kv_cache import KVCache
+from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 from transfer_core.memory import MemoryRegionDescriptor
 
@@ -108,37 +108,6 @@ class PageWrite:
     nbytes: int
     # The sender's transfer-engine domains (NICs) this write goes through; None: any.
     domains: tuple[int, ...] | None = None
-
-
-@dataclass(frozen=True, slots=True)
-class PageGeometry:
-    """What page offsets depend on besides the sharding."""
-
-    kv_layout: str
-    page_size: int
-    head_dim: int
-    element_size: int
-
-    @staticmethod
-    def of(cache: KVCache) -> PageGeometry:
-        """The geometry of `cache`'s pages."""
-        return PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
-                            cache.shards[0].element_size)
-
-    def page_nbytes(self, num_heads: int) -> int:
-        """Bytes of one page (K and V) on a rank holding `num_heads` heads."""
-        return 2 * self.page_size * num_heads * self.head_dim * self.element_size
-
-    def run_segments(self, num_heads: int, first: int, count: int) -> list[tuple[int, int]]:
-        """(offset, nbytes) ranges of heads `[first, first + count)` of a page holding
-        `num_heads` heads: one per K/V half in HND, one per token per half in NHD."""
-        row = self.head_dim * self.element_size
-        half = self.page_nbytes(num_heads) // 2
-        if self.kv_layout == "HND":
-            return [(kv * half + first * self.page_size * row, count * self.page_size * row)
-                    for kv in range(2)]
-        return [(kv * half + (token * num_heads + first) * row, count * row)
-                for kv in range(2) for token in range(self.page_size)]
 
 
 def assign_source_sets(src: Sharding, dst: Sharding, rng: random.Random | None = None
