@@ -66,15 +66,17 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def build_node(config: NodeConfig, tracer: Tracer | None = None) -> PrefillNode | DecodeNode:
-    """Load the model, open the fabric and wire one node of `config.role`."""
+def build_node(config: NodeConfig, tracer: Tracer | None = None,
+               placement: NodePlacement | None = None) -> PrefillNode | DecodeNode:
+    """Load the model, open the fabric and wire one node of `config.role`; `placement` is
+    where its ranks' domains and cores are (default: from this machine's sysfs)."""
     check_device(config.device)  # before the model loads: this machine must have it
     keep_freed_memory()
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = load_model(config.model)
     tracer = tracer or Tracer(trace_path(config.trace, config.node_id), config.node_id)
-    placement = node_placement(config)
+    placement = placement or node_placement(config)
     transfer = open_transfer(config, placement)
     try:
         if config.role is NodeRole.PREFILL:
@@ -153,11 +155,13 @@ def allowed(cpus: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(cpu for cpu in cpus if cpu in mine)
 
 
-def node_placement(config: NodeConfig) -> NodePlacement:
-    """Which domains and cores each of the node's TP ranks uses, from this machine's sysfs.
-    A GPU sysfs does not show (a container may hide the PCI tree; CUDA already said the
-    device exists) gets stand-in domains and no affinity, with a warning, not a refusal."""
-    topology = detect_topology()
+def node_placement(config: NodeConfig, sysfs_root: str | os.PathLike[str] = "/"
+                   ) -> NodePlacement:
+    """Which domains and cores each of the node's TP ranks uses, from the sysfs under
+    `sysfs_root` (this machine's by default). A GPU sysfs does not show (a container may hide
+    the PCI tree; CUDA already said the device exists) gets stand-in domains and no affinity,
+    with a warning, not a refusal."""
+    topology = detect_topology(sysfs_root)
     try:
         return plan_placement(topology, config.parallel.tp, config.device,
                               config.domains_per_rank)
