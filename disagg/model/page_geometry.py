@@ -10,10 +10,21 @@ from here. It knows no buffer and no sharding: offsets are inside one page.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NamedTuple
+from typing import NamedTuple, Protocol
 
-if TYPE_CHECKING:
-    from disagg.model.kv_cache import KVCache
+import torch
+
+
+class PagedCache(Protocol):
+    """What a geometry is read from: any paged cache, sharded or not (`kv_cache.KVCache`),
+    named here so this file imports nothing of the cache's."""
+
+    kv_layout: str
+    page_size: int
+    head_dim: int
+
+    @property
+    def dtype(self) -> torch.dtype: ...
 
 
 class Segment(NamedTuple):
@@ -40,7 +51,7 @@ class PageGeometry:
     element_size: int
 
     @staticmethod
-    def of(cache: KVCache) -> PageGeometry:
+    def of(cache: PagedCache) -> PageGeometry:
         """The geometry of `cache`'s pages."""
         return PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
                             cache.dtype.itemsize)
