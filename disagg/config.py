@@ -19,6 +19,8 @@ KVLayout = Literal["NHD", "HND"]
 KV_LAYOUTS: tuple[KVLayout, ...] = ("NHD", "HND")
 KVMemory = Literal["torch", "cumem"]
 KV_MEMORIES: tuple[KVMemory, ...] = ("torch", "cumem")
+SchedulerMode = Literal["mixed", "prefill_only"]
+SCHEDULER_MODES: tuple[SchedulerMode, ...] = ("mixed", "prefill_only")
 # Batch-size buckets of the decode graphs (`EngineConfig.graph_batch_sizes`).
 GRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
@@ -122,9 +124,14 @@ class SchedulerConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 512
     chunk_size: int = 512
-    mode: Literal["mixed", "prefill_only", "decode_only"] = "mixed"
+    # A prefiller's engine stops each request after its prompt (S2b); every other engine is
+    # mixed, decoders included: what arrives by RDMA is just computed tokens (S2c).
+    mode: SchedulerMode = "mixed"
 
     def __post_init__(self) -> None:
+        if self.mode not in SCHEDULER_MODES:
+            raise ConfigError(f"unknown scheduler mode {self.mode!r}: expected one of "
+                              f"{SCHEDULER_MODES}")
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:

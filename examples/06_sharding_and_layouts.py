@@ -11,8 +11,9 @@ from __future__ import annotations
 from disagg.config import CacheConfig, EngineConfig, ParallelConfig
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import SamplingParams
-from disagg.kv_transfer.transfer_plan import PageGeometry, plan_page_writes
+from disagg.kv_transfer.transfer_plan import plan_page_writes
 from disagg.model.loading.registry import load_model
+from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 
 

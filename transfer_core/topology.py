@@ -92,13 +92,6 @@ class Topology:
         """Every CPU of every NUMA node, sorted."""
         return tuple(sorted({c for node in self.numa_nodes for c in node.cpus}))
 
-    def cpus_of(self, numa_node: int) -> tuple[int, ...]:
-        """The CPUs of one node, or all CPUs when `numa_node` is -1 or unknown."""
-        for node in self.numa_nodes:
-            if node.id == numa_node:
-                return node.cpus
-        return self.all_cpus
-
     def group_for(self, gpu_index: int) -> GpuGroup:
         """The group of the GPU with this index."""
         for group in self.groups:

@@ -11,7 +11,8 @@ from collections import Counter
 from typing import Any
 
 from disagg.config import ModelConfig
-from disagg.kv_transfer.transfer_plan import PageGeometry, num_pages, plan_page_writes
+from disagg.kv_transfer.transfer_plan import num_pages, plan_page_writes
+from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 
 

@@ -38,11 +38,6 @@ class ScheduledChunk:
         """Whether the chunk reaches the request's last token, so a next token is sampled."""
         return self.end == self.request.num_tokens
 
-    @property
-    def is_last_prefill_chunk(self) -> bool:
-        """Whether the chunk computes the last prompt token (prefill complete after it)."""
-        return self.start < self.request.num_prompt_tokens <= self.end
-
 
 @dataclass(slots=True)
 class Batch:

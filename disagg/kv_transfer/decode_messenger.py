@@ -41,7 +41,8 @@ from disagg.kv_transfer.pending_kv import Outcome, PendingKV, PendingTable
 from disagg.kv_transfer.plugins import DraftSink
 from disagg.kv_transfer.prefiller_pool import PrefillerPool
 from disagg.kv_transfer.quarantine import PageQuarantine, Verdict
-from disagg.kv_transfer.transfer_plan import PageGeometry, expected_write_count, num_pages
+from disagg.kv_transfer.transfer_plan import expected_write_count, num_pages, rank_descriptors
+from disagg.model.page_geometry import PageGeometry
 from transfer_core.imm_counter import random_imm
 from transfer_core.staging import register_kv
 from transfer_core.transport import Transport
@@ -54,9 +55,11 @@ class DecodeMessenger:
                  model_fingerprint: str, *, wake: Callable[[], None],
                  draft_sink: DraftSink | None = None, num_context_slots: int = 16,
                  reliability: ReliabilityConfig | None = None,
-                 kv_memory_path: str | None = None) -> None:
+                 kv_memory_path: str | None = None,
+                 rank_domains: list[tuple[int, ...]] | None = None) -> None:
         self._parts = parts
         self.transport = transport
+        self._rank_domains = rank_domains  # rank r's KV is written through these (S5b, S6a)
         self.node_id = node_id
         self.model_fingerprint = model_fingerprint
         cache = parts.kv_cache
@@ -90,7 +93,8 @@ class DecodeMessenger:
         """This decoder's handshake: model, cache geometry, fabric address, descriptors."""
         return decoder_hello(
             self.node_id, self.model_fingerprint, self._parts.model.config,
-            self._parts.kv_cache, self.transport.address, [kv.descriptor for kv in self.kv],
+            self._parts.kv_cache, self.transport.address,
+            rank_descriptors([kv.descriptor for kv in self.kv], self._rank_domains),
             self.slots.descriptor, self.draft_kv.descriptor if self.draft_kv else b"",
             self.kv[0].path.kind)
 

@@ -26,7 +26,7 @@ from disagg.engine.llm_engine import EngineParts
 from disagg.engine.request import Request
 from disagg.errors import RequestError
 from disagg.kv_transfer.context_slot import unpack_context
-from disagg.kv_transfer.kv_checksum import kv_checksum
+from disagg.kv_transfer.kv_checksum import DRAFT_SALT, kv_checksum
 from disagg.kv_transfer.messages import Hello
 from disagg.kv_transfer.outgoing_kv import OutgoingKV
 from disagg.kv_transfer.plugins import WriteDone
@@ -119,7 +119,8 @@ class DraftKVSource:
         if not self.wants(outgoing):
             return 0.0
         request = outgoing.request
-        return kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens - 1)
+        return kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens - 1,
+                           salt=DRAFT_SALT)
 
     def post(self, outgoing: OutgoingKV, done: WriteDone) -> None:
         """Write the request's MTP pages (one paged-write call); `done(error, writes)` once."""
@@ -167,7 +168,8 @@ class DraftKVSink:
 
     def checksum(self, request: Request) -> float:
         """The received MTP pages' part of the KV checksum."""
-        return kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens - 2)
+        return kv_checksum(self.kv_cache, request.page_ids, request.num_prompt_tokens - 2,
+                           salt=DRAFT_SALT)
 
     def keep_context(self, request: Request, slot: torch.Tensor) -> None:
         """Copy the shipped hidden state and logits onto the request before its context slot is

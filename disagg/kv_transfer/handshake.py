@@ -39,8 +39,8 @@ from disagg.kv_transfer.context_slot import (
 )
 from disagg.kv_transfer.decoder_peer import DecoderPeer
 from disagg.kv_transfer.messages import Hello, HelloAck, HelloProof
-from disagg.kv_transfer.transfer_plan import PageGeometry
 from disagg.model.kv_cache import KVCache
+from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.memory import EngineAddress, MemoryRegionDescriptor
@@ -162,13 +162,15 @@ def parse_peer(hello: Hello, channel: Channel, num_layers: int, geometry: PageGe
 
 def check_bound(hello: Hello) -> None:
     """Every region a decoder's Hello names must live at the engine address it gives, the one
-    its proof is written to; a Hello mixing in another engine's regions is a `RequestError`."""
-    endpoints = EngineAddress.from_bytes(hello.engine_address).domains
+    its proof is written to; a Hello mixing in another engine's regions is a `RequestError`.
+    A rank's KV region may name only some of the endpoints (that rank's NICs, S5b): the proof
+    covers every endpoint of the address, so any of them is the decoder's."""
+    endpoints = set(EngineAddress.from_bytes(hello.engine_address).domains)
     named = [hello.context_descriptor, *hello.kv_descriptors]
     named += [hello.draft_kv_descriptor] if hello.draft_kv_descriptor else []
     for raw in named:
         descriptor = MemoryRegionDescriptor.from_bytes(raw)
-        if tuple(address for address, _ in descriptor.domains) != endpoints:
+        if not {address for address, _ in descriptor.domains} <= endpoints:
             raise RequestError(f"decoder {hello.node_id}: region {descriptor.name!r} is not at "
                                "the engine address of its Hello")
 

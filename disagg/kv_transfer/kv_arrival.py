@@ -15,7 +15,7 @@ from __future__ import annotations
 from disagg.engine.llm_engine import EngineParts
 from disagg.engine.request import Request
 from disagg.kv_transfer.context_slot import LandingSlots, context_slot_nbytes, slot_matches
-from disagg.kv_transfer.kv_checksum import kv_checksum
+from disagg.kv_transfer.kv_checksum import agreed_kv_checksum
 from disagg.kv_transfer.pending_kv import KVReceipt, PendingKV
 from disagg.kv_transfer.plugins import DraftSink
 from disagg.kv_transfer.transfer_plan import num_pages
@@ -47,10 +47,11 @@ class KVArrival:
 
     def verified(self, pending: PendingKV) -> bool:
         """Whether the context slot carries the request's nonce and the checksum of what
-        landed."""
+        landed, on every rank's copy (S5)."""
         request = pending.request
-        got = kv_checksum(self._parts.kv_cache, request.page_ids, request.num_prompt_tokens - 1,
-                          self.held_pages(request))
+        # Every replica of every head must match (NaN when copies disagree: no match).
+        got = agreed_kv_checksum(self._parts.kv_cache, request.page_ids,
+                                 request.num_prompt_tokens - 1, self.held_pages(request))
         if self._draft_kv is not None:
             got += self._draft_kv.checksum(request)
         return slot_matches(self._slots.buffer[pending.context_slot], self._parts.model.config,

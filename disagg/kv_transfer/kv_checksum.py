@@ -1,30 +1,121 @@
-"""The KV checksum a prefiller packs into the context slot and a decoder recomputes (S4c, S5).
+"""The KV checksum a prefiller packs into the context slot and a decoder recomputes (S4c, S5, S6).
 
 The decoder's guard against a counter that fired early (a duplicated immediate) or over pages
-that were corrupted or misplaced: it is computed from the logical values, so both sides agree
-whatever their layouts and shardings.
+that were corrupted or misplaced. Each value counts with a weight drawn from its logical place
+(layer, K or V, token position, head, dim), so swapped pages, tokens or heads change the sum,
+and the sum is over the values' bits in integers, so it is exact: any layout, sharding, device
+or thread count gives the same number. It is not a cryptographic hash (that is the nonce's
+job, `context_slot.py`); a decoder checks every rank's copy (`agreed_kv_checksum`).
 """
 
 from __future__ import annotations
 
+import logging
+
 import torch
 
-from disagg.model.kv_cache import KVCache
+from disagg.model.kv_cache import KVCache, PagedKVCache
+
+logger = logging.getLogger(__name__)
+
+# The sum is kept mod 2^52: two checksums (the KV and the draft head's) add exactly in the
+# float64 the context slot carries.
+_MASK = (1 << 52) - 1
+_PRIME = 2147483647  # 2^31 - 1: a weight's state stays below it, its products below 2^48
+_MULTIPLIER = 48271
+DRAFT_SALT = 1  # the MTP head's cache: its layer 0 weighs unlike the model's layer 0
+
+
+def _mix(x: torch.Tensor | int) -> torch.Tensor | int:
+    """A step of a small integer hash, on ints below 2^32: a multiply mod 2^31 - 1, then an
+    xor-shift (the multiply alone is linear, so equal-sum swaps could cancel)."""
+    x = x * _MULTIPLIER % _PRIME
+    return x ^ (x >> 11)
+
+
+def _weights(seed: int, positions: torch.Tensor, heads: torch.Tensor, width: int
+             ) -> torch.Tensor:
+    """Odd weights in [1, 2^16), ``[num_heads, num_tokens, width]``: one per lane of each value
+    at (position, head), from `seed` (salt, layer and K/V)."""
+    lanes = torch.arange(width, device=positions.device)
+    x = _mix(seed + positions)  # [num_tokens]
+    x = _mix(x[None, :, None] + heads[:, None, None])  # [num_heads, num_tokens, 1]
+    x = _mix(x + lanes)  # [num_heads, num_tokens, width]
+    return ((x >> 7) & 0xFFFF) | 1
+
+
+def _lanes(values: torch.Tensor) -> torch.Tensor:
+    """The bits of ``[heads, tokens, head_dim]`` values as int64 lanes of 16 (or 8) bits:
+    ``[heads, tokens, head_dim * lanes]``. Bits, not values: RDMA copies bytes, and integer
+    sums do not depend on their order the way float sums do."""
+    values = values.contiguous()
+    small = torch.uint8 if values.element_size() == 1 else torch.int16
+    return values.view(small).to(torch.int64)
+
+
+def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens: int,
+              first_position: int, salt: int) -> torch.Tensor:
+    """One rank's heads (global ids `heads`) of the tokens in `pages`, summed mod 2^52."""
+    device = shard.device
+    positions = torch.arange(first_position, first_position + num_tokens, device=device)
+    head_ids = torch.tensor(list(heads), dtype=torch.int64, device=device)
+    total = torch.zeros((), dtype=torch.int64, device=device)  # one sync, at the end
+    for layer in range(shard.num_layers):
+        for half, values in enumerate(shard.gather(layer, pages, num_tokens)):
+            lanes = _lanes(values)  # [heads, num_tokens, head_dim * lanes]
+            seed = int(_mix(_mix(salt) + 2 * layer + half))
+            # |int16 * weight| < 2^31: exact below 2^32 lanes per layer and rank.
+            product = lanes * _weights(seed, positions, head_ids, lanes.shape[-1])
+            total = (total + (product.sum() & _MASK)) & _MASK
+    return total
+
+
+def _set_checksums(kv_cache: KVCache, page_ids: list[int], num_tokens: int, first_page: int,
+                   salt: int, replica_sets: list[list[int]]) -> list[float]:
+    pages = torch.tensor(page_ids[first_page:], dtype=torch.int64, device=kv_cache.device)
+    first_position = first_page * kv_cache.page_size
+    num_tokens = max(0, num_tokens - first_position)
+    sharding, shards = kv_cache.sharding, kv_cache.shards
+    sums = [sum(_rank_sum(shards[rank], sharding.heads_of(rank), pages, num_tokens,
+                          first_position, salt) for rank in replica_set) & _MASK
+            for replica_set in replica_sets]
+    return [float(s) for s in sums]
 
 
 def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
-                first_page: int = 0) -> float:
-    """A float64 sum of every K/V value of the first `num_tokens` tokens, all layers and heads,
+                first_page: int = 0, salt: int = 0) -> float:
+    """The checksum of the first `num_tokens` tokens of `page_ids`, all layers and heads,
     leaving out the pages before `first_page` (those a decoder held already: prefix caching).
 
-    It depends only on the logical values, not on the layout or the sharding, so a prefiller
-    and a decoder holding the same KV compute the same number: the decoder's check that the
-    counter did not fire early (a duplicated immediate) or over corrupted pages (issue 8).
+    It reads one copy of each head (the first replica set's): what a prefiller packs.
+    Positions count from the request's start, so a held prefix shifts nothing, and a
+    prefiller and a decoder holding the same KV compute the same number, whatever their
+    layouts, shardings and devices.
+
+    >>> from disagg.config import CacheConfig, ModelConfig
+    >>> cache = PagedKVCache(ModelConfig.from_name("tiny"), CacheConfig(page_size=4, num_pages=8))
+    >>> kv_checksum(cache, [3, 5], 6)  # zero pages
+    0.0
     """
-    pages = torch.tensor(page_ids[first_page:], dtype=torch.int64, device=kv_cache.device)
-    num_tokens -= first_page * kv_cache.page_size
-    total = torch.zeros((), dtype=torch.float64, device=kv_cache.device)  # one sync, at the end
-    for layer in range(kv_cache.num_layers):
-        k, v = kv_cache.gather(layer, pages, num_tokens)
-        total += k.contiguous().double().sum() + v.contiguous().double().sum()
-    return float(total)
+    first_set = kv_cache.sharding.replica_sets()[:1]
+    return _set_checksums(kv_cache, page_ids, num_tokens, first_page, salt, first_set)[0]
+
+
+def replica_checksums(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
+                      first_page: int = 0, salt: int = 0) -> list[float]:
+    """`kv_checksum` of each replica set's copy (`Sharding.replica_sets`), in order. Every
+    rank is in one set, so together they read every copy of every head."""
+    return _set_checksums(kv_cache, page_ids, num_tokens, first_page, salt,
+                          kv_cache.sharding.replica_sets())
+
+
+def agreed_kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
+                       first_page: int = 0, salt: int = 0) -> float:
+    """The checksum every replica set agrees on, or NaN (which equals no prefiller's) if one
+    differs: a decoder's check of every rank's copy, not only of each head's first holder."""
+    sums = replica_checksums(kv_cache, page_ids, num_tokens, first_page, salt)
+    if any(s != sums[0] for s in sums):
+        logger.warning("KV copies disagree: checksums %s of replica sets %s", sums,
+                       kv_cache.sharding.replica_sets())
+        return float("nan")
+    return sums[0]

@@ -39,8 +39,9 @@ from disagg.kv_transfer.layer_streamer import LayerStreamer
 from disagg.kv_transfer.messages import Hello, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.outgoing_kv import OutgoingKV, trace_outgoing
 from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
-from disagg.kv_transfer.transfer_plan import PageGeometry, plan_request
+from disagg.kv_transfer.transfer_plan import plan_request
 from disagg.model.layer_counter import LayerCounter
+from disagg.model.page_geometry import PageGeometry
 from disagg.utils.tally import Tally
 from disagg.utils.trace import Tracer
 from transfer_core.staging import register_kv

@@ -18,7 +18,8 @@ from disagg.control.framing import Message
 from disagg.control.liveness import silent_for
 from disagg.errors import PeerClosedError
 from disagg.kv_transfer.messages import HelloAck
-from disagg.kv_transfer.transfer_plan import PageGeometry, writes_per_page
+from disagg.kv_transfer.transfer_plan import writes_per_page
+from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 
 

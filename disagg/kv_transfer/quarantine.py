@@ -126,9 +126,3 @@ class PageQuarantine:
             self.allocator.unpin(entry.page_ids)
             self.allocator.free(entry.page_ids)
         return released
-
-    def release_all(self) -> list[Quarantined]:
-        """Free everything now (shutdown)."""
-        for entry in self._held.values():
-            entry.release_at = 0.0
-        return self.release_due()

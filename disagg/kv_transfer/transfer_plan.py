@@ -16,8 +16,9 @@ import random
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 
-from disagg.model.kv_cache import KVCache
+from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
+from transfer_core.memory import MemoryRegionDescriptor
 
 CONTEXT_WRITES = 1  # hidden state + logits of the last prefilled position, one slot
 
@@ -109,37 +110,6 @@ class PageWrite:
     domains: tuple[int, ...] | None = None
 
 
-@dataclass(frozen=True, slots=True)
-class PageGeometry:
-    """What page offsets depend on besides the sharding."""
-
-    kv_layout: str
-    page_size: int
-    head_dim: int
-    element_size: int
-
-    @staticmethod
-    def of(cache: KVCache) -> PageGeometry:
-        """The geometry of `cache`'s pages."""
-        return PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
-                            cache.shards[0].element_size)
-
-    def page_nbytes(self, num_heads: int) -> int:
-        """Bytes of one page (K and V) on a rank holding `num_heads` heads."""
-        return 2 * self.page_size * num_heads * self.head_dim * self.element_size
-
-    def run_segments(self, num_heads: int, first: int, count: int) -> list[tuple[int, int]]:
-        """(offset, nbytes) ranges of heads `[first, first + count)` of a page holding
-        `num_heads` heads: one per K/V half in HND, one per token per half in NHD."""
-        row = self.head_dim * self.element_size
-        half = self.page_nbytes(num_heads) // 2
-        if self.kv_layout == "HND":
-            return [(kv * half + first * self.page_size * row, count * self.page_size * row)
-                    for kv in range(2)]
-        return [(kv * half + (token * num_heads + first) * row, count * row)
-                for kv in range(2) for token in range(self.page_size)]
-
-
 def assign_source_sets(src: Sharding, dst: Sharding, rng: random.Random | None = None
                        ) -> list[int]:
     """For each destination replica set, the index of the source replica set serving it.
@@ -207,6 +177,27 @@ def plan_request(ours: Sharding, theirs: Sharding, geometry: PageGeometry,
     chosen = {rank: rank_domains[rank] if matched else (rng.choice(rank_domains[rank]),)
               for rank in sorted({w.src_rank for w in writes})}
     return [replace(w, domains=chosen[w.src_rank]) for w in writes]
+
+
+def rank_descriptors(descriptors: Sequence[MemoryRegionDescriptor],
+                     rank_domains: Sequence[tuple[int, ...]] | None
+                     ) -> list[MemoryRegionDescriptor]:
+    """Each rank's KV region as a decoder hands it out: rank r's descriptor names only rank
+    r's own domains (its NICs), so every write into rank r's KV lands on one of rank r's
+    endpoints (S5b, S6a). A sender's domain d writes to a descriptor's domain d modulo its
+    count; with every domain of the node named, a prefiller whose domain count differs would
+    reach rank r's KV through another rank's NIC. `rank_domains` None: every domain."""
+    if rank_domains is None:
+        return list(descriptors)
+    if len(rank_domains) != len(descriptors):
+        raise ValueError(f"{len(rank_domains)} ranks' domains for {len(descriptors)} regions")
+    out = []
+    for descriptor, domains in zip(descriptors, rank_domains, strict=True):
+        if not domains or not all(0 <= d < len(descriptor.domains) for d in domains):
+            raise ValueError(f"domains {domains} are not domains of region "
+                             f"{descriptor.name!r} ({len(descriptor.domains)} of them)")
+        out.append(replace(descriptor, domains=tuple(descriptor.domains[d] for d in domains)))
+    return out
 
 
 def _head_runs(src: Sharding, dst: Sharding, source_set: list[int], dst_rank: int

@@ -9,22 +9,14 @@ so one RDMA write moves both. This module only stores and locates; attention rea
 from __future__ import annotations
 
 import math
-from dataclasses import dataclass
 from typing import Protocol
 
 import torch
 
 from disagg.config import CacheConfig, ModelConfig
 from disagg.errors import ConfigError
+from disagg.model.page_geometry import PageGeometry, Segment
 from disagg.model.sharding import Sharding
-
-
-@dataclass(frozen=True, slots=True)
-class Segment:
-    """A contiguous run of bytes inside the cache buffer: `[offset, offset + nbytes)`."""
-
-    offset: int
-    nbytes: int
 
 
 def allocate_kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
@@ -97,9 +89,14 @@ class PagedKVCache:
         return self.buffer.element_size()
 
     @property
+    def geometry(self) -> PageGeometry:
+        """Where heads sit in a page's bytes (`page_geometry.py`)."""
+        return PageGeometry(self.kv_layout, self.page_size, self.head_dim, self.element_size)
+
+    @property
     def page_nbytes(self) -> int:
         """Bytes of one page of one layer, K and V together."""
-        return 2 * self.page_size * self.num_kv_heads * self.head_dim * self.element_size
+        return self.geometry.page_nbytes(self.num_kv_heads)
 
     @property
     def layer_nbytes(self) -> int:
@@ -190,9 +187,9 @@ class PagedKVCache:
                       head_start: int = 0, head_end: int | None = None) -> list[Segment]:
         """Where heads `[head_start, head_end)` of one page live, as contiguous byte runs.
 
-        A whole page is one run in both layouts. A head range is one run per K/V half in HND
-        (heads come before tokens) but one run per token per half in NHD (the heads of a token
-        sit between other heads of the same token), which is the write-count lesson of S7.
+        A whole page is one run in both layouts; a head range takes the runs of
+        `PageGeometry.run_segments` (one per K/V half in HND, one per token per half in NHD:
+        the write-count lesson of S7), offset by where the page sits in `buffer`.
 
         >>> m, c = ModelConfig.from_name("tiny"), CacheConfig(page_size=4, num_pages=8)
         >>> len(PagedKVCache(m, c).page_segments(0, 3, 0, 2))  # NHD: 2 halves * 4 tokens
@@ -207,19 +204,8 @@ class PagedKVCache:
         base = self.page_offset(layer_idx, page_id)
         if head_start == 0 and head_end == self.num_kv_heads:
             return [Segment(base, self.page_nbytes)]
-        row = self.head_dim * self.element_size  # bytes of one head of one token
-        half = self.page_nbytes // 2
-        heads = head_end - head_start
-        segments = []
-        for kv in range(2):
-            if self.kv_layout == "HND":
-                start = base + kv * half + head_start * self.page_size * row
-                segments.append(Segment(start, heads * self.page_size * row))
-            else:
-                for token in range(self.page_size):
-                    start = base + kv * half + (token * self.num_kv_heads + head_start) * row
-                    segments.append(Segment(start, heads * row))
-        return segments
+        runs = self.geometry.run_segments(self.num_kv_heads, head_start, head_end - head_start)
+        return [Segment(base + run.offset, run.nbytes) for run in runs]
 
     def is_contiguous(self, head_start: int = 0, head_end: int | None = None) -> bool:
         """Whether heads `[head_start, head_end)` of a page's K (or V) half are one run."""

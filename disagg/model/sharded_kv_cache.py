@@ -4,8 +4,9 @@ Each rank process allocates its own shard as shareable memory and the leader map
 (`disagg/parallel/`): a memfd on CPU, a cuMem allocation on CUDA. So one process holds every
 rank's region, registers each with its one transfer engine and posts every rank's page writes.
 The model never runs through this view (each rank runs over its own shard); the transfer side
-reads it: `shards` to register and plan, `gather` for a checksum of every head (each head from
-its first holder). Page ids are shared by all ranks (the leader's one allocator).
+reads it: `shards` to register, plan and checksum (every rank's copy, `kv_checksum.py`), `gather`
+for every head from its first holder. Page ids are shared by all ranks (the leader's one
+allocator).
 """
 
 from __future__ import annotations

@@ -67,20 +67,22 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
-def build_node(config: NodeConfig, tracer: Tracer | None = None) -> PrefillNode | DecodeNode:
-    """Load the model, open the fabric and wire one node of `config.role`."""
+def build_node(config: NodeConfig, tracer: Tracer | None = None,
+               placement: NodePlacement | None = None) -> PrefillNode | DecodeNode:
+    """Load the model, open the fabric and wire one node of `config.role`; `placement` is
+    where its ranks' domains and cores are (default: from this machine's sysfs)."""
     check_device(config.device)  # before the model loads: this machine must have it
     keep_freed_memory()
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = load_model(config.model)
     tracer = tracer or Tracer(trace_path(config.trace, config.node_id), config.node_id)
-    placement = node_placement(config)
+    placement = placement or node_placement(config)
     transfer = open_transfer(config, placement)
     try:
         if config.role is NodeRole.PREFILL:
             return _prefill_node(config, loaded, transfer, tracer, placement)
-        return _decode_node(config, loaded, transfer, tracer)
+        return _decode_node(config, loaded, transfer, tracer, placement)
     except BaseException:
         transfer.close()
         raise
@@ -143,9 +145,9 @@ def wire_prefill_side(config: NodeConfig, parts: EngineParts, counter: LayerCoun
 
 
 def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: Transport,
-                 tracer: Tracer) -> DecodeNode:
+                 tracer: Tracer, placement: NodePlacement) -> DecodeNode:
     inbox = Inbox()
-    engine, messenger = build_decode_side(config, loaded, transfer, inbox)
+    engine, messenger = build_decode_side(config, loaded, transfer, inbox, placement)
     if engine.runner.graphs is not None:
         engine.runner.graphs.capture_all()  # before serving, not during a first decode
     try:
@@ -157,11 +159,13 @@ def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: Transport,
 
 
 def build_decode_side(config: NodeConfig, loaded: LoadedModel, transport: Transport,
-                      inbox: Inbox) -> tuple[LLMEngine, DecodeMessenger]:
+                      inbox: Inbox, placement: NodePlacement | None = None,
+                      ) -> tuple[LLMEngine, DecodeMessenger]:
     """A decoder's engine (with its speculator, if asked for) and messenger over `transport`,
-    wired (the node adds its control plane and prefillers)."""
+    wired (the node adds its control plane and prefillers). Without a `placement`, every
+    rank's KV is reachable through every domain."""
     return wire_decode_side(config, loaded, decode_parts(config, loaded, inbox), transport,
-                            inbox)
+                            inbox, placement)
 
 
 def decode_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox) -> EngineParts:
@@ -177,15 +181,19 @@ def decode_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox) -> Engin
 
 
 def wire_decode_side(config: NodeConfig, loaded: LoadedModel, parts: EngineParts,
-                     transport: Transport, inbox: Inbox) -> tuple[LLMEngine, DecodeMessenger]:
-    """The speculator (when asked for), the messenger over `parts`' KV and the engine."""
+                     transport: Transport, inbox: Inbox, placement: NodePlacement | None = None,
+                     ) -> tuple[LLMEngine, DecodeMessenger]:
+    """The speculator (when asked for), the messenger over `parts`' KV (rank r's written
+    through rank r's domains, S5b) and the engine."""
     speculator = None if config.speculative is None else Speculator(parts, config.speculative)
     sink = None
     if speculator is not None and speculator.kv_cache is not None:  # an MTP head (S4a, S8)
         sink = DraftKVSink(speculator.kv_cache, loaded.config, config.cache.page_size, transport)
     messenger = DecodeMessenger(parts, transport, config.node_id, model_fingerprint(loaded),
                                 wake=inbox.wake, draft_sink=sink,
-                                reliability=config.reliability)
+                                reliability=config.reliability,
+                                rank_domains=None if placement is None else
+                                [r.domains for r in placement.ranks])
     engine = LLMEngine(parts, observers=[] if speculator is None else [speculator],
                        finisher=speculator)
     return engine, messenger
@@ -198,11 +206,13 @@ def allowed(cpus: tuple[int, ...]) -> tuple[int, ...]:
     return tuple(cpu for cpu in cpus if cpu in mine)
 
 
-def node_placement(config: NodeConfig) -> NodePlacement:
-    """Which domains and cores each of the node's TP ranks uses, from this machine's sysfs.
-    A GPU sysfs does not show (a container may hide the PCI tree; CUDA already said the
-    device exists) gets stand-in domains and no affinity, with a warning, not a refusal."""
-    topology = detect_topology()
+def node_placement(config: NodeConfig, sysfs_root: str | os.PathLike[str] = "/"
+                   ) -> NodePlacement:
+    """Which domains and cores each of the node's TP ranks uses, from the sysfs under
+    `sysfs_root` (this machine's by default). A GPU sysfs does not show (a container may hide
+    the PCI tree; CUDA already said the device exists) gets stand-in domains and no affinity,
+    with a warning, not a refusal."""
+    topology = detect_topology(sysfs_root)
     try:
         return plan_placement(topology, config.parallel.tp, config.device,
                               config.domains_per_rank)

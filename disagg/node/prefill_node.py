@@ -215,11 +215,3 @@ class PrefillNode(NodeBase):
         assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"
         assert not self.messenger.has_work(), "transfers still in flight"
         self.engine.allocator.check_invariants(expect_all_free=True)
-
-
-def serve_forever(node: PrefillNode) -> None:
-    """Run until shutdown, then release everything."""
-    try:
-        node.run()
-    finally:
-        node.close()

@@ -2,16 +2,15 @@
 
 A pure decision over a `transfer_core.topology.Topology`: it opens nothing and pins nothing.
 The node's one transfer engine gets `domain_nics` and `domain_cpus` (one entry per domain);
-rank i's page writes go through `domains_of(i)` (S6a, matched TP: rank i to rank i), and a
-replicated or DP deployment draws a source rank and one of its domains per request with
-`random_source` (S9a). `disagg topology` prints this map.
+rank i's page writes go through `domains_of(i)` (S6a, matched TP: rank i to rank i), the
+decoder's rank i's KV through its own (`transfer_plan.rank_descriptors`); a replicated or DP
+deployment's per-request draw of a source rank and domain (S9a) is the transfer plan's
+(`transfer_plan.plan_request`). `disagg topology` prints this map.
 """
 
 from __future__ import annotations
 
-import random
 import re
-from collections.abc import Sequence
 from dataclasses import dataclass
 
 from disagg.errors import ConfigError
@@ -55,17 +54,6 @@ class NodePlacement:
     def domains_of(self, rank: int) -> tuple[int, ...]:
         """The engine domains rank `rank`'s pages go through."""
         return self._rank(rank).domains
-
-    def random_source(self, rng: random.Random, ranks: Sequence[int]) -> tuple[int, int]:
-        """A (rank, domain) drawn uniformly from the domains of `ranks` (S9a).
-
-        Uniform over domains, not over ranks, so that with one request after another every NIC
-        is equally likely to carry the pages, even where ranks hold different NIC counts.
-        """
-        if not ranks:
-            raise ConfigError("random_source needs at least one rank to choose from")
-        pairs = [(r, d) for r in ranks for d in self._rank(r).domains]
-        return rng.choice(pairs)
 
     def _rank(self, rank: int) -> RankPlacement:
         if not 0 <= rank < len(self.ranks):

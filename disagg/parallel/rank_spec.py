@@ -2,7 +2,8 @@
 
 The leader pickles a `RankSpec` into the rank's stdin (a child it just started: trusted),
 then keeps the pipe open: its end is how the rank knows the leader is alive. The rank answers
-over the leader's Unix socket with a `RankHello` (JSON) and the fd of its KV memory.
+over the leader's Unix socket with a `RankHello` (JSON) and the fd of its KV memory, both in
+one message: on a stream socket two messages can reach the leader as one read.
 """
 
 from __future__ import annotations
@@ -43,7 +44,7 @@ def rank_device(device: str, rank: int) -> str:
 
 @dataclass(frozen=True, slots=True)
 class RankHello:
-    """A rank's first message: who it is and the KV memory it sends (one fd beside it)."""
+    """A rank's one message: who it is and the KV memory it sends (its fd rides with it)."""
 
     rank: int
     pid: int
@@ -51,6 +52,7 @@ class RankHello:
     nbytes: int
     shape: tuple[int, ...]
     dtype: str
+    pci_bus_id: str = ""  # cumem: the GPU that holds it (ordinals differ between processes)
 
     def to_header(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self)}
@@ -61,6 +63,6 @@ class RankHello:
             hello = RankHello(**header)
             return RankHello(int(hello.rank), int(hello.pid), str(hello.kind),
                              int(hello.nbytes), tuple(int(n) for n in hello.shape),
-                             str(hello.dtype))
+                             str(hello.dtype), str(hello.pci_bus_id))
         except (TypeError, ValueError) as error:
             raise RankError(f"bad rank hello {header!r}: {error}") from None

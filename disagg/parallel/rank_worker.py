@@ -20,7 +20,6 @@ import traceback
 
 import torch
 
-from disagg.config import ModelConfig
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.loading.registry import load_model
 from disagg.model.sharded_kv_cache import shard_config
@@ -40,27 +39,34 @@ def _exit_when_orphaned() -> None:
     os._exit(0)
 
 
-def _shared_cache(spec: RankSpec, device: str, sock: socket.socket,
-                  model_config: ModelConfig) -> PagedKVCache:
-    """This rank's KV shard in memory the leader maps, and the hello that sends it."""
-    shard_model = shard_config(model_config, spec.sharding)
-    shape = PagedKVCache.buffer_shape(shard_model, spec.cache)
+def share_kv(spec: RankSpec, device: str, sock: socket.socket, shape: tuple[int, ...]
+             ) -> torch.Tensor:
+    """This rank's KV shard in memory the leader maps, handed over in one message.
+
+    The hello and the fd go in one sendmsg (SCM_RIGHTS): the leader's socket is a stream, so
+    a hello and an fd sent one after the other may reach it as one read.
+    """
     dtype = spec.cache.dtype
     nbytes = dtype.itemsize * int(torch.Size(shape).numel())
-    hello = RankHello(spec.rank, os.getpid(), "memfd", nbytes, shape, str(dtype))
     if torch.device(device).type == "cuda":
         from transfer_core.cuda import cumem  # cuda-python, only on CUDA ranks
 
         allocation = cumem.allocate(nbytes, torch.device(device).index or 0)
         buffer = allocation.as_tensor(dtype, shape).zero_()
-        send_message(sock, RankHello(**{**hello.to_header(), "kind": "cumem"}).to_header())
-        cumem.send_allocation(sock, allocation)
+        fd, bus_id = cumem.export_allocation(allocation)
+        # The rounded-up size: the leader maps the whole allocation.
+        hello = RankHello(spec.rank, os.getpid(), "cumem", allocation.size, shape, str(dtype),
+                          bus_id)
     else:
         region = create_region(nbytes, f"disagg-kv-{spec.node_id}-rank{spec.rank}")
         buffer = region.tensor(dtype, shape)
-        send_message(sock, hello.to_header(), [region.fd])
-        region.close()  # the mapping stays; the leader holds its own fd now
-    return PagedKVCache(shard_model, spec.cache, device, buffer=buffer)
+        fd = region.fd
+        hello = RankHello(spec.rank, os.getpid(), "memfd", nbytes, shape, str(dtype))
+    try:
+        send_message(sock, hello.to_header(), [fd])
+    finally:
+        os.close(fd)  # the mapping stays; the leader holds its own fd now
+    return buffer
 
 
 def serve_rank(spec: RankSpec) -> None:
@@ -79,7 +85,10 @@ def serve_rank(spec: RankSpec) -> None:
     del loaded
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(spec.socket_path)
-        cache = _shared_cache(spec, device, sock, model.config)
+        shard_model = shard_config(model.config, spec.sharding)
+        shape = PagedKVCache.buffer_shape(shard_model, spec.cache)
+        cache = PagedKVCache(shard_model, spec.cache, device,
+                             buffer=share_kv(spec, device, sock, shape))
         group.join(spec.group, spec.rank)
         try:
             with torch.inference_mode():

@@ -149,26 +149,29 @@ class TPRanks:
                              name=f"rank{rank}-watch").start()
 
     def _receive_kv(self, conn: socket.socket) -> tuple[int, torch.Tensor]:
+        """A rank's one hand-over message: its hello with the fd of its KV memory."""
         header, fds = recv_message(conn)
-        hello = RankHello.from_header(header)
-        expected = self._processes[hello.rank - 1].pid if 0 < hello.rank < len(
-            self._processes) + 1 else None
-        if expected != hello.pid:
+        try:
+            hello = RankHello.from_header(header)
+            expected = self._processes[hello.rank - 1].pid if 0 < hello.rank < len(
+                self._processes) + 1 else None
+            if expected != hello.pid:
+                raise RankError(f"a process claiming TP rank {hello.rank} (pid {hello.pid}) is "
+                                f"not one this leader started")
+            if len(fds) != 1 or hello.kind not in ("memfd", "cumem"):
+                raise RankError(f"TP rank {hello.rank} sent {len(fds)} fds of kind "
+                                f"{hello.kind!r} for its KV memory, not 1 memfd or cumem")
+        except BaseException:
             for fd in fds:
                 os.close(fd)
-            raise RankError(f"a process claiming TP rank {hello.rank} (pid {hello.pid}) is not "
-                            f"one this leader started")
+            raise
         dtype = self.spec.cache.dtype
         if hello.kind == "cumem":
             from transfer_core.cuda import cumem  # cuda-python, only on CUDA ranks
 
-            allocation = cumem.recv_allocation(conn)
+            allocation = cumem.import_allocation(fds[0], hello.nbytes, hello.pci_bus_id)
             self._allocations.append(allocation)
             return hello.rank, allocation.as_tensor(dtype, hello.shape)
-        if len(fds) != 1:
-            for fd in fds:
-                os.close(fd)
-            raise RankError(f"TP rank {hello.rank} sent {len(fds)} fds for its KV memory, not 1")
         region = map_region(fds[0], hello.nbytes)
         try:
             return hello.rank, region.tensor(dtype, hello.shape)

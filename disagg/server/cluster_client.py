@@ -89,9 +89,6 @@ class ClusterClient:
         with self._lock:
             return sum(not stream.received for stream in self._streams.values())
 
-    def decoders_alive(self) -> list[bool]:
-        return list(self.router.alive)
-
     def open(self, prompt_token_ids: list[int], sampling: Sampling) -> RequestStream:
         """Admit and submit one request now (event loop thread): `Overloaded` past the
         in-flight limit, `Unavailable` with no live decoder. Iterate the stream it returns;

@@ -1,11 +1,12 @@
 """cuMem-backed KV memory that one process allocates and another imports (S5a, GPU only).
 
 With tensor parallelism each rank's process allocates its KV cache with `allocate()`
-(cuMemCreate, POSIX-FD shareable, GPUDirect-RDMA capable where the device supports it),
-then `send_allocation()` passes a file descriptor over a Unix socket (SCM_RIGHTS); the one
-messenger process calls `recv_allocation()` (cuMemImportFromShareableHandle, map, set
-access) and views every rank's KV as a torch tensor it can register with the NIC. Imports
-without a GPU; every function raises `CudaError` naming the problem when CUDA is absent.
+(cuMemCreate, POSIX-FD shareable, GPUDirect-RDMA capable where the device supports it) and
+passes an fd over a Unix socket (SCM_RIGHTS): `send_allocation()`, or `export_allocation()`'s
+fd and bus id inside a message of the caller's own. The one messenger process imports it
+(`recv_allocation()` / `import_allocation()`: cuMemImportFromShareableHandle, map, set access)
+and views every rank's KV as a tensor it can register with the NIC. Imports without a GPU;
+every function raises `CudaError` naming the problem when CUDA is absent.
 """
 
 from __future__ import annotations
@@ -159,17 +160,36 @@ def import_fd(fd: int, size: int, device: int = 0) -> CuMemAllocation:
     return CuMemAllocation(ptr, size, device, False, True, int(handle))
 
 
-def send_allocation(sock: socket.socket, allocation: CuMemAllocation) -> None:
-    """Send `allocation` over a connected AF_UNIX socket: size, PCI bus id and an fd.
+def export_allocation(allocation: CuMemAllocation) -> tuple[int, str]:
+    """A new fd for `allocation` and the PCI bus id of its GPU; the caller closes the fd.
 
-    The PCI bus id, not the ordinal, names the GPU, since ranks often see different
-    CUDA_VISIBLE_DEVICES than the importing process.
+    With the size, that is all `import_allocation` needs: for a caller that carries them in a
+    message of its own (a TP rank's hello, fd and all in one sendmsg). The PCI bus id, not the
+    ordinal, names the GPU, since ranks often see different CUDA_VISIBLE_DEVICES than the
+    importing process.
     """
-    bus_id = pci_bus_id(allocation.device).encode()
-    fd = allocation.export_fd()
+    bus_id = pci_bus_id(allocation.device)
+    return allocation.export_fd(), bus_id
+
+
+def import_allocation(fd: int, size: int, bus_id: str) -> CuMemAllocation:
+    """Import an `export_allocation` of `size` bytes on the GPU at `bus_id`; closes `fd`."""
     try:
-        header = _HEADER.pack(_MAGIC, allocation.size, len(bus_id))
-        socket.send_fds(sock, [header + bus_id], [fd])
+        device = device_by_pci_bus_id(bus_id)
+    except BaseException:
+        os.close(fd)
+        raise
+    return import_fd(fd, size, device)
+
+
+def send_allocation(sock: socket.socket, allocation: CuMemAllocation) -> None:
+    """Send `allocation` over a connected AF_UNIX socket: size, PCI bus id and an fd, in one
+    message (`export_allocation`)."""
+    fd, bus_id = export_allocation(allocation)
+    try:
+        encoded = bus_id.encode()
+        header = _HEADER.pack(_MAGIC, allocation.size, len(encoded))
+        socket.send_fds(sock, [header + encoded], [fd])
     finally:
         os.close(fd)
 
@@ -186,12 +206,7 @@ def recv_allocation(sock: socket.socket) -> CuMemAllocation:
         os.close(fds[0])
         raise ValueError(f"bad cuMem allocation message magic {magic!r}")
     bus_id = message[_HEADER.size : _HEADER.size + id_len].decode()
-    try:
-        device = device_by_pci_bus_id(bus_id)
-    except BaseException:
-        os.close(fds[0])
-        raise
-    return import_fd(fds[0], size, device)
+    return import_allocation(fds[0], size, bus_id)
 
 
 def pci_bus_id(device: int) -> str:

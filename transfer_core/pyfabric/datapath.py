@@ -129,12 +129,6 @@ class Worker:
         self._n_imm = ffi.new("int *")
         self.max_inflight = max_inflight
 
-    def set_timing(self, spin_ns: int, idle_sleep_ns: int, linger_ns: int, quiet_ns: int) -> None:
-        """Busy-poll for `spin_ns` after activity, then nap `idle_sleep_ns` between polls.
-        Immediates are batched into one return until none came for `quiet_ns` or the oldest
-        is `linger_ns` old (defaults 1 ms, 100 us, 500 us, 20 us)."""
-        lib.fabp_set_timing(self._handle, spin_ns, idle_sleep_ns, linger_ns, quiet_ns)
-
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op
         lib.fabp_submit(self._handle, op.c)

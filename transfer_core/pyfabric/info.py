@@ -76,10 +76,6 @@ class Info:
         return ffi.string(self._raw.fabric_attr.prov_name).decode()
 
     @property
-    def fabric_name(self) -> str:
-        return ffi.string(self._raw.fabric_attr.name).decode()
-
-    @property
     def domain_name(self) -> str:
         return ffi.string(self._raw.domain_attr.name).decode()
 

@@ -16,8 +16,9 @@ from matplotlib.patches import Rectangle
 
 from disagg.apps.figures.draw import DECODE_COLOR, PREFILL_COLOR, save_png
 from disagg.config import CacheConfig, ModelConfig
-from disagg.kv_transfer.transfer_plan import PageGeometry, plan_page_writes
+from disagg.kv_transfer.transfer_plan import plan_page_writes
 from disagg.model.kv_cache import PagedKVCache
+from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 
 RANK_COLORS = ["#2a9d8f", "#b8860b", "#8e44ad", "#c0392b"]

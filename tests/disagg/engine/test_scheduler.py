@@ -10,7 +10,7 @@ from disagg.config import SchedulerConfig
 from disagg.engine.page_allocator import PageAllocator
 from disagg.engine.request import Request, RequestState, SamplingParams
 from disagg.engine.scheduler import Scheduler
-from disagg.errors import RequestError
+from disagg.errors import ConfigError, RequestError
 
 
 def make_scheduler(num_pages: int = 64, page_size: int = 4, chunk_size: int = 8,
@@ -154,3 +154,11 @@ def test_every_request_completes_within_limits(prompt_lens: list[int], chunk_siz
     assert all(r.state == RequestState.FINISHED_LENGTH and len(r.output_token_ids) == 3
                for r in requests)
     scheduler.allocator.check_invariants(expect_all_free=True)
+
+
+@pytest.mark.parametrize("mode", ["decode_only", "prefill"])
+def test_a_mode_the_scheduler_does_not_have_is_refused(mode: str) -> None:
+    """Two modes exist (a decoder's engine is mixed); anything else is a ConfigError naming it,
+    not a scheduler that silently runs mixed."""
+    with pytest.raises(ConfigError, match=f"unknown scheduler mode '{mode}'"):
+        SchedulerConfig(mode=mode)  # type: ignore[arg-type]

@@ -35,9 +35,9 @@ from disagg.engine.llm_engine import EngineParts, build_engine
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.errors import RequestError
-from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.decoder_peer import DecoderPeer
 from disagg.kv_transfer.handshake import clear_proof, read_proof
+from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.pending_kv import Outcome
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.loading.registry import LoadedModel, load_model
@@ -46,8 +46,10 @@ from disagg.model.sharding import Sharding
 from disagg.node.base import Inbox
 from disagg.node.builder import decode_parts, prefill_parts, wire_decode_side, wire_prefill_side
 from disagg.node.node_config import NodeConfig, NodeRole
+from disagg.node.rank_placement import NodePlacement, plan_placement
 from disagg.utils.trace import Tracer
 from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
+from transfer_core.topology import detect_topology
 
 CACHE = CacheConfig(page_size=4, num_pages=64)
 PREFILL_CHUNK = 5  # not a multiple of the page size: chunks end mid-page
@@ -91,6 +93,12 @@ def sharded_stand_in(parts: EngineParts, tp: int) -> EngineParts:
     return replace(parts, kv_cache=kv_cache, runner=ModelRunner(parts.model, kv_cache))
 
 
+def placement(tp: int, domains_per_rank: int) -> NodePlacement:
+    """A node's rank placement on this machine (stand-in domains: no RDMA NIC here), as the
+    builder plans it (S5b)."""
+    return plan_placement(detect_topology(), tp, "cpu", domains_per_rank)
+
+
 def receive_ready(channel: Channel) -> list[Message]:
     """Every message already waiting on `channel` (never blocks on an empty socket)."""
     messages = []
@@ -115,6 +123,8 @@ class Harness:
     prefill_budget: int = PREFILL_CHUNK  # tokens per prefill step (chunks stay PREFILL_CHUNK)
     prefill_tp: int = 1  # KV shards on each side (`sharded_stand_in`)
     decode_tp: int = 1
+    prefill_domains_per_rank: int = 1  # each rank's fabric domains (S5b, S6a)
+    decode_domains_per_rank: int = 1
     to_prefiller: list[Message] = field(default_factory=list)  # every message, in order
     to_decoder: list[Message] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # of every decode_messenger.poll()
@@ -122,8 +132,12 @@ class Harness:
     def __post_init__(self) -> None:
         loaded = tiny_model()
         self.fabric = LoopbackFabric()
-        self.prefill_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
-        self.decode_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline)
+        prefill_placement = placement(self.prefill_tp, self.prefill_domains_per_rank)
+        decode_placement = placement(self.decode_tp, self.decode_domains_per_rank)
+        self.prefill_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline,
+                                               num_domains=prefill_placement.num_domains)
+        self.decode_transfer = LoopbackEngine(fabric=self.fabric, deliver_inline=self.inline,
+                                              num_domains=decode_placement.num_domains)
         prefill_config = NodeConfig(
             "tiny", role=NodeRole.PREFILL, node_id="prefill-0", lease_s=self.lease_s,
             cache=replace(CACHE, kv_layout=self.kv_layout, num_pages=self.prefill_num_pages,
@@ -145,11 +159,12 @@ class Harness:
         self.prefill_parts = sharded_stand_in(parts, self.prefill_tp)
         self.prefill_engine, self.prefill = wire_prefill_side(
             prefill_config, self.prefill_parts, counter, self.prefill_transfer, self.inboxes[0],
-            Tracer())
+            Tracer(), prefill_placement)
         self.decode_parts = sharded_stand_in(decode_parts(decode_config, loaded, self.inboxes[1]),
                                              self.decode_tp)
         self.decode_engine, self.decode = wire_decode_side(
-            decode_config, loaded, self.decode_parts, self.decode_transfer, self.inboxes[1])
+            decode_config, loaded, self.decode_parts, self.decode_transfer, self.inboxes[1],
+            decode_placement)
         self.free_pages = (self.prefill_parts.allocator.num_free,
                            self.decode_parts.allocator.num_free)
         a, b = socket.socketpair()
@@ -159,6 +174,25 @@ class Harness:
         self.peer: DecoderPeer | None = None
         if self.connect:
             self.handshake()
+
+    def _model(self, config: EngineConfig, counter: LayerCounter | None = None
+               ) -> Transformer | TPLeader:
+        """The whole model; at TP > 1 run over every rank's shard of an in-process
+        `ShardedKVCache` (no rank processes: the messengers see the shards a leader maps)."""
+        model = load_transformer(config, tiny_model().state_dict, counter)
+        if self.tp == 1:
+            return model
+        sharding = Sharding(self.tp, config.model.num_kv_heads)
+        shards = [PagedKVCache(shard_config(config.model, sharding), config.cache)
+                  for _ in range(self.tp)]
+        cache = ShardedKVCache(config.model, config.cache, sharding, shards)
+        return TPLeader(model, cache, cache, None)  # type: ignore[arg-type]
+
+    def _rank_domains(self, per_rank: int) -> list[tuple[int, ...]] | None:
+        """Rank r's domains, numbered rank by rank as `plan_placement` does (None at TP 1)."""
+        if self.tp == 1 and per_rank == 1:
+            return None
+        return [tuple(range(r * per_rank, (r + 1) * per_rank)) for r in range(self.tp)]
 
     def handshake(self) -> None:
         """As the nodes shake hands: Hello over the channel, `add_peer` (which writes the proof

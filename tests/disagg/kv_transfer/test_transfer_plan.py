@@ -3,33 +3,43 @@
 from __future__ import annotations
 
 import random
+from dataclasses import replace
 
 import numpy as np
 import pytest
+import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from disagg.config import CacheConfig, ModelConfig
 from disagg.kv_transfer.transfer_plan import (
-    PageGeometry,
     assign_source_sets,
     expected_write_count,
     pages_completed_by_chunk,
     plan_page_writes,
     plan_request,
 )
+from disagg.model.kv_cache import PagedKVCache
+from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 
 
 def logical_page(sharding: Sharding, rank: int, geometry: PageGeometry) -> np.ndarray:
-    """A rank's page filled with values naming (kv, token, global head, dim), as int32 bytes."""
+    """A rank's page of a real `PagedKVCache`, each value naming its (kv, token, global head,
+    dim), as the cache's bytes: the plan is checked against the layout the cache really has."""
     heads = list(sharding.heads_of(rank))
-    kv, token, head, dim = np.meshgrid(np.arange(2), np.arange(geometry.page_size),
-                                       np.array(heads), np.arange(geometry.head_dim),
-                                       indexing="ij")  # [2, page_size, heads, dim]
-    values = ((kv * 1000 + token) * 1000 + head) * 1000 + dim
-    if geometry.kv_layout == "HND":
-        values = values.transpose(0, 2, 1, 3)
-    return np.ascontiguousarray(values, dtype=np.int32)
+    model = replace(ModelConfig.from_name("tiny"), num_layers=1, num_heads=len(heads),
+                    num_kv_heads=len(heads), head_dim=geometry.head_dim)
+    cache = PagedKVCache(model, CacheConfig(geometry.page_size, 1, geometry.kv_layout))
+    assert cache.element_size == geometry.element_size and cache.geometry == geometry
+    kv, token, head, dim = torch.meshgrid(
+        torch.arange(2), torch.arange(geometry.page_size), torch.tensor(heads),
+        torch.arange(geometry.head_dim), indexing="ij")  # [2, page_size, heads, dim]
+    values = ((kv * geometry.page_size + token) * sharding.num_kv_heads + head
+              ) * geometry.head_dim + dim  # below 2^24: exact in float32
+    slots = torch.arange(geometry.page_size)
+    cache.write(0, values[0].float(), values[1].float(), torch.zeros_like(slots), slots)
+    return cache.buffer.view(-1).view(torch.uint8).numpy().copy()
 
 
 @st.composite
@@ -39,7 +49,7 @@ def shardings(draw: st.DrawFn) -> tuple[Sharding, Sharding, PageGeometry]:
     src = Sharding(draw(st.sampled_from(degrees)), num_kv_heads, draw(st.booleans()))
     dst = Sharding(draw(st.sampled_from(degrees)), num_kv_heads, draw(st.booleans()))
     geometry = PageGeometry(draw(st.sampled_from(["NHD", "HND"])), draw(st.integers(1, 4)),
-                            draw(st.sampled_from([1, 2, 3])), 4)
+                            draw(st.sampled_from([2, 4, 6])), 4)
     return src, dst, geometry
 
 

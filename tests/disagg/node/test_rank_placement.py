@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import random
 from pathlib import Path
 
 import pytest
@@ -154,30 +153,9 @@ def test_cuda_on_a_machine_without_gpus_is_refused(fake: FakeSysfs) -> None:
         _plan(fake, 1, "cuda")
 
 
-def test_random_source_draws_only_from_the_given_ranks(fake: FakeSysfs) -> None:
-    """S9a: over many requests every domain of the allowed ranks carries some, no other does."""
-    node = _plan(_four_gpus_two_nics(fake), tp=4, device="cuda")
-    rng = random.Random(0)
-    drawn = {node.random_source(rng, [1, 2]) for _ in range(200)}
-    assert drawn == {(1, 1), (2, 2)}
-
-
-def test_random_source_is_uniform_over_domains(fake: FakeSysfs) -> None:
-    """A rank with two NICs is drawn twice as often as a rank with one, each NIC alike."""
-    fake.node(0, "0-1")
-    _switch(fake, 0x10, numa=0, gpus=1, nics=["mlx5_0", "mlx5_1"])
-    _switch(fake, 0x20, numa=0, gpus=1, nics=["mlx5_2"])
-    node = _plan(fake, tp=2, device="cuda")
-    rng = random.Random(1)
-    draws = [node.random_source(rng, [0, 1])[1] for _ in range(3000)]
-    assert all(900 < draws.count(d) < 1100 for d in range(3))
-
-
-def test_random_source_refuses_unknown_or_no_ranks(fake: FakeSysfs) -> None:
-    """An empty choice or a rank past tp is a ConfigError."""
+def test_an_unknown_rank_is_refused(fake: FakeSysfs) -> None:
+    """A rank past tp is a ConfigError naming it, not an index error."""
     fake.node(0, "0-1")
     node = _plan(fake, tp=2, device="cpu")
-    with pytest.raises(ConfigError, match="at least one rank"):
-        node.random_source(random.Random(0), [])
     with pytest.raises(ConfigError, match="rank 2 is not a rank of this node"):
-        node.random_source(random.Random(0), [2])
+        node.domains_of(2)
