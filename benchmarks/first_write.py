@@ -74,7 +74,7 @@ def _write_ms(engine: TransferEngine, src: Any, desc: MemoryRegionDescriptor, im
     done = threading.Event()
     errors: list[BaseException] = []
     start = time.monotonic()
-    engine.submit_write(src, 0, PAGE, imm, desc, 0, done.set,
+    engine.post_write(src, 0, PAGE, imm, desc, 0, done.set,
                         lambda e: (errors.append(e), done.set()))  # fmt: skip
     if not done.wait(30) or errors:
         raise RuntimeError(f"write failed: {errors or 'no completion in 30 s'}")

@@ -157,12 +157,12 @@ class Attack:
             imms = imms[:1]
             self.probe = dataclasses.replace(self.probe, domains=((self.endpoint,
                                                                    secrets.randbits(64)),))
-        self._post_all([lambda ok, err, imm=imm: self.engine.submit_imm(
+        self._post_all([lambda ok, err, imm=imm: self.engine.post_imm(
             imm, self.probe, ok, err, timeout_s=5.0) for imm in imms])
         self.counts["guessed_imms"] += len(imms)
         guess = MemoryRegionDescriptor("guess", self.engine.provider, 0, 4096, False, True,
                                        ((self.endpoint, secrets.randbits(64)),))
-        self._post_all([lambda ok, err: self.engine.submit_write(
+        self._post_all([lambda ok, err: self.engine.post_write(
             self.source, 0, 4096, None, guess, 0, ok, err, timeout_s=5.0)])
         self.counts["guessed_key_writes"] += 1
         if self.hello is not None and self._round % 4 == 0:

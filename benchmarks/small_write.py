@@ -5,7 +5,7 @@
 One 4 KiB write carrying an immediate into another process's region, submit to completion, as
 `benchmarks/peers/` times NIXL's single write. Three ways of posting it from Python, measured
 in interleaved rounds in one run:
-- `callback`: `submit_write(..., on_done)` and wait on an Event: the domain's progress thread
+- `callback`: `post_write(..., on_done)` and wait on an Event: the domain's progress thread
   reaps the completion and hands it over (the path `benchmarks/transfer.py` times);
 - `waited`: `write_and_wait(...)` with the same arguments each time: the caller posts and
   reaps in its own thread, and every call after the first runs the write prepared by the first;
@@ -62,7 +62,7 @@ def _writers(engine: TransferEngine, dst: MemoryRegionDescriptor) -> dict[str, C
 
     def callback() -> None:
         done.clear()
-        engine.submit_write(src_mr, 0, NBYTES, IMM, dst, 0, done.set, errors.append)
+        engine.post_write(src_mr, 0, NBYTES, IMM, dst, 0, done.set, errors.append)
         if not done.wait(10.0) or errors:
             raise RuntimeError(f"callback write failed: {errors}")
 

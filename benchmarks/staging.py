@@ -62,7 +62,7 @@ def one_run(provider: str, device: str, path: str, layers: int, pages: int,
             copy_started = time.perf_counter()
             src.stage_out(layer, src_pages)
             copying += time.perf_counter() - copy_started
-            sender.submit_paged_writes(PagedWrite(src.region, src_pages, page_nbytes,
+            sender.post_paged_writes(PagedWrite(src.region, src_pages, page_nbytes,
                                                   layer * layer_nbytes, dst.descriptor, dst_pages,
                                                   page_nbytes, layer * layer_nbytes, page_nbytes,
                                                   IMM))

@@ -95,7 +95,7 @@ def transfer_gbps(num_domains: int, pages: int, page_bytes: int, reps: int) -> d
             receiver.expect_imm_count(imm, 2 * pages, counted.set)
             start = time.perf_counter()
             for rank in range(2):
-                sender.submit_paged_writes(PagedWrite(src_mr[rank], ids, page_bytes, 0,
+                sender.post_paged_writes(PagedWrite(src_mr[rank], ids, page_bytes, 0,
                                                       dst_desc[rank], ids, page_bytes, 0,
                                                       page_bytes, imm, [rank % num_domains]))
             if not counted.wait(60):

@@ -2,7 +2,7 @@
 
 A receiver process registers 16 page slots and arms a counter: "call me when 5 writes
 carrying immediate 42 have landed". The sender (this process) registers 5 pages and writes them
-into scattered slots of the receiver with ONE `submit_paged_writes` call, over libfabric's
+into scattered slots of the receiver with ONE `post_paged_writes` call, over libfabric's
 `tcp` provider on loopback. No message says "done": the receiver learns it from the count.
 Then it does it again with immediate 43, now that the connection exists.
 Pairs with docs/tutorials/03-transfer-core.md.
@@ -60,7 +60,7 @@ def send(descriptor: MemoryRegionDescriptor) -> None:
                 src_mr=region, src_page_ids=np.arange(5), src_page_stride=PAGE, src_offset=0,
                 dst_mr=descriptor, dst_page_ids=DST_SLOTS, dst_page_stride=PAGE, dst_offset=0,
                 nbytes=PAGE, imm=imm)  # pages 0..4 to those slots, PAGE bytes each
-            engine.submit_paged_writes(write, on_done=done.set, on_error=errors.append)
+            engine.post_paged_writes(write, on_done=done.set, on_error=errors.append)
             posted_us = (time.perf_counter() - start) * 1e6
             if not done.wait(timeout=30) or errors:
                 raise RuntimeError(f"writes did not complete: {errors}")

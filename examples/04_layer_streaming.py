@@ -71,7 +71,7 @@ def main() -> None:
                 src_offset=layer * cache.layer_nbytes, dst_mr=remote_descriptor,
                 dst_page_ids=request.page_ids, dst_page_stride=cache.page_nbytes,
                 dst_offset=layer * cache.layer_nbytes, nbytes=cache.page_nbytes, imm=IMM)
-            sender.submit_paged_writes(
+            sender.post_paged_writes(
                 write, on_done=lambda layer=layer: written.__setitem__(layer, time.perf_counter()))
 
     with CounterPoller([counter.value], on_counter, name="layer-poller"):

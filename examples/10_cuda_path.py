@@ -75,7 +75,7 @@ def main() -> None:
         receiver.expect_imm_count(IMM, len(pages) * config.num_layers, landed.set)
         for layer in range(config.num_layers):
             src.stage_out(layer, pages)  # the copy engine's job on a GPU; no-op unless staged
-            sender.submit_paged_writes(PagedWrite(
+            sender.post_paged_writes(PagedWrite(
                 src_mr=src.region, src_page_ids=pages, src_page_stride=cache.page_nbytes,
                 src_offset=layer * cache.layer_nbytes, dst_mr=dst.descriptor, dst_page_ids=pages,
                 dst_page_stride=cache.page_nbytes, dst_offset=layer * cache.layer_nbytes,

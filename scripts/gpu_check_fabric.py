@@ -79,7 +79,7 @@ def posting_latency_check(device: str = "cuda", samples: int = 300, num_pages: i
             arrived[0] = time.perf_counter_ns()
             src.stage_out(0, [new % num_pages])
             n = len(dst_buffer)
-            a.submit_paged_writes(PagedWrite(src.region, [new % num_pages], n, 0, dst, [0], n, 0,
+            a.post_paged_writes(PagedWrite(src.region, [new % num_pages], n, 0, dst, [0], n, 0,
                                              n, None), on_done=written.release)
             posted[0] = time.perf_counter_ns()
             done.set()

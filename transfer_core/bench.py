@@ -1,7 +1,7 @@
 """Transfer benchmark: the peers' workload (`benchmarks/peers`), between two processes (S5, S4c).
 
 A sender writes `num_pages` pages of `page_bytes` to shuffled slots of a receiver's region
-with `submit_paged_writes`, one immediate value per request. A rep is timed from submit until
+with `post_paged_writes`, one immediate value per request. A rep is timed from submit until
 the receiver's counter fires and its acknowledging immediate is back at the sender (the
 target's count is the truth of placement). Every rep is verified by a checksum of the
 receiver's pages read in the shuffled order. Then `latency_iters` single 4 KiB writes are
@@ -87,7 +87,7 @@ def _receiver_main(provider: str, num_pages: int, page_bytes: int, conn: Any) ->
             if msg[0] == "arm":
                 _, imm = msg
                 region[:] = 0
-                engine.expect_imm_count(imm, num_pages, lambda imm=imm: engine.submit_imm(imm, ack))
+                engine.expect_imm_count(imm, num_pages, lambda imm=imm: engine.post_imm(imm, ack))
                 conn.send(("armed",))
             elif msg[0] == "digest":
                 conn.send(("digest", _digest(region[msg[1]])))
@@ -123,7 +123,7 @@ class _Sender:
             nbytes=page_bytes,
             imm=imm,
         )
-        self.engine.submit_paged_writes(write, done.set, self.errors.append)
+        self.engine.post_paged_writes(write, done.set, self.errors.append)
         if not acked.wait(timeout_s):
             raise TimeoutError(f"rep imm={imm}: receiver did not acknowledge ({self.errors})")
         elapsed = time.perf_counter() - start
@@ -143,7 +143,7 @@ class _Sender:
         for _ in range(iters):
             done.clear()
             start = time.perf_counter_ns()
-            self.engine.submit_write(
+            self.engine.post_write(
                 self.src_mr, 0, nbytes, LATENCY_IMM, dst, 0, on_done, self.errors.append
             )
             if not done.wait(10.0):

@@ -2,7 +2,7 @@
 
 The libfabric implementation of `transport.Transport`, after pplx-garden's TransferEngine:
 `register_memory` returns a local `MemoryRegion` and a `MemoryRegionDescriptor` (bytes) for
-peers; `submit_write`, `submit_paged_writes` (a `PagedWrite`) and `submit_imm` take
+peers; `post_write`, `post_paged_writes` (a `PagedWrite`) and `post_imm` take
 `on_done`/`on_error`; `expect_imm_count` fires once the receiver has counted the expected
 writes. Several domains (NICs) each run a `DomainWorker` progress thread. The receiver's
 immediate count is the truth of placement: a sender's `on_done` only means the provider is
@@ -156,7 +156,7 @@ class TransferEngine(ImmCounting):
 
     # -- writes -----------------------------------------------------------------------------
 
-    def submit_write(
+    def post_write(
         self,
         src_mr: MemoryRegion,
         offset: int,
@@ -200,7 +200,7 @@ class TransferEngine(ImmCounting):
         timeout_s: float | None = None,
         domain: int | None = None,
     ) -> PreparedWrite:
-        """Check one write (as `submit_write` would) to run it, once or again and again, with
+        """Check one write (as `post_write` would) to run it, once or again and again, with
         `PreparedWrite.run()`: the caller's thread posts it and reaps its completion itself,
         with no hand-off from a progress thread (see `waited.py`)."""
         self._check_write(src_mr, dst_mr, imm_data)
@@ -236,7 +236,7 @@ class TransferEngine(ImmCounting):
 
         self._repeated.run(key, src_mr, dst_mr, prepare)
 
-    def submit_paged_writes(
+    def post_paged_writes(
         self,
         write: PagedWrite,
         on_done: OnDone | None = None,
@@ -251,7 +251,7 @@ class TransferEngine(ImmCounting):
         self._check_write(write.src_mr, write.dst_mr, write.imm)
         self._router.paged(write, on_done, on_error, self._timeout(timeout_s))
 
-    def submit_imm(
+    def post_imm(
         self,
         imm_data: int,
         dst_mr: MemoryRegionDescriptor,
@@ -265,7 +265,7 @@ class TransferEngine(ImmCounting):
         on local domain `domain` (None: round robin)."""
         self._check_write(None, dst_mr, imm_data)
         if imm_data is None:
-            raise ValueError("submit_imm needs an imm value")
+            raise ValueError("post_imm needs an imm value")
         d = self._router.pick(domain)
         self._router.single(
             d, None, 0, 0, imm_data, dst_mr, 0, on_done, on_error, self._timeout(timeout_s)

@@ -114,7 +114,7 @@ class FaultyTransport:
         """As the inner engine's: the handshake is not part of the data path."""
         self.inner.connect(peer_address, timeout_s=timeout_s)
 
-    def submit_write(
+    def post_write(
         self,
         src_mr: MemoryRegion,
         offset: int,
@@ -131,7 +131,7 @@ class FaultyTransport:
         """The inner engine's, through the fault plan if it carries an imm."""
 
         def post() -> None:
-            self.inner.submit_write(
+            self.inner.post_write(
                 src_mr,
                 offset,
                 length,
@@ -149,7 +149,7 @@ class FaultyTransport:
             return
         self._sender_fault(post, on_error, timeout_s)
 
-    def submit_paged_writes(
+    def post_paged_writes(
         self,
         write: PagedWrite,
         on_done: OnDone | None = None,
@@ -160,11 +160,11 @@ class FaultyTransport:
         """The inner engine's, through the fault plan."""
 
         def post() -> None:
-            self.inner.submit_paged_writes(write, on_done, on_error, timeout_s=timeout_s)
+            self.inner.post_paged_writes(write, on_done, on_error, timeout_s=timeout_s)
 
         self._sender_fault(post, on_error, timeout_s)
 
-    def submit_imm(
+    def post_imm(
         self,
         imm_data: int,
         dst_mr: MemoryRegionDescriptor,
@@ -177,7 +177,7 @@ class FaultyTransport:
         """The inner engine's, through the fault plan."""
 
         def post() -> None:
-            self.inner.submit_imm(
+            self.inner.post_imm(
                 imm_data, dst_mr, on_done, on_error, timeout_s=timeout_s, domain=domain
             )
 

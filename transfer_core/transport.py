@@ -6,7 +6,7 @@ Three classes implement the protocol: `engine.TransferEngine` (libfabric), the i
 either that injects faults). By side:
 - identity: `provider`, `num_domains`, `supports_hmem`, `memory_path`, `address`, `timeout_s`;
 - memory: `register_memory`, `unregister_memory`;
-- sender: `connect`, `submit_write`, `submit_paged_writes`, `submit_imm`, `write_and_wait`;
+- sender: `connect`, `post_write`, `post_paged_writes`, `post_imm`, `write_and_wait`;
 - receiver (S4c): `expect_imm_count`, `remove_imm_count`, `pending_imm_counts`,
   `imm_counted`, `dropped_imms`, `tap_imms` (one implementation: `imm_counting.py`);
 - lifecycle: `stats`, `close`.
@@ -150,7 +150,7 @@ class Transport(Protocol):
         """Open the connection to the engine at `peer_address` before the first write."""
         ...
 
-    def submit_write(
+    def post_write(
         self,
         src_mr: MemoryRegion,
         offset: int,
@@ -167,7 +167,7 @@ class Transport(Protocol):
         """One contiguous write of `length` bytes, optionally carrying `imm_data`."""
         ...
 
-    def submit_paged_writes(
+    def post_paged_writes(
         self,
         write: PagedWrite,
         on_done: OnDone | None = None,
@@ -178,7 +178,7 @@ class Transport(Protocol):
         """Every page of `write`; `on_done` once all are written, or `on_error` once."""
         ...
 
-    def submit_imm(
+    def post_imm(
         self,
         imm_data: int,
         dst_mr: MemoryRegionDescriptor,
@@ -203,7 +203,7 @@ class Transport(Protocol):
         timeout_s: float | None = None,
         domain: int | None = None,
     ) -> None:
-        """`submit_write`'s write, returning once done; raises its TransferError."""
+        """`post_write`'s write, returning once done; raises its TransferError."""
         ...
 
     # -- receiver (S4c) ---------------------------------------------------------------------

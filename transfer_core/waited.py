@@ -8,7 +8,7 @@ pyfabric/shim_wait.c.in) and no Python beyond the call. `TransferEngine.write_an
 prepare and one run, and a write repeated with the same arguments runs the prepared write of
 its first call again (`RepeatedWrites`). `run()` returns or raises exactly once per call, also
 when the engine closes or its progress thread fails meanwhile. Not for writes a caller does
-not wait for: those are `submit_write`.
+not wait for: those are `post_write`.
 """
 
 from __future__ import annotations

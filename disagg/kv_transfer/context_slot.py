@@ -154,7 +154,7 @@ class ContextSlots:
 
         n = self.slot_nbytes
         try:
-            self._transfer.submit_write(self.region, slot * n, n, imm, peer, peer_slot * n,
+            self._transfer.post_write(self.region, slot * n, n, imm, peer, peer_slot * n,
                                         on_done=lambda: finish(None), on_error=finish)
         except (TransferError, ValueError) as error:
             finish(error)

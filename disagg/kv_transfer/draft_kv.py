@@ -131,7 +131,7 @@ class DraftKVSource:
         # copy waits for the compute stream.
         self.kv.stage_out(0, page_ids, wait_for_compute=True)
         try:
-            self.transport.submit_paged_writes(
+            self.transport.post_paged_writes(
                 PagedWrite(self.kv.region, page_ids, nbytes, 0,
                            self._peers[outgoing.peer.peer_id], outgoing.dst_page_ids[:count],
                            nbytes, 0, nbytes, outgoing.imm),

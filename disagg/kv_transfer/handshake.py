@@ -213,7 +213,7 @@ def write_proof(slots: ContextSlots, transport: Transport, hello: Hello,
             # write goes to that endpoint.
             endpoint = replace(peer, domains=(peer.domains[p],))
             try:
-                transport.submit_write(slots.region, slot * n + 8 * p, 8, None, endpoint,
+                transport.post_write(slots.region, slot * n + 8 * p, 8, None, endpoint,
                                             peer_slot * n + 8 * p, on_done=done,
                                             on_error=done, timeout_s=timeout_s)
             except (TransferError, ValueError) as error:

@@ -118,7 +118,7 @@ class LayerStreamer:
             if not outgoing.begin_write():
                 return  # stopped or failed: nothing more is posted for it
             try:
-                self._transport.submit_paged_writes(
+                self._transport.post_paged_writes(
                     PagedWrite(self._kv[write.src_rank].region, chunk.src_page_ids,
                                self._page_nbytes, layer * self._layer_nbytes + write.src_offset,
                                peer.kv[write.dst_rank], chunk.dst_page_ids, peer.page_nbytes,

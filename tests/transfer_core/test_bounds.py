@@ -82,7 +82,7 @@ def test_engine_refuses_out_of_bounds_pages(
     good, bad = np.arange(4), np.array([0, 1, NUM_PAGES, 2])
     before = _posted(engine)
     with pytest.raises(BoundsError, match=f"'{side}'"):
-        engine.submit_paged_writes(
+        engine.post_paged_writes(
             PagedWrite(
                 src,
                 bad if side == "src" else good,
@@ -102,10 +102,10 @@ def test_engine_refuses_out_of_bounds_pages(
 def test_engine_refuses_out_of_bounds_single_write(
     engine: TransferEngine, regions: Regions
 ) -> None:
-    """submit_write past the destination end raises BoundsError before posting."""
+    """post_write past the destination end raises BoundsError before posting."""
     src, dst = regions
     with pytest.raises(BoundsError, match=r"'dst'.*offset 61440"):
-        engine.submit_write(src, 0, 2 * PAGE, None, dst, (NUM_PAGES - 1) * PAGE)
+        engine.post_write(src, 0, 2 * PAGE, None, dst, (NUM_PAGES - 1) * PAGE)
 
 
 def test_engine_refuses_mismatched_page_lists(engine: TransferEngine, regions: Regions) -> None:

@@ -62,7 +62,7 @@ def test_warm_up_counts_nothing_and_is_idempotent(engines: Engines) -> None:
     fired: list[int] = []
     reached = threading.Event()
     b.expect_imm_count(0, 1, lambda: (fired.append(1), reached.set()))
-    a.submit_write(src_mr, 0, PAGE, 0, desc, 0)
+    a.post_write(src_mr, 0, PAGE, 0, desc, 0)
     assert reached.wait(10.0)
     threading.Event().wait(0.05)  # a second firing or a stray count would show by now
     assert (fired, b.imm_counted(0), b.pending_imm_counts()) == ([1], 0, {})
@@ -111,6 +111,6 @@ def test_connect_from_a_callback_is_refused(engines: Engines) -> None:
             caught.append(exc)
         ran.set()
 
-    a.submit_imm(1, desc, inside)
+    a.post_imm(1, desc, inside)
     assert ran.wait(10.0)
     assert "own callback thread" in str(caught[0])

@@ -59,7 +59,7 @@ def test_tensor_target_receives_striped_pages(engines: Engines) -> None:
     _, dst_desc = b.register_memory(dst)
     reached = threading.Event()
     b.expect_imm_count(1, 64, reached.set)
-    a.submit_paged_writes(
+    a.post_paged_writes(
         PagedWrite(src_mr, np.arange(64), PAGE, 0, dst_desc, np.arange(64)[::-1], PAGE, 0, PAGE, 1)
     )
     _wait(reached)
@@ -74,7 +74,7 @@ def test_two_domains_stripe_page_ranges() -> None:
         done = threading.Event()
         pages = np.arange(16)
         write = PagedWrite(src_mr, pages, PAGE, 0, dst_desc, pages, PAGE, 0, PAGE, 5)
-        a.submit_paged_writes(write, done.set)
+        a.post_paged_writes(write, done.set)
         _wait(done)
         assert [s.writes_completed for s in a.stats()] == [8, 8]
 
@@ -85,7 +85,7 @@ def test_bytes_source_is_read_only_target() -> None:
         src_mr, src_desc = a.register_memory(b"x" * PAGE)
         assert not src_mr.writable
         with pytest.raises(ValueError, match="read-only"):
-            a.submit_write(src_mr, 0, PAGE, None, src_desc, 0)
+            a.post_write(src_mr, 0, PAGE, None, src_desc, 0)
 
 
 def test_cuda_memory_needs_hmem(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -102,7 +102,7 @@ def test_provider_mismatch_is_refused() -> None:
         src_mr, _ = a.register_memory(np.zeros(PAGE, np.uint8))
         _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
         with pytest.raises(ValueError, match="provider"):
-            a.submit_write(src_mr, 0, PAGE, None, desc, 0)
+            a.post_write(src_mr, 0, PAGE, None, desc, 0)
 
 
 def test_callback_exception_is_raised_on_next_call(engines: Engines) -> None:
@@ -116,12 +116,12 @@ def test_callback_exception_is_raised_on_next_call(engines: Engines) -> None:
         ran.set()
         raise RuntimeError("boom")
 
-    a.submit_imm(1, desc, explode)
+    a.post_imm(1, desc, explode)
     _wait(ran)
     raised = None
     for _ in range(10_000):  # the error is stored just after the callback returns
         try:
-            a.submit_imm(2, desc)
+            a.post_imm(2, desc)
         except RuntimeError as exc:
             raised = exc
             break
@@ -134,7 +134,7 @@ def test_expectation_already_met_fires_on_engine_thread(engines: Engines) -> Non
     a, b = engines
     _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
     sent = threading.Event()
-    a.submit_imm(9, desc, sent.set)
+    a.post_imm(9, desc, sent.set)
     _wait(sent)
     for _ in range(5000):
         if b.imm_counted(9) == 1:
@@ -156,7 +156,7 @@ def test_closed_engine_refuses_work() -> None:
     a.close()
     a.close()
     with pytest.raises(TransferError, match="closed"):
-        a.submit_write(src_mr, 0, PAGE, None, desc, 0)
+        a.post_write(src_mr, 0, PAGE, None, desc, 0)
 
 
 def test_close_leaves_no_shm_files() -> None:
@@ -183,7 +183,7 @@ def test_close_from_callback_is_refused(engines: Engines) -> None:
             errors.append(exc)
         ran.set()
 
-    a.submit_imm(1, desc, close_inside)
+    a.post_imm(1, desc, close_inside)
     _wait(ran)
     assert "callback thread" in str(errors[0])
 
@@ -242,13 +242,13 @@ def test_source_without_remote_write_cannot_be_written(provider: str) -> None:
         _, target_desc = b.register_memory(target)
         assert (source_desc.writable, target_desc.writable) == (False, True)
         with pytest.raises(ValueError, match="read-only"):
-            a.submit_write(src_mr, 0, PAGE, 5, source_desc, 0)
+            a.post_write(src_mr, 0, PAGE, 5, source_desc, 0)
         landed = threading.Event()
         b.expect_imm_count(6, 1, landed.set)
-        a.submit_write(src_mr, 0, PAGE, 6, target_desc, 0)
+        a.post_write(src_mr, 0, PAGE, 6, target_desc, 0)
         _wait(landed)
         finished = threading.Event()
-        a.submit_write(src_mr, 0, PAGE, 5, _forged(source_desc), 0, finished.set,
+        a.post_write(src_mr, 0, PAGE, 5, _forged(source_desc), 0, finished.set,
                        lambda _error: finished.set())
         _wait(finished)
         threading.Event().wait(0.3)  # give a wrongly placed write time to show up
@@ -264,7 +264,7 @@ def test_unexpected_immediates_are_bounded_and_counted(monkeypatch: pytest.Monke
         _, desc = b.register_memory(np.zeros(PAGE, np.uint8))
         sent = [threading.Event() for _ in range(40)]
         for imm, event in enumerate(sent, start=1):
-            a.submit_imm(imm, desc, event.set)
+            a.post_imm(imm, desc, event.set)
         for event in sent:
             _wait(event)
         for _ in range(2000):

@@ -55,7 +55,7 @@ def _paged(
 ) -> None:
     done = threading.Event()
     pages = np.arange(PAGES)
-    a.submit_paged_writes(
+    a.post_paged_writes(
         PagedWrite(src_mr, pages, PAGE, 0, dst, pages, PAGE, 0, PAGE, 7, domains), done.set
     )
     assert done.wait(10.0), "paged write did not finish"
@@ -87,11 +87,11 @@ def test_paged_writes_stripe_over_the_named_domains(pair: Pair) -> None:
 
 
 def test_single_write_and_imm_use_the_named_domain(pair: Pair) -> None:
-    """submit_write(domain=1) and submit_imm(domain=1) both leave on domain 1."""
+    """post_write(domain=1) and post_imm(domain=1) both leave on domain 1."""
     a, b, src_mr, dst_desc, _ = pair
     write_done, imm_done = threading.Event(), threading.Event()
-    a.submit_write(src_mr, 0, PAGE, 7, dst_desc, 0, write_done.set, domain=1)
-    a.submit_imm(7, dst_desc, imm_done.set, domain=1)
+    a.post_write(src_mr, 0, PAGE, 7, dst_desc, 0, write_done.set, domain=1)
+    a.post_imm(7, dst_desc, imm_done.set, domain=1)
     assert write_done.wait(10.0)
     assert imm_done.wait(10.0)
     assert [s.writes_completed for s in a.stats()] == [0, 2]
@@ -111,12 +111,12 @@ def test_bad_domain_indices_are_refused(checked: Pair, domains: object, match: s
 
 
 def test_bad_single_domain_is_refused(checked: Pair) -> None:
-    """submit_write and submit_imm check their domain index too."""
+    """post_write and post_imm check their domain index too."""
     a, _, src_mr, dst_desc, _ = checked
     with pytest.raises(ValueError, match="domain index 5 is out of range: num_domains=2"):
-        a.submit_write(src_mr, 0, PAGE, 7, dst_desc, 0, domain=5)
+        a.post_write(src_mr, 0, PAGE, 7, dst_desc, 0, domain=5)
     with pytest.raises(ValueError, match="domain index 2 is out of range"):
-        a.submit_imm(7, dst_desc, domain=2)
+        a.post_imm(7, dst_desc, domain=2)
 
 
 def _affinity(thread: threading.Thread) -> set[int]:

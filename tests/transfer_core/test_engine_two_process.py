@@ -174,7 +174,7 @@ def test_paged_writes_land_at_scattered_pages(sender: Sender, fresh: Peer) -> No
     src = np.arange(64)
     dst = np.random.default_rng(1).permutation(NUM_PAGES)[:64]
     fresh.call("expect", imm, 64)
-    engine.submit_paged_writes(
+    engine.post_paged_writes(
         _pages(region, src, fresh.descriptor, dst, imm), cb.on_done, cb.on_error
     )
     assert fresh.call("wait", imm, WAIT_S) == 1
@@ -187,7 +187,7 @@ def test_counter_fires_for_writes_landed_before_expectation(sender: Sender, fres
     """All 16 writes counted at the receiver before `expect`: it fires at once, once."""
     engine, region, _ = sender
     imm, cb = next(_imms), _Callbacks()
-    engine.submit_paged_writes(
+    engine.post_paged_writes(
         _pages(region, np.arange(16), fresh.descriptor, np.arange(16), imm),
         cb.on_done,
         cb.on_error,
@@ -208,7 +208,7 @@ def test_counter_waits_for_exact_count(sender: Sender, fresh: Peer) -> None:
     engine, region, _ = sender
     imm, first, last = next(_imms), _Callbacks(), _Callbacks()
     fresh.call("expect", imm, 16)
-    engine.submit_paged_writes(
+    engine.post_paged_writes(
         _pages(region, np.arange(15), fresh.descriptor, np.arange(15), imm),
         first.on_done,
         first.on_error,
@@ -216,7 +216,7 @@ def test_counter_waits_for_exact_count(sender: Sender, fresh: Peer) -> None:
     assert first.finished.wait(WAIT_S)
     assert first.done == 1
     assert fresh.call("wait", imm, 0.3) == 0
-    engine.submit_write(
+    engine.post_write(
         region, 0, PAGE, imm, fresh.descriptor, 100 * PAGE, last.on_done, last.on_error
     )
     assert fresh.call("wait", imm, WAIT_S) == 1
@@ -227,10 +227,10 @@ def test_single_write_and_pure_immediate(sender: Sender, fresh: Peer) -> None:
     engine, region, data = sender
     imm, write, signal = next(_imms), _Callbacks(), _Callbacks()
     fresh.call("expect", imm, 2)
-    engine.submit_write(
+    engine.post_write(
         region, 5 * PAGE, 3 * PAGE, imm, fresh.descriptor, 40 * PAGE, write.on_done, write.on_error
     )
-    engine.submit_imm(imm, fresh.descriptor, signal.on_done, signal.on_error)
+    engine.post_imm(imm, fresh.descriptor, signal.on_done, signal.on_error)
     assert fresh.call("wait", imm, WAIT_S) == 1
     assert write.finished.wait(WAIT_S)
     assert signal.finished.wait(WAIT_S)
@@ -247,7 +247,7 @@ def test_many_requests_in_flight(sender: Sender, fresh: Peer) -> None:
     callbacks = [_Callbacks() for _ in imms]
     for r, (imm, cb) in enumerate(zip(imms, callbacks, strict=True)):
         pages = np.arange(8 * r, 8 * r + 8)
-        engine.submit_paged_writes(
+        engine.post_paged_writes(
             _pages(region, pages, fresh.descriptor, pages[::-1], imm),
             cb.on_done,
             cb.on_error,
@@ -266,18 +266,18 @@ def test_dead_peer_reports_every_op_once(provider: str) -> None:
     engine = TransferEngine(provider)
     region, _ = engine.register_memory(np.zeros(8 * PAGE, np.uint8))
     warm = _Callbacks()
-    engine.submit_write(region, 0, PAGE, None, gone.descriptor, 0, warm.on_done, warm.on_error)
+    engine.post_write(region, 0, PAGE, None, gone.descriptor, 0, warm.on_done, warm.on_error)
     assert warm.finished.wait(WAIT_S)
     assert warm.done == 1  # connected, then the peer dies
     gone.stop()
     callbacks = [_Callbacks() for _ in range(3)]
-    engine.submit_paged_writes(
+    engine.post_paged_writes(
         _pages(region, np.arange(8), gone.descriptor, np.arange(8), 1),
         callbacks[0].on_done,
         callbacks[0].on_error,
         timeout_s=0.5,
     )
-    engine.submit_write(
+    engine.post_write(
         region,
         0,
         PAGE,
@@ -288,7 +288,7 @@ def test_dead_peer_reports_every_op_once(provider: str) -> None:
         callbacks[1].on_error,
         timeout_s=0.5,
     )
-    engine.submit_imm(
+    engine.post_imm(
         3, gone.descriptor, callbacks[2].on_done, callbacks[2].on_error, timeout_s=0.5
     )
     assert all(cb.finished.wait(WAIT_S) for cb in callbacks)

@@ -55,7 +55,7 @@ def test_receiver_faults_act_on_the_wrapped_engines_arrivals(fault: str, counted
     the inner engine's counters, whatever engine that is."""
     a, b = _pair(FaultPlan(seed=0, **{fault: 1.0}), "receiver")
     with a, b:
-        a.submit_paged_writes(_paged(a, b, 8, 5))
+        a.post_paged_writes(_paged(a, b, 8, 5))
         assert b.imm_counted(5) == counted
         assert b.injected[fault] == 8
         assert b.inner.imm_counted(5) == counted  # the wrapper holds no counters of its own
@@ -69,8 +69,8 @@ def test_a_stopped_peer_swallows_operations_until_they_time_out() -> None:
         write = _paged(a, b, 2, 9)
         errors: list[BaseException] = []
         failed = threading.Event()
-        a.submit_paged_writes(write)
-        a.submit_paged_writes(
+        a.post_paged_writes(write)
+        a.post_paged_writes(
             write, on_error=lambda e: (errors.append(e), failed.set()), timeout_s=0.05
         )
         assert failed.wait(5.0)
@@ -95,8 +95,8 @@ def test_writes_without_an_immediate_bypass_the_fault_plan() -> None:
         dst = np.zeros(64, np.uint8)
         _, desc = b.register_memory(dst)
         failed, landed = threading.Event(), threading.Event()
-        a.submit_write(src, 0, 64, 1, desc, 0, on_error=lambda _error: failed.set())
-        a.submit_write(src, 0, 64, None, desc, 0, on_done=landed.set)
+        a.post_write(src, 0, 64, 1, desc, 0, on_error=lambda _error: failed.set())
+        a.post_write(src, 0, 64, None, desc, 0, on_done=landed.set)
         assert failed.wait(10.0)
         assert landed.wait(10.0)
         assert (a.injected["fail_write"], a.operations) == (1, 1)
@@ -117,10 +117,10 @@ def test_domains_pass_through_the_fault_plan() -> None:
         _, desc = b.register_memory(np.zeros(4 * 64, np.uint8))
         paged, single = threading.Event(), threading.Event()
         pages = np.arange(4)
-        a.submit_paged_writes(
+        a.post_paged_writes(
             PagedWrite(src, pages, 64, 0, desc, pages, 64, 0, 64, 3, [1]), paged.set
         )
-        a.submit_write(src, 0, 64, 3, desc, 0, single.set, domain=1)
+        a.post_write(src, 0, 64, 3, desc, 0, single.set, domain=1)
         assert paged.wait(10.0)
         assert single.wait(10.0)
         assert [s.writes_completed for s in a.stats()] == [0, 5]

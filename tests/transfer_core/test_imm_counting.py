@@ -64,7 +64,7 @@ def scenario(a: Any, b: Any) -> dict[str, Any]:
 
     def send(pages: int, imm: int) -> None:
         ids = np.arange(pages)
-        a.submit_paged_writes(PagedWrite(src, ids, PAGE, 0, dst, ids, PAGE, 0, PAGE, imm))
+        a.post_paged_writes(PagedWrite(src, ids, PAGE, 0, dst, ids, PAGE, 0, PAGE, imm))
 
     send(3, 21)  # lands before anyone expects it
     assert _until(lambda: b.imm_counted(21) == 3)

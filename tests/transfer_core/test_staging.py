@@ -196,7 +196,7 @@ def staged_transfer(device: str, pages: list[int], dst_pages: list[int]) -> tupl
         page_nbytes, layer_nbytes = PAGE_NUMEL * 4, NUM_PAGES * PAGE_NUMEL * 4
         for layer in range(NUM_LAYERS):
             src.stage_out(layer, pages)
-            a.submit_paged_writes(PagedWrite(src.region, pages, page_nbytes, layer * layer_nbytes,
+            a.post_paged_writes(PagedWrite(src.region, pages, page_nbytes, layer * layer_nbytes,
                                              dst.descriptor, dst_pages, page_nbytes,
                                              layer * layer_nbytes, page_nbytes, 7))
         assert reached.wait(10.0), "writes did not land"

@@ -133,7 +133,7 @@ class LoopbackEngine(ImmCounting):
 
     # -- writes -----------------------------------------------------------------------------
 
-    def submit_write(
+    def post_write(
         self,
         src_mr: MemoryRegion,
         offset: int,
@@ -147,7 +147,7 @@ class LoopbackEngine(ImmCounting):
         timeout_s: float | None = None,
         domain: int | None = None,
     ) -> None:
-        """As `TransferEngine.submit_write`."""
+        """As `TransferEngine.post_write`."""
         self._check_write(src_mr, dst_mr, imm_data)
         checks.check_single(src_mr, offset, length, dst_mr, dst_offset)
         d = self._pick(domain)
@@ -171,14 +171,14 @@ class LoopbackEngine(ImmCounting):
         domain: int | None = None,
     ) -> None:
         """As `TransferEngine.write_and_wait`: returns once done, raises the write's error
-        (here through `submit_write` and a wait, as nothing to reap exists)."""
+        (here through `post_write` and a wait, as nothing to reap exists)."""
         done, failed = threading.Event(), []
 
         def on_error(error: TransferError) -> None:
             failed.append(error)
             done.set()
 
-        self.submit_write(
+        self.post_write(
             src_mr, offset, length, imm_data, dst_mr, dst_offset, done.set, on_error, domain=domain
         )
         if not done.wait(self.timeout_s if timeout_s is None else timeout_s):
@@ -186,7 +186,7 @@ class LoopbackEngine(ImmCounting):
         if failed:
             raise failed[0]
 
-    def submit_paged_writes(
+    def post_paged_writes(
         self,
         write: PagedWrite,
         on_done: OnDone | None = None,
@@ -194,7 +194,7 @@ class LoopbackEngine(ImmCounting):
         *,
         timeout_s: float | None = None,
     ) -> None:
-        """As `TransferEngine.submit_paged_writes`: one immediate per page, striped the same."""
+        """As `TransferEngine.post_paged_writes`: one immediate per page, striped the same."""
         self._check_write(write.src_mr, write.dst_mr, write.imm)
         parts = checks.stripe(
             write.num_pages, checks.check_domains(write.domains, self.num_domains)
@@ -216,7 +216,7 @@ class LoopbackEngine(ImmCounting):
                 )
             )
 
-    def submit_imm(
+    def post_imm(
         self,
         imm_data: int,
         dst_mr: MemoryRegionDescriptor,
@@ -226,10 +226,10 @@ class LoopbackEngine(ImmCounting):
         timeout_s: float | None = None,
         domain: int | None = None,
     ) -> None:
-        """As `TransferEngine.submit_imm`: a zero-byte write carrying one immediate."""
+        """As `TransferEngine.post_imm`: a zero-byte write carrying one immediate."""
         self._check_write(None, dst_mr, imm_data)
         if imm_data is None:
-            raise ValueError("submit_imm needs an imm value")
+            raise ValueError("post_imm needs an imm value")
         d = self._pick(domain)
         done = Completion(1, on_done, on_error, self._errors.report)
         zero = np.zeros(1, np.int64)

@@ -68,7 +68,7 @@ def test_zero_byte_immediates_firing_a_counter_are_refused(make_harness: MakeHar
     pending = h.decode.pending["r0"]
     attacker, context = attacker_of(h)
     for _ in range(pending.expected_writes):
-        attacker.submit_imm(pending.imm, context)
+        attacker.post_imm(pending.imm, context)
     h.step_decoder()
     assert "r0" not in h.decode.pending and len(h.decode.quarantine) == 1  # refused, held
     assert (request.state, request.output_token_ids) == (WAITING_FOR_KV, [])
@@ -86,7 +86,7 @@ def test_a_flood_of_unarmed_immediates_is_bounded_and_harmless(make_harness: Mak
     h = make_harness()
     attacker, context = attacker_of(h)
     for imm in range(1, MAX_UNARMED_IMMS + 101):
-        attacker.submit_imm(imm, context)
+        attacker.post_imm(imm, context)
     assert h.decode_transfer.dropped_imms == 100
     prompt = random_prompt(9, seed=32)
     request = h.submit(prompt)
@@ -130,7 +130,7 @@ def test_sources_are_not_writable_by_peers(make_harness: MakeHarness,
     assert h.decode.kv[0].descriptor.writable
     assert MemoryRegionDescriptor.from_bytes(h.decode.hello().context_descriptor).writable
     source = attacker.register_memory(torch.full((16,), 7.0))[0]
-    attacker.submit_write(source, 0, 64, 3, dataclasses.replace(prefill_kv, writable=True), 0)
+    attacker.post_write(source, 0, 64, 3, dataclasses.replace(prefill_kv, writable=True), 0)
     assert not any(shard.buffer.any() for shard in h.prefill_parts.kv_cache.shards)
 
 

@@ -145,14 +145,14 @@ def _attack_the_fabric(hello: Hello) -> None:
         for key in range(1, 6):
             guess = MemoryRegionDescriptor(f"guess-{key}", attacker.provider, 0, 4096, False,
                                            True, ((endpoint, key),))
-            _post_all(attacker, [lambda ok, err, g=guess: attacker.submit_write(
+            _post_all(attacker, [lambda ok, err, g=guess: attacker.post_write(
                 source, 0, 4096, None, g, 0, ok, err)])
             # A wrong key makes tcp drop the connection, and a write posted while it goes is
             # lost: give the next guess a connection of its own.
             threading.Event().wait(0.2)
         probe = MemoryRegionDescriptor("probe", attacker.provider, probe_addr, 64, True, True,
                                        ((endpoint, probe_key),))
-        _post_all(attacker, [lambda ok, err, imm=imm: attacker.submit_imm(imm, probe, ok, err)
+        _post_all(attacker, [lambda ok, err, imm=imm: attacker.post_imm(imm, probe, ok, err)
                              for imm in range(1, FLOOD + 1)])
 
 

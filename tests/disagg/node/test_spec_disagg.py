@@ -155,7 +155,7 @@ def test_a_missing_context_write_is_caught_by_the_deadline(
     KV deadline fires, and the request fails instead of hanging."""
     pair = make_pair("mtp", ReliabilityConfig(kv_timeout_s=0.5, quarantine_timeout_s=0.5,
                                               max_attempts=1))
-    patch(pair.prefill.transfer, "submit_write",
+    patch(pair.prefill.transfer, "post_write",
           lambda original, *args, on_done, on_error, **kw: on_done())  # reported, never sent
     start = time.monotonic()
     events = pair.serve([list(range(3, 9))])["r0"]
@@ -184,8 +184,8 @@ def test_a_duplicated_context_write_is_caught_by_the_checksum(
             return
         original(*args, **kwargs)
 
-    patch(pair.prefill.transfer, "submit_write", twice)
-    patch(pair.prefill.transfer, "submit_paged_writes", late)
+    patch(pair.prefill.transfer, "post_write", twice)
+    patch(pair.prefill.transfer, "post_paged_writes", late)
     prompt = list(range(3, 9))  # positions 0..3 of the head: exactly one page of 4
     assert draft_kv_pages(len(prompt), CACHE.page_size) == 1
     events = pair.serve([prompt])["r0"]

@@ -78,7 +78,7 @@ def test_inline_delivery_is_synchronous() -> None:
         seen: list[str] = []
         b.expect_imm_count(3, 4, lambda: seen.append(threading.current_thread().name))
         write = _pages(smr, [0, 1, 2, 3], desc, [7, 5, 3, 1], 3)
-        a.submit_paged_writes(write, lambda: seen.append("done"))
+        a.post_paged_writes(write, lambda: seen.append("done"))
         assert seen == [threading.current_thread().name, "done"]
         assert (dst[[7, 5, 3, 1]] == src[:4]).all()
 
@@ -89,7 +89,7 @@ def test_threaded_callbacks_run_on_delivery_threads(pair: Pair) -> None:
     _, _, smr, desc = _regions(a, b)
     names: dict[str, str] = {}
     b.expect_imm_count(1, 1, lambda: names.setdefault("reached", threading.current_thread().name))
-    a.submit_write(smr, 0, PAGE, 1, desc, 0,
+    a.post_write(smr, 0, PAGE, 1, desc, 0,
                    lambda: names.setdefault("done", threading.current_thread().name))  # fmt: skip
     _settle(a, b)
     if a.deliver_inline:
@@ -105,7 +105,7 @@ def test_hold_keeps_writes_in_flight(pair: Pair) -> None:
     src, dst, smr, desc = _regions(a, b)
     done = threading.Event()
     a.hold()
-    a.submit_paged_writes(_pages(smr, [0, 1], desc, [4, 6], 8), done.set)
+    a.post_paged_writes(_pages(smr, [0, 1], desc, [4, 6], 8), done.set)
     _settle(a, b)
     assert (a.held_writes(), b.imm_counted(8), done.is_set(), dst.any()) == (1, 0, False, False)
     assert a.stats()[0].inflight == 2
@@ -120,13 +120,13 @@ def test_drop_imm_loses_immediates_not_bytes(pair: Pair) -> None:
     a, b = pair
     src, dst, smr, desc = _regions(a, b)
     b.drop_imm(lambda imm: imm == 5)
-    a.submit_paged_writes(_pages(smr, [0, 1, 2], desc, [0, 1, 2], 5))
-    a.submit_imm(6, desc)
+    a.post_paged_writes(_pages(smr, [0, 1, 2], desc, [0, 1, 2], 5))
+    a.post_imm(6, desc)
     _settle(a, b)
     assert (b.imm_counted(5), b.imm_counted(6), b.dropped_imms) == (0, 1, 3)
     assert (dst[:3] == src[:3]).all()
     b.drop_imm(None)
-    a.submit_imm(5, desc)
+    a.post_imm(5, desc)
     _settle(a, b)
     assert b.imm_counted(5) == 1
 
@@ -139,10 +139,10 @@ def test_raising_callback_resurfaces_on_next_call(pair: Pair) -> None:
     def boom() -> None:
         raise RuntimeError("boom")
 
-    a.submit_imm(1, desc, boom)
+    a.post_imm(1, desc, boom)
     _settle(a, b)
     with pytest.raises(RuntimeError, match="boom"):
-        a.submit_imm(2, desc)
+        a.post_imm(2, desc)
 
 
 def test_gone_peer_and_stale_key_fail_through_on_error(pair: Pair) -> None:
@@ -151,12 +151,12 @@ def test_gone_peer_and_stale_key_fail_through_on_error(pair: Pair) -> None:
     _, _, smr, desc = _regions(a, b)
     b.unregister_memory(b.regions.lookup(desc.domains[0][1]))
     errors: list[BaseException] = []
-    a.submit_write(smr, 0, PAGE, 1, desc, 0, on_error=errors.append)
+    a.post_write(smr, 0, PAGE, 1, desc, 0, on_error=errors.append)
     fabric = a.fabric
     c = LoopbackEngine(fabric=fabric, deliver_inline=a.deliver_inline)
     _, gone = c.register_memory(np.zeros(PAGE, np.uint8))
     c.close()
-    a.submit_imm(1, gone, on_error=errors.append)
+    a.post_imm(1, gone, on_error=errors.append)
     _settle(a)
     assert [type(e) for e in errors] == [PeerError, PeerError]
     assert "not a writable region" in str(errors[0])
@@ -173,7 +173,7 @@ def test_region_without_remote_write_lands_nothing(pair: Pair) -> None:
     _, desc = b.register_memory(source, remote_write=False)
     assert not desc.writable and desc.domains[0][1] > 2**32
     done = threading.Event()
-    a.submit_write(smr, 0, PAGE, 4, dataclasses.replace(desc, writable=True), 0, done.set)
+    a.post_write(smr, 0, PAGE, 4, dataclasses.replace(desc, writable=True), 0, done.set)
     _settle(a, b)
     assert done.is_set() and (b.imm_counted(4), int(source.max())) == (0, 0)
 
@@ -184,7 +184,7 @@ def test_forged_descriptor_writes_nothing_outside(pair: Pair) -> None:
     _, dst, smr, desc = _regions(a, b, pages=2)
     big = dataclasses.replace(desc, length=4 * PAGE)
     errors: list[BaseException] = []
-    a.submit_write(smr, 0, PAGE, 1, big, 3 * PAGE, on_error=errors.append)
+    a.post_write(smr, 0, PAGE, 1, big, 3 * PAGE, on_error=errors.append)
     _settle(a, b)
     assert [type(e) for e in errors] == [PeerError]
     assert b.imm_counted(1) == 0
@@ -197,13 +197,13 @@ def test_close_fails_held_writes_and_refuses_work(pair: Pair) -> None:
     _, _, smr, desc = _regions(a, b)
     a.hold()
     errors: list[BaseException] = []
-    a.submit_write(smr, 0, PAGE, 1, desc, 0, on_error=errors.append)
+    a.post_write(smr, 0, PAGE, 1, desc, 0, on_error=errors.append)
     a.close(drain_s=0.1)
     a.close()
     assert len(errors) == 1
     assert "closed" in str(errors[0])
     with pytest.raises(TransferError, match="closed"):
-        a.submit_imm(1, desc)
+        a.post_imm(1, desc)
     assert b.imm_counted(1) == 0
 
 
@@ -220,7 +220,7 @@ def test_close_from_callback_is_refused() -> None:
             except RuntimeError as exc:
                 caught.append(exc)
 
-        a.submit_imm(1, desc, close_inside)
+        a.post_imm(1, desc, close_inside)
         assert fabric.quiesce(10.0)
         assert "callback thread" in str(caught[0])
 
@@ -261,17 +261,17 @@ def test_named_domains_carry_the_writes() -> None:
     ):
         _, _, smr, desc = _regions(a, b)
         pages = np.arange(8)
-        a.submit_paged_writes(_pages(smr, pages, desc, pages, 4, domains=[1]))
-        a.submit_write(smr, 0, PAGE, 4, desc, 0, domain=1)
-        a.submit_imm(4, desc, domain=1)
+        a.post_paged_writes(_pages(smr, pages, desc, pages, 4, domains=[1]))
+        a.post_write(smr, 0, PAGE, 4, desc, 0, domain=1)
+        a.post_imm(4, desc, domain=1)
         _settle(a, b)
         assert [s.writes_completed for s in a.stats()] == [0, 10]
         assert [s.bytes_written for s in a.stats()] == [0, 9 * PAGE]
         assert [s.imms_received for s in b.stats()] == [0, 10]
         with pytest.raises(ValueError, match="domain index 2 is out of range: num_domains=2"):
-            a.submit_paged_writes(_pages(smr, pages, desc, pages, 4, domains=[2]))
+            a.post_paged_writes(_pages(smr, pages, desc, pages, 4, domains=[2]))
         with pytest.raises(ValueError, match="domain index 3 is out of range"):
-            a.submit_imm(4, desc, domain=3)
+            a.post_imm(4, desc, domain=3)
 
 
 def test_write_and_wait_lands_before_it_returns(pair: Pair) -> None:

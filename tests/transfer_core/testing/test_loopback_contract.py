@@ -78,14 +78,14 @@ def scenario(make: Factory) -> dict[str, Any]:
         def paged(s: Any, d: Any, imm: int | None, on_done: Any = None, on_error: Any = None,
                   timeout_s: float | None = None) -> None:
             write = PagedWrite(smr, s, PAGE, 0, desc, d, PAGE, 0, PAGE, imm)
-            a.submit_paged_writes(write, on_done, on_error, timeout_s=timeout_s)
+            a.post_paged_writes(write, on_done, on_error, timeout_s=timeout_s)
 
         rec["errors"] = [
             _raises(lambda: paged([0, 1, 2], [0, NUM_PAGES, 1], 1)),
             _raises(lambda: paged([0, -1], [0, 1], 1)),
             _raises(lambda: paged([0, 1, 2], [0, 1], 1)),
             _raises(lambda: paged([0], [0], 2**32)),
-            _raises(lambda: a.submit_write(smr, 0, 2 * PAGE, None, desc, (NUM_PAGES - 1) * PAGE)),
+            _raises(lambda: a.post_write(smr, 0, 2 * PAGE, None, desc, (NUM_PAGES - 1) * PAGE)),
         ]
         rec["after_errors"] = (b.pending_imm_counts(), b.imm_counted(1))
 
