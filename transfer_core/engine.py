@@ -27,6 +27,7 @@ from transfer_core.domain_worker import Completion, DomainWorker, OnDone, OnErro
 from transfer_core.errors import PeerError, TransferError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
+from transfer_core.memory_paths import MEMORY_PATHS
 from transfer_core.owner_errors import OwnerErrors
 from transfer_core.placement import plan_domains
 from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, find_infos
@@ -42,9 +43,6 @@ from transfer_core.write_checks import (  # noqa: F401  (MAX_IMM: re-exported, c
     check_target,
     stripe,
 )
-
-# How `staging.register_kv` places a tensor's memory: "auto" picks host, hmem or staged.
-MEMORY_PATHS = ("auto", "host", "hmem", "staged")
 
 
 class TransferEngine:

@@ -18,18 +18,16 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 from dataclasses import dataclass, field
-from typing import Literal
 
 import numpy as np
 import torch
 
-from transfer_core.engine import MEMORY_PATHS, TransferEngine
+from transfer_core.engine import TransferEngine
 from transfer_core.errors import BoundsError, FabricError, ProviderNotFoundError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+from transfer_core.memory_paths import MEMORY_PATHS, MemoryPathKind
 
 logger = logging.getLogger(__name__)
-
-MemoryPathKind = Literal["host", "hmem", "staged"]
 
 
 @dataclass(frozen=True, slots=True)

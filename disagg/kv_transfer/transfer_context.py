@@ -23,10 +23,11 @@ from disagg.kv_transfer.transfer_plan import PageGeometry, PageWrite, num_pages
 from disagg.model.sharding import Sharding
 from disagg.utils.trace import Tracer
 from transfer_core.memory import MemoryRegionDescriptor
+from transfer_core.memory_paths import MEMORY_PATH_KINDS
 from transfer_core.staging import RegisteredKV
 
 # What a decoder may say its KV memory path is ("": it did not say).
-PEER_MEMORY_PATHS = ("", "host", "hmem", "staged")
+PEER_MEMORY_PATHS = ("", *MEMORY_PATH_KINDS)
 
 
 @dataclass

@@ -26,10 +26,10 @@ import numpy as np
 
 from transfer_core import write_checks as checks
 from transfer_core.domain_worker import Completion, OnDone, OnError
-from transfer_core.engine import MEMORY_PATHS
 from transfer_core.errors import ProviderNotFoundError, TransferError, TransferTimeoutError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor
+from transfer_core.memory_paths import MEMORY_PATHS
 from transfer_core.owner_errors import OwnerErrors
 from transfer_core.pyfabric import Stats
 from transfer_core.testing.loopback_memory import RegionTable, WritePart
