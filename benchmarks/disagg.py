@@ -46,7 +46,7 @@ from disagg.control.framing import Submit  # noqa: E402
 from disagg.control.messages import RequestEvent
 from disagg.engine.request import FailureCause, RequestState  # noqa: E402
 from disagg.model.loading.registry import load_model  # noqa: E402
-from disagg.node.local_cluster import ClusterConfig  # noqa: E402
+from disagg.node.cluster_config import ClusterConfig  # noqa: E402
 from disagg.node.router import Router  # noqa: E402
 
 logger = logging.getLogger("benchmarks.disagg")
@@ -109,9 +109,9 @@ def cluster_config(args: argparse.Namespace, schedule: list[Arrival], trace_dir:
     whole stream at once (so no request waits for pages), a trace file per node."""
     pages = sum(-(-(len(a.prompt_token_ids) + a.max_tokens) // args.page_size)
                 for a in schedule)
-    return ClusterConfig(model=args.model, num_decoders=1, page_size=args.page_size,
-                         num_pages=pages + 16, chunk_size=args.chunk_size,
-                         threads_per_node=1, trace_dir=trace_dir)
+    return ClusterConfig.from_options(model=args.model, num_decoders=1, page_size=args.page_size,
+                                      num_pages=pages + 16, chunk_size=args.chunk_size, threads=1,
+                                      trace=trace_dir)
 
 
 def serve_stream(router: Router, schedule: list[Arrival], timeout_s: float

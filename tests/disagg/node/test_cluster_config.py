@@ -13,20 +13,21 @@ from disagg.config import (
     ParallelConfig,
     ReliabilityConfig,
     SchedulerConfig,
+    SchedulerMode,
 )
-from disagg.node.local_cluster import ClusterConfig
+from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeConfig, NodeRole
 
 PREFILLER = "127.0.0.1:7000"
 
 
-def _expected(role: NodeRole, node_id: str, chunk_mode: str) -> NodeConfig:
+def _expected(role: NodeRole, node_id: str, mode: SchedulerMode) -> NodeConfig:
     """What the cluster gave each node before `ClusterConfig` held a node config: every field."""
     return NodeConfig(
         model="tiny",
         cache=CacheConfig(page_size=16, num_pages=512, kv_layout="NHD", prefix_caching=True),
         scheduler=SchedulerConfig(max_num_seqs=64, max_num_batched_tokens=256, chunk_size=256,
-                                  mode=chunk_mode),  # type: ignore[arg-type]
+                                  mode=mode),
         parallel=ParallelConfig(tp=1, replicated_kv=False), role=role, node_id=node_id,
         listen="127.0.0.1:0", prefillers=(PREFILLER,) if role is NodeRole.DECODE else (),
         provider="tcp", fabric_node="auto", threads=1, faults=None,
@@ -49,7 +50,7 @@ def _node_configs(cluster: ClusterConfig) -> dict[str, NodeConfig]:
 
 
 def _default_cluster() -> ClusterConfig:
-    return ClusterConfig(model="tiny")
+    return ClusterConfig.from_options(model="tiny")
 
 
 def test_the_default_cluster_runs_the_same_node_configs() -> None:
