@@ -58,11 +58,11 @@ RAY_BASE_PORT: int = default_of(RayConfig, "base_port")
 @with_node_options(("model", *SHARED, *DECODER), model=DEFAULT_MODEL, threads=THREADS_PER_NODE)
 def serve_cluster(
     node_options: NodeOptions,
-    prefillers: Annotated[int, typer.Option(help="Prefiller processes")] = 1,
-    decoders: Annotated[int, typer.Option(help="Decoder processes")] = 1,
-    mixed: Annotated[int, typer.Option(
-        help="Serve from N single-node mixed engines instead of prefillers and decoders "
-             "(the S1 baseline)")] = 0,
+    num_prefillers: Annotated[int, typer.Option("--prefillers", help="Prefiller processes")] = 1,
+    num_decoders: Annotated[int, typer.Option("--decoders", help="Decoder processes")] = 1,
+    num_mixed: Annotated[int, typer.Option(
+        "--mixed", help="Serve from N single-node mixed engines instead of prefillers and "
+                        "decoders (the S1 baseline)")] = 0,
     host: HostOption = HOST,
     port: PortOption = PORT,
     max_in_flight: MaxInFlightOption = MAX_IN_FLIGHT,
@@ -97,7 +97,8 @@ def serve_cluster(
     from disagg.server.launch import serve_cluster as run
 
     cluster = ClusterConfig.from_options(
-        **node_options, num_prefillers=prefillers, num_decoders=decoders, num_mixed=mixed,
+        **node_options, num_prefillers=num_prefillers, num_decoders=num_decoders,
+        num_mixed=num_mixed,
         prefill_tp=prefill_tp, decode_tp=decode_tp, routing=routing,
         routing_margin=routing_margin)
     check_node_memory(cluster.node.device, cluster.node.kv_memory_path)  # here, not per node

@@ -1,8 +1,11 @@
-"""`ClusterConfig`: the node configs each process of a default cluster runs, written out in
-full, so that a refactor of how the cluster is described cannot change what it starts."""
+"""`ClusterConfig`: a node config every node shares plus the cluster's own choices. The node
+configs each process of a default cluster runs are written out in full (first, against the
+old flat config), so that recomposing the cluster could not change what it starts."""
 
 from __future__ import annotations
 
+import json
+import re
 from typing import Any
 
 import pytest
@@ -15,6 +18,7 @@ from disagg.config import (
     SchedulerConfig,
     SchedulerMode,
 )
+from disagg.errors import ConfigError
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeConfig, NodeRole
 
@@ -84,3 +88,76 @@ def test_the_cli_default_cluster_runs_the_same_node_configs(
     assert exit_info.value.code in (0, None)
     [cluster] = captured
     assert _node_configs(cluster) == EXPECTED
+
+
+def test_nodes_start_prefillers_first_then_decoders_or_only_the_mixed() -> None:
+    cluster = ClusterConfig.from_options(model="tiny", num_prefillers=2, num_decoders=2)
+    assert cluster.nodes() == [("prefill-0", NodeRole.PREFILL), ("prefill-1", NodeRole.PREFILL),
+                               ("decode-0", NodeRole.DECODE), ("decode-1", NodeRole.DECODE)]
+    mixed = ClusterConfig.from_options(model="tiny", num_mixed=2)
+    assert mixed.nodes() == [("mixed-0", NodeRole.MIXED), ("mixed-1", NodeRole.MIXED)]
+
+
+def test_each_role_gets_its_tp_locally_and_on_ray_alike() -> None:
+    """Mixed nodes stand where decoders stand: decode_tp, in the node's config and in the Ray
+    bundles reserved for it (they used to disagree: prefill_tp locally, decode_tp on Ray)."""
+    from disagg.node.ray_placement import RayConfig, plan_nodes
+
+    for num_mixed in (0, 2):
+        cluster = ClusterConfig.from_options(model="tiny", num_mixed=num_mixed, prefill_tp=2,
+                                             decode_tp=4)
+        for placement in plan_nodes(cluster, RayConfig("local")):
+            decoder = placement.role is NodeRole.DECODE
+            config = cluster.node_config(placement.role, placement.name,
+                                         (PREFILLER,) if decoder else ())
+            assert config.parallel.tp == len(placement.bundles) == cluster.tp_of(placement.role)
+        assert cluster.tp_of(NodeRole.MIXED) == cluster.tp_of(NodeRole.DECODE) == 4
+
+
+def test_only_decoders_keep_the_decoder_options() -> None:
+    cluster = ClusterConfig.from_options(model="tiny", speculative="mtp", cuda_graph=True)
+    decoder = cluster.node_config(NodeRole.DECODE, "decode-0", (PREFILLER,))
+    assert decoder.speculative is not None
+    assert decoder.cuda_graph
+    for role in (NodeRole.PREFILL, NodeRole.MIXED):
+        config = cluster.node_config(role, role.value)
+        assert (config.speculative, config.cuda_graph) == (None, False)
+
+
+def test_the_router_compares_the_nodes_pages() -> None:
+    cluster = ClusterConfig.from_options(model="tiny", page_size=4, routing="least-loaded",
+                                         routing_margin=2)
+    routing = cluster.router_config()
+    assert (routing.policy.value, routing.load_margin, routing.page_size) == \
+        ("least-loaded", 2, 4)
+
+
+@pytest.mark.parametrize(("options", "message"), [
+    ({"tp": 2}, "shared node config has tp 2: set prefill_tp and decode_tp"),
+    ({"num_decoders": 0}, "num_decoders must be at least 1, got 0"),
+    ({"num_prefillers": 0}, "num_prefillers must be at least 1, got 0"),
+    ({"num_mixed": -1}, "num_mixed must be >= 0, got -1"),
+    ({"decode_tp": 0}, "decode_tp must be >= 1, got 0"),
+    ({"routing": "round-robin"}, "unknown routing policy 'round-robin'"),
+    ({"kv_layout": "NDH"}, "unknown kv_layout 'NDH'"),
+    ({"kv_memory_path": "rdma"}, "unknown KV memory path 'rdma'"),
+])
+def test_a_cluster_that_cannot_work_is_refused_naming_why(options: dict[str, Any],
+                                                          message: str) -> None:
+    with pytest.raises(ConfigError, match=re.escape(message)):
+        ClusterConfig.from_options(model="tiny", **options)
+
+
+def test_the_shared_node_config_is_a_mixed_node_without_prefillers() -> None:
+    """Set there, a role or prefillers would be replaced per node without a word: refused."""
+    decoder = NodeConfig("tiny", role=NodeRole.DECODE, prefillers=(PREFILLER,))
+    with pytest.raises(ConfigError, match="each node's role and prefillers are its own"):
+        ClusterConfig(decoder)
+
+
+def test_an_unknown_scheduler_mode_is_refused_naming_it() -> None:
+    """The mode a JSON document names is checked like the CLI's words (a Literal field)."""
+    document = json.loads(_default_cluster().node_config(NodeRole.MIXED, "m").to_json())
+    document["scheduler"]["mode"] = "chunky"
+    with pytest.raises(ConfigError, match="unknown scheduler mode 'chunky'"):
+        NodeConfig.from_json(json.dumps(document))
