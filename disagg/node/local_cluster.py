@@ -3,7 +3,7 @@
 Each node is `python -m disagg.node.serve` in its own process, talking over libfabric, so the
 demo and the end-to-end tests run exactly what a multi-machine deployment runs. A node gets its
 `NodeConfig` as one JSON document on stdin (`ClusterConfig.node_config`, never as flags) and
-prints `READY <host:port>` once it accepts connections; every process started here is ended
+prints its `ReadyLine` once it accepts connections; every process started here is ended
 on exit, error or Ctrl-C.
 """
 
@@ -23,6 +23,7 @@ from disagg.control.messages import Shutdown
 from disagg.errors import DisaggError
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeConfig, NodeRole
+from disagg.node.ready_line import ReadyLine
 from disagg.utils.metrics import parse_metrics
 
 logger = logging.getLogger(__name__)
@@ -89,16 +90,14 @@ class LocalCluster:
         deadline = time.monotonic() + self.config.startup_timeout_s
         assert process.stdout is not None
         for line in process.stdout:
-            if line.startswith("READY "):
+            ready = ReadyLine.parse(line)
+            if ready is not None:
                 threading.Thread(target=_collect, args=(process.stdout, log), daemon=True).start()
-                words = line.split()
-                for word in words[2:]:
-                    if word.startswith("metrics="):
-                        self.metrics_addresses[name] = word.removeprefix("metrics=")
-                    if word.startswith("ranks="):
-                        self.rank_pids[name] = [int(p) for p in
-                                                word.removeprefix("ranks=").split(",")]
-                return words[1]
+                if ready.metrics_address is not None:
+                    self.metrics_addresses[name] = ready.metrics_address
+                if ready.rank_pids:
+                    self.rank_pids[name] = list(ready.rank_pids)
+                return ready.address
             log.append(line.rstrip())
             if time.monotonic() > deadline:
                 break
