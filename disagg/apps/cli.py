@@ -19,6 +19,7 @@ from disagg.apps.figures.commands import register as register_figures
 from disagg.apps.options import (
     DECODER,
     DEFAULT_MODEL,
+    ROUTING,
     SHARED,
     ChunkOption,
     CudaGraphOption,
@@ -50,7 +51,7 @@ from disagg.config import (
 from disagg.errors import DisaggError, RequestError
 from disagg.node.cluster_config import THREADS_PER_NODE
 from disagg.node.node_options import OPTION_DEFAULTS, speculative_config
-from disagg.node.prefix_index import LOAD_MARGIN, RoutingPolicy
+from disagg.node.prefix_index import LOAD_MARGIN
 from disagg.sim.commands import register as register_sim_commands
 
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
@@ -154,7 +155,7 @@ def demo(
     deployment: Annotated[str | None, typer.Option(
         help="A preset of S9 on the toy model: qwen3-coder (TP 4 -> TP 4, HND, 3 decoders) or "
              "deepseek-r1 (replicated KV, TP 4 prefiller, 3 DP decoders)")] = None,
-    routing: RoutingOption = RoutingPolicy.PREFIX.value,
+    routing: RoutingOption = ROUTING,
     routing_margin: RoutingMarginOption = LOAD_MARGIN,
 ) -> None:
     """One prefiller and N decoders as processes over libfabric, with a router and a live view."""

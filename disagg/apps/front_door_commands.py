@@ -11,6 +11,7 @@ import typer
 from disagg.apps.options import (
     DECODER,
     DEFAULT_MODEL,
+    ROUTING,
     SHARED,
     DecodeTpOption,
     ModelOption,
@@ -24,7 +25,7 @@ from disagg.apps.serve_commands import serve_app
 from disagg.config import default_of
 from disagg.errors import ConfigError
 from disagg.node.cluster_config import THREADS_PER_NODE, ClusterConfig
-from disagg.node.prefix_index import LOAD_MARGIN, PAGE_SIZE, RoutingPolicy
+from disagg.node.prefix_index import LOAD_MARGIN, PAGE_SIZE
 from disagg.node.ray_placement import RayConfig
 from disagg.server.http_config import HTTPConfig
 
@@ -45,7 +46,6 @@ RayResourceOption = Annotated[str | None, typer.Option(
 
 
 # Defaults quoted from the configs that own them (typer needs them in the signature).
-ROUTING = RoutingPolicy.PREFIX.value
 HOST: str = default_of(HTTPConfig, "host")
 PORT: int = default_of(HTTPConfig, "port")
 MAX_IN_FLIGHT: int = default_of(HTTPConfig, "max_in_flight")

@@ -15,9 +15,12 @@ from typing import Annotated, Any
 
 import typer
 
+from disagg.config import default_of
 from disagg.node.node_options import OPTION_DEFAULTS
+from disagg.node.prefix_index import RoutingConfig
 
 DEFAULT_MODEL = "smollm2-135m"  # what a cluster, a router and the demo serve unless told
+ROUTING: str = default_of(RoutingConfig, "policy").value  # the router's policy, as a word
 REQUIRED = inspect.Parameter.empty  # a flag with no default must be given
 
 SpeculativeOption = Annotated[str | None, typer.Option(
