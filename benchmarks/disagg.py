@@ -42,7 +42,7 @@ from pinned_cluster import (  # noqa: E402
     wait_for_quiet,
 )
 
-from disagg.control.framing import Submit  # noqa: E402
+from disagg.control.messages import Submit  # noqa: E402
 from disagg.control.messages import RequestEvent
 from disagg.engine.request import FailureCause, RequestState  # noqa: E402
 from disagg.model.loading.registry import load_model  # noqa: E402

@@ -44,7 +44,7 @@ from disagg.config import (  # noqa: E402
     SchedulerConfig,
 )
 from disagg.control.channel import parse_address  # noqa: E402
-from disagg.control.framing import Submit  # noqa: E402
+from disagg.control.messages import Submit  # noqa: E402
 from disagg.engine.llm_engine import build_engine  # noqa: E402
 from disagg.engine.request import SamplingParams  # noqa: E402
 from disagg.errors import PeerClosedError  # noqa: E402
