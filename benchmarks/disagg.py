@@ -42,11 +42,11 @@ from pinned_cluster import (  # noqa: E402
     wait_for_quiet,
 )
 
-from disagg.control.framing import Submit  # noqa: E402
+from disagg.control.messages import Submit  # noqa: E402
 from disagg.control.messages import RequestEvent
 from disagg.engine.request import FailureCause, RequestState  # noqa: E402
 from disagg.model.loading.registry import load_model  # noqa: E402
-from disagg.node.local_cluster import ClusterConfig  # noqa: E402
+from disagg.node.cluster_config import ClusterConfig  # noqa: E402
 from disagg.node.router import Router  # noqa: E402
 
 logger = logging.getLogger("benchmarks.disagg")
@@ -109,9 +109,9 @@ def cluster_config(args: argparse.Namespace, schedule: list[Arrival], trace_dir:
     whole stream at once (so no request waits for pages), a trace file per node."""
     pages = sum(-(-(len(a.prompt_token_ids) + a.max_tokens) // args.page_size)
                 for a in schedule)
-    return ClusterConfig(model=args.model, num_decoders=1, page_size=args.page_size,
-                         num_pages=pages + 16, chunk_size=args.chunk_size,
-                         threads_per_node=1, trace_dir=trace_dir)
+    return ClusterConfig.from_options(model=args.model, num_decoders=1, page_size=args.page_size,
+                                      num_pages=pages + 16, chunk_size=args.chunk_size, threads=1,
+                                      trace=trace_dir)
 
 
 def serve_stream(router: Router, schedule: list[Arrival], timeout_s: float
@@ -132,7 +132,7 @@ def serve_stream(router: Router, schedule: list[Arrival], timeout_s: float
             request = pending.pop(0)
             a = request.arrival
             request.submitted_at = time.time()
-            request.node = router.submit(Submit(a.request_id, a.prompt_token_ids,
+            request.node = router.route(Submit(a.request_id, a.prompt_token_ids,
                                                 a.max_tokens))
         wait = start + pending[0].arrival.at_s - time.time() if pending else 1.0
         try:

@@ -41,16 +41,16 @@ from load_report import Run, decoder_freeze, hostile_rows, prefiller_freeze, sum
 from disagg.config import (  # noqa: E402
     CacheConfig,
     EngineConfig,
-    ReliabilityConfig,
     SchedulerConfig,
 )
 from disagg.control.channel import parse_address  # noqa: E402
-from disagg.control.framing import Submit  # noqa: E402
+from disagg.control.messages import Submit  # noqa: E402
 from disagg.engine.llm_engine import build_engine  # noqa: E402
 from disagg.engine.request import SamplingParams  # noqa: E402
 from disagg.errors import PeerClosedError  # noqa: E402
 from disagg.model.loading.registry import load_model  # noqa: E402
-from disagg.node.local_cluster import ClusterConfig, LocalCluster  # noqa: E402
+from disagg.node.cluster_config import ClusterConfig  # noqa: E402
+from disagg.node.local_cluster import LocalCluster  # noqa: E402
 from disagg.node.router import Router  # noqa: E402
 from disagg.utils.metrics import parse_metrics  # noqa: E402
 
@@ -161,10 +161,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                              generator=generator).tolist() for _ in range(args.requests)]
     expected = reference_tokens(args.model, prompts, args.max_tokens)
     aborted = set(rng.sample(range(args.requests), int(args.abort_fraction * args.requests)))
-    config = ClusterConfig(model=args.model, num_decoders=args.decoders,
-                           num_prefillers=args.prefillers, page_size=8, chunk_size=64,
-                           num_pages=1024,
-                           reliability=ReliabilityConfig(kv_timeout_s=args.kv_timeout))
+    config = ClusterConfig.from_options(model=args.model, num_decoders=args.decoders,
+                                        num_prefillers=args.prefillers, page_size=8, chunk_size=64,
+                                        num_pages=1024, kv_timeout=args.kv_timeout)
     deadline_s = args.kv_timeout * 3 + 30
     # Started before the cluster, so that its tap sees the decoders' handshakes.
     hostile = HostileClient(VICTIM) if args.hostile else None
@@ -192,7 +191,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 request_id = f"r{i}"
                 run_.submitted[request_id] = time.monotonic()
                 try:
-                    run_.routed[request_id] = router.submit(Submit(request_id, prompt,
+                    run_.routed[request_id] = router.route(Submit(request_id, prompt,
                                                                    args.max_tokens))
                 except PeerClosedError:  # no decoder takes requests: refused, its one end
                     run_.routed[request_id] = None

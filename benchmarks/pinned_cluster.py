@@ -18,7 +18,8 @@ from dataclasses import dataclass, replace
 from typing import Literal
 
 from disagg.errors import ConfigError
-from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.cluster_config import ClusterConfig  # noqa: E402
+from disagg.node.local_cluster import LocalCluster
 from disagg.node.node_config import NodeConfig
 
 Mode = Literal["mixed", "disagg"]

@@ -7,9 +7,10 @@ inside a forward pass. `ModelConfig.from_name` holds small random-init presets f
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field, replace
 from itertools import pairwise
-from typing import Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -19,17 +20,52 @@ KVLayout = Literal["NHD", "HND"]
 KV_LAYOUTS: tuple[KVLayout, ...] = ("NHD", "HND")
 KVMemory = Literal["torch", "cumem"]
 KV_MEMORIES: tuple[KVMemory, ...] = ("torch", "cumem")
+# What a node's scheduler runs: prefills and decodes together, or prefills only (a prefiller).
 SchedulerMode = Literal["mixed", "prefill_only"]
 SCHEDULER_MODES: tuple[SchedulerMode, ...] = ("mixed", "prefill_only")
 # Batch-size buckets of the decode graphs (`EngineConfig.graph_batch_sizes`).
 GRAPH_BATCH_SIZES: tuple[int, ...] = (1, 2, 4, 8, 16, 32)
 
 
+Choice = TypeVar("Choice", bound=str)
+
+
+def check_choice(value: str, choices: tuple[Choice, ...], what: str) -> Choice:
+    """`value` as the one of `choices` it names (so typed as their `Literal`), else a
+    `ConfigError` naming `what`, the value and the choices: how a word from the command line
+    or a JSON document becomes a `Literal` field, checked once, with no cast.
+
+    >>> check_choice("HND", KV_LAYOUTS, "kv_layout")
+    'HND'
+    """
+    for choice in choices:
+        if value == choice:
+            return choice
+    raise ConfigError(f"unknown {what} {value!r}: expected one of {choices}")
+
+
 def check_kv_layout(kv_layout: str) -> KVLayout:
     """Return `kv_layout` if it names a layout, else raise `ConfigError` naming it."""
-    if kv_layout not in KV_LAYOUTS:
-        raise ConfigError(f"unknown kv_layout {kv_layout!r}: expected one of {KV_LAYOUTS}")
-    return kv_layout  # type: ignore[return-value]
+    return check_choice(kv_layout, KV_LAYOUTS, "kv_layout")
+
+
+def check_scheduler_mode(mode: str) -> SchedulerMode:
+    """Return `mode` if it names a scheduler mode, else raise `ConfigError` naming it."""
+    return check_choice(mode, SCHEDULER_MODES, "scheduler mode")
+
+
+def default_of(config: type, name: str) -> Any:  # noqa: ANN401 - any field's default
+    """The default of field `name` of the config dataclass `config`: how the CLI and other
+    configs quote a default without writing the value a second time.
+
+    >>> default_of(CacheConfig, "page_size")
+    16
+    """
+    for f in dataclasses.fields(config):
+        if f.name == name:
+            assert f.default is not dataclasses.MISSING, f"{config.__name__}.{name} has no default"
+            return f.default
+    raise AssertionError(f"{config.__name__} has no field {name!r}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -104,8 +140,7 @@ class CacheConfig:
 
     def __post_init__(self) -> None:
         check_kv_layout(self.kv_layout)
-        if self.memory not in KV_MEMORIES:
-            raise ConfigError(f"unknown KV memory {self.memory!r}: expected one of {KV_MEMORIES}")
+        check_choice(self.memory, KV_MEMORIES, "KV memory")
         if self.page_size <= 0:
             raise ConfigError(f"page_size must be positive, got {self.page_size}")
         if self.num_pages <= 0:
@@ -129,9 +164,7 @@ class SchedulerConfig:
     mode: SchedulerMode = "mixed"
 
     def __post_init__(self) -> None:
-        if self.mode not in SCHEDULER_MODES:
-            raise ConfigError(f"unknown scheduler mode {self.mode!r}: expected one of "
-                              f"{SCHEDULER_MODES}")
+        check_scheduler_mode(self.mode)
         if self.max_num_seqs <= 0:
             raise ConfigError(f"max_num_seqs must be positive, got {self.max_num_seqs}")
         if self.max_num_batched_tokens <= 0:
@@ -190,6 +223,11 @@ DraftKind = Literal["mtp", "early-exit"]
 DRAFT_KINDS: tuple[DraftKind, ...] = ("mtp", "early-exit")
 
 
+def check_draft_kind(kind: str) -> DraftKind:
+    """Return `kind` if it names a draft, else raise `ConfigError` naming it."""
+    return check_choice(kind, DRAFT_KINDS, "draft")
+
+
 @dataclass(frozen=True, slots=True)
 class SpeculativeConfig:
     """Which draft, how many tokens it proposes per step, and its own knobs."""
@@ -199,8 +237,7 @@ class SpeculativeConfig:
     draft_layers: int = 0  # early exit: target layers the draft runs (0: all but the last 2)
 
     def __post_init__(self) -> None:
-        if self.kind not in DRAFT_KINDS:
-            raise ConfigError(f"unknown draft {self.kind!r}: expected one of {DRAFT_KINDS}")
+        check_draft_kind(self.kind)
         if self.num_draft_tokens < 1:
             raise ConfigError(f"num_draft_tokens must be >= 1, got {self.num_draft_tokens}")
         if self.draft_layers < 0:

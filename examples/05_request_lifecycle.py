@@ -15,7 +15,8 @@ from pathlib import Path
 
 from disagg.control.messages import RequestEvent, Submit
 from disagg.engine.request import RequestState
-from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.cluster_config import ClusterConfig
+from disagg.node.local_cluster import LocalCluster
 from disagg.node.router import Router
 
 PROMPT = list(range(100, 140))  # 40 token ids: the tiny preset has no tokenizer
@@ -53,7 +54,7 @@ def describe_trace(node: str, event: dict) -> str | None:
 def serve(router: Router, request_id: str, timeline: Timeline,
           prompt: list[int] = PROMPT) -> None:
     """Send `prompt` and record the router's events until the request ends."""
-    router.submit(Submit(request_id, prompt, max_tokens=4))
+    router.route(Submit(request_id, prompt, max_tokens=4))
     timeline.append((time.time(), "router", f"submit {request_id}: {len(prompt)} tokens"))
     while True:
         event = router.events.get(timeout=60)
@@ -65,8 +66,8 @@ def serve(router: Router, request_id: str, timeline: Timeline,
 def main() -> None:
     with tempfile.TemporaryDirectory() as trace_dir:
         # Every node writes its Chrome trace into trace_dir when it exits.
-        config = ClusterConfig(model="tiny", num_decoders=1, page_size=16, num_pages=64,
-                               chunk_size=16, trace_dir=trace_dir)
+        config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=16,
+                                            num_pages=64, chunk_size=16, trace=trace_dir)
         timeline: Timeline = []
         with LocalCluster(config) as cluster:
             router = Router(cluster.decoder_addresses)
@@ -85,8 +86,8 @@ def main() -> None:
                 if line and event["ts"] / 1e6 >= start:
                     timeline.append((event["ts"] / 1e6, path.stem, line))
 
-    print(f"one request through a prefiller and a decoder ({config.model}, page size "
-          f"{config.page_size}, chunk size {config.chunk_size}):")
+    print(f"one request through a prefiller and a decoder ({config.node.model}, page size "
+          f"{config.node.cache.page_size}, chunk size {config.node.scheduler.chunk_size}):")
     for at, where, line in sorted(timeline):
         print(f"{(at - start) * 1e3:8.1f} ms  {where:<10} {line}")
 

@@ -39,7 +39,7 @@ def main() -> None:
     router = Router([decoder.address])
     start = time.monotonic()
     for i in range(4):
-        router.submit(Submit(f"r{i}", list(range(3, 10 + 6 * i)), 4))
+        router.route(Submit(f"r{i}", list(range(3, 10 + 6 * i)), 4))
     done, last_state = 0, {}
     while done < 4:
         event = router.events.get(timeout=30)

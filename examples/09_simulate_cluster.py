@@ -12,7 +12,7 @@ from disagg.sim.cost_model import BatchShape, Parallel, decode_shape, step_cost
 from disagg.sim.hardware import hardware_from_name
 from disagg.sim.models import model_from_name
 from disagg.sim.planner import Target, plan_cluster
-from disagg.sim.simulator import ClusterConfig
+from disagg.sim.simulator import SimClusterConfig
 from disagg.sim.sweep import run_once
 from disagg.sim.workload import Workload
 
@@ -38,8 +38,8 @@ def compare_modes() -> None:
     print(f"\nDeepSeek-R1 on 4 x 8 H200, {workload.qps} QPS, {workload.prompt_len}-token "
           f"prompts, {workload.output_len}-token outputs, MTP on:")
     print(f"{'mode':>16} {'TPS p50':>8} {'TTFT p50':>9} {'ITL p99':>8} {'ITL max':>8}")
-    for name, config in (("mixed x4", ClusterConfig(mode="mixed", num_nodes=4)),
-                         ("disagg 1P:3D", ClusterConfig(mode="disagg"))):
+    for name, config in (("mixed x4", SimClusterConfig(mode="mixed", num_nodes=4)),
+                         ("disagg 1P:3D", SimClusterConfig(mode="disagg"))):
         s = run_once(r1, h200, config, workload)
         print(f"{name:>16} {s['tps_per_request_p50']:>8.0f} {s['ttft_ms_p50']:>7.0f}ms "
               f"{s['itl_ms_p99']:>6.0f}ms {s['itl_ms_max']:>6.0f}ms")

@@ -14,7 +14,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.control.messages import Submit
-from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.cluster_config import ClusterConfig
+from disagg.node.local_cluster import LocalCluster
 from disagg.node.router import Router
 
 FIRST_PROMPT = list(range(100, 140))  # 40 token ids: the tiny preset has no tokenizer
@@ -32,7 +33,7 @@ class Turn:
 
 def serve(router: Router, request_id: str, prompt: list[int]) -> Turn:
     """One request to its end: what the decoder's events said about it."""
-    router.submit(Submit(request_id, prompt, max_tokens=8))
+    router.route(Submit(request_id, prompt, max_tokens=8))
     turn, answer = Turn(len(prompt)), []
     while True:
         event = router.events.get(timeout=60)
@@ -46,8 +47,8 @@ def serve(router: Router, request_id: str, prompt: list[int]) -> Turn:
 
 
 def conversation(prefix_caching: bool) -> list[Turn]:
-    config = ClusterConfig(model="tiny", num_decoders=1, page_size=16, num_pages=64,
-                           chunk_size=16, prefix_caching=prefix_caching)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=16, num_pages=64,
+                                        chunk_size=16, prefix_caching=prefix_caching)
     turns, prompt = [], FIRST_PROMPT
     with LocalCluster(config) as cluster:
         router = Router(cluster.decoder_addresses, config.router_config())

@@ -25,11 +25,12 @@ from transfer_core.errors import TransferError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
+from transfer_core.memory_paths import MEMORY_PATHS
 from transfer_core.owner_errors import OwnerErrors
 from transfer_core.placement import plan_domains
 from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, find_infos
 from transfer_core.registration import register_on
-from transfer_core.transport import MEMORY_PATHS, PagedWrite
+from transfer_core.transport import PagedWrite
 from transfer_core.waited import PreparedWrite, RepeatedWrites
 from transfer_core.warmup import Warmup
 from transfer_core.write_checks import check_single, check_target

@@ -18,18 +18,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import Literal, TypeVar
+from typing import TypeVar
 
 import numpy as np
 import torch
 
 from transfer_core.errors import BoundsError, FabricError, ProviderNotFoundError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
-from transfer_core.transport import MEMORY_PATHS, Transport
+from transfer_core.memory_paths import MEMORY_PATHS, MemoryPathKind
+from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 
-MemoryPathKind = Literal["host", "hmem", "staged"]
 T = TypeVar("T", bound=Transport)
 
 

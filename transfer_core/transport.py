@@ -29,7 +29,6 @@ from transfer_core.pyfabric import Stats
 from transfer_core.write_checks import as_indices
 
 # How `staging.register_kv` places a tensor's memory: "auto" picks host, hmem or staged.
-MEMORY_PATHS = ("auto", "host", "hmem", "staged")
 
 PageIds = Sequence[int] | np.ndarray
 

@@ -17,23 +17,27 @@ from rich.markup import escape
 from disagg.apps import front_door_commands  # noqa: F401 - adds serve cluster|router
 from disagg.apps.figures.commands import register as register_figures
 from disagg.apps.options import (
+    DECODER,
+    DEFAULT_MODEL,
+    ROUTING,
+    SHARED,
     ChunkOption,
     CudaGraphOption,
+    DecodeTpOption,
     DeviceOption,
     DraftLayersOption,
     DraftTokensOption,
     LayoutOption,
-    MemoryPathOption,
     ModelOption,
+    NodeOptions,
     NumPagesOption,
     PageSizeOption,
-    PrefixCachingOption,
-    ProviderOption,
+    PrefillTpOption,
     RoutingMarginOption,
     RoutingOption,
     SpeculativeOption,
     TpOption,
-    speculative_config,
+    with_node_options,
 )
 from disagg.apps.serve_commands import serve_app
 from disagg.apps.topology_command import register as register_topology
@@ -44,7 +48,10 @@ from disagg.config import (
     SchedulerConfig,
     check_kv_layout,
 )
-from disagg.errors import ConfigError, DisaggError, RequestError
+from disagg.errors import DisaggError, RequestError
+from disagg.node.cluster_config import THREADS_PER_NODE
+from disagg.node.node_options import OPTION_DEFAULTS, speculative_config
+from disagg.node.prefix_index import LOAD_MARGIN
 from disagg.sim.commands import register as register_sim_commands
 
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
@@ -72,15 +79,14 @@ def parse_token_ids(text: str) -> list[int]:
 
 @app.command()
 def generate(
-    model: Annotated[str, typer.Option(help="smollm2-135m, a preset (tiny, small) or a "
-                                            "Hugging Face Llama checkpoint directory")],
+    model: ModelOption,
     prompt: Annotated[str | None, typer.Option(help="Prompt text (needs a tokenizer)")] = None,
     prompt_token_ids: Annotated[str | None, typer.Option(help="Prompt as ids: 1,2,3")] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens to generate at most")] = 32,
-    kv_layout: Annotated[str, typer.Option(help="KV page layout: NHD or HND")] = "NHD",
-    page_size: Annotated[int, typer.Option(help="Tokens per KV page")] = 16,
-    num_pages: Annotated[int, typer.Option(help="KV pages in the cache")] = 512,
-    chunk_size: Annotated[int, typer.Option(help="Prefill chunk size in tokens")] = 256,
+    kv_layout: LayoutOption = OPTION_DEFAULTS["kv_layout"],
+    page_size: PageSizeOption = OPTION_DEFAULTS["page_size"],
+    num_pages: NumPagesOption = OPTION_DEFAULTS["num_pages"],
+    chunk_size: ChunkOption = OPTION_DEFAULTS["chunk_size"],
     temperature: Annotated[float, typer.Option(help="0 means greedy")] = 0.0,
     top_p: Annotated[float, typer.Option(help="Nucleus sampling mass")] = 1.0,
     top_k: Annotated[int, typer.Option(help="Keep the k most likely tokens (0: all)")] = 0,
@@ -88,9 +94,12 @@ def generate(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     trace: Annotated[str | None, typer.Option(
         help="Write a Chrome/Perfetto trace of the engine steps to this JSON file")] = None,
-    speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
-    draft_layers: DraftLayersOption = 0,
-    device: DeviceOption = "cpu", cuda_graph: CudaGraphOption = False, tp: TpOption = 1,
+    speculative: SpeculativeOption = None,
+    num_draft_tokens: DraftTokensOption = OPTION_DEFAULTS["num_draft_tokens"],
+    draft_layers: DraftLayersOption = OPTION_DEFAULTS["draft_layers"],
+    device: DeviceOption = OPTION_DEFAULTS["device"],
+    cuda_graph: CudaGraphOption = OPTION_DEFAULTS["cuda_graph"],
+    tp: TpOption = OPTION_DEFAULTS["tp"],
 ) -> None:
     """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
     from disagg.apps.generate import generate_one
@@ -124,37 +133,30 @@ def generate(
 
 
 @app.command()
+@with_node_options(("model", *(name for name in SHARED if name != "trace"), *DECODER),
+                   model=DEFAULT_MODEL, threads=THREADS_PER_NODE)
 def demo(
+    node_options: NodeOptions,
     ctx: typer.Context,
-    model: ModelOption = "smollm2-135m",
     decoders: Annotated[int, typer.Option(help="Decoder processes")] = 3,
     prompts_file: Annotated[str | None, typer.Option(
         help="JSON Lines ({'prompt': ...} or {'prompt_token_ids': [...]}, optional "
              "max_tokens) or plain text, one prompt per line")] = None,
     max_tokens: Annotated[int, typer.Option(help="Tokens per request at most")] = 32,
-    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
-    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
-    provider: ProviderOption = "tcp",
     temperature: Annotated[float, typer.Option(help="0 means greedy")] = 0.0,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     trace: Annotated[str | None, typer.Option(
         help="Write one Chrome/Perfetto trace of every process (router, prefiller, decoders) "
              "to this JSON file")] = None,
-    prefill_tp: Annotated[int, typer.Option(help="Prefiller TP degree (KV by head)")] = 1,
-    decode_tp: Annotated[int, typer.Option(help="Decoders' TP degree")] = 1,
-    replicated: Annotated[bool, typer.Option(
-        help="Replicated KV on every rank (MLA-style, S9a); replica sets send at random")] = False,
+    prefill_tp: PrefillTpOption = 1, decode_tp: DecodeTpOption = 1,
     decode_dp: Annotated[int, typer.Option(
         help="Data-parallel decoder ranks: that many independent decoder engines, one process "
              "each (overrides --decoders; S9a's DP deployment)")] = 0,
     deployment: Annotated[str | None, typer.Option(
         help="A preset of S9 on the toy model: qwen3-coder (TP 4 -> TP 4, HND, 3 decoders) or "
              "deepseek-r1 (replicated KV, TP 4 prefiller, 3 DP decoders)")] = None,
-    speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
-    draft_layers: DraftLayersOption = 0,
-    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
-    cuda_graph: CudaGraphOption = False, prefix_caching: PrefixCachingOption = True,
-    routing: RoutingOption = "prefix", routing_margin: RoutingMarginOption = 4,
+    routing: RoutingOption = ROUTING,
+    routing_margin: RoutingMarginOption = LOAD_MARGIN,
 ) -> None:
     """One prefiller and N decoders as processes over libfabric, with a router and a live view."""
     from rich.live import Live
@@ -162,25 +164,15 @@ def demo(
     from disagg.apps.demo import load_prompts, run_demo
     from disagg.apps.demo_view import metrics_table, request_table, totals_table
     from disagg.apps.deployments import apply_deployment, explicit_fields
-    from disagg.node.local_cluster import ClusterConfig
+    from disagg.node.cluster_config import ClusterConfig
     from disagg.node.node_config import check_node_memory
 
-    check_node_memory(device, kv_memory_path)  # fail here, not in every node
-    decoders = decode_dp or decoders
-    if decoders < 1:
-        raise ConfigError(f"--decoders must be at least 1, got {decoders}")
-    cluster = ClusterConfig(model=model, num_decoders=decoders,
-                            kv_layout=check_kv_layout(kv_layout), page_size=page_size,
-                            num_pages=num_pages, chunk_size=chunk_size, provider=provider,
-                            prefill_tp=prefill_tp, decode_tp=decode_tp, replicated_kv=replicated,
-                            device=device, kv_memory_path=kv_memory_path,
-                            speculative=speculative_config(speculative, num_draft_tokens,
-                                                           draft_layers),
-                            cuda_graph=cuda_graph, prefix_caching=prefix_caching,
-                            routing=routing, routing_margin=routing_margin)
-    cluster.router_config()  # an unknown policy fails here, before any process starts
+    options = {**node_options, "num_decoders": decode_dp or decoders, "prefill_tp": prefill_tp,
+               "decode_tp": decode_tp, "routing": routing, "routing_margin": routing_margin}
     if deployment is not None:  # before anything starts: a conflicting flag fails here
-        cluster = apply_deployment(cluster, deployment, explicit_fields(ctx))
+        options = apply_deployment(options, deployment, explicit_fields(ctx))
+    cluster = ClusterConfig.from_options(**options)
+    check_node_memory(cluster.node.device, cluster.node.kv_memory_path)  # here, not per node
     specs = load_prompts(prompts_file)
     if as_json:
         result = run_demo(cluster, specs, max_tokens, temperature, trace=trace)
@@ -188,7 +180,7 @@ def demo(
         _exit_if_failed(result)
         return
     err_console.print(f"starting 1 prefiller and {cluster.num_decoders} decoders "
-                      f"({cluster.model}, {cluster.provider})...")
+                      f"({cluster.node.model}, {cluster.node.provider})...")
     with Live(console=console, refresh_per_second=8) as live:
         result = run_demo(cluster, specs, max_tokens, temperature, trace=trace,
                           view=lambda requests: live.update(request_table(requests)))
@@ -196,7 +188,8 @@ def demo(
     console.print(metrics_table(result["metrics"]))
     if result["totals"].get("acceptance_rate") is not None:
         t = result["totals"]
-        console.print(f"speculative ({speculative}, k={num_draft_tokens}): "
+        console.print(f"speculative ({node_options['speculative']}, "
+                      f"k={node_options['num_draft_tokens']}): "
                       f"{t['accepted_tokens']} of {t['draft_tokens']} drafts accepted "
                       f"({t['acceptance_rate']:.0%})")
     if trace:
@@ -221,7 +214,7 @@ def plan(
     replicated: Annotated[bool, typer.Option(help="Replicated KV on both sides (MLA)")] = False,
     model: Annotated[str, typer.Option(help="A preset (tiny, small) or smollm2-135m or an "
                                             "HF checkpoint; its head counts are used")] = "tiny",
-    page_size: PageSizeOption = 16,
+    page_size: PageSizeOption = OPTION_DEFAULTS["page_size"],
     prompt_tokens: Annotated[int, typer.Option(help="Prompt length for the totals")] = 4096,
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:

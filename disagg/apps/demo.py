@@ -14,7 +14,7 @@ import json
 import shutil
 import tempfile
 import time
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -23,7 +23,8 @@ from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import ConfigError
 from disagg.model.loading.registry import load_model
 from disagg.model.loading.tokenizer import StreamDecoder, Tokenizer
-from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.cluster_config import ClusterConfig
+from disagg.node.local_cluster import LocalCluster
 from disagg.node.router import Router
 from disagg.utils.trace import Tracer
 from disagg.utils.trace_merge import merge_trace_dir, record_request
@@ -239,9 +240,9 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
     if trace is not None and not Path(trace).resolve().parent.is_dir():
         raise ConfigError(f"--trace {trace}: directory {Path(trace).resolve().parent} does not "
                           "exist")  # checked now: the merged trace is written at the very end
-    loaded = load_model(cluster_config.model)
-    limit = min(cluster_config.num_pages * cluster_config.page_size,
-                loaded.config.max_position_embeddings)
+    node = cluster_config.node
+    loaded = load_model(node.model)
+    limit = min(node.cache.num_tokens, loaded.config.max_position_embeddings)
     requests = make_requests(specs, loaded.tokenizer, loaded.config.vocab_size, max_tokens,
                              limit)
     by_id = {r.request_id: r for r in requests}
@@ -249,12 +250,12 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
     tracer = Tracer(f"{trace_dir}/router.json" if trace_dir else None, "router")
     clock = time.time() - time.monotonic()
     try:
-        with LocalCluster(replace(cluster_config, trace_dir=trace_dir)) as cluster:
+        with LocalCluster(cluster_config.with_node(trace=trace_dir)) as cluster:
             router = Router(cluster.decoder_addresses, cluster_config.router_config())
             started = time.monotonic()
             for request in requests:
                 request.submitted_at = time.monotonic()
-                request.decoder = router.submit(Submit(
+                request.decoder = router.route(Submit(
                     request.request_id, request.prompt_token_ids, request.max_tokens,
                     temperature))
                 record_request(tracer, request.request_id, "submit",
@@ -273,13 +274,13 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
             processes = cluster.process_table()
         if trace_dir is not None and trace is not None:
             tracer.close()
-            names = ["prefill-0", *(f"decode-{i}" for i in range(cluster_config.num_decoders))]
-            merge_trace_dir(trace_dir, trace, expected=names)
+            merge_trace_dir(trace_dir, trace,
+                            expected=[name for name, _ in cluster_config.nodes()])
     finally:
         if trace_dir is not None:
             shutil.rmtree(trace_dir, ignore_errors=True)
-    result = {"model": cluster_config.model, "decoders": cluster_config.num_decoders,
-              "kv_layout": cluster_config.kv_layout, "provider": cluster_config.provider,
+    result = {"model": node.model, "decoders": cluster_config.num_decoders,
+              "kv_layout": node.cache.kv_layout, "provider": node.provider,
               "requests": [r.as_json() for r in requests], "totals": totals(requests, wall_s),
               "metrics": metrics, "processes": processes}
     if exit_codes:

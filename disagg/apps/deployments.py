@@ -1,22 +1,20 @@
 """`disagg demo --deployment NAME`: the two deployments of S9 as presets of the local cluster.
 
-A preset gives the defaults of the options it names; an option the user also gave must agree
-with it. Overriding either way silently would run something other than what was asked for
-(and the demo would describe one cluster while starting another), so a conflict is a
-`ConfigError` naming the flag, the value given and the preset's value.
+A preset gives the defaults of the options it names (in the words of
+`ClusterConfig.from_options`, from which the demo then builds its cluster); an option the user
+also gave must agree with it. Overriding either way silently would run something other than
+what was asked for (and the demo would describe one cluster while starting another), so a
+conflict is a `ConfigError` naming the flag, the value given and the preset's value.
 """
 
 from __future__ import annotations
 
-from dataclasses import replace
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 from disagg.errors import ConfigError
 
 if TYPE_CHECKING:
     import typer
-
-    from disagg.node.local_cluster import ClusterConfig
 
 # The two deployments of S9, scaled to the toy models (the `tiny` preset has 4 KV heads).
 DEPLOYMENTS: dict[str, dict[str, object]] = {
@@ -32,13 +30,13 @@ DEPLOYMENTS: dict[str, dict[str, object]] = {
 # The `disagg demo` flag behind each field a preset sets: errors name what the user typed.
 FLAGS: dict[str, str] = {"prefill_tp": "--prefill-tp", "decode_tp": "--decode-tp",
                          "kv_layout": "--kv-layout", "num_decoders": "--decoders",
-                         "replicated_kv": "--replicated"}
+                         "replicated_kv": "--replicated-kv"}
 
-# demo's parameters (python names) -> the field each sets. --decode-dp comes after --decoders
+# demo's parameters (python names) -> the option each sets. --decode-dp comes after --decoders
 # because it overrides it, as in the demo.
 DEMO_PARAMS: dict[str, str] = {"prefill_tp": "prefill_tp", "decode_tp": "decode_tp",
                                "kv_layout": "kv_layout", "decoders": "num_decoders",
-                               "decode_dp": "num_decoders", "replicated": "replicated_kv"}
+                               "decode_dp": "num_decoders", "replicated_kv": "replicated_kv"}
 
 # Parameter sources of a value the user left alone, so a preset may replace it. By name:
 # recent typer versions carry their own copy of click, whose ParameterSource enum is not
@@ -47,18 +45,18 @@ _DEFAULT_SOURCES = frozenset({"DEFAULT", "DEFAULT_MAP"})
 
 
 def _flag(field: str, value: object) -> str:
-    """How a user writes `field = value` on the command line: `--decode-tp 4`, `--replicated`."""
+    """How a user writes `field = value` on the command line: `--decode-tp 4`, `--replicated-kv`."""
     flag = FLAGS.get(field, field)
     if isinstance(value, bool):
         return flag if value else f"--no-{flag.removeprefix('--')}"
     return f"{flag} {value}"
 
 
-def apply_deployment(config: ClusterConfig, name: str, explicit: dict[str, object]
-                     ) -> ClusterConfig:
-    """`config` with the preset `name` applied; `explicit` maps the ClusterConfig fields the
-    user set to the values given. A given value equal to the preset's is fine; a different
-    one raises `ConfigError`, as does an unknown preset name."""
+def apply_deployment(options: dict[str, Any], name: str, explicit: dict[str, object]
+                     ) -> dict[str, Any]:
+    """`options` with the preset `name` applied; `explicit` maps the options the user set to
+    the values given. A given value equal to the preset's is fine; a different one raises
+    `ConfigError`, as does an unknown preset name."""
     preset = DEPLOYMENTS.get(name)
     if preset is None:
         raise ConfigError(f"unknown deployment {name!r}: expected one of {sorted(DEPLOYMENTS)}")
@@ -66,11 +64,11 @@ def apply_deployment(config: ClusterConfig, name: str, explicit: dict[str, objec
         if field in preset and value != preset[field]:
             raise ConfigError(f"{_flag(field, value)} conflicts with --deployment {name}, which "
                               f"sets {_flag(field, preset[field])}: drop one of them")
-    return replace(config, **preset)  # type: ignore[arg-type]
+    return {**options, **preset}
 
 
 def explicit_fields(ctx: typer.Context) -> dict[str, object]:
-    """The ClusterConfig fields the user gave `disagg demo` (on the command line or in the
+    """The cluster options the user gave `disagg demo` (on the command line or in the
     environment, not left at their defaults), with the values given."""
     explicit: dict[str, object] = {}
     for param, field in DEMO_PARAMS.items():

@@ -9,26 +9,25 @@ from typing import Annotated
 import typer
 
 from disagg.apps.options import (
-    ChunkOption,
-    CudaGraphOption,
-    DeviceOption,
-    DraftLayersOption,
-    DraftTokensOption,
-    LayoutOption,
-    MemoryPathOption,
+    DECODER,
+    DEFAULT_MODEL,
+    ROUTING,
+    SHARED,
+    DecodeTpOption,
     ModelOption,
-    NumPagesOption,
-    PageSizeOption,
-    PrefixCachingOption,
-    ProviderOption,
+    NodeOptions,
+    PrefillTpOption,
     RoutingMarginOption,
     RoutingOption,
-    SpeculativeOption,
-    speculative_config,
+    with_node_options,
 )
 from disagg.apps.serve_commands import serve_app
-from disagg.config import check_kv_layout
+from disagg.config import default_of
 from disagg.errors import ConfigError
+from disagg.node.cluster_config import THREADS_PER_NODE, ClusterConfig
+from disagg.node.prefix_index import LOAD_MARGIN, PAGE_SIZE
+from disagg.node.ray_placement import RayConfig
+from disagg.server.http_config import HTTPConfig
 
 HostOption = Annotated[str, typer.Option(help="Address the HTTP API listens on")]
 PortOption = Annotated[int, typer.Option(help="Port of the HTTP API (0: any free port)")]
@@ -46,70 +45,63 @@ RayResourceOption = Annotated[str | None, typer.Option(
          "(pins the role to the machines started with it)", rich_help_panel="Ray")]
 
 
+# Defaults quoted from the configs that own them (typer needs them in the signature).
+HOST: str = default_of(HTTPConfig, "host")
+PORT: int = default_of(HTTPConfig, "port")
+MAX_IN_FLIGHT: int = default_of(HTTPConfig, "max_in_flight")
+RAY_CPUS_PER_RANK: float = default_of(RayConfig, "cpus_per_rank")
+RAY_MAX_RESTARTS: int = default_of(RayConfig, "max_restarts")
+RAY_BASE_PORT: int = default_of(RayConfig, "base_port")
+
+
 @serve_app.command("cluster")
+@with_node_options(("model", *SHARED, *DECODER), model=DEFAULT_MODEL, threads=THREADS_PER_NODE)
 def serve_cluster(
-    model: ModelOption = "smollm2-135m",
-    prefillers: Annotated[int, typer.Option(help="Prefiller processes")] = 1,
-    decoders: Annotated[int, typer.Option(help="Decoder processes")] = 1,
-    mixed: Annotated[int, typer.Option(
-        help="Serve from N single-node mixed engines instead of prefillers and decoders "
-             "(the S1 baseline)")] = 0,
-    host: HostOption = "127.0.0.1", port: PortOption = 8000,
-    max_in_flight: MaxInFlightOption = 256, served_model_name: ServedNameOption = None,
-    kv_layout: LayoutOption = "NHD", page_size: PageSizeOption = 16,
-    num_pages: NumPagesOption = 512, chunk_size: ChunkOption = 256,
-    provider: ProviderOption = "tcp",
-    prefill_tp: Annotated[int, typer.Option(help="Prefiller TP degree (KV by head)")] = 1,
-    decode_tp: Annotated[int, typer.Option(help="Decoders' TP degree")] = 1,
-    replicated: Annotated[bool, typer.Option(help="Replicated KV on every rank (S9a)")] = False,
-    speculative: SpeculativeOption = None, num_draft_tokens: DraftTokensOption = 3,
-    draft_layers: DraftLayersOption = 0,
-    device: DeviceOption = "cpu", kv_memory_path: MemoryPathOption = "auto",
-    cuda_graph: CudaGraphOption = False, prefix_caching: PrefixCachingOption = True,
-    routing: RoutingOption = "prefix", routing_margin: RoutingMarginOption = 4,
+    node_options: NodeOptions,
+    num_prefillers: Annotated[int, typer.Option("--prefillers", help="Prefiller processes")] = 1,
+    num_decoders: Annotated[int, typer.Option("--decoders", help="Decoder processes")] = 1,
+    num_mixed: Annotated[int, typer.Option(
+        "--mixed", help="Serve from N single-node mixed engines instead of prefillers and "
+                        "decoders (the S1 baseline)")] = 0,
+    host: HostOption = HOST,
+    port: PortOption = PORT,
+    max_in_flight: MaxInFlightOption = MAX_IN_FLIGHT,
+    served_model_name: ServedNameOption = None,
+    prefill_tp: PrefillTpOption = 1, decode_tp: DecodeTpOption = 1,
+    routing: RoutingOption = ROUTING, routing_margin: RoutingMarginOption = LOAD_MARGIN,
     ray: RayOption = None, ray_prefill_resource: RayResourceOption = None,
     ray_decode_resource: RayResourceOption = None,
     ray_cpus_per_rank: Annotated[float, typer.Option(
-        help="With --ray: CPUs each TP rank of a node reserves", rich_help_panel="Ray")] = 1.0,
+        help="With --ray: CPUs each TP rank of a node reserves",
+        rich_help_panel="Ray")] = RAY_CPUS_PER_RANK,
     ray_gpus_per_rank: Annotated[float | None, typer.Option(
         help="With --ray: GPUs each TP rank reserves (default: 1 with --device cuda, else 0)",
         rich_help_panel="Ray")] = None,
     ray_max_restarts: Annotated[int, typer.Option(
         help="With --ray: times Ray restarts a node that died (-1: without end)",
-        rich_help_panel="Ray")] = 3,
+        rich_help_panel="Ray")] = RAY_MAX_RESTARTS,
     ray_base_port: Annotated[int, typer.Option(
         help="With --ray: node i listens on this + 2i (control) and + 2i + 1 (metrics), so "
-             "a restarted node comes back at the same address", rich_help_panel="Ray")] = 20000,
+             "a restarted node comes back at the same address",
+        rich_help_panel="Ray")] = RAY_BASE_PORT,
 ) -> None:
     """Start a cluster (local processes over libfabric, or Ray actors with --ray) and the
     OpenAI API in front of it."""
-    from disagg.node.local_cluster import ClusterConfig
     from disagg.node.node_config import check_node_memory
     from disagg.node.ray_placement import (
-        RayConfig,
         ResourceRequest,
         check_ray_installed,
         plan_nodes,
         probe_address,
     )
-    from disagg.server.launch import HTTPConfig
     from disagg.server.launch import serve_cluster as run
 
-    check_node_memory(device, kv_memory_path)
-    for name, value in (("--prefillers", prefillers), ("--decoders", decoders)):
-        if value < 1 and not mixed:
-            raise ConfigError(f"{name} must be at least 1, got {value}")
-    if mixed < 0:
-        raise ConfigError(f"--mixed must be >= 0, got {mixed}")
-    cluster = ClusterConfig(
-        model=model, num_decoders=decoders, num_prefillers=prefillers, num_mixed=mixed,
-        kv_layout=check_kv_layout(kv_layout), page_size=page_size, num_pages=num_pages,
-        chunk_size=chunk_size, provider=provider, prefill_tp=prefill_tp, decode_tp=decode_tp,
-        replicated_kv=replicated, device=device, kv_memory_path=kv_memory_path,
-        speculative=speculative_config(speculative, num_draft_tokens, draft_layers),
-        cuda_graph=cuda_graph, prefix_caching=prefix_caching, routing=routing,
+    cluster = ClusterConfig.from_options(
+        **node_options, num_prefillers=num_prefillers, num_decoders=num_decoders,
+        num_mixed=num_mixed,
+        prefill_tp=prefill_tp, decode_tp=decode_tp, routing=routing,
         routing_margin=routing_margin)
-    cluster.router_config()  # an unknown policy fails here, before any process starts
+    check_node_memory(cluster.node.device, cluster.node.kv_memory_path)  # here, not per node
     ray_config = None
     if ray is not None:
         ray_config = RayConfig(
@@ -129,16 +121,17 @@ def serve_cluster(
 def serve_router(
     decoder: Annotated[list[str], typer.Option(
         help="A decoder's (or mixed node's) host:port (repeatable)")],
-    model: ModelOption = "smollm2-135m",
-    host: HostOption = "127.0.0.1", port: PortOption = 8000,
-    max_in_flight: MaxInFlightOption = 256, served_model_name: ServedNameOption = None,
-    routing: RoutingOption = "prefix", routing_margin: RoutingMarginOption = 4,
+    model: ModelOption = DEFAULT_MODEL,
+    host: HostOption = HOST,
+    port: PortOption = PORT,
+    max_in_flight: MaxInFlightOption = MAX_IN_FLIGHT,
+    served_model_name: ServedNameOption = None,
+    routing: RoutingOption = ROUTING, routing_margin: RoutingMarginOption = LOAD_MARGIN,
     page_size: Annotated[int, typer.Option(
-        help="The decoders' page size: the blocks prefix routing compares")] = 16,
+        help="The decoders' page size: the pages prefix routing compares")] = PAGE_SIZE,
 ) -> None:
     """The OpenAI API in front of decoders started with `disagg serve decode|mixed`."""
     from disagg.node.prefix_index import RoutingConfig
-    from disagg.server.launch import HTTPConfig
     from disagg.server.launch import serve_router as run
 
     routing_config = RoutingConfig.parse(routing, routing_margin, page_size)

@@ -1,16 +1,27 @@
-"""Options the `disagg` commands share (typer `Annotated` aliases), and their small parsers.
+"""Options the `disagg` commands share: typer `Annotated` aliases, and the node options table.
 
-Kept apart so `cli.py` (generate, demo, tools) and `serve_commands.py` (the three node kinds)
-read the same flags with the same help text.
+`NODE_FLAGS` is the flag of every keyword of the one mapping to a node config
+(`disagg.node.node_options.node_config_from_options`), and `with_node_options` gives a command
+the flags it names, with the mapping's own defaults, and hands their values over as one dict
+in the mapping's words. So `serve prefill|decode|mixed`, `serve cluster` and `demo` read the
+same flags, with the same help and defaults, and none of them maps a flag by hand.
 """
 
 from __future__ import annotations
 
-from typing import Annotated
+import inspect
+from collections.abc import Callable
+from typing import Annotated, Any
 
 import typer
 
-from disagg.config import SpeculativeConfig
+from disagg.config import default_of
+from disagg.node.node_options import OPTION_DEFAULTS
+from disagg.node.prefix_index import RoutingConfig
+
+DEFAULT_MODEL = "smollm2-135m"  # what a cluster, a router and the demo serve unless told
+ROUTING: str = default_of(RoutingConfig, "policy").value  # the router's policy, as a word
+REQUIRED = inspect.Parameter.empty  # a flag with no default must be given
 
 SpeculativeOption = Annotated[str | None, typer.Option(
     help="Speculative decoding with this draft: mtp (an MTP head, random-init) or early-exit "
@@ -19,16 +30,6 @@ DraftTokensOption = Annotated[int, typer.Option(
     help="Draft tokens proposed per step, verified by one forward (with --speculative)")]
 DraftLayersOption = Annotated[int, typer.Option(
     help="Layers of the early-exit draft (0: all but the last two)")]
-
-
-def speculative_config(kind: str | None, num_draft_tokens: int,
-                       draft_layers: int) -> SpeculativeConfig | None:
-    """The `SpeculativeConfig` the options describe, or None without --speculative."""
-    if kind is None:
-        return None
-    return SpeculativeConfig(kind, num_draft_tokens, draft_layers)  # type: ignore[arg-type]
-
-
 ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a preset (tiny, small) or a "
                                                 "Hugging Face Llama checkpoint directory")]
 LayoutOption = Annotated[str, typer.Option(help="KV page layout: NHD or HND")]
@@ -37,7 +38,7 @@ NumPagesOption = Annotated[int, typer.Option(help="KV pages in the cache")]
 ChunkOption = Annotated[int, typer.Option(help="Prefill chunk size in tokens")]
 ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm, efa, verbs, or "
                                                    "a provider name")]
-ThreadsOption = Annotated[int, typer.Option(help="torch threads for this node (0: default)")]
+ThreadsOption = Annotated[int, typer.Option(help="torch threads per node (0: torch's default)")]
 TraceOption = Annotated[str | None, typer.Option(
     help="Write a Chrome trace: a file path ({node_id} is filled in) or a directory")]
 FabricNodeOption = Annotated[str, typer.Option(
@@ -49,16 +50,24 @@ DomainsPerRankOption = Annotated[int, typer.Option(
 TpOption = Annotated[int, typer.Option(
     help="Tensor-parallel degree: this process leads N-1 rank processes, the model's heads and "
          "KV split among them (S3c, S6)")]
+PrefillTpOption = Annotated[int, typer.Option(help="Prefillers' TP degree (KV by head)")]
+DecodeTpOption = Annotated[int, typer.Option(help="Decoders' TP degree")]
 ReplicatedOption = Annotated[bool, typer.Option(
     help="Every TP rank holds the whole KV cache (MLA-style latent cache, S9a)")]
 FaultsOption = Annotated[str | None, typer.Option(
     hidden=True, help="Test only: inject fabric faults, e.g. seed=1,drop_imm=0.01")]
 KVTimeoutOption = Annotated[float, typer.Option(
     help="Decoder: seconds a request may wait for its KV before it is cancelled and retried")]
+RetryOption = Annotated[bool, typer.Option(
+    help="Decoder: retry a dead prefiller's requests on another prefiller (else they fail)")]
 LeaseOption = Annotated[float, typer.Option(
     help="Prefiller: seconds after which a transfer is stopped and its pages freed")]
 ListenOption = Annotated[str, typer.Option(
     help="host:port for control connections (port 0: any free port)")]
+NodeIdOption = Annotated[str | None, typer.Option(
+    help="Name in logs, traces and handshakes (default: ROLE-0)")]
+PrefillerOption = Annotated[list[str], typer.Option(
+    "--prefiller", help="A prefiller's host:port (repeatable)")]
 MetricsPortOption = Annotated[int | None, typer.Option(
     help="Serve Prometheus metrics at http://host:PORT/metrics (0: any free port)")]
 DeviceOption = Annotated[str, typer.Option(help="Model and KV cache device: cpu, cuda, cuda:N")]
@@ -74,3 +83,58 @@ RoutingOption = Annotated[str, typer.Option(
          "--routing-margin of the least loaded) or least-loaded")]
 RoutingMarginOption = Annotated[int, typer.Option(
     help="Requests in flight beyond the least-loaded decoder that a cached prefix may cost")]
+
+# The flag of every keyword of `node_config_from_options`, the one mapping.
+NODE_FLAGS: dict[str, object] = {
+    "model": ModelOption, "node_id": NodeIdOption, "listen": ListenOption,
+    "prefillers": PrefillerOption, "kv_layout": LayoutOption, "page_size": PageSizeOption,
+    "num_pages": NumPagesOption, "prefix_caching": PrefixCachingOption, "chunk_size": ChunkOption,
+    "tp": TpOption, "replicated_kv": ReplicatedOption, "provider": ProviderOption,
+    "fabric_node": FabricNodeOption, "domains_per_rank": DomainsPerRankOption,
+    "device": DeviceOption, "kv_memory_path": MemoryPathOption, "threads": ThreadsOption,
+    "trace": TraceOption, "faults": FaultsOption, "lease": LeaseOption,
+    "metrics_port": MetricsPortOption, "kv_timeout": KVTimeoutOption, "retry": RetryOption,
+    "speculative": SpeculativeOption, "num_draft_tokens": DraftTokensOption,
+    "draft_layers": DraftLayersOption, "cuda_graph": CudaGraphOption,
+}
+# The options every node of a cluster shares, besides the model; a cluster sets ONE_NODE's
+# per node itself, and only decoders keep DECODER's.
+SHARED = ("kv_layout", "page_size", "num_pages", "prefix_caching", "chunk_size",
+          "replicated_kv", "provider", "fabric_node", "domains_per_rank", "device",
+          "kv_memory_path", "threads", "trace", "faults", "lease")
+ONE_NODE = ("node_id", "listen", "tp", "metrics_port")
+DECODER = ("kv_timeout", "retry", "speculative", "num_draft_tokens", "draft_layers",
+           "cuda_graph")
+assert set(NODE_FLAGS) == {"model", "prefillers", *SHARED, *ONE_NODE, *DECODER} == set(
+    OPTION_DEFAULTS), "every keyword of the mapping has one flag, in one group"
+
+NodeOptions = dict[str, Any]
+
+
+def with_node_options(names: tuple[str, ...], **defaults: Any  # noqa: ANN401 - a default
+                      ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
+    """Give the typer command `command(node_options, **its_own)` the flags of the node options
+    `names` besides its own, each with the mapping's default unless `defaults` names another
+    (`REQUIRED`: none). Their values reach it as `node_options`, keyed by the mapping's
+    keywords: its body passes them on whole, so a flag added here reaches every node config."""
+
+    def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
+        own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
+               for p in inspect.signature(command, eval_str=True).parameters.values()
+               if p.name != "node_options"]
+        flags = [inspect.Parameter(name, inspect.Parameter.KEYWORD_ONLY,
+                                   annotation=NODE_FLAGS[name],
+                                   default=defaults.get(name, OPTION_DEFAULTS[name]))
+                 for name in names]
+
+        def wrapper(**options: Any) -> Any:  # noqa: ANN401 - typer passes each option
+            node_options = {name: options.pop(name) for name in names}
+            return command(node_options=node_options, **options)
+
+        parameters = [*flags, *own]
+        wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
+        wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
+        wrapper.__name__, wrapper.__doc__ = command.__name__, command.__doc__
+        return wrapper
+
+    return decorate

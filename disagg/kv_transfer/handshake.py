@@ -44,12 +44,13 @@ from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.memory import EngineAddress, MemoryRegionDescriptor
+from transfer_core.memory_paths import MEMORY_PATH_KINDS
 from transfer_core.transport import Transport
 
 PROOF_TIMEOUT_S = 10.0  # for a proof write to complete, and for the decoder to see it land
 ANSWER_TIMEOUT_S = 10.0  # for the prefiller's answer to Hello: a frozen one must not hold us
 # What a decoder may say its KV memory path is ("": it did not say).
-PEER_MEMORY_PATHS = ("", "host", "hmem", "staged")
+PEER_MEMORY_PATHS = ("", *MEMORY_PATH_KINDS)
 # The fields of a Hello a prefiller must share with the decoder.
 MATCHED_FIELDS = ("model", "dtype", "page_size", "kv_layout", "num_layers", "num_kv_heads",
                   "head_dim", "context_slot_nbytes")

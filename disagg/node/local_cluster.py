@@ -2,9 +2,9 @@
 
 Each node is `python -m disagg.node.serve` in its own process, talking over libfabric, so the
 demo and the end-to-end tests run exactly what a multi-machine deployment runs. A node gets its
-`NodeConfig` as one JSON document on stdin (built here from the `ClusterConfig`, never as
-flags) and prints `READY <host:port>` once it accepts connections; every process started here
-is ended on exit, error or Ctrl-C.
+`NodeConfig` as one JSON document on stdin (`ClusterConfig.node_config`, never as flags) and
+prints its `ReadyLine` once it accepts connections; every process started here is ended
+on exit, error or Ctrl-C.
 """
 
 from __future__ import annotations
@@ -16,83 +16,22 @@ import sys
 import threading
 import time
 import urllib.request
-from dataclasses import dataclass, field
 from typing import Any
 
-from disagg.config import (
-    CacheConfig,
-    ParallelConfig,
-    ReliabilityConfig,
-    SchedulerConfig,
-    SpeculativeConfig,
-)
 from disagg.control.channel import Channel
 from disagg.control.messages import Shutdown
 from disagg.errors import DisaggError
+from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeConfig, NodeRole
-from disagg.node.prefix_index import RoutingConfig
+from disagg.node.ready_line import ReadyLine
 from disagg.utils.metrics import parse_metrics
 
 logger = logging.getLogger(__name__)
 
 
-@dataclass(frozen=True)
-class ClusterConfig:
-    """What to start: the options every node shares, how many of each, and the decoders' own."""
-
-    model: str
-    num_decoders: int = 1
-    kv_layout: str = "NHD"
-    page_size: int = 16
-    num_pages: int = 512
-    chunk_size: int = 256
-    provider: str = "tcp"
-    threads_per_node: int = 1
-    num_prefillers: int = 1
-    prefill_tp: int = 1
-    decode_tp: int = 1
-    replicated_kv: bool = False  # every TP rank holds all KV heads (MLA-style, S9a)
-    reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)  # decoders
-    speculative: SpeculativeConfig | None = None  # decoders draft and verify (S8)
-    cuda_graph: bool = False  # decoders' decode steps through CUDA graphs (S3b)
-    faults: str | None = None  # test only: a FaultPlan spec for every node's fabric
-    startup_timeout_s: float = 120.0
-    trace_dir: str | None = None  # each node writes <node_id>.json here (a Chrome trace)
-    device: str = "cpu"  # every node's model and KV cache: cpu, cuda or cuda:N
-    kv_memory_path: str = "auto"  # how each node's NIC reaches its KV: auto, host, hmem, staged
-    num_mixed: int = 0  # > 0: that many single-node mixed engines instead (the S1 baseline)
-    prefix_caching: bool = True  # every node keeps and reuses full pages (issue 18)
-    routing: str = "prefix"  # how a router in front of it picks a decoder (`router_config`)
-    routing_margin: int = 4
-    domains_per_rank: int = 1  # fabric domains per TP rank without RDMA NICs (S5b)
-
-    def router_config(self) -> RoutingConfig:
-        """What a router in front of this cluster does; its blocks are the nodes' pages."""
-        return RoutingConfig.parse(self.routing, self.routing_margin, self.page_size)
-
-    def node_config(self, role: NodeRole, node_id: str,
-                    prefillers: tuple[str, ...] = ()) -> NodeConfig:
-        """The `NodeConfig` of one node of this cluster."""
-        decoder = role is NodeRole.DECODE
-        mode = "prefill_only" if role is NodeRole.PREFILL else "mixed"
-        return NodeConfig(
-            self.model, CacheConfig(page_size=self.page_size, num_pages=self.num_pages,
-                                    kv_layout=self.kv_layout,  # type: ignore[arg-type]
-                                    prefix_caching=self.prefix_caching),
-            SchedulerConfig(chunk_size=self.chunk_size,
-                            max_num_batched_tokens=self.chunk_size,
-                            mode=mode),  # type: ignore[arg-type]
-            ParallelConfig(self.decode_tp if decoder else self.prefill_tp, self.replicated_kv),
-            role=role, node_id=node_id, prefillers=prefillers, provider=self.provider,
-            threads=self.threads_per_node, faults=self.faults, reliability=self.reliability,
-            metrics_port=0, trace=self.trace_dir,
-            speculative=self.speculative if decoder else None,
-            device=self.device, kv_memory_path=self.kv_memory_path,
-            cuda_graph=self.cuda_graph and decoder, domains_per_rank=self.domains_per_rank)
-
-
 class LocalCluster:
-    """Context manager: one prefiller and `num_decoders` decoders as child processes."""
+    """Context manager: the nodes of a `ClusterConfig` (prefillers and decoders, or mixed
+    nodes) as child processes."""
 
     def __init__(self, config: ClusterConfig) -> None:
         self.config = config
@@ -106,34 +45,19 @@ class LocalCluster:
         self.rank_pids: dict[str, list[int]] = {}  # node name -> pids of its TP ranks 1..N-1
 
     def __enter__(self) -> LocalCluster:
-        if self.config.num_mixed > 0:
-            return self._start_mixed()
         try:
-            prefill_names = [f"prefill-{i}" for i in range(self.config.num_prefillers)]
-            prefillers = [self._spawn(self.config.node_config(NodeRole.PREFILL, name))
-                          for name in prefill_names]
-            self.prefiller_addresses = [self._wait_ready(name, process) for name, process
-                                        in zip(prefill_names, prefillers, strict=True)]
-            self.prefiller_address = self.prefiller_addresses[0]
-            # Decoders start side by side: each loads the model on its own.
-            names = [f"decode-{i}" for i in range(self.config.num_decoders)]
-            decoders = [self._spawn(self.config.node_config(
-                NodeRole.DECODE, name, tuple(self.prefiller_addresses))) for name in names]
+            nodes = self.config.nodes()
+            prefillers = [(name, self._spawn(self.config.node_config(role, name)))
+                          for name, role in nodes if role is NodeRole.PREFILL]
+            self.prefiller_addresses = [self._wait_ready(name, process)
+                                        for name, process in prefillers]
+            self.prefiller_address = next(iter(self.prefiller_addresses), "")
+            # Decoders (or mixed nodes) start side by side: each loads the model on its own.
+            decoders = [(name, self._spawn(self.config.node_config(
+                role, name, tuple(self.prefiller_addresses))))
+                for name, role in nodes if role is not NodeRole.PREFILL]
             self.decoder_addresses = [self._wait_ready(name, process)
-                                      for name, process in zip(names, decoders, strict=True)]
-        except BaseException:
-            self.stop()
-            raise
-        return self
-
-    def _start_mixed(self) -> LocalCluster:
-        """`num_mixed` single-node engines behind the same router protocol as decoders."""
-        try:
-            names = [f"mixed-{i}" for i in range(self.config.num_mixed)]
-            nodes = [self._spawn(self.config.node_config(NodeRole.MIXED, name))
-                     for name in names]
-            self.decoder_addresses = [self._wait_ready(name, process)
-                                      for name, process in zip(names, nodes, strict=True)]
+                                      for name, process in decoders]
         except BaseException:
             self.stop()
             raise
@@ -141,7 +65,8 @@ class LocalCluster:
 
     def roles(self) -> dict[str, NodeRole]:
         """Node name -> its role, for every node started."""
-        return {name: NodeRole(name.split("-")[0]) for name in self.names}
+        roles = dict(self.config.nodes())
+        return {name: roles[name] for name in self.names}
 
     def __exit__(self, *exc: object) -> None:
         self.stop()
@@ -165,16 +90,14 @@ class LocalCluster:
         deadline = time.monotonic() + self.config.startup_timeout_s
         assert process.stdout is not None
         for line in process.stdout:
-            if line.startswith("READY "):
+            ready = ReadyLine.parse(line)
+            if ready is not None:
                 threading.Thread(target=_collect, args=(process.stdout, log), daemon=True).start()
-                words = line.split()
-                for word in words[2:]:
-                    if word.startswith("metrics="):
-                        self.metrics_addresses[name] = word.removeprefix("metrics=")
-                    if word.startswith("ranks="):
-                        self.rank_pids[name] = [int(p) for p in
-                                                word.removeprefix("ranks=").split(",")]
-                return words[1]
+                if ready.metrics_address is not None:
+                    self.metrics_addresses[name] = ready.metrics_address
+                if ready.rank_pids:
+                    self.rank_pids[name] = list(ready.rank_pids)
+                return ready.address
             log.append(line.rstrip())
             if time.monotonic() > deadline:
                 break

@@ -1,10 +1,11 @@
 """What one node is asked to be: `NodeConfig`, frozen, checked, and sent whole to its process.
 
-The CLI (`disagg serve prefill|decode|mixed`) and `LocalCluster` both build a `NodeConfig`;
-a child process receives it as one JSON document (`to_json` / `from_json`), never as flags
-to parse again, so what a node runs is exactly what its parent asked for. A node listening
-off loopback needs the cluster secret (`check_listen_secret`): without it anyone who can reach
-the port could send it any control message.
+The command line's words become a `NodeConfig` in one place (`node_options.py`); a cluster
+derives each of its nodes' configs from one shared one (`cluster_config.py`); a child process
+receives it as one JSON document (`to_json` / `from_json`), never as flags to parse again, so
+what a node runs is exactly what its parent asked for. A node listening off loopback needs the
+cluster secret (`check_listen_secret`): without it anyone who can reach the port could send it
+any control message.
 """
 
 from __future__ import annotations
@@ -25,14 +26,14 @@ from disagg.config import (
     ParallelConfig,
     ReliabilityConfig,
     SchedulerConfig,
+    SchedulerMode,
     SpeculativeConfig,
+    check_choice,
 )
 from disagg.control.address import parse_address
 from disagg.control.secret import SECRET_ENV, cluster_secret
 from disagg.errors import ConfigError
-
-# How the NIC reaches the KV (S5), as `transfer_core.staging` names it.
-MEMORY_PATHS = ("auto", "host", "hmem", "staged")
+from transfer_core.memory_paths import MEMORY_PATHS, MemoryPathRequest
 
 
 class NodeRole(enum.Enum):
@@ -41,6 +42,16 @@ class NodeRole(enum.Enum):
     PREFILL = "prefill"  # prefills for decoders and streams their KV back (S2b)
     DECODE = "decode"  # takes requests, gets their KV from prefillers, decodes (S2a)
     MIXED = "mixed"  # a single node that prefills and decodes (the S1 baseline)
+
+
+def scheduler_mode(role: NodeRole) -> SchedulerMode:
+    """What the scheduler of a node of `role` runs: a prefiller prefills only (S2b)."""
+    return "prefill_only" if role is NodeRole.PREFILL else "mixed"
+
+
+def node_name(role: NodeRole, index: int) -> str:
+    """The name of the `index`-th node of `role` in logs, traces and handshakes: `decode-0`."""
+    return f"{role.value}-{index}"
 
 
 def check_device(device: str, need_hardware: bool = True) -> str:
@@ -74,13 +85,17 @@ def check_listen_secret(listen: str) -> None:
                           f"secret: set {SECRET_ENV} to the same value on every node")
 
 
+def check_memory_path(kv_memory_path: str) -> MemoryPathRequest:
+    """`kv_memory_path` if it is one of `transfer_core`'s `MEMORY_PATHS`, else a
+    `ConfigError` naming it."""
+    return check_choice(kv_memory_path, MEMORY_PATHS, "KV memory path")
+
+
 def check_node_memory(device: str, kv_memory_path: str, need_hardware: bool = True) -> None:
     """A `ConfigError` unless `device` is valid (see `check_device`) and `kv_memory_path` is
     one of auto, host, hmem, staged and possible there (host is CPU only, hmem CUDA only)."""
     on_cuda = torch.device(check_device(device, need_hardware)).type == "cuda"
-    if kv_memory_path not in MEMORY_PATHS:
-        raise ConfigError(f"unknown KV memory path {kv_memory_path!r}: expected "
-                          f"{', '.join(MEMORY_PATHS[:-1])} or {MEMORY_PATHS[-1]}")
+    check_memory_path(kv_memory_path)
     if kv_memory_path == ("host" if on_cuda else "hmem"):
         raise ConfigError(f"KV memory path {kv_memory_path!r} is impossible on {device}: use "
                           "auto or staged")
@@ -88,7 +103,8 @@ def check_node_memory(device: str, kv_memory_path: str, need_hardware: bool = Tr
 
 @dataclass(frozen=True, slots=True)
 class NodeConfig:
-    """Everything one node needs; the CLI and `LocalCluster` build it, nothing else."""
+    """Everything one node needs: built from the command line's words (`node_options.py`),
+    or derived from a cluster's shared one (`ClusterConfig.node_config`)."""
 
     model: str
     cache: CacheConfig = field(default_factory=CacheConfig)
@@ -108,7 +124,7 @@ class NodeConfig:
     trace: str | None = None  # a Chrome trace: a file ({node_id} filled in) or a directory
     speculative: SpeculativeConfig | None = None  # decoder: draft and verify (issue 6)
     device: str = "cpu"  # where the model and its KV cache live: cpu, cuda, cuda:N
-    kv_memory_path: str = "auto"  # how the NIC reaches the KV: auto, host, hmem, staged (S5)
+    kv_memory_path: MemoryPathRequest = "auto"  # how the NIC reaches the KV (S5): MEMORY_PATHS
     cuda_graph: bool = False  # decode steps through static buffers / CUDA graphs (S3b)
     # Fabric domains per TP rank where no RDMA NIC is near it (stand-ins over the provider's
     # own interface); with RDMA NICs the nearest NICs decide (`rank_placement.py`, S5b).
@@ -117,7 +133,7 @@ class NodeConfig:
     def __post_init__(self) -> None:
         check_node_memory(self.device, self.kv_memory_path, need_hardware=False)
         check_listen_secret(self.listen)
-        expected_mode = "prefill_only" if self.role is NodeRole.PREFILL else "mixed"
+        expected_mode = scheduler_mode(self.role)
         if self.scheduler.mode != expected_mode:
             raise ConfigError(f"a {self.role.value} node schedules {expected_mode!r}, "
                               f"not {self.scheduler.mode!r}")

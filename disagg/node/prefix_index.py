@@ -1,10 +1,11 @@
 """The router's estimate of what each decoder has cached, for KV-aware routing (X2c).
 
 The router never asks the decoders what they hold: it remembers, per decoder, the chained
-digests of the token blocks it has sent there (prompts when routed, prompts plus outputs when
-finished), in a bounded LRU. It is an estimate: a decoder may have evicted a block since, and
-the router's blocks need not line up with the decoder's pages. What it buys is locality: the
-turns of one conversation, and requests sharing a system prompt, go where their prefix is.
+digests of the whole pages of tokens it has sent there (prompts when routed, prompts plus
+outputs when finished), in a bounded LRU. It is an estimate: a decoder may have evicted a page
+since, and the router's pages line up with the decoder's only when `RoutingConfig.page_size`
+is the decoders' page size. What it buys is locality: the turns of one conversation, and
+requests sharing a system prompt, go where their prefix is.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ import enum
 from collections import OrderedDict
 from dataclasses import dataclass
 
+from disagg.config import CacheConfig, check_choice, default_of
 from disagg.engine.prefix_cache import ROOT, page_digest
 from disagg.errors import ConfigError
 
@@ -25,69 +27,75 @@ class RoutingPolicy(enum.Enum):
 
 
 ROUTING_POLICIES = tuple(p.value for p in RoutingPolicy)
+PAGE_SIZE: int = default_of(CacheConfig, "page_size")  # best the decoders' own
+LOAD_MARGIN = 4  # requests in flight beyond the least-loaded decoder a prefix may cost
+
+
+def check_routing_policy(policy: str) -> RoutingPolicy:
+    """The policy `policy` names (the CLI's word); a `ConfigError` naming an unknown one."""
+    return RoutingPolicy(check_choice(policy, ROUTING_POLICIES, "routing policy"))
 
 
 @dataclass(frozen=True, slots=True)
 class RoutingConfig:
-    """The router's policy; `block_size` is best the decoders' page size."""
+    """The router's policy; `page_size` is best the decoders' page size."""
 
     policy: RoutingPolicy = RoutingPolicy.PREFIX
-    load_margin: int = 4  # requests in flight beyond the least-loaded decoder a prefix may cost
-    block_size: int = 16
+    load_margin: int = LOAD_MARGIN
+    page_size: int = PAGE_SIZE
 
     def __post_init__(self) -> None:
-        if self.load_margin < 0 or self.block_size < 1:
-            raise ConfigError(f"routing: load_margin must be >= 0 and block_size >= 1, got "
-                              f"{self.load_margin} and {self.block_size}")
+        if self.load_margin < 0 or self.page_size < 1:
+            raise ConfigError(f"routing: load_margin must be >= 0 and page_size >= 1, got "
+                              f"{self.load_margin} and {self.page_size}")
 
     @staticmethod
-    def parse(policy: str, load_margin: int = 4, block_size: int = 16) -> RoutingConfig:
+    def parse(policy: str, load_margin: int = LOAD_MARGIN,
+              page_size: int = PAGE_SIZE) -> RoutingConfig:
         """From the CLI's words; a `ConfigError` naming an unknown policy."""
-        if policy not in ROUTING_POLICIES:
-            raise ConfigError(f"unknown routing policy {policy!r}: expected one of "
-                              f"{ROUTING_POLICIES}")
-        return RoutingConfig(RoutingPolicy(policy), load_margin, block_size)
+        return RoutingConfig(check_routing_policy(policy), load_margin, page_size)
 
 
-def block_digests(token_ids: list[int], block_size: int) -> list[bytes]:
-    """Chained digests of the whole blocks of `token_ids`."""
+def page_digests(token_ids: list[int], page_size: int) -> list[bytes]:
+    """Chained digests of the whole pages of `token_ids` (a partial last page has none)."""
     digests, parent = [], ROOT
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
-        parent = page_digest(b"router", parent, tuple(token_ids[start:start + block_size]))
+    for start in range(0, len(token_ids) - page_size + 1, page_size):
+        parent = page_digest(b"router", parent, tuple(token_ids[start:start + page_size]))
         digests.append(parent)
     return digests
 
 
 class PrefixIndex:
-    """Per decoder, the block digests it was sent, least recently used first."""
+    """Per decoder, the page digests it was sent, least recently used first."""
 
-    def __init__(self, num_decoders: int, block_size: int = 16, capacity: int = 1 << 16) -> None:
-        self.block_size = block_size
-        self.capacity = capacity  # blocks remembered per decoder
-        self._blocks: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_decoders)]
+    def __init__(self, num_decoders: int, page_size: int = PAGE_SIZE,
+                 capacity: int = 1 << 16) -> None:
+        self.page_size = page_size
+        self.capacity = capacity  # pages remembered per decoder
+        self._pages: list[OrderedDict[bytes, None]] = [OrderedDict() for _ in range(num_decoders)]
 
     def matched_tokens(self, decoder: int, digests: list[bytes]) -> int:
         """How many leading tokens of a prompt (given by its digests) `decoder` likely holds."""
-        blocks = self._blocks[decoder]
+        pages = self._pages[decoder]
         matched = 0
         for digest in digests:
-            if digest not in blocks:
+            if digest not in pages:
                 break
             matched += 1
-        return matched * self.block_size
+        return matched * self.page_size
 
     def add(self, decoder: int, digests: list[bytes]) -> None:
-        """`decoder` now holds these blocks (most recently used)."""
-        blocks = self._blocks[decoder]
+        """`decoder` now holds these pages (most recently used)."""
+        pages = self._pages[decoder]
         for digest in digests:
-            blocks[digest] = None
-            blocks.move_to_end(digest)
-        while len(blocks) > self.capacity:
-            blocks.popitem(last=False)
+            pages[digest] = None
+            pages.move_to_end(digest)
+        while len(pages) > self.capacity:
+            pages.popitem(last=False)
 
     def forget(self, decoder: int) -> None:
         """`decoder` died: whatever it held is gone."""
-        self._blocks[decoder].clear()
+        self._pages[decoder].clear()
 
 
 def pick_decoder(live: list[int], load: list[int], matched: list[int], margin: int) -> int:

@@ -26,6 +26,7 @@ from disagg.control.messages import Shutdown
 from disagg.control.secret import SECRET_ENV
 from disagg.errors import DisaggError
 from disagg.node.node_config import NodeConfig
+from disagg.node.ready_line import ReadyLine
 
 LOG_LINES = 200  # the node's last lines, kept for the error when it fails to start
 EXIT_CODE_NODE_DIED = 3  # the actor's exit when its node died: Ray counts it as a crash
@@ -63,7 +64,7 @@ class NodeActor:
             env["CUDA_VISIBLE_DEVICES"] = ",".join(dict.fromkeys(own_gpus + rank_gpu_ids))
         self._lines: collections.deque[str] = collections.deque(maxlen=LOG_LINES)
         self._ready = threading.Event()
-        self._ready_words: list[str] = []
+        self._ready_line: ReadyLine | None = None
         self._stopping = False
         self._process = subprocess.Popen(
             [sys.executable, "-c", CHILD, str(os.getpid())], stdin=subprocess.PIPE,
@@ -72,7 +73,7 @@ class NodeActor:
         self._process.stdin.write(self.config.to_json())
         self._process.stdin.close()
         threading.Thread(target=self._watch, daemon=True, name="node-output").start()
-        if not self._ready.wait(startup_timeout_s) or not self._ready_words:
+        if not self._ready.wait(startup_timeout_s) or self._ready_line is None:
             self._process.kill()
             self._process.wait()
             raise DisaggError(f"{self.config.node_id} did not start on {self.node_ip} (exit "
@@ -83,14 +84,15 @@ class NodeActor:
         """Echo the node's output into this actor's log; exit the actor if the node dies."""
         assert self._process.stdout is not None
         for line in self._process.stdout:
-            if line.startswith("READY ") and not self._ready.is_set():
-                self._ready_words = line.split()[1:]
-                self._ready.set()
+            if not self._ready.is_set():
+                self._ready_line = ReadyLine.parse(line)
+                if self._ready_line is not None:
+                    self._ready.set()
             self._lines.append(line.rstrip())
             sys.stderr.write(line)
         code = self._process.wait()
         self._ready.set()  # a node that died while starting: __init__ reports it
-        if self._ready_words and not self._stopping:
+        if self._ready_line is not None and not self._stopping:
             sys.stderr.write(f"{self.config.node_id} exited with code {code}: the actor "
                              "exits so that Ray restarts both\n")
             sys.stderr.flush()
@@ -98,9 +100,9 @@ class NodeActor:
 
     def info(self) -> dict[str, object]:
         """Where the node is: its control and metrics host:port, Ray node, process id."""
-        metrics = next((w.removeprefix("metrics=") for w in self._ready_words
-                        if w.startswith("metrics=")), None)
-        return {"address": self._ready_words[0], "metrics_address": metrics,
+        assert self._ready_line is not None, "info() before the node started"
+        return {"address": self._ready_line.address,
+                "metrics_address": self._ready_line.metrics_address,
                 "ray_node_id": self.ray_node_id, "node_ip": self.node_ip,
                 "pid": self._process.pid}
 
@@ -109,7 +111,8 @@ class NodeActor:
         its exit code (0: clean)."""
         self._stopping = True
         try:
-            channel = Channel.connect(self._ready_words[0], timeout_s=2.0)
+            assert self._ready_line is not None, "stop() before the node started"
+            channel = Channel.connect(self._ready_line.address, timeout_s=2.0)
             channel.send(Shutdown())
             channel.close()
         except (DisaggError, OSError):

@@ -34,10 +34,16 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from disagg.control.secret import SECRET_ENV, cluster_secret
 from disagg.errors import ConfigError, DisaggError
-from disagg.node.local_cluster import ClusterConfig
+from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeRole
 from disagg.node.ray_actor import NodeActor
-from disagg.node.ray_placement import LOCAL, NodePlacement, RayConfig, plan_nodes, probe_address
+from disagg.node.ray_placement import (
+    LOCAL,
+    RayConfig,
+    RayNodePlacement,
+    plan_nodes,
+    probe_address,
+)
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 20.0
@@ -133,7 +139,8 @@ class RayCluster:
             raise ConfigError(f"Ray placed no group within {timeout:g} s for {wanted} (does "
                               "a Ray node have these resources? `ray status` lists them)")
 
-    def _start(self, placements: list[NodePlacement], prefillers: tuple[str, ...]) -> list[str]:
+    def _start(self, placements: list[RayNodePlacement],
+               prefillers: tuple[str, ...]) -> list[str]:
         """Start these nodes side by side; their control addresses, in order."""
         for p in placements:
             group = self._groups[p.name]

@@ -1,7 +1,7 @@
 """Where each node of a cluster goes on Ray, decided without Ray (X3).
 
 `RayConfig` is what `disagg serve cluster --ray` was asked; `plan_nodes` turns it and the
-`ClusterConfig` into one `NodePlacement` per node: its name and role, its placement group's
+`ClusterConfig` into one `RayNodePlacement` per node: its name and role, its placement group's
 bundles (one per TP rank, packed onto one Ray node because the ranks share memory) and the
 two fixed ports it listens on. Fixed ports are what make a restart invisible to its peers: Ray
 re-runs a dead node's actor in the same placement group, so the node comes back at the same
@@ -17,7 +17,7 @@ from dataclasses import dataclass
 
 from disagg.control.address import parse_address
 from disagg.errors import ConfigError
-from disagg.node.local_cluster import ClusterConfig
+from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeRole
 
 LOCAL = "local"  # `--ray local`: a private Ray instance on this machine, gone on exit
@@ -84,9 +84,10 @@ class RayConfig:
 
 
 @dataclass(frozen=True, slots=True)
-class NodePlacement:
+class RayNodePlacement:
     """One node on Ray: its placement group's bundles (bundle 0 holds the node's actor) and
-    the ports it listens on, on whichever Ray node the group lands."""
+    the ports it listens on, on whichever Ray node the group lands. (Where its TP ranks'
+    NICs and cores are is `rank_placement.NodePlacement`, decided on that machine.)"""
 
     name: str
     role: NodeRole
@@ -159,22 +160,18 @@ def node_ports(base_port: int, index: int) -> tuple[int, int]:
     return port, port + 1
 
 
-def plan_nodes(cluster: ClusterConfig, ray: RayConfig) -> list[NodePlacement]:
-    """Every node of `cluster`, prefillers first (decoders need their addresses)."""
+def plan_nodes(cluster: ClusterConfig, ray: RayConfig) -> list[RayNodePlacement]:
+    """Every node of `cluster`, in `cluster.nodes()` order (prefillers first: decoders need
+    their addresses)."""
+    device = cluster.node.device
     gpus = ray.gpus_per_rank
     if gpus is None:
-        gpus = 1.0 if cluster.device.startswith("cuda") else 0.0
-    if gpus > 0 and cluster.device not in ("cpu", "cuda"):
-        raise ConfigError(f"--device {cluster.device} with --ray: use --device cuda; Ray "
-                          "picks each node's GPUs")
-    if cluster.num_mixed > 0:
-        roles = [(NodeRole.MIXED, f"mixed-{i}", cluster.decode_tp, ray.decode_resource)
-                 for i in range(cluster.num_mixed)]
-    else:
-        roles = [(NodeRole.PREFILL, f"prefill-{i}", cluster.prefill_tp, ray.prefill_resource)
-                 for i in range(cluster.num_prefillers)]
-        roles += [(NodeRole.DECODE, f"decode-{i}", cluster.decode_tp, ray.decode_resource)
-                  for i in range(cluster.num_decoders)]
-    return [NodePlacement(name, role, node_bundles(tp, ray.cpus_per_rank, gpus, resource),
-                          *node_ports(ray.base_port, index))
-            for index, (role, name, tp, resource) in enumerate(roles)]
+        gpus = 1.0 if device.startswith("cuda") else 0.0
+    if gpus > 0 and device not in ("cpu", "cuda"):
+        raise ConfigError(f"--device {device} with --ray: use --device cuda; Ray picks each "
+                          "node's GPUs")
+    return [RayNodePlacement(name, role, node_bundles(
+                cluster.tp_of(role), ray.cpus_per_rank, gpus,
+                ray.prefill_resource if role is NodeRole.PREFILL else ray.decode_resource),
+                *node_ports(ray.base_port, index))
+            for index, (name, role) in enumerate(cluster.nodes())]

@@ -25,10 +25,9 @@ from disagg.node.prefix_index import (
     PrefixIndex,
     RoutingConfig,
     RoutingPolicy,
-    block_digests,
+    page_digests,
     pick_decoder,
 )
-
 
 logger = logging.getLogger(__name__)
 SILENCE_S = 5.0  # a decoder that sent heartbeats and then nothing this long leaves the rotation
@@ -48,7 +47,7 @@ class Router:
         self._closed = threading.Event()
         self.events: queue.Queue[RequestEvent] = queue.Queue()
         self.routing = routing or RoutingConfig()
-        self.index = PrefixIndex(len(self.decoders), self.routing.block_size)
+        self.index = PrefixIndex(len(self.decoders), self.routing.page_size)
         self._owner: dict[str, int] = {}
         self._tokens: dict[str, list[int]] = {}  # prompt then outputs, of requests in flight
         self._lock = threading.Lock()
@@ -56,9 +55,9 @@ class Router:
             threading.Thread(target=self._read, args=(index, channel), daemon=True,
                              name=f"router-{index}").start()
 
-    def submit(self, message: Submit) -> int:
+    def route(self, message: Submit) -> int:
         """Send a request to the decoder the policy picks; returns its index."""
-        digests = (block_digests(message.prompt_token_ids, self.index.block_size)
+        digests = (page_digests(message.prompt_token_ids, self.index.page_size)
                    if self.routing.policy is RoutingPolicy.PREFIX else [])
         with self._lock:
             live = [i for i in range(len(self.decoders)) if self.takes_requests(i)]
@@ -130,7 +129,7 @@ class Router:
                     self._tokens.pop(event.request_id, None)
                     if tokens is not None and event.state is not RequestState.FINISHED_FAILED:
                         # The answer's KV is computed but for its last token.
-                        self.index.add(index, block_digests(tokens[:-1], self.index.block_size))
+                        self.index.add(index, page_digests(tokens[:-1], self.index.page_size))
             self.events.put(event)
 
     def _decoder_died(self, index: int, reason: str) -> None:

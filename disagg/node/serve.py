@@ -25,6 +25,7 @@ from disagg.errors import ConfigError
 from disagg.node.base import NodeBase
 from disagg.node.builder import build_node
 from disagg.node.node_config import NodeConfig
+from disagg.node.ready_line import ReadyLine
 from disagg.utils.metrics import serve_metrics
 
 
@@ -48,9 +49,6 @@ def run_node(config: NodeConfig) -> None:
     node = build_node(config)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: node.stop())
-    ready = f"READY {node.address}"
-    if node.rank_pids:
-        ready += " ranks=" + ",".join(str(pid) for pid in node.rank_pids)
     stopping = threading.Event()  # set once run() returns: /health says "stopping" then
 
     def health() -> dict[str, Any]:
@@ -58,6 +56,7 @@ def run_node(config: NodeConfig) -> None:
                              node.rank_pids)
 
     try:
+        metrics_address = None
         if config.metrics_port is not None:
             host, _ = parse_address(node.address)
             try:
@@ -65,8 +64,9 @@ def run_node(config: NodeConfig) -> None:
             except OSError as error:
                 raise ConfigError(f"--metrics-port {config.metrics_port}: cannot listen on "
                                   f"{host}: {error.strerror or error}") from None
-            ready += f" metrics={format_address(host, server.server_address[1])}"
-        sys.stdout.write(ready + "\n")
+            metrics_address = format_address(host, server.server_address[1])
+        ready = ReadyLine(node.address, tuple(node.rank_pids), metrics_address)
+        sys.stdout.write(ready.format() + "\n")
         sys.stdout.flush()
         node.run()
         if node.shutdown_requested:

@@ -101,7 +101,7 @@ class ClusterClient:
             self._streams[request_id] = stream
         seed = -1 if sampling.seed is None else sampling.seed
         try:
-            self.router.submit(Submit(request_id, prompt_token_ids, sampling.max_tokens,
+            self.router.route(Submit(request_id, prompt_token_ids, sampling.max_tokens,
                                       sampling.temperature, sampling.top_p, sampling.top_k,
                                       seed, sampling.ignore_eos))
         except PeerClosedError as error:

@@ -14,14 +14,14 @@ import logging
 import signal
 import subprocess
 import sys
-from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import uvicorn
 
 from disagg.control.address import format_address
 from disagg.model.loading.registry import load_model
-from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.cluster_config import ClusterConfig
+from disagg.node.local_cluster import LocalCluster
 from disagg.node.node_config import NodeRole
 from disagg.node.prefix_index import RoutingConfig
 from disagg.node.router import Router
@@ -29,6 +29,7 @@ from disagg.server.app import FrontDoor, build_app
 from disagg.server.chat_template import ChatTemplate
 from disagg.server.cluster_client import ClusterClient
 from disagg.server.health import NodeInfo, check_nodes
+from disagg.server.http_config import HTTPConfig
 from disagg.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -36,16 +37,6 @@ if TYPE_CHECKING:
     from disagg.node.ray_placement import RayConfig
 
 logger = logging.getLogger(__name__)
-
-
-@dataclass(frozen=True, slots=True)
-class HTTPConfig:
-    """Where the API listens and how much it admits."""
-
-    host: str = "127.0.0.1"
-    port: int = 8000
-    max_in_flight: int = 256  # one more is answered 429
-    model_name: str | None = None  # the name clients use (default: the --model spec)
 
 
 def make_front_door(model_spec: str, router: Router, nodes: list[NodeInfo],
@@ -124,8 +115,8 @@ def _serve_nodes(cluster: LocalCluster | RayCluster, processes: dict[str, subpro
                       _router_alive(router, decoders.index(name)) if name in decoders else None,
                       ray_node_ids.get(name))
              for name in cluster.names]
-    cache_tokens = config.num_pages * config.page_size
-    serve_http(make_front_door(config.model, router, nodes, http, cache_tokens), http)
+    serve_http(make_front_door(config.node.model, router, nodes, http,
+                               config.node.cache.num_tokens), http)
 
 
 def serve_router(model_spec: str, decoder_addresses: list[str], http: HTTPConfig,

@@ -11,10 +11,10 @@ from disagg.sim.cost_model import BatchShape, Parallel, StepCost, step_cost, ste
 from disagg.sim.hardware import Hardware, hardware_from_name
 from disagg.sim.models import SimModel, model_from_name
 from disagg.sim.planner import Plan, Target, plan_cluster
-from disagg.sim.simulator import ClusterConfig, ClusterSimulator
+from disagg.sim.simulator import ClusterSimulator, SimClusterConfig
 from disagg.sim.workload import Arrival, Workload, poisson_arrivals
 
-__all__ = ["Arrival", "BatchShape", "ClusterConfig", "ClusterSimulator", "Hardware",
-           "Parallel", "Plan", "SimModel", "StepCost", "Target", "Workload",
+__all__ = ["Arrival", "BatchShape", "ClusterSimulator", "Hardware", "Parallel", "Plan",
+           "SimClusterConfig", "SimModel", "StepCost", "Target", "Workload",
            "hardware_from_name", "model_from_name", "plan_cluster", "poisson_arrivals",
            "step_cost", "step_time"]

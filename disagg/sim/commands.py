@@ -21,7 +21,7 @@ from disagg.errors import ConfigError
 from disagg.sim.cost_model import Parallel
 from disagg.sim.hardware import hardware_from_name
 from disagg.sim.models import model_from_name
-from disagg.sim.simulator import ClusterConfig
+from disagg.sim.simulator import SimClusterConfig
 from disagg.sim.workload import Workload
 from disagg.utils.optional_deps import use_matplotlib
 
@@ -77,11 +77,11 @@ def simulate(
     sim_model, hw = model_from_name(model), hardware_from_name(gpu)
     node = Parallel(tp=hw.devices_per_node)
     common = {"prefill_parallel": node, "chunk_size": chunk_size, "spec_tokens": spec_tokens}
-    disagg_config = ClusterConfig(mode="disagg", prefillers=prefillers, decoders=decoders,
-                                  decoder_parallel=_layout(decoder_layout, hw.devices_per_node),
-                                  **common)  # type: ignore[arg-type]
-    mixed_config = ClusterConfig(mode="mixed", num_nodes=nodes or prefillers + decoders,
-                                 **common)  # type: ignore[arg-type]
+    disagg_config = SimClusterConfig(mode="disagg", prefillers=prefillers, decoders=decoders,
+                                     decoder_parallel=_layout(decoder_layout, hw.devices_per_node),
+                                     **common)  # type: ignore[arg-type]
+    mixed_config = SimClusterConfig(mode="mixed", num_nodes=nodes or prefillers + decoders,
+                                    **common)  # type: ignore[arg-type]
     config = {"mixed": mixed_config, "disagg": disagg_config}.get(mode)
     if config is None:
         raise ConfigError(f"unknown mode {mode!r}: expected 'mixed' or 'disagg'")

@@ -40,7 +40,7 @@ Kind = Literal["mixed", "prefill", "decode"]
 
 
 @dataclass(frozen=True, slots=True)
-class ClusterConfig:
+class SimClusterConfig:
     """The deployment: a policy, node counts, layouts and scheduler limits.
 
     `chunk_size` is the prefill token budget of one step (SGLang's `chunked_prefill_size`;
@@ -104,7 +104,7 @@ class _Instance:
 class ClusterSimulator:
     """Replays one arrival stream through one deployment."""
 
-    def __init__(self, model: SimModel, hw: Hardware, config: ClusterConfig, seed: int = 0
+    def __init__(self, model: SimModel, hw: Hardware, config: SimClusterConfig, seed: int = 0
                  ) -> None:
         self.model, self.hw, self.config = model, hw, config
         self.spec = model.mtp_layers if config.spec_tokens is None else config.spec_tokens

@@ -10,13 +10,13 @@ from dataclasses import replace
 
 from disagg.sim.hardware import Hardware
 from disagg.sim.models import SimModel
-from disagg.sim.simulator import ClusterConfig, ClusterSimulator
+from disagg.sim.simulator import ClusterSimulator, SimClusterConfig
 from disagg.sim.workload import Arrival, Workload, poisson_arrivals
 
 Sweep = dict[str, list[dict[str, float | int]]]
 
 
-def run_once(model: SimModel, hw: Hardware, config: ClusterConfig, workload: Workload,
+def run_once(model: SimModel, hw: Hardware, config: SimClusterConfig, workload: Workload,
              arrivals: list[Arrival] | None = None) -> dict[str, float | int]:
     """One simulation's summary with the offered `qps` added (a trace's own rate if given)."""
     if arrivals is None:
@@ -30,7 +30,7 @@ def run_once(model: SimModel, hw: Hardware, config: ClusterConfig, workload: Wor
     return {"qps": qps, **result.summary()}
 
 
-def load_sweep(model: SimModel, hw: Hardware, configs: dict[str, ClusterConfig],
+def load_sweep(model: SimModel, hw: Hardware, configs: dict[str, SimClusterConfig],
                workload: Workload, qps_values: list[float]) -> Sweep:
     """For each named deployment, the summary at each offered QPS."""
     return {label: [run_once(model, hw, config, replace(workload, qps=qps))

@@ -26,7 +26,7 @@ from disagg.errors import ConfigError
 from disagg.sim.cost_model import Parallel
 from disagg.sim.hardware import Hardware
 from disagg.sim.models import PRESETS, SimModel, from_model_config, with_dtype
-from disagg.sim.simulator import ClusterConfig, ClusterSimulator
+from disagg.sim.simulator import ClusterSimulator, SimClusterConfig
 from disagg.sim.workload import Arrival
 
 METRICS = ("ttft_ms_p50", "ttft_ms_p99", "itl_ms_p50", "itl_ms_p99", "tps_per_request_p50")
@@ -62,11 +62,11 @@ def predict_run(run: dict[str, Any], hw: Hardware) -> dict[str, float | int]:
         arrivals = [Arrival(float(a["time"]), int(a["prompt_len"]), int(a["output_len"]))
                     for a in run["arrivals"]]
         one_core = Parallel(tp=1)
-        config = ClusterConfig(mode=run["mode"], num_nodes=int(run.get("num_nodes", 2)),
-                               prefillers=int(run.get("prefillers", 1)),
-                               decoders=int(run.get("decoders", 1)),
-                               decoder_parallel=one_core, prefill_parallel=one_core,
-                               chunk_size=int(run.get("chunk_size", 256)), spec_tokens=0)
+        config = SimClusterConfig(mode=run["mode"], num_nodes=int(run.get("num_nodes", 2)),
+                                  prefillers=int(run.get("prefillers", 1)),
+                                  decoders=int(run.get("decoders", 1)),
+                                  decoder_parallel=one_core, prefill_parallel=one_core,
+                                  chunk_size=int(run.get("chunk_size", 256)), spec_tokens=0)
         model = engine_model(str(run.get("model", "smollm2-135m")))
     except (KeyError, TypeError, ValueError) as error:
         raise ConfigError(f"not a benchmark run record: {error!r}") from error

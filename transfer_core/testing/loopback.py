@@ -32,6 +32,7 @@ from transfer_core.errors import ProviderNotFoundError, TransferError, TransferT
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor
+from transfer_core.memory_paths import MEMORY_PATHS
 from transfer_core.owner_errors import OwnerErrors
 from transfer_core.pyfabric import Stats
 from transfer_core.testing.loopback_memory import RegionTable, WritePart
@@ -40,7 +41,7 @@ from transfer_core.testing.loopback_wire import (
     LoopbackFabric,
     default_fabric,
 )
-from transfer_core.transport import MEMORY_PATHS, PagedWrite
+from transfer_core.transport import PagedWrite
 
 __all__ = ["LoopbackEngine", "LoopbackFabric", "default_fabric"]
 

@@ -103,12 +103,13 @@ def run_disaggregated(model: str, trace_path: Path) -> dict[str, Any]:
     """Serve WORKLOAD with one prefiller and one decoder process; returns the merged trace."""
     from disagg.apps.demo import PromptSpec, run_demo
     from disagg.model.loading.registry import load_model
-    from disagg.node.local_cluster import ClusterConfig
+    from disagg.node.cluster_config import ClusterConfig
 
     vocab_size = load_model(model).config.vocab_size
     specs = [PromptSpec(token_ids=prompt, max_tokens=out) for (_, _, out), prompt
              in zip(WORKLOAD, workload_prompts(vocab_size), strict=True)]
-    config = ClusterConfig(model=model, num_decoders=1, page_size=16, chunk_size=CHUNK_SIZE)
+    config = ClusterConfig.from_options(model=model, num_decoders=1, page_size=16,
+                                        chunk_size=CHUNK_SIZE)
     run_demo(config, specs, max_tokens=max(out for _, _, out in WORKLOAD), trace=str(trace_path))
     return json.loads(trace_path.read_text())
 

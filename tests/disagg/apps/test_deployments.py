@@ -11,15 +11,16 @@ from disagg.apps import demo as demo_module
 from disagg.apps.cli import main
 from disagg.apps.deployments import DEPLOYMENTS, apply_deployment
 from disagg.errors import ConfigError
-from disagg.node.local_cluster import ClusterConfig
+from disagg.node.cluster_config import ClusterConfig
 
 
 def test_preset_replaces_defaults() -> None:
-    """With nothing given explicitly, every field the preset names takes its value."""
-    config = apply_deployment(ClusterConfig(model="tiny", page_size=4), "deepseek-r1", {})
-    assert (config.prefill_tp, config.decode_tp, config.kv_layout, config.num_decoders,
-            config.replicated_kv) == (4, 1, "HND", 3, True)
-    assert config.page_size == 4  # fields the preset does not name are kept
+    """With nothing given explicitly, every option the preset names takes its value."""
+    options = apply_deployment({"model": "tiny", "page_size": 4}, "deepseek-r1", {})
+    config = ClusterConfig.from_options(**options)
+    assert (config.prefill_tp, config.decode_tp, config.node.cache.kv_layout,
+            config.num_decoders, config.node.parallel.replicated_kv) == (4, 1, "HND", 3, True)
+    assert config.node.cache.page_size == 4  # options the preset does not name are kept
 
 
 @pytest.mark.parametrize(("explicit", "message"), [
@@ -28,25 +29,25 @@ def test_preset_replaces_defaults() -> None:
     ({"kv_layout": "NHD"}, "--kv-layout NHD conflicts with --deployment qwen3-coder, which "
                            "sets --kv-layout HND"),
     ({"num_decoders": 5}, "--decoders 5 conflicts"),
-    ({"replicated_kv": True}, "--replicated conflicts with --deployment qwen3-coder, which "
-                              "sets --no-replicated"),
+    ({"replicated_kv": True}, "--replicated-kv conflicts with --deployment qwen3-coder, which "
+                              "sets --no-replicated-kv"),
 ])
 def test_conflicting_flag_is_refused(explicit: dict[str, object], message: str) -> None:
     """An explicit value that differs from the preset's: ConfigError naming flag and values."""
     with pytest.raises(ConfigError, match=message):
-        apply_deployment(ClusterConfig(model="tiny"), "qwen3-coder", explicit)
+        apply_deployment({"model": "tiny"}, "qwen3-coder", explicit)
 
 
 def test_explicit_value_equal_to_the_preset_is_accepted() -> None:
-    """Repeating the preset's value is not a conflict; unrelated fields pass through."""
+    """Repeating the preset's value is not a conflict; unrelated options pass through."""
     explicit: dict[str, object] = {"decode_tp": 4, "kv_layout": "HND", "page_size": 8}
-    config = apply_deployment(ClusterConfig(model="tiny", page_size=8), "qwen3-coder", explicit)
-    assert (config.decode_tp, config.prefill_tp, config.page_size) == (4, 4, 8)
+    options = apply_deployment({"model": "tiny", "page_size": 8}, "qwen3-coder", explicit)
+    assert (options["decode_tp"], options["prefill_tp"], options["page_size"]) == (4, 4, 8)
 
 
 def test_unknown_deployment_lists_the_known_ones() -> None:
     with pytest.raises(ConfigError, match="unknown deployment 'gpt-5'") as error:
-        apply_deployment(ClusterConfig(model="tiny"), "gpt-5", {})
+        apply_deployment({"model": "tiny"}, "gpt-5", {})
     assert all(name in str(error.value) for name in DEPLOYMENTS)
 
 
@@ -89,5 +90,5 @@ def test_demo_applies_the_preset_and_accepts_equal_flags(
                          "--page-size", "4", "--model", "tiny", "--json"], capsys)
     assert code == 0, err
     [cluster] = started
-    assert (cluster.prefill_tp, cluster.decode_tp, cluster.kv_layout, cluster.num_decoders,
-            cluster.page_size) == (4, 4, "HND", 3, 4)
+    assert (cluster.prefill_tp, cluster.decode_tp, cluster.node.cache.kv_layout,
+            cluster.num_decoders, cluster.node.cache.page_size) == (4, 4, "HND", 3, 4)

@@ -8,7 +8,6 @@ its shutdown check: no page, request, transfer context or armed counter left beh
 
 from __future__ import annotations
 
-from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -20,7 +19,7 @@ from disagg.config import CacheConfig, EngineConfig, ReliabilityConfig, Schedule
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import load_model
-from disagg.node.local_cluster import ClusterConfig
+from disagg.node.cluster_config import ClusterConfig
 
 pytestmark = pytest.mark.fabric
 
@@ -46,7 +45,7 @@ def disaggregated_tokens(config: ClusterConfig, prompts: list[list[int]],
                          max_tokens: int) -> tuple[list[list[int]], dict[str, Any]]:
     specs = [PromptSpec(token_ids=p) for p in prompts]
     # A loaded CI machine can be slow; these tests are about tokens, not deadlines.
-    config = replace(config, reliability=ReliabilityConfig(kv_timeout_s=900.0))
+    config = config.with_node(reliability=ReliabilityConfig(kv_timeout_s=900.0))
     result = run_demo(config, specs, max_tokens, exit_codes=True)
     assert result["exit_codes"] == [0] * (1 + config.num_decoders), result.get("logs")
     unfinished = [(r["request_id"], r["state"], r["detail"]) for r in result["requests"]
@@ -59,7 +58,7 @@ def disaggregated_tokens(config: ClusterConfig, prompts: list[list[int]],
 def test_tiny_one_decoder_matches_single_node() -> None:
     """Prompts of 1 to 40 tokens, chunked mid-page, decode the single-node tokens."""
     prompts = random_prompts([1, 2, 5, 17, 40, 9], vocab_size=512)
-    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, chunk_size=7)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, chunk_size=7)
     ours, result = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)
     # pages x layers + 1 context write per request with something to prefill (S4c).
@@ -74,8 +73,8 @@ def test_cuda_nodes_match_a_cuda_single_node() -> None:
     if not torch.cuda.is_available():
         pytest.skip("no CUDA device: the GPU serving path needs one")
     prompts = random_prompts([1, 2, 5, 17, 40, 9], vocab_size=512, seed=5)
-    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
-                           device="cuda", cuda_graph=True)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
+                                        device="cuda", cuda_graph=True)
     ours, result = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS, device="cuda")
     static = [v for k, v in result["metrics"]["decode-0"].items() if "static_decode_steps" in k]
@@ -86,8 +85,8 @@ def test_cuda_nodes_match_a_cuda_single_node() -> None:
 def test_decoder_with_cuda_graph_matches_single_node() -> None:
     """`serve decode --cuda-graph`: decode steps take the static-buffer path, same tokens."""
     prompts = random_prompts([1, 2, 5, 17, 40, 9], vocab_size=512, seed=3)
-    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
-                           cuda_graph=True)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
+                                        cuda_graph=True)
     ours, result = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)
     static = [v for k, v in result["metrics"]["decode-0"].items() if "static_decode_steps" in k]
@@ -101,8 +100,8 @@ def test_decoder_with_cuda_graph_matches_single_node() -> None:
 def test_tiny_three_decoders_many_requests(kv_layout: str, chunk_size: int) -> None:
     """Sixteen concurrent requests over three decoders, both layouts, two chunk sizes."""
     prompts = random_prompts([3 + 7 * i for i in range(16)], vocab_size=512, seed=chunk_size)
-    config = ClusterConfig(model="tiny", num_decoders=3, kv_layout=kv_layout, page_size=5,
-                           chunk_size=chunk_size)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=3, kv_layout=kv_layout,
+                                        page_size=5, chunk_size=chunk_size)
     ours, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)
 
@@ -121,8 +120,8 @@ def test_hf_checkpoint_matches_transformers(make_hf_llama_checkpoint: Any) -> No
             out = hf_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
                                     do_sample=False, eos_token_id=None, pad_token_id=0)
         expected.append(out[0, len(prompt):].tolist())
-    config = ClusterConfig(model=str(path), num_decoders=2, kv_layout="HND", page_size=4,
-                           chunk_size=5)
+    config = ClusterConfig.from_options(model=str(path), num_decoders=2, kv_layout="HND",
+                                        page_size=4, chunk_size=5)
     specs_tokens, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
     # Random checkpoints have eos id 2: a request may stop early; compare what was produced.
     assert all(ours == theirs[:len(ours)] for ours, theirs in zip(specs_tokens, expected,
@@ -141,8 +140,8 @@ def test_smollm2_matches_transformers(hf_smollm2_model: Any, hf_smollm2_tokenize
             out = hf_smollm2_model.generate(torch.tensor([prompt]), max_new_tokens=MAX_TOKENS,
                                             do_sample=False, eos_token_id=None, pad_token_id=0)
         expected.append(out[0, len(prompt):].tolist())
-    config = ClusterConfig(model="smollm2-135m", num_decoders=2, kv_layout="HND", page_size=16,
-                           chunk_size=7)
+    config = ClusterConfig.from_options(model="smollm2-135m", num_decoders=2, kv_layout="HND",
+                                        page_size=16, chunk_size=7)
     ours, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert all(o == e[:len(o)] and (len(o) == MAX_TOKENS or o[-1] in (2,))
                for o, e in zip(ours, expected, strict=True))
@@ -156,8 +155,9 @@ def test_tensor_parallel_shardings_match_single_node(kv_layout: str, prefill_tp:
                                                      decode_tp: int) -> None:
     """Prefill at TP p, decode at TP d (KV split by head, one region per rank): same tokens."""
     prompts = random_prompts([2, 9, 23], vocab_size=512, seed=prefill_tp * 10 + decode_tp)
-    config = ClusterConfig(model="tiny", num_decoders=1, kv_layout=kv_layout, page_size=4,
-                           chunk_size=6, prefill_tp=prefill_tp, decode_tp=decode_tp)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, kv_layout=kv_layout,
+                                        page_size=4, chunk_size=6, prefill_tp=prefill_tp,
+                                        decode_tp=decode_tp)
     ours, result = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)
     # Every rank was its own process (the demo's JSON lists them), and none outlived the run.
@@ -176,8 +176,8 @@ def test_replicated_kv_and_dp_decoders_match_single_node(prefill_tp: int, decode
     """MLA-style replicated KV (every rank a replica, random source rank per request), with
     TP decoders and with DP decoders (independent engines): same tokens."""
     prompts = random_prompts([5, 14, 30, 3], vocab_size=512, seed=7)
-    config = ClusterConfig(model="tiny", num_decoders=num_decoders, kv_layout="HND",
-                           page_size=4, chunk_size=8, prefill_tp=prefill_tp,
-                           decode_tp=decode_tp, replicated_kv=True)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=num_decoders, kv_layout="HND",
+                                        page_size=4, chunk_size=8, prefill_tp=prefill_tp,
+                                        decode_tp=decode_tp, replicated_kv=True)
     ours, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
     assert ours == single_node_tokens("tiny", prompts, MAX_TOKENS)

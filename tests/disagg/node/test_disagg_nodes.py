@@ -97,7 +97,7 @@ def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 10
 def serve(router: Router, prompt: list[int], request_id: str = "ok", max_tokens: int = 4
           ) -> list[int]:
     """Send one request and wait for its tokens."""
-    router.submit(Submit(request_id, prompt, max_tokens))
+    router.route(Submit(request_id, prompt, max_tokens))
     tokens: list[int] = []
     while True:
         event = router.events.get(timeout=30)
@@ -210,7 +210,7 @@ def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
     """A second Submit of an id in flight used to overwrite the first request's state (its
     pages then stayed pinned for good). Now it gets a Reject naming the id; the first request
     finishes with all its tokens and nothing leaks (the fixture checks)."""
-    pair.router.submit(Submit("dup", list(range(1, 11)), 48))
+    pair.router.route(Submit("dup", list(range(1, 11)), 48))
     tokens: list[int] = []
     while not tokens:  # wait until it is decoding
         tokens += pair.router.events.get(timeout=30).token_ids

@@ -21,15 +21,16 @@ from typing import Any
 
 import pytest
 
+from disagg.control import channel as channel_module
 from disagg.control.address import listen, parse_address
 from disagg.control.channel import HANDSHAKE_TIMEOUT_S, Channel
 from disagg.control.framing import HEADER, MAGIC, PROTOCOL_VERSION, TAGGED, Message
 from disagg.control.messages import Reject, RequestEvent, Shutdown, Status, Submit
-from disagg.errors import PeerClosedError
-from disagg.control import channel as channel_module
 from disagg.control.secret import SECRET_ENV
+from disagg.errors import PeerClosedError
 from disagg.kv_transfer.messages import Hello
-from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.cluster_config import ClusterConfig
+from disagg.node.local_cluster import LocalCluster
 from disagg.node.router import Router
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]  # two node processes, timeouts waited out
@@ -42,8 +43,8 @@ def cluster() -> Iterator[LocalCluster]:
     """One prefiller and one decoder sharing a secret (this process holds it too)."""
     with pytest.MonkeyPatch.context() as patch:
         patch.setenv(SECRET_ENV, SECRET)
-        with LocalCluster(ClusterConfig(model="tiny", num_decoders=1, page_size=4,
-                                        num_pages=128, chunk_size=32)) as started:
+        with LocalCluster(ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4,
+                                                     num_pages=128, chunk_size=32)) as started:
             yield started
         assert started.exit_codes() == [0, 0], started.logs  # both leak checks passed
 
@@ -61,7 +62,7 @@ def assert_serves(cluster: LocalCluster) -> None:
     assert cluster.exit_codes() == [None, None], cluster.logs
     router = Router([cluster.decoder_addresses[0]])
     try:
-        router.submit(Submit("probe", [1, 2, 3, 4, 5], 3))
+        router.route(Submit("probe", [1, 2, 3, 4, 5], 3))
         while not (event := router.events.get(timeout=30)).state.is_terminal():
             pass
         assert event.state.value == "finished_length", event

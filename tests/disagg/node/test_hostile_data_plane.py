@@ -185,7 +185,7 @@ def _serve(address: str) -> list[list[int]]:
     try:
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
         for i, prompt in enumerate(PROMPTS):
-            router.submit(Submit(f"r{i}", prompt, MAX_TOKENS))
+            router.route(Submit(f"r{i}", prompt, MAX_TOKENS))
         finished = 0
         while finished < len(PROMPTS):
             event = router.events.get(timeout=TIMEOUT_S)

@@ -7,7 +7,8 @@ import urllib.request
 
 import pytest
 
-from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.cluster_config import ClusterConfig
+from disagg.node.local_cluster import LocalCluster
 from disagg.utils.metrics import parse_metrics
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]  # two processes, a few seconds
@@ -15,7 +16,7 @@ pytestmark = [pytest.mark.fabric, pytest.mark.slow]  # two processes, a few seco
 
 def test_each_node_reports_its_health_and_metrics() -> None:
     """A prefiller and a decoder as processes: /health names the node, its role and pid."""
-    with LocalCluster(ClusterConfig(model="tiny", num_decoders=1)) as cluster:
+    with LocalCluster(ClusterConfig.from_options(model="tiny", num_decoders=1)) as cluster:
         assert set(cluster.metrics_addresses) == {"prefill-0", "decode-0"}
         for name, address in cluster.metrics_addresses.items():
             with urllib.request.urlopen(f"http://{address}/health", timeout=10) as reply:

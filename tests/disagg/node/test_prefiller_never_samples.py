@@ -70,7 +70,7 @@ def serve() -> Iterator[Callable[[list[int]], RequestState]]:
     router = Router([decode.address])
 
     def one(prompt: list[int]) -> RequestState:
-        router.submit(Submit("r0", prompt, MAX_TOKENS))
+        router.route(Submit("r0", prompt, MAX_TOKENS))
         while not (event := router.events.get(timeout=30)).state.is_terminal():
             pass
         return event.state

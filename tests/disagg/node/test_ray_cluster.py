@@ -24,7 +24,7 @@ import ray
 from ray.cluster_utils import Cluster
 
 from disagg.errors import ConfigError
-from disagg.node.local_cluster import ClusterConfig
+from disagg.node.cluster_config import ClusterConfig
 from disagg.node.ray_cluster import RayCluster
 from disagg.node.ray_placement import RayConfig, ResourceRequest
 from tests.disagg.server import test_openai_e2e as e2e
@@ -210,7 +210,7 @@ def test_a_killed_prefiller_is_restarted_and_the_decoders_take_it_back(world: Wo
 def test_unplaceable_nodes_fail_naming_what_they_ask(world: World) -> None:
     """A role resource no Ray node has: one error naming the node and its bundles, within the
     startup timeout, and its placement groups are gone again."""
-    nodes = RayCluster(ClusterConfig(MODEL, startup_timeout_s=2.0),
+    nodes = RayCluster(ClusterConfig.from_options(model=MODEL, startup_timeout_s=2.0),
                        RayConfig(world.cluster.address, base_port=BASE_PORT + 100,
                                  decode_resource=ResourceRequest("nowhere")))
     with pytest.raises(ConfigError, match=r"decode-0: \[\{'CPU': 1.0, 'nowhere': 1.0\}\]"):

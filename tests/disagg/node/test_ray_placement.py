@@ -10,7 +10,7 @@ import pytest
 
 from disagg.apps.cli import main
 from disagg.errors import ConfigError
-from disagg.node.local_cluster import ClusterConfig
+from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeRole
 from disagg.node.ray_placement import (
     RayConfig,
@@ -103,8 +103,8 @@ def test_one_bundle_per_tp_rank_and_the_role_resource_in_the_first() -> None:
 
 
 def test_plan_puts_prefillers_first_with_their_tp_and_resources() -> None:
-    cluster = ClusterConfig("tiny", num_prefillers=1, num_decoders=2, prefill_tp=1,
-                            decode_tp=2)
+    cluster = ClusterConfig.from_options(model="tiny", num_prefillers=1, num_decoders=2,
+                                         prefill_tp=1, decode_tp=2)
     ray = RayConfig("local", ResourceRequest("p"), ResourceRequest("d", 0.5), base_port=21000)
     plan = plan_nodes(cluster, ray)
     assert [(p.name, p.role, p.port, p.metrics_port) for p in plan] == [
@@ -117,14 +117,15 @@ def test_plan_puts_prefillers_first_with_their_tp_and_resources() -> None:
 
 def test_plan_asks_a_gpu_per_rank_on_cuda_and_refuses_a_fixed_gpu() -> None:
     """--device cuda: each rank's bundle holds a GPU; cuda:N is refused (Ray picks GPUs)."""
-    plan = plan_nodes(ClusterConfig("tiny", device="cuda", decode_tp=2), RayConfig("local"))
+    cuda = ClusterConfig.from_options(model="tiny", device="cuda", decode_tp=2)
+    plan = plan_nodes(cuda, RayConfig("local"))
     assert plan[1].bundles == ({"CPU": 1.0, "GPU": 1.0}, {"CPU": 1.0, "GPU": 1.0})
     with pytest.raises(ConfigError, match="--device cuda:1 with --ray"):
-        plan_nodes(ClusterConfig("tiny", device="cuda:1"), RayConfig("local"))
+        plan_nodes(ClusterConfig.from_options(model="tiny", device="cuda:1"), RayConfig("local"))
 
 
 def test_mixed_nodes_take_the_decode_resource() -> None:
-    plan = plan_nodes(ClusterConfig("tiny", num_mixed=2),
+    plan = plan_nodes(ClusterConfig.from_options(model="tiny", num_mixed=2),
                       RayConfig("local", decode_resource=ResourceRequest("d")))
     assert [(p.name, p.role, p.bundles) for p in plan] == [
         ("mixed-0", NodeRole.MIXED, ({"CPU": 1.0, "d": 1.0},)),

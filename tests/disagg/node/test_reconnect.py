@@ -18,7 +18,7 @@ __all__ = ["make_cluster"]  # the fixture, shared with the reliability tests
 
 
 def serve_one(cluster: object, request_id: str, index: int) -> tuple[RequestState, list[int]]:
-    cluster.router.submit(Submit(request_id, PROMPTS[index], MAX_TOKENS))  # type: ignore[attr-defined]
+    cluster.router.route(Submit(request_id, PROMPTS[index], MAX_TOKENS))  # type: ignore[attr-defined]
     tokens: list[int] = []
     while True:
         event = cluster.router.events.get(timeout=30)  # type: ignore[attr-defined]
@@ -67,7 +67,7 @@ def test_a_decoder_without_prefillers_refuses_work_until_one_is_back(
         time.sleep(0.02)
     assert node_state(cluster.decoder) == "no_prefiller"
     with pytest.raises(PeerClosedError, match="no decoder is taking requests"):
-        cluster.router.submit(Submit("refused", PROMPTS[0], MAX_TOKENS))
+        cluster.router.route(Submit("refused", PROMPTS[0], MAX_TOKENS))
     # A request sent anyway fails at once, naming why (its cause used to be lost: the
     # decoder reported the state before the outcome that carried the cause).
     direct = Channel.connect(cluster.decoder.address)

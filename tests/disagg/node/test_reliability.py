@@ -70,7 +70,7 @@ class Cluster:
                 ) -> dict[str, tuple[str, list[int]]]:
         """Submit PROMPTS; return request id -> (terminal state, tokens)."""
         for i, prompt in enumerate(PROMPTS):
-            self.router.submit(Submit(f"r{i}", prompt, MAX_TOKENS))
+            self.router.route(Submit(f"r{i}", prompt, MAX_TOKENS))
         for request_id in abort:
             self.router.abort(request_id)
         tokens: dict[str, list[int]] = {f"r{i}": [] for i in range(len(PROMPTS))}
@@ -213,7 +213,7 @@ def test_dead_prefiller_requests_retry_on_another(make_cluster: object) -> None:
     cluster = make_cluster(prefill_faults="seed=0,stop_after=0", num_prefillers=2,
                            transfer_timeout_s=30.0)
     for i, prompt in enumerate(PROMPTS):
-        cluster.router.submit(Submit(f"r{i}", prompt, MAX_TOKENS))
+        cluster.router.route(Submit(f"r{i}", prompt, MAX_TOKENS))
     dead = cluster.prefillers[0]
     deadline = time.monotonic() + 10
     while not dead.messenger.num_in_flight:  # it holds requests mid-transfer (its writes vanish)

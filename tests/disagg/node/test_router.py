@@ -17,7 +17,7 @@ from disagg.node.prefix_index import (
     PrefixIndex,
     RoutingConfig,
     RoutingPolicy,
-    block_digests,
+    page_digests,
     pick_decoder,
 )
 import disagg.node.router as router_module
@@ -64,7 +64,7 @@ class FakeDecoder:
 
 
 def submit(router: Router, request_id: str, prompt: list[int]) -> int:
-    return router.submit(Submit(request_id, prompt, max_tokens=4))
+    return router.route(Submit(request_id, prompt, max_tokens=4))
 
 
 def wait_for_terminal(router: Router, count: int) -> None:
@@ -81,7 +81,7 @@ def decoders() -> list[FakeDecoder]:
 def test_a_follow_up_goes_where_its_prefix_went(decoders: list[FakeDecoder]) -> None:
     """Turn 2 of a conversation (turn 1 + answer + more) follows turn 1, though that decoder
     is busier than the others (within the margin); a stranger goes to the least loaded."""
-    router = Router([d.address for d in decoders], RoutingConfig(load_margin=4, block_size=4))
+    router = Router([d.address for d in decoders], RoutingConfig(load_margin=4, page_size=4))
     busy = submit(router, "busy", list(range(100, 120)))
     turn1 = list(range(1, 18))
     first = submit(router, "t1", turn1)
@@ -93,14 +93,14 @@ def test_a_follow_up_goes_where_its_prefix_went(decoders: list[FakeDecoder]) -> 
     while router.in_flight[first] <= min(router.in_flight):  # make `first` the busiest
         submit(router, f"x{next(strangers)}", list(range(300, 320)))
     turn2 = turn1 + [50, 51, 52, 53] + [7, 8, 9]
-    # Turn 1 and the answer but its last token (not computed): 20 tokens, five blocks.
-    assert router.index.matched_tokens(first, block_digests(turn2, 4)) == 20
+    # Turn 1 and the answer but its last token (not computed): 20 tokens, five pages.
+    assert router.index.matched_tokens(first, page_digests(turn2, 4)) == 20
     assert submit(router, "t2", turn2) == first
     router.close()
 
 
 def test_a_decoder_loaded_past_the_margin_loses_its_prefix(decoders: list[FakeDecoder]) -> None:
-    router = Router([d.address for d in decoders], RoutingConfig(load_margin=1, block_size=4))
+    router = Router([d.address for d in decoders], RoutingConfig(load_margin=1, page_size=4))
     prompt = list(range(1, 30))
     first = submit(router, "a", prompt)
     assert submit(router, "b", prompt) == first  # 1 more in flight than the idle ones: within
@@ -111,14 +111,14 @@ def test_a_decoder_loaded_past_the_margin_loses_its_prefix(decoders: list[FakeDe
 
 def test_least_loaded_ignores_prefixes(decoders: list[FakeDecoder]) -> None:
     router = Router([d.address for d in decoders],
-                    RoutingConfig(RoutingPolicy.LEAST_LOADED, block_size=4))
+                    RoutingConfig(RoutingPolicy.LEAST_LOADED, page_size=4))
     prompt = list(range(1, 30))
     assert sorted(submit(router, f"r{i}", prompt) for i in range(3)) == [0, 1, 2]
     router.close()
 
 
 def test_a_dead_decoder_is_forgotten(decoders: list[FakeDecoder]) -> None:
-    router = Router([d.address for d in decoders], RoutingConfig(block_size=4))
+    router = Router([d.address for d in decoders], RoutingConfig(page_size=4))
     prompt = list(range(1, 30))
     first = submit(router, "a", prompt)
     deadline = time.monotonic() + 5
@@ -127,18 +127,18 @@ def test_a_dead_decoder_is_forgotten(decoders: list[FakeDecoder]) -> None:
     decoders[first]._server.close()  # gone for good: no reconnection
     decoders[first].channel.close()  # type: ignore[union-attr]
     assert router.events.get(timeout=5).state is RequestState.FINISHED_FAILED
-    assert router.index.matched_tokens(first, block_digests(prompt, 4)) == 0
+    assert router.index.matched_tokens(first, page_digests(prompt, 4)) == 0
     assert submit(router, "b", prompt) != first
     router.close()
 
 
-def test_the_index_is_bounded_and_forgets_the_oldest_blocks() -> None:
-    index = PrefixIndex(1, block_size=2, capacity=3)
-    old, new = block_digests([1, 2, 3, 4], 2), block_digests([5, 6, 7, 8], 2)
+def test_the_index_is_bounded_and_forgets_the_oldest_pages() -> None:
+    index = PrefixIndex(1, page_size=2, capacity=3)
+    old, new = page_digests([1, 2, 3, 4], 2), page_digests([5, 6, 7, 8], 2)
     index.add(0, old)
     index.add(0, new)
     assert index.matched_tokens(0, new) == 4
-    assert index.matched_tokens(0, old) == 0  # its first block went first
+    assert index.matched_tokens(0, old) == 0  # its first page went first
 
 
 def test_ties_go_to_the_least_loaded() -> None:
@@ -167,7 +167,7 @@ def test_a_decoder_that_refuses_requests_leaves_the_rotation_until_it_takes_them
     """`Status(False)` (a decoder whose prefillers are gone): nothing is routed there, and
     with every decoder refusing, submit fails (the front door's 503); `Status(True)` again:
     it is back."""
-    router = Router([d.address for d in decoders[:2]], RoutingConfig(block_size=4))
+    router = Router([d.address for d in decoders[:2]], RoutingConfig(page_size=4))
     wait_until(lambda: decoders[0].channel is not None and decoders[1].channel is not None)
     decoders[0].send(Status(False, "no live prefiller"))
     wait_until(lambda: not router.accepting[0])
@@ -186,7 +186,7 @@ def test_a_silent_decoder_leaves_the_rotation_until_its_heartbeats_resume(
         decoders: list[FakeDecoder], monkeypatch: pytest.MonkeyPatch) -> None:
     """A decoder that sent heartbeats and then fell silent (frozen) gets no new requests."""
     monkeypatch.setattr(router_module, "SILENCE_S", 0.3)
-    router = Router([d.address for d in decoders[:2]], RoutingConfig(block_size=4))
+    router = Router([d.address for d in decoders[:2]], RoutingConfig(page_size=4))
     wait_until(lambda: decoders[0].channel is not None)
     decoders[0].send(Heartbeat())
     wait_until(lambda: router._beating[0])
@@ -199,7 +199,7 @@ def test_a_silent_decoder_leaves_the_rotation_until_its_heartbeats_resume(
 
 
 def test_a_lost_decoder_is_reconnected_and_readmitted(decoders: list[FakeDecoder]) -> None:
-    router = Router([decoders[0].address], RoutingConfig(block_size=4))
+    router = Router([decoders[0].address], RoutingConfig(page_size=4))
     wait_until(lambda: decoders[0].channel is not None)
     first = decoders[0].channel
     assert submit(router, "a", [1] * 9) == 0

@@ -32,8 +32,8 @@ from disagg.kv_transfer.draft_kv import draft_kv_pages
 from disagg.kv_transfer.transfer_plan import expected_write_count
 from disagg.model.loading.registry import load_model
 from disagg.node.builder import build_node
+from disagg.node.cluster_config import ClusterConfig
 from disagg.node.decode_node import DecodeNode
-from disagg.node.local_cluster import ClusterConfig
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.router import Router
@@ -83,7 +83,7 @@ class Pair:
     def serve(self, prompts: list[list[int]]) -> dict[str, list[RequestEvent]]:
         """Submit every prompt; return each request's events up to its terminal one."""
         for i, prompt in enumerate(prompts):
-            self.router.submit(Submit(f"r{i}", prompt, MAX_TOKENS))
+            self.router.route(Submit(f"r{i}", prompt, MAX_TOKENS))
         events: dict[str, list[RequestEvent]] = {f"r{i}": [] for i in range(len(prompts))}
         done: set[str] = set()
         while len(done) < len(prompts):
@@ -202,9 +202,9 @@ def test_processes_decode_the_single_node_tokens(kv_layout: str, kind: str, k: i
     """`disagg serve` processes (1 prefiller, 2 decoders) with `--speculative`: the
     single-node tokens, every node exits clean, and the totals carry the acceptance rate."""
     prompts = random_prompts([1, 2, 5, 17, 40, 9, 26], seed=k)
-    config = ClusterConfig(model="tiny", num_decoders=2, kv_layout=kv_layout, page_size=4,
-                           chunk_size=7,
-                           speculative=SpeculativeConfig(kind, k, draft_layers=1))
+    config = ClusterConfig.from_options(model="tiny", num_decoders=2, kv_layout=kv_layout,
+                                        page_size=4, chunk_size=7, speculative=kind,
+                                        num_draft_tokens=k, draft_layers=1)
     result = run_demo(config, [PromptSpec(token_ids=p) for p in prompts], MAX_TOKENS,
                       exit_codes=True)
     assert result["exit_codes"] == [0, 0, 0], result.get("logs")

@@ -29,8 +29,8 @@ from disagg.engine.request import RequestState, SamplingParams
 from disagg.kv_transfer.context_slot import context_slot_nbytes
 from disagg.model.loading.registry import load_model
 from disagg.node.builder import build_node, open_transfer
+from disagg.node.cluster_config import ClusterConfig
 from disagg.node.decode_node import DecodeNode
-from disagg.node.local_cluster import ClusterConfig
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.router import Router
@@ -59,7 +59,7 @@ class Pair:
 
     def serve(self, prompt: list[int], request_id: str) -> tuple[str, str, list[int]]:
         """One request: (terminal state, detail, tokens)."""
-        self.router.submit(Submit(request_id, prompt, MAX_TOKENS))
+        self.router.route(Submit(request_id, prompt, MAX_TOKENS))
         tokens: list[int] = []
         while True:
             event = self.router.events.get(timeout=30)
@@ -186,8 +186,8 @@ def test_cuda_node_without_fi_hmem_opens_for_staging(caplog: pytest.LogCaptureFi
 def test_staged_processes_match_single_node() -> None:
     """Real `disagg serve` processes over tcp, both staged: tokens equal, nodes exit 0."""
     prompts = random_prompts([1, 2, 5, 17, 40, 9], vocab_size=512)
-    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
-                           kv_memory_path="staged")
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, chunk_size=7,
+                                        kv_memory_path="staged")
     ours, result = disaggregated_tokens(config, prompts, 12)
     assert ours == single_node_tokens("tiny", prompts, 12)
     for node in ("prefill-0", "decode-0"):

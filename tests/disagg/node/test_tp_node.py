@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from disagg.node.local_cluster import ClusterConfig, LocalCluster
+from disagg.node.cluster_config import ClusterConfig
+from disagg.node.local_cluster import LocalCluster
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
@@ -25,8 +26,8 @@ def wait_exit(cluster: LocalCluster, name: str, timeout_s: float = 20.0) -> int 
 def test_a_killed_rank_ends_its_node_and_every_other_rank() -> None:
     """SIGKILL rank 1 of a TP 2 decoder: the decoder exits non-zero naming the rank, its other
     processes are gone, and the prefiller is untouched."""
-    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, num_pages=64,
-                           prefill_tp=2, decode_tp=2)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, num_pages=64,
+                                        prefill_tp=2, decode_tp=2)
     with LocalCluster(config) as cluster:
         decoder_pid = cluster.processes[cluster.names.index("decode-0")].pid
         (rank1,) = cluster.rank_pids["decode-0"]
@@ -50,8 +51,8 @@ def test_a_replicated_prefillers_request_leaves_through_one_ranks_domain() -> No
     slot. (Striping every write over both domains would split the bytes about evenly.)"""
     from disagg.apps.demo import PromptSpec, run_demo
 
-    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, num_pages=64,
-                           prefill_tp=2, decode_tp=1, replicated_kv=True)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, num_pages=64,
+                                        prefill_tp=2, decode_tp=1, replicated_kv=True)
     result = run_demo(config, [PromptSpec(token_ids=list(range(3, 60)))], max_tokens=2)
     metrics = result["metrics"]["prefill-0"]
     per_domain = [metrics[f'disagg_fabric_bytes_written_total{{domain="{d}"}}'] for d in (0, 1)]
@@ -62,7 +63,8 @@ def test_a_replicated_prefillers_request_leaves_through_one_ranks_domain() -> No
 def test_ranks_exit_with_a_node_killed_by_sigkill() -> None:
     """A TP 2 prefiller killed outright (no cleanup at all): its rank sees its stdin close
     and exits, leaving no orphan behind."""
-    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, num_pages=64, prefill_tp=2)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, num_pages=64,
+                                        prefill_tp=2)
     with LocalCluster(config) as cluster:
         (rank1,) = cluster.rank_pids["prefill-0"]
         cluster.kill("prefill-0")
@@ -78,8 +80,8 @@ def test_matched_tp_with_two_stand_in_domains_per_rank_uses_all_four() -> None:
     i's pages are striped over its own two, so every domain carries KV; tokens are right."""
     from disagg.apps.demo import PromptSpec, run_demo
 
-    config = ClusterConfig(model="tiny", num_decoders=1, page_size=4, num_pages=64,
-                           prefill_tp=2, decode_tp=2, domains_per_rank=2)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, num_pages=64,
+                                        prefill_tp=2, decode_tp=2, domains_per_rank=2)
     result = run_demo(config, [PromptSpec(token_ids=list(range(3, 60)))], max_tokens=4)
     assert [r["state"] for r in result["requests"]] == ["finished_length"]
     metrics = result["metrics"]["prefill-0"]

@@ -35,7 +35,7 @@ class FakeRouter:
         self.submitted: list[Submit] = []
         self.aborted: list[str] = []
 
-    def submit(self, message: Submit) -> int:
+    def route(self, message: Submit) -> int:
         if not any(self.alive):
             raise PeerClosedError("no decoder is alive")
         self.submitted.append(message)

@@ -15,7 +15,7 @@ import pytest
 from disagg.sim.cost_model import Parallel
 from disagg.sim.hardware import PRESETS as HW
 from disagg.sim.models import PRESETS
-from disagg.sim.simulator import ClusterConfig
+from disagg.sim.simulator import SimClusterConfig
 from disagg.sim.sweep import run_once
 from disagg.sim.workload import Workload
 
@@ -26,9 +26,9 @@ DP8 = Parallel(tp=1, dp=8)
 @cache
 def _summary(mode: str, qps: float, prefillers: int = 1, decoders: int = 3,
              dp: bool = False) -> dict[str, float | int]:
-    config = ClusterConfig(mode=mode, num_nodes=prefillers + decoders,  # type: ignore[arg-type]
-                           prefillers=prefillers, decoders=decoders,
-                           decoder_parallel=DP8 if dp else Parallel(tp=8))
+    config = SimClusterConfig(mode=mode, num_nodes=prefillers + decoders,  # type: ignore[arg-type]
+                              prefillers=prefillers, decoders=decoders,
+                              decoder_parallel=DP8 if dp else Parallel(tp=8))
     return run_once(PRESETS["deepseek-r1"], HW["h200"], config, Workload(qps=qps))
 
 

@@ -12,7 +12,7 @@ from disagg.sim.cost_model import Parallel, kv_capacity_tokens, prefill_time
 from disagg.sim.hardware import PRESETS as HW
 from disagg.sim.models import PRESETS
 from disagg.sim.results import SimResult
-from disagg.sim.simulator import ClusterConfig, ClusterSimulator
+from disagg.sim.simulator import ClusterSimulator, SimClusterConfig
 from disagg.sim.workload import Workload, poisson_arrivals
 
 R1, H200 = PRESETS["deepseek-r1"], HW["h200"]
@@ -20,7 +20,7 @@ SHORT = Workload(qps=2.0, duration_s=20, warmup_s=2, length_sigma=0, prompt_len=
                  output_len=128)
 
 
-def _run(config: ClusterConfig, workload: Workload = SHORT, seed: int = 0) -> SimResult:
+def _run(config: SimClusterConfig, workload: Workload = SHORT, seed: int = 0) -> SimResult:
     return ClusterSimulator(R1, H200, config, seed=seed).run(
         poisson_arrivals(workload), workload.warmup_s, horizon_s=1000)
 
@@ -28,7 +28,7 @@ def _run(config: ClusterConfig, workload: Workload = SHORT, seed: int = 0) -> Si
 @pytest.mark.parametrize("mode", ["mixed", "disagg"])
 def test_same_seed_same_result(mode: str) -> None:
     """A seed fixes the whole history; another seed changes the MTP acceptance draws."""
-    config = ClusterConfig(mode=mode)  # type: ignore[arg-type]
+    config = SimClusterConfig(mode=mode)  # type: ignore[arg-type]
     first, again, other = _run(config), _run(config), _run(config, seed=1)
     assert first.summary() == again.summary()
     assert first.summary() != other.summary()
@@ -37,7 +37,7 @@ def test_same_seed_same_result(mode: str) -> None:
 @pytest.mark.parametrize("mode", ["mixed", "disagg"])
 def test_every_request_gets_all_its_tokens(mode: str) -> None:
     """Each measured request finishes with exactly its output length, after it arrived."""
-    result = _run(ClusterConfig(mode=mode))  # type: ignore[arg-type]
+    result = _run(SimClusterConfig(mode=mode))  # type: ignore[arg-type]
     assert result.requests
     for request in result.requests:
         assert request.generated == request.output_len
@@ -46,7 +46,7 @@ def test_every_request_gets_all_its_tokens(mode: str) -> None:
 
 def test_disagg_ttft_covers_prefill_and_first_decode_step() -> None:
     """TTFT >= prefilling all but the last prompt token, and the KV lands before it."""
-    result = _run(ClusterConfig(mode="disagg"))
+    result = _run(SimClusterConfig(mode="disagg"))
     prefill = prefill_time(R1, H200, Parallel(tp=8), SHORT.prompt_len - 1, 8192)
     for request in result.requests:
         assert request.ttft >= prefill
@@ -55,16 +55,16 @@ def test_disagg_ttft_covers_prefill_and_first_decode_step() -> None:
 
 def test_prefill_stalls_show_in_mixed_not_disagg() -> None:
     """S1: mixed decodes wait out whole prefill steps; disaggregated decodes never do."""
-    mixed = _run(ClusterConfig(mode="mixed", num_nodes=1))
-    disagg = _run(ClusterConfig(mode="disagg", prefillers=1, decoders=1))
+    mixed = _run(SimClusterConfig(mode="mixed", num_nodes=1))
+    disagg = _run(SimClusterConfig(mode="disagg", prefillers=1, decoders=1))
     assert mixed.itl_gaps.max() > 4 * float(sum(mixed.itl_gaps) / len(mixed.itl_gaps))
     assert disagg.itl_gaps.max() < 2 * float(sum(disagg.itl_gaps) / len(disagg.itl_gaps))
 
 
 def test_dp_decoders_are_one_instance_per_gpu() -> None:
     """A DP decoder node is 8 ranks, each with one NIC."""
-    sim = ClusterSimulator(R1, H200, ClusterConfig(decoders=2,
-                                                   decoder_parallel=Parallel(tp=1, dp=8)))
+    sim = ClusterSimulator(R1, H200, SimClusterConfig(decoders=2,
+                                                      decoder_parallel=Parallel(tp=1, dp=8)))
     assert len(sim.decoders) == 16
     assert {d.nics for d in sim.decoders} == {1}
     assert {p.nics for p in sim.prefillers} == {8}
@@ -86,6 +86,6 @@ def test_summary_of_nothing_is_nan() -> None:
 def test_bad_cluster_config() -> None:
     """Unknown modes and DP prefillers are refused."""
     with pytest.raises(ConfigError, match="unknown mode"):
-        ClusterConfig(mode="hybrid")  # type: ignore[arg-type]
+        SimClusterConfig(mode="hybrid")  # type: ignore[arg-type]
     with pytest.raises(ConfigError, match="TP groups"):
-        ClusterConfig(prefill_parallel=Parallel(tp=1, dp=8))
+        SimClusterConfig(prefill_parallel=Parallel(tp=1, dp=8))

@@ -111,7 +111,7 @@ def test_mtp_drafts_across_the_split_are_the_single_node_drafts(
     router, decode = split
     drafts = record_drafts(decode.engine.finisher)  # type: ignore[arg-type]
     for i, prompt in enumerate(prompts()):
-        router.submit(Submit(f"r{i}", prompt, MAX_TOKENS))
+        router.route(Submit(f"r{i}", prompt, MAX_TOKENS))
         while not router.events.get(timeout=30).state.is_terminal():
             pass
     reference = single_node_drafts()
