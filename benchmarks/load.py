@@ -1,4 +1,4 @@
-"""Load under failure (issues 8, 15): many requests, random aborts, nodes killed, frozen, attacked.
+"""Load under failure (X4, S5): many requests, random aborts, nodes killed, frozen, attacked.
 
 Starts prefillers and decoders as processes over the tcp provider, sends N requests at a steady
 rate, aborts a fraction at random moments and, on a timeline scaled to the run (`schedule`):
@@ -70,7 +70,7 @@ def schedule(args: argparse.Namespace) -> list[Fault]:
     """The faults, in time order: kill prefill-0; freeze the last prefiller (now the only
     one), kill the last decoder while it holds requests waiting on it, thaw the prefiller;
     3 s later freeze decode-0 (at light load the router's first choice: ties go to the lowest
-    index) and thaw it. Without freezes: the kills of issue 8, at 10% and 50% of the run.
+    index) and thaw it. Without freezes: the kills, at 10% and 50% of the run.
 
     >>> [f"{f.action} {f.node} {f.at_s:g}" for f in schedule(argparse.Namespace(
     ...     requests=1000, rate=25, prefillers=2, decoders=3, freeze_prefiller_s=12,

@@ -256,7 +256,7 @@ class SpeculativeConfig:
 
 @dataclass(frozen=True, slots=True)
 class ReliabilityConfig:
-    """Deadlines and retry policy of a decoder's messenger (issue 8)."""
+    """Deadlines and retry policy of a decoder's messenger (X4)."""
 
     kv_timeout_s: float = 120.0  # from asking a prefiller to the counter firing
     quarantine_timeout_s: float = 10.0  # longest wait for a fence or a cancel answer

@@ -67,11 +67,11 @@ class DemoRequest:
     kv_writes: int = 0
     kv_bytes: int = 0
     kv_wait_ms: float = 0.0
-    cached_tokens: int = 0  # prompt tokens the decoder found in its prefix cache (issue 18)
+    cached_tokens: int = 0  # prompt tokens the decoder found in its prefix cache (X2)
     cause: FailureCause | None = None
     detail: str = ""
     stream: StreamDecoder | None = None
-    draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted (issue 6)
+    draft_tokens: int = 0  # speculative decoding: drafts verified, and accepted (S8)
     accepted_tokens: int = 0
 
     @property

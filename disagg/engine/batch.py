@@ -69,7 +69,7 @@ class ForwardOutput:
     hidden_states: torch.Tensor  # [num_sampling_chunks, hidden_size], after the final norm
     logits: torch.Tensor  # [num_sampling_chunks, vocab_size]
     # Every row of the batch, packed as its chunks: what a prefiller ships for a draft head and
-    # what a speculative decoder verifies drafts with (issue 6). [num_tokens, hidden_size]
+    # what a speculative decoder verifies drafts with (S8). [num_tokens, hidden_size]
     all_hidden_states: torch.Tensor | None = None
 
 

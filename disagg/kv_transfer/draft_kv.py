@@ -1,5 +1,5 @@
 """The MTP head's KV across the split: prefilled by the prefiller, shipped after the last
-chunk with the context, counted by the decoder (S4a, S4c, S8; issue 6).
+chunk with the context, counted by the decoder (S4a, S4c, S8).
 
 The head at position t needs the token at t+1, so a prefiller can run it on every prefilled
 position but the last one: positions `[0, P - 2)` of a P-token prompt. It does, chunk by chunk,

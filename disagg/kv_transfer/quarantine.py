@@ -1,4 +1,4 @@
-"""Pages of abandoned requests, held until no write can still land in them (issue 8, S2, S4c).
+"""Pages of abandoned requests, held until no write can still land in them (X4b, S2, S4c).
 
 A request the decoder gives up on (deadline, client abort, failed or dead prefiller) may still
 have writes in flight towards its pages. Reusing those pages for another request would let a

@@ -132,7 +132,7 @@ class LocalCluster:
                 process.wait()
 
     def kill(self, name: str) -> None:
-        """SIGKILL one node (a crash: no shutdown, no cleanup, issue 8)."""
+        """SIGKILL one node (a crash: no shutdown, no cleanup, X4)."""
         process = self.processes[self.names.index(name)]
         process.kill()
         process.wait()

@@ -117,12 +117,12 @@ class NodeConfig:
     provider: str = "tcp"  # an alias (tcp, shm, efa, verbs) or a libfabric provider name
     fabric_node: str | None = "auto"  # fabric interface: "auto" = loopback for socket providers
     threads: int | None = None  # torch intra-op threads for this node
-    faults: str | None = None  # a FaultPlan spec: test-only fault injection (issue 8)
+    faults: str | None = None  # a FaultPlan spec: test-only fault injection (X4)
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)  # decoder
     lease_s: float = 300.0  # prefiller: a transfer older than this is stopped
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
     trace: str | None = None  # a Chrome trace: a file ({node_id} filled in) or a directory
-    speculative: SpeculativeConfig | None = None  # decoder: draft and verify (issue 6)
+    speculative: SpeculativeConfig | None = None  # decoder: draft and verify (S8)
     device: str = "cpu"  # where the model and its KV cache live: cpu, cuda, cuda:N
     kv_memory_path: MemoryPathRequest = "auto"  # how the NIC reaches the KV (S5): MEMORY_PATHS
     cuda_graph: bool = False  # decode steps through static buffers / CUDA graphs (S3b)

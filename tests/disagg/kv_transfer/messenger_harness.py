@@ -1,4 +1,4 @@
-"""A prefiller and a decoder messenger in one process, over a `LoopbackFabric` (S2-S4, issue 8).
+"""A prefiller and a decoder messenger in one process, over a `LoopbackFabric` (S2-S4, X4).
 
 `Harness` wires both sides with the nodes' own builder (`build_prefill_side`,
 `build_decode_side`: the layer counter into the prefiller's model and its messenger, the
@@ -117,7 +117,7 @@ class Harness:
     inline: bool = True  # loopback delivery in the caller's thread (deterministic)
     connect: bool = True  # shake hands at construction
     kv_layout: str = "NHD"
-    prefill_prefix_caching: bool = True  # each side's prefix cache (issue 18)
+    prefill_prefix_caching: bool = True  # each side's prefix cache (X2)
     decode_prefix_caching: bool = True
     prefill_num_pages: int = CACHE.num_pages
     prefill_budget: int = PREFILL_CHUNK  # tokens per prefill step (chunks stay PREFILL_CHUNK)

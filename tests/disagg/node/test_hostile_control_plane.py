@@ -1,4 +1,4 @@
-"""Hostile clients against real node processes with the cluster secret (S2, issue 15).
+"""Hostile clients against real node processes with the cluster secret (S2, S5).
 
 A prefiller and a decoder run as processes over tcp on loopback; the attacks come from raw
 sockets and from channels of this process: a captured signed Shutdown replayed, a huge frame

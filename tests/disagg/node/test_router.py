@@ -1,4 +1,4 @@
-"""The router's choice of decoder: least loaded, or KV-aware (issue 18), over real control
+"""The router's choice of decoder: least loaded, or KV-aware (X2), over real control
 connections to stand-in decoders that record what they were sent."""
 
 from __future__ import annotations

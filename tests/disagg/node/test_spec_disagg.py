@@ -1,4 +1,4 @@
-"""Speculative decoding across the prefill/decode split (issue 6, S4a, S4c, S8).
+"""Speculative decoding across the prefill/decode split (S8, S4a, S4c).
 
 A prefiller and a speculating decoder run in threads over the real tcp provider; the slow tests
 run `disagg serve` processes through `run_demo`. Greedy tokens must be the single-node

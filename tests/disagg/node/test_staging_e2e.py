@@ -1,4 +1,4 @@
-"""Disaggregated serving with the KV staged through host shadows on both sides (S5, issue 9).
+"""Disaggregated serving with the KV staged through host shadows on both sides (S5).
 
 On CPU the staged path is forced (`kv_memory_path="staged"`), so writes leave from and land in
 host copies of the KV cache, with `stage_out` before each layer's writes and `stage_in` before
