@@ -25,11 +25,14 @@ demo: install
 serve: install
 	$(VENV)/bin/disagg serve cluster --model smollm2-135m --prefillers 1 --decoders 1
 
+# One pytest worker per core (files stay whole on a worker: their fixtures start clusters once);
+# the tests that look at every process of the machine run alone afterwards.
 test: install
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not serial"
+	$(PY) -m pytest -q -m serial
 
 test-fast: install
-	$(PY) -m pytest -x -q -m "not slow"
+	$(PY) -m pytest -x -q -n auto --dist loadfile -m "not slow"
 
 bench: install
 	$(PY) benchmarks/engine.py

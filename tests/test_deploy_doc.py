@@ -72,6 +72,7 @@ def test_deploy_doc_has_one_machine_and_several_host_blocks() -> None:
 
 @pytest.mark.slow  # each block starts processes: 15 to 40 s
 @pytest.mark.fabric
+@pytest.mark.serial  # another test's nodes would count as this block's leftovers
 @pytest.mark.parametrize(("line", "code"), blocks("sh ci"), ids=lambda v: f"line{v}"
                          if isinstance(v, int) else "")
 def test_one_machine_block_runs(line: int, code: str, tmp_path: Path) -> None:

@@ -31,7 +31,7 @@ from tests.disagg.server import test_openai_e2e as e2e
 from tests.disagg.server.test_openai_e2e import MODEL, Server
 
 # Slow: Ray's three nodes, then three node processes as actors (about 40 s in all).
-pytestmark = [pytest.mark.fabric, pytest.mark.slow]
+pytestmark = [pytest.mark.fabric, pytest.mark.slow, pytest.mark.serial]
 
 BASE_PORT = 24000  # above Ray's default worker ports (10002-19999)
 # A Ray node's process carries ray_actor.CHILD in its command line; others' tests may run
