@@ -207,7 +207,7 @@ class DomainWorker:
         n: int, length: int, src_offset: int, src_stride: int, dst_offset: int,
         dst_stride: int, imm: int | None, src_idx: np.ndarray | None = None,
         dst_idx: np.ndarray | None = None,
-    ) -> WriteOp:  # fmt: skip
+    ) -> WriteOp:
         """n writes from this domain to the peer's domain `index` modulo the peer's count:
         with equal counts rank i's domain writes to the peer's domain i (S6a); a peer with
         fewer domains takes several of ours, one with more leaves its upper ones to others.
@@ -224,7 +224,7 @@ class DomainWorker:
             dst_addr=dst_mr.remote_addr(dst_offset), dst_stride=dst_stride, key=key, imm=imm,
             src_idx=src_idx, dst_idx=dst_idx,
             deadline_ns=time.monotonic_ns() + int(timeout_s * 1e9),
-        )  # fmt: skip
+        )
         op.keep(src_mr)  # the source memory outlives every in-flight write
         return op
 

@@ -61,7 +61,7 @@ class ImmCounterMap:
     ) -> None:
         if max_unarmed < 0 or unarmed_ttl_s < 0:
             raise ValueError(f"max_unarmed and unarmed_ttl_s must be >= 0, got "
-                             f"{max_unarmed}, {unarmed_ttl_s}")  # fmt: skip
+                             f"{max_unarmed}, {unarmed_ttl_s}")
         self._fire = fire
         self._max_unarmed = max_unarmed
         self._ttl_s = unarmed_ttl_s

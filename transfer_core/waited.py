@@ -78,7 +78,7 @@ class PreparedWrite:
     def __init__(
         self, worker: DomainWorker, make_op: Callable[[], WriteOp], peer_fd: int,
         timeout_s: float,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._worker = worker
         self._make_op = make_op
         self._op: WriteOp | None = None
@@ -147,7 +147,7 @@ class RepeatedWrites:
     def run(
         self, key: Hashable, src_mr: MemoryRegion, dst_mr: MemoryRegionDescriptor,
         prepare: Callable[[], PreparedWrite],
-    ) -> None:  # fmt: skip
+    ) -> None:
         """Run the entry of `key`, made by `prepare()` if there is none."""
         entry = self._by_args.pop(key, None)
         if entry is None:

@@ -123,7 +123,7 @@ class Warmup:
         op = WriteOp(
             dest=dest, n=1, length=0, src_addr=0, src_stride=0, desc=None, dst_addr=raddr,
             dst_stride=0, key=key, deadline_ns=deadline_ns, empty=True,
-        )  # fmt: skip
+        )
         try:
             worker.submit(op, on_finish)
         except TransferError as exc:  # the domain is closing or its thread died

@@ -67,7 +67,7 @@ class RegionTable:
                 name=name, provider=self._provider, base=buf.ptr, length=buf.nbytes,
                 virt_addr=True, writable=buf.writable and remote_write,
                 domains=tuple((a, key) for a in self._endpoints),
-            )  # fmt: skip
+            )
             region = MemoryRegion(
                 name, buf.ptr, buf.nbytes, buf.writable, registrations, descriptor, buf.keepalive
             )
@@ -129,14 +129,14 @@ class WritePart:
         found = self.engine.fabric.lookup(address)
         if found is None:
             self.fail(PeerError(f"region {dst.name!r}: peer unreachable: no loopback engine "
-                                f"at {address!r}"))  # fmt: skip
+                                f"at {address!r}"))
             return
         target, peer_domain = found
         region = target.regions.lookup(key)
         if region is None:
             # tcp;ofi_rxm drops the connection on an unknown key (`warmup.py`): a peer error.
             self.fail(PeerError(f"region {dst.name!r}: key {key} is not a writable region "
-                                "at the peer"))  # fmt: skip
+                                "at the peer"))
             return
         if not region.descriptor.writable:
             # Registered without remote write: tcp;ofi_rxm and shm complete such a write at
@@ -168,7 +168,7 @@ class WritePart:
         offsets = self.dst_mr.remote_addr(0) + self.dst_offsets - region.ptr
         if int(offsets.min()) < 0 or int(offsets.max()) + self.length > region.length:
             return PeerError(f"region {self.dst_mr.name!r}: write outside the peer's region "
-                             f"({region.length} bytes)")  # fmt: skip
+                             f"({region.length} bytes)")
         for s, d in zip(self.src_offsets.tolist(), offsets.tolist(), strict=True):
             ctypes.memmove(region.ptr + d, src.ptr + s, self.length)
         return None
