@@ -24,35 +24,12 @@ from typing import Any
 from disagg.control.address import format_address, listen
 from disagg.control.channel import Channel
 from disagg.engine.batch import TokenEvent
-from disagg.engine.llm_engine import LLMEngine
-from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 MAX_CONNECTIONS = 256  # live accepted connections per node: each holds a reader thread
 ACCEPT_BACKOFF_S = 0.1  # after a failed accept (out of descriptors): wait, then retry
-
-
-def add_cache_metrics(metrics: Metrics, engine: LLMEngine) -> None:
-    """What every node says of its KV pages: in use, and its prefix cache's hits (in tokens,
-    as vLLM counts them: hits / queries is the hit rate)."""
-    allocator = engine.allocator
-    metrics.gauge("pages_in_use", lambda: allocator.num_used)
-    cache = allocator.cache
-    if cache is None:
-        return
-    metrics.gauge("prefix_cache_pages", lambda: len(cache))
-    metrics.counter_from("prefix_cache_queries_total", lambda: cache.queried_tokens)
-    metrics.counter_from("prefix_cache_hits_total", lambda: cache.hit_tokens)
-    metrics.counter_from("prefix_cache_evictions_total", lambda: cache.evictions)
-
-
-def add_fabric_metrics(metrics: Metrics, transfer: Transport) -> None:
-    """Bytes each fabric domain (NIC) wrote: with TP, rank i's pages leave through rank i's
-    domains (S6a), so the split shows here."""
-    metrics.counters_from("fabric_bytes_written_total", "domain", lambda: {
-        str(d): stats.bytes_written for d, stats in enumerate(transfer.stats())})
 
 
 @dataclass(frozen=True, slots=True)

@@ -37,9 +37,9 @@ from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.handshake import shake_hands
 from disagg.kv_transfer.messages import HelloAck, KVFailed
 from disagg.kv_transfer.pending_kv import Outcome
-from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabric_metrics
+from disagg.node.base import Inbox, NodeBase, Wake
+from disagg.node.node_metrics import decode_metrics
 from disagg.node.prefiller_link import PrefillerBack, Reconnector
-from disagg.utils.metrics import Metrics
 from disagg.utils.trace import Tracer
 from transfer_core.transport import Transport
 
@@ -71,27 +71,6 @@ class PrefillerGone:
     channel: Channel | None = None  # which connection (a newer one may have replaced it)
 
 
-def decode_metrics(node: DecodeNode) -> Metrics:
-    """The decoder's metrics: transfers, failures by cause, pages in use, quarantine."""
-    metrics = Metrics()
-    metrics.describe("kv_transfer_seconds", "from asking a prefiller to the KV counter firing")
-    metrics.describe("failures_total", "KV transfers that failed, by cause")
-    messenger = node.messenger
-    add_cache_metrics(metrics, node.engine)
-    add_fabric_metrics(metrics, node.transfer)
-    metrics.gauge("requests_waiting_for_kv", lambda: len(messenger.pending))
-    metrics.gauge("quarantined_requests", lambda: len(messenger.quarantine))
-    metrics.counter_from("quarantine_forced_releases_total",
-                         lambda: messenger.quarantine.forced_releases)
-    # Decode steps through the static buffers (CUDA graph replays on a GPU, S3b).
-    metrics.counter_from("static_decode_steps_total",
-                         lambda: node.engine.runner.graph_stats["static"])
-    # Bytes copied between the KV cache and its pinned host shadow (staged path, S5).
-    metrics.counter_from("staged_bytes_total",
-                         lambda: sum(kv.staged_bytes for kv in messenger.kv))
-    return metrics
-
-
 def sampling_params(message: Submit) -> SamplingParams:
     """What a router's `Submit` asks for; `RequestError` for values no sampler can take."""
     return SamplingParams(max_tokens=message.max_tokens, temperature=message.temperature,
@@ -112,7 +91,7 @@ class DecodeNode(NodeBase):
         self.transfer = transfer
         self.inbox = inbox
         self.node_id = node_id
-        self.metrics = decode_metrics(self)
+        self.metrics = decode_metrics(engine, messenger, transfer)
         self._stop = threading.Event()
         self.shutdown_requested = False
         self._channels: list[Channel] = []

@@ -24,8 +24,8 @@ from disagg.kv_transfer.decoder_peer import DecoderPeer
 from disagg.kv_transfer.handshake import expected_hello, hello_mismatches
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
-from disagg.node.base import Inbox, NodeBase, Wake, add_cache_metrics, add_fabric_metrics
-from disagg.utils.metrics import Metrics
+from disagg.node.base import Inbox, NodeBase, Wake
+from disagg.node.node_metrics import prefill_metrics
 from disagg.utils.trace import Tracer
 from transfer_core.errors import TransferError
 from transfer_core.transport import Transport
@@ -74,13 +74,7 @@ class PrefillNode(NodeBase):
         self.node_id = node_id
         self.fingerprint = fingerprint
         self.tracer = tracer or Tracer()
-        self.metrics = Metrics()
-        for name in self.messenger.stats:
-            self.metrics.counter_from(f"{name}_total",
-                                      lambda name=name: self.messenger.stats[name])
-        add_cache_metrics(self.metrics, engine)
-        add_fabric_metrics(self.metrics, transfer)
-        self.metrics.gauge("transfers_in_flight", lambda: self.messenger.num_in_flight)
+        self.metrics = prefill_metrics(engine, messenger, transfer)
         self._listen(listen_address)
         self._stop = threading.Event()
         self.shutdown_requested = False
