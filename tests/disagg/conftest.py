@@ -7,11 +7,15 @@ scoped because reading the GGUF takes seconds; tests that use them are marked `s
 
 from __future__ import annotations
 
+import fcntl
+import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
+import safetensors.torch
 import torch
 
 from disagg.model.loading.gguf import SMOLLM2_FILE, find_smollm2_gguf, load_gguf_tokenizer
@@ -114,11 +118,41 @@ def smollm2_tokenizer(smollm2_gguf_path: Path) -> Tokenizer:
 
 @pytest.fixture(scope="session")
 def hf_smollm2_model(smollm2_gguf_path: Path) -> Any:
-    """transformers' own `LlamaForCausalLM` loaded from the same GGUF (about 15 s; fp32)."""
+    """transformers' own `LlamaForCausalLM` loaded from the same GGUF (fp32), through a disk
+    cache of what it loaded (`hf_smollm2_dir`)."""
     import transformers
-    model = transformers.AutoModelForCausalLM.from_pretrained(
-        smollm2_gguf_path.parent, gguf_file=SMOLLM2_FILE)
-    return model.eval()
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        hf_smollm2_dir(smollm2_gguf_path)).eval()
+
+
+def hf_smollm2_dir(gguf_path: Path) -> Path:
+    """transformers' own load of the GGUF (it dequantizes in Python: 15 s alone, over a minute
+    beside other test workers), saved once with `save_pretrained` and then read back by every
+    worker and every run: the same fp32 weights and config. Keyed by the file and
+    transformers' version; one worker converts while the others wait on a lock."""
+    import transformers
+    stat = gguf_path.stat()
+    key = f"{gguf_path.name}-{stat.st_size}-{stat.st_mtime_ns}-{transformers.__version__}"
+    root = Path(os.environ.get("DISAGG_TEST_CACHE", Path.home() / ".cache" / "disagg-tests"))
+    directory = root / key
+    if (directory / "config.json").exists():
+        return directory
+    root.mkdir(parents=True, exist_ok=True)
+    with open(root / f"{key}.lock", "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)
+        if not (directory / "config.json").exists():
+            model = transformers.AutoModelForCausalLM.from_pretrained(
+                gguf_path.parent, gguf_file=SMOLLM2_FILE)
+            partial = root / f"{key}.{os.getpid()}.partial"
+            partial.mkdir()
+            # A GGUF-loaded model refuses save_pretrained (it counts as quantized): its
+            # dequantized weights and its config, without the GGUF marks, are what it is.
+            config = model.config.to_dict()
+            config.pop("quantization_config", None)
+            (partial / "config.json").write_text(json.dumps(config))
+            safetensors.torch.save_model(model, str(partial / "model.safetensors"))
+            os.replace(partial, directory)  # whole or absent: never a half-written cache
+    return directory
 
 
 @pytest.fixture(scope="session")

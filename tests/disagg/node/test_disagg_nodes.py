@@ -28,6 +28,7 @@ from disagg.node.decode_node import DecodeNode
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.router import Router
+from tests.disagg.node.running_nodes import running
 
 pytestmark = pytest.mark.fabric
 
@@ -70,20 +71,9 @@ def make_decode(prefill: PrefillNode, model: str = "tiny", cache: CacheConfig = 
 def pair() -> Iterator[Pair]:
     """A prefiller and a decoder (tiny model) in threads, and a router to the decoder."""
     prefill = make_prefill()
-    threads = [start(prefill)]
     decode = make_decode(prefill)
-    threads.append(start(decode))
-    router = Router([decode.address])
-    yield Pair(prefill, decode, router)
-    router.close()
-    for node in (decode, prefill):
-        node.stop()
-    for thread in threads:
-        thread.join(timeout=10)
-    prefill.check_clean()
-    decode.check_clean()
-    decode.close()
-    prefill.close()
+    with running(prefill, decode) as router:
+        yield Pair(prefill, decode, router)
 
 
 def wait_until(predicate: Callable[[], object], what: str, timeout_s: float = 10.0) -> None:

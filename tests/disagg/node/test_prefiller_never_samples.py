@@ -25,7 +25,7 @@ from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
-from disagg.node.router import Router
+from tests.disagg.node.running_nodes import running
 
 pytestmark = pytest.mark.fabric
 
@@ -63,28 +63,15 @@ def serve() -> Iterator[Callable[[list[int]], RequestState]]:
         chunk_size=8, max_num_batched_tokens=8), role=NodeRole.DECODE,
         prefillers=(prefill.address,)))
     assert isinstance(decode, DecodeNode)
-    threads = [threading.Thread(target=prefill.run, name="prefill-node", daemon=True),
-               threading.Thread(target=decode.run, name="decode-node", daemon=True)]
-    for thread in threads:
-        thread.start()
-    router = Router([decode.address])
+    with running(prefill, decode) as router:
 
-    def one(prompt: list[int]) -> RequestState:
-        router.route(Submit("r0", prompt, MAX_TOKENS))
-        while not (event := router.events.get(timeout=30)).state.is_terminal():
-            pass
-        return event.state
+        def one(prompt: list[int]) -> RequestState:
+            router.route(Submit("r0", prompt, MAX_TOKENS))
+            while not (event := router.events.get(timeout=30)).state.is_terminal():
+                pass
+            return event.state
 
-    yield one
-    router.close()
-    for node in (decode, prefill):
-        node.stop()
-    for thread in threads:
-        thread.join(timeout=10)
-    prefill.check_clean()
-    decode.check_clean()
-    decode.close()
-    prefill.close()
+        yield one
 
 
 def test_the_prefiller_never_samples_and_the_decoder_samples_each_token(

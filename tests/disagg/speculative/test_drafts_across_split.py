@@ -12,7 +12,6 @@ here). A decoder that lost the shipped hidden state (zeros in its place) drafts 
 
 from __future__ import annotations
 
-import threading
 from collections import defaultdict
 from collections.abc import Iterator
 
@@ -28,6 +27,7 @@ from disagg.node.decode_node import DecodeNode
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.router import Router
+from tests.disagg.node.running_nodes import running
 from disagg.speculative.proposers import Choose
 from disagg.speculative.speculator import Speculator, build_speculative_engine
 
@@ -87,20 +87,8 @@ def split() -> Iterator[tuple[Router, DecodeNode]]:
         chunk_size=5, max_num_batched_tokens=16), role=NodeRole.DECODE,
         prefillers=(prefill.address,), speculative=MTP))
     assert isinstance(decode, DecodeNode)
-    threads = [threading.Thread(target=node.run, daemon=True) for node in (prefill, decode)]
-    for thread in threads:
-        thread.start()
-    router = Router([decode.address])
-    yield router, decode
-    router.close()
-    for node in (decode, prefill):
-        node.stop()
-    for thread in threads:
-        thread.join(timeout=10)
-    prefill.check_clean()
-    decode.check_clean()
-    decode.close()
-    prefill.close()
+    with running(prefill, decode) as router:
+        yield router, decode
 
 
 def test_mtp_drafts_across_the_split_are_the_single_node_drafts(
