@@ -25,10 +25,10 @@ demo: install
 serve: install
 	$(VENV)/bin/disagg serve cluster --model smollm2-135m --prefillers 1 --decoders 1
 
-# One pytest worker per core, tests handed out one by one (a whole slow file on one worker left
-# the other idle); the tests that look at every process of the machine run alone afterwards.
+# One pytest worker per core (files stay whole on a worker: their fixtures start clusters once);
+# the tests that look at every process of the machine run alone afterwards.
 test: install
-	$(PY) -m pytest -q -n auto --dist load -m "not serial"
+	$(PY) -m pytest -q -n auto --dist loadfile -m "not serial"
 	$(PY) -m pytest -q -m serial
 
 test-fast: install
