@@ -2,7 +2,7 @@
 
 Every node sends a Heartbeat on each of its control connections every `HEARTBEAT_INTERVAL_S`
 from a thread of its own, so a long forward step never looks like a dead node; a peer whose
-channel has received nothing for `PEER_TIMEOUT_S` is declared gone (`silent_for`).
+channel has received nothing for `PEER_TIMEOUT_S` is declared gone (`is_silent`).
 """
 
 from __future__ import annotations
@@ -20,12 +20,9 @@ HEARTBEAT_INTERVAL_S = 1.0
 PEER_TIMEOUT_S = 10.0  # a peer silent this long is declared dead
 
 
-def silent_for(channel: Channel, timeout_s: float | None = None) -> float | None:
-    """How long `channel` has been silent when that is over `timeout_s` (default
-    `PEER_TIMEOUT_S`, read at call time so tests may shorten it); None while it is alive."""
-    limit = PEER_TIMEOUT_S if timeout_s is None else timeout_s
-    silence = time.monotonic() - channel.last_received
-    return limit if silence > limit else None
+def is_silent(channel: Channel) -> bool:
+    """Whether `channel` has received nothing for over `PEER_TIMEOUT_S`: its peer is gone."""
+    return time.monotonic() - channel.last_received > PEER_TIMEOUT_S
 
 
 def start_heartbeats(channels: Callable[[], list[Channel]], stop: threading.Event,

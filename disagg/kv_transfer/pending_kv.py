@@ -11,7 +11,6 @@ load, its context slot) when it leaves. `Outcome` is what became of a request in
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
 from dataclasses import dataclass
 
 from disagg.engine.request import FailureCause, Request, RequestState
@@ -119,6 +118,3 @@ class PendingTable:
 
     def __len__(self) -> int:
         return len(self._by_id)
-
-    def __iter__(self) -> Iterator[PendingKV]:
-        return iter(self.values())

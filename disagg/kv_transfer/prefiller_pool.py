@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 from disagg.control.channel import Channel
 from disagg.control.framing import Message
-from disagg.control.liveness import silent_for
+from disagg.control.liveness import is_silent
 from disagg.errors import PeerClosedError
 from disagg.kv_transfer.messages import HelloAck
 from disagg.kv_transfer.transfer_plan import writes_per_page
@@ -108,11 +108,7 @@ class PrefillerPool:
         """The connections of the live prefillers (they get our heartbeats)."""
         return [link.channel for link in self._links if link.alive]
 
-    def silent(self) -> list[tuple[int, float]]:
-        """(index, seconds) of live prefillers silent longer than the peer timeout."""
-        found = []
-        for index, link in enumerate(self._links):
-            silence = silent_for(link.channel) if link.alive else None
-            if silence is not None:
-                found.append((index, silence))
-        return found
+    def silent(self) -> list[int]:
+        """The live prefillers silent longer than the peer timeout."""
+        return [index for index, link in enumerate(self._links)
+                if link.alive and is_silent(link.channel)]

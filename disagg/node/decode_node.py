@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from disagg.control.channel import Channel
-from disagg.control.liveness import HEARTBEAT_INTERVAL_S, start_heartbeats
+from disagg.control.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, start_heartbeats
 from disagg.control.messages import (
     Abort,
     Heartbeat,
@@ -229,9 +229,9 @@ class DecodeNode(NodeBase):
     def _keep_alive(self) -> None:
         """Declare a prefiller gone when it has been silent too long (heartbeats go from
         their own thread, `start_heartbeats`)."""
-        for index, silence in self.messenger.pool.silent():
+        for index in self.messenger.pool.silent():
             self.messenger.pool.link(index).channel.close()  # its reader then reports it gone
-            self.messenger.prefiller_gone(index, f"silent for {silence:g} s")
+            self.messenger.prefiller_gone(index, f"silent for {PEER_TIMEOUT_S:g} s")
 
     def _step(self) -> None:
         for event in self._traced_step():

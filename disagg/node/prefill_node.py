@@ -15,7 +15,12 @@ import threading
 from dataclasses import dataclass
 
 from disagg.control.channel import Channel
-from disagg.control.liveness import HEARTBEAT_INTERVAL_S, silent_for, start_heartbeats
+from disagg.control.liveness import (
+    HEARTBEAT_INTERVAL_S,
+    PEER_TIMEOUT_S,
+    is_silent,
+    start_heartbeats,
+)
 from disagg.control.messages import Heartbeat, Reject, Shutdown
 from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause
@@ -165,11 +170,10 @@ class PrefillNode(NodeBase):
         """A decoder silent for too long is treated as dead (heartbeats go from their own
         thread, `start_heartbeats`)."""
         for peer in list(self._peers):
-            silence = silent_for(peer.channel)
-            if silence is not None:
+            if is_silent(peer.channel):
                 self._peers.remove(peer)
                 peer.channel.close()
-                self.messenger.fail_peer(peer, f"decoder gone: silent for {silence:g} s")
+                self.messenger.fail_peer(peer, f"decoder gone: silent for {PEER_TIMEOUT_S:g} s")
 
     def _handle(self, item: object) -> None:
         match item:
