@@ -36,7 +36,10 @@ def test_a_prefiller_whose_connection_broke_is_taken_back(make_cluster: object) 
     for channel in list(prefiller._channels):  # as if the network dropped the connection
         channel.close()
     deadline = time.monotonic() + 10
-    while messenger.pool.is_current(0, first_channel) or not messenger.pool.link(0).alive:
+    # Back at the decoder, and the router has heard the decoder's Status saying it takes
+    # requests again (while no prefiller was alive it refused them).
+    while (messenger.pool.is_current(0, first_channel) or not messenger.pool.link(0).alive
+           or not cluster.router.accepting[0]):  # type: ignore[attr-defined]
         assert time.monotonic() < deadline, "the decoder never shook hands again"
         time.sleep(0.02)
     assert serve_one(cluster, "after", 1) == (RequestState.FINISHED_LENGTH, REFERENCE[1])
