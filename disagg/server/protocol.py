@@ -17,6 +17,7 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
 from disagg.server.errors import InvalidRequest
+from disagg.server.stop_strings import check_stop_strings
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
@@ -54,11 +55,7 @@ class SamplingFields(BaseModel):
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
-        if len(stops) > 4:
-            raise InvalidRequest("at most 4 stop sequences", "stop")
-        if any(not s for s in stops):
-            raise InvalidRequest("a stop sequence is empty", "stop")
-        return stops
+        return check_stop_strings(stops)
 
     def include_usage(self) -> bool:
         return self.stream_options is not None and self.stream_options.include_usage
