@@ -1,29 +1,35 @@
-"""Start a prefiller and decoders as separate local processes, and stop them all (S1).
+"""Start a prefiller and decoders as separate local processes, and stop them all (S1, X5d, X5e).
 
 Each node is `python -m disagg.node.serve` in its own process, talking over libfabric, so the
 demo and the end-to-end tests run exactly what a multi-machine deployment runs. A node gets its
 `NodeConfig` as one JSON document on stdin (`ClusterConfig.node_config`, never as flags) and
 prints its `ReadyLine` once it accepts connections; every process started here is ended
-on exit, error or Ctrl-C.
+on exit, error or Ctrl-C. Every node carries the cluster secret (`SecretScope`: the user's, or
+a random one), so no one without it can talk to them. With `supervise` (what `serve cluster`
+runs) a node that dies is started again at the addresses its first start got (`supervisor.py`
+decides when; `restart` is how).
 """
 
 from __future__ import annotations
 
 import logging
-import os
 import subprocess
 import sys
 import threading
 import time
 import urllib.request
+from dataclasses import replace
 from typing import Any
 
+from disagg.control.address import parse_address
 from disagg.control.channel import Channel
 from disagg.control.messages import Shutdown
 from disagg.errors import DisaggError
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.ready_line import ReadyLine
+from disagg.node.secret_scope import SecretScope
+from disagg.node.supervisor import Supervisor
 from disagg.utils.metrics import parse_metrics
 
 logger = logging.getLogger(__name__)
@@ -31,21 +37,30 @@ logger = logging.getLogger(__name__)
 
 class LocalCluster:
     """Context manager: the nodes of a `ClusterConfig` (prefillers and decoders, or mixed
-    nodes) as child processes."""
+    nodes) as child processes; with `supervise`, restarted when they die."""
 
-    def __init__(self, config: ClusterConfig) -> None:
+    def __init__(self, config: ClusterConfig, supervise: bool = False) -> None:
         self.config = config
-        self.processes: list[subprocess.Popen[str]] = []
+        self.supervise = supervise
+        self.processes: list[subprocess.Popen[str]] = []  # each node's current process
         self.prefiller_address = ""
         self.prefiller_addresses: list[str] = []
         self.names: list[str] = []  # node names in process order
         self.decoder_addresses: list[str] = []
-        self.logs: dict[str, list[str]] = {}
+        self.logs: dict[str, list[str]] = {}  # every start's lines, restarts included
         self.metrics_addresses: dict[str, str] = {}  # node name -> host:port of /metrics
         self.rank_pids: dict[str, list[int]] = {}  # node name -> pids of its TP ranks 1..N-1
+        self.supervisor: Supervisor | None = None
+        self._configs: dict[str, NodeConfig] = {}  # as started, its ports pinned once known
+        self._secret: SecretScope | None = None
+        # Held to start a process and to begin stopping: no restart starts one after stop()
+        # has taken the list of processes to end.
+        self._lock = threading.Lock()
+        self._stopping = threading.Event()
 
     def __enter__(self) -> LocalCluster:
         try:
+            self._secret = SecretScope()  # before the first child: each inherits it
             nodes = self.config.nodes()
             prefillers = [(name, self._spawn(self.config.node_config(role, name)))
                           for name, role in nodes if role is NodeRole.PREFILL]
@@ -58,6 +73,8 @@ class LocalCluster:
                 for name, role in nodes if role is not NodeRole.PREFILL]
             self.decoder_addresses = [self._wait_ready(name, process)
                                       for name, process in decoders]
+            if self.supervise:
+                self.supervisor = Supervisor(self, list(self.names)).start()
         except BaseException:
             self.stop()
             raise
@@ -71,21 +88,60 @@ class LocalCluster:
     def __exit__(self, *exc: object) -> None:
         self.stop()
 
+    @property
+    def stopping(self) -> bool:
+        """Whether `stop()` has begun (the supervisor restarts nothing from then on)."""
+        return self._stopping.is_set()
+
+    def process_of(self, name: str) -> subprocess.Popen[str]:
+        """The node's current process (a restart replaces it)."""
+        return self.processes[self.names.index(name)]
+
+    def restart_count(self, name: str) -> int:
+        """How many times the supervisor started `name` again (0 without supervision)."""
+        return self.supervisor.restarts(name) if self.supervisor is not None else 0
+
     def _spawn(self, config: NodeConfig) -> subprocess.Popen[str]:
+        with self._lock:
+            if self._stopping.is_set():
+                raise DisaggError(f"{config.node_id} not started: the cluster is stopping")
+            process = self._popen(config)
+            self.processes.append(process)
+            self.names.append(config.node_id)
+        return process
+
+    def _popen(self, config: NodeConfig) -> subprocess.Popen[str]:
+        assert self._secret is not None, "__enter__ holds the secret before any start"
         command = [sys.executable, "-m", "disagg.node.serve"]
-        env = dict(os.environ, PYTHONUNBUFFERED="1")
         process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True, env=env)
+                                   stderr=subprocess.PIPE, text=True,
+                                   env=self._secret.child_env(PYTHONUNBUFFERED="1"))
         assert process.stdin is not None
         process.stdin.write(config.to_json())
         process.stdin.close()
-        self.processes.append(process)
-        self.names.append(config.node_id)
+        self._configs[config.node_id] = config
         log = self.logs.setdefault(config.node_id, [])
         threading.Thread(target=_collect, args=(process.stderr, log), daemon=True).start()
         return process
 
+    def restart(self, name: str) -> bool:
+        """Start node `name` again where it listened (same control and metrics ports, so its
+        peers' reconnection finds it), and wait for its READY line; False if the cluster is
+        stopping (nothing started). A `DisaggError` if it did not start (it is ended then)."""
+        with self._lock:
+            if self._stopping.is_set():
+                return False
+            process = self._popen(self._configs[name])
+            self.processes[self.names.index(name)] = process
+            self.rank_pids.pop(name, None)
+            self.metrics_addresses.pop(name, None)
+        self.logs[name].append(f"--- {name} started again as pid {process.pid} ---")
+        self._wait_ready(name, process)
+        return True
+
     def _wait_ready(self, name: str, process: subprocess.Popen[str]) -> str:
+        """Read the node's stdout up to its READY line; pins its ports in its config, so a
+        restart comes back at the same addresses (they were port 0, any free one)."""
         log = self.logs[name]
         deadline = time.monotonic() + self.config.startup_timeout_s
         assert process.stdout is not None
@@ -93,22 +149,32 @@ class LocalCluster:
             ready = ReadyLine.parse(line)
             if ready is not None:
                 threading.Thread(target=_collect, args=(process.stdout, log), daemon=True).start()
+                metrics_port = None
                 if ready.metrics_address is not None:
                     self.metrics_addresses[name] = ready.metrics_address
+                    metrics_port = parse_address(ready.metrics_address)[1]
                 if ready.rank_pids:
                     self.rank_pids[name] = list(ready.rank_pids)
+                self._configs[name] = replace(self._configs[name], listen=ready.address,
+                                              metrics_port=metrics_port)
                 return ready.address
             log.append(line.rstrip())
             if time.monotonic() > deadline:
                 break
-        process.wait(timeout=5)
+        if process.poll() is None:  # silent past its deadline: end it, it will not serve
+            process.kill()
+        process.wait()
         time.sleep(0.1)  # let the stderr reader catch the last lines
         raise DisaggError(f"{name} did not start (exit code {process.returncode}): "
                           + " | ".join(self.logs[name][-5:]))
 
     def stop(self, timeout_s: float = 10.0) -> None:
         """End every process: a Shutdown message (after which each node checks that it
-        leaked nothing), then SIGTERM, then SIGKILL."""
+        leaked nothing), then SIGTERM, then SIGKILL. Nothing is restarted from here on, and
+        this process's cluster secret is put back as it was."""
+        with self._lock:
+            self._stopping.set()
+            processes = list(self.processes)
         for address in [*self.decoder_addresses, *self.prefiller_addresses]:
             try:
                 channel = Channel.connect(address, timeout_s=2.0)
@@ -117,23 +183,27 @@ class LocalCluster:
             except (DisaggError, OSError):
                 pass  # that node is gone already; the signals below cover the rest
         deadline = time.monotonic() + timeout_s / 2
-        for process in self.processes:
+        for process in processes:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 process.terminate()
         deadline = time.monotonic() + timeout_s
-        for process in self.processes:
+        for process in processes:
             try:
                 process.wait(timeout=max(0.1, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 logger.warning("killing pid %d", process.pid)
                 process.kill()
                 process.wait()
+        if self.supervisor is not None:
+            self.supervisor.stop()
+        if self._secret is not None:
+            self._secret.restore()
 
     def kill(self, name: str) -> None:
         """SIGKILL one node (a crash: no shutdown, no cleanup, X4)."""
-        process = self.processes[self.names.index(name)]
+        process = self.process_of(name)
         process.kill()
         process.wait()
         self.metrics_addresses.pop(name, None)

@@ -16,7 +16,6 @@ from __future__ import annotations
 import logging
 import math
 import os
-import secrets
 import signal
 import threading
 import time
@@ -32,7 +31,6 @@ from ray.util.placement_group import (
 )
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
-from disagg.control.secret import SECRET_ENV, cluster_secret
 from disagg.errors import ConfigError, DisaggError
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeRole
@@ -44,6 +42,7 @@ from disagg.node.ray_placement import (
     plan_nodes,
     probe_address,
 )
+from disagg.node.secret_scope import SecretScope
 
 logger = logging.getLogger(__name__)
 STOP_TIMEOUT_S = 20.0
@@ -71,8 +70,7 @@ class RayCluster:
         self.actors: dict[str, ray.actor.ActorHandle] = {}
         self._groups: dict[str, PlacementGroup] = {}
         self._started_ray = False
-        self._previous_secret: str | None = None
-        self._secret_set = False
+        self._secret: SecretScope | None = None
         self._sigterm: Callable[..., object] | int | None = signal.SIG_DFL
 
     def __enter__(self) -> RayCluster:
@@ -97,9 +95,7 @@ class RayCluster:
 
     def _connect(self) -> None:
         # One secret for every node, and for this process, whose router signs its frames.
-        self._previous_secret = os.environ.get(SECRET_ENV)
-        self._secret_set = True
-        os.environ[SECRET_ENV] = (cluster_secret() or secrets.token_hex(32).encode()).decode()
+        self._secret = SecretScope()
         if ray.is_initialized():  # a caller (a test, a notebook) connected already
             return
         address = self.ray_config.address
@@ -142,6 +138,7 @@ class RayCluster:
     def _start(self, placements: list[RayNodePlacement],
                prefillers: tuple[str, ...]) -> list[str]:
         """Start these nodes side by side; their control addresses, in order."""
+        assert self._secret is not None, "_connect set the cluster secret"
         for p in placements:
             group = self._groups[p.name]
             first = p.bundles[0]
@@ -154,7 +151,7 @@ class RayCluster:
                 max_restarts=self.ray_config.max_restarts,
                 scheduling_strategy=PlacementGroupSchedulingStrategy(group, 0),
             ).remote(self.config.node_config(p.role, p.name, prefillers).to_json(), p.port,
-                     p.metrics_port, os.environ[SECRET_ENV], rank_gpus,
+                     p.metrics_port, self._secret.secret, rank_gpus,
                      self.config.startup_timeout_s)
         addresses = []
         for p in placements:
@@ -205,11 +202,8 @@ class RayCluster:
             self._started_ray = False
             if threading.current_thread() is threading.main_thread():
                 signal.signal(signal.SIGTERM, self._sigterm)
-        if self._secret_set and self._previous_secret is None:
-            os.environ.pop(SECRET_ENV, None)
-        elif self._secret_set:
-            os.environ[SECRET_ENV] = self._previous_secret
-        self._secret_set = False
+        if self._secret is not None:
+            self._secret.restore()
 
 
 def _last_line(error: BaseException) -> str:
