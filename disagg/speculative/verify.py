@@ -6,7 +6,9 @@ Greedy keeps the longest prefix of drafts equal to the target's argmax, then add
 own next token, so the output is token for token the non-speculative one. With sampling, each
 draft is accepted with probability min(1, p / q) and a rejection resamples from max(0, p - q)
 (Leviathan et al. 2023, Chen et al. 2023), so every appended token is distributed exactly as
-`sampling.sample_token` would have drawn it. Decoders only; a prefiller never samples (S8).
+`sampling.sample_token` would have drawn it: `token_probs` is the sampler's own (re-exported
+here), which cannot fail on any accepted value (X5a). Decoders only; a prefiller never
+samples (S8).
 """
 
 from __future__ import annotations
@@ -16,17 +18,10 @@ from collections.abc import Callable
 import torch
 
 from disagg.engine.request import SamplingParams
-from disagg.engine.sampling import apply_top_k_top_p, draw_token
+from disagg.engine.sampling import draw_token, token_probs
 
-
-def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
-    """The distributions `sample_token` draws from: ``[rows, vocab_size]`` logits to probabilities
-    after temperature, top-k and top-p; one-hot on the argmax when greedy."""
-    if params.temperature == 0.0:
-        return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).float()
-    scaled = logits.float() / params.temperature
-    rows = [apply_top_k_top_p(row, params.top_k, params.top_p) for row in scaled]
-    return torch.stack(rows).softmax(-1)
+__all__ = ["propose_token", "token_probs", "verify", "verify_greedy", "verify_greedy_lazily",
+           "verify_sampled"]
 
 
 def verify_greedy(draft_token_ids: list[int], target_logits: torch.Tensor) -> list[int]:

@@ -51,7 +51,7 @@ def test_token_probs_match_the_sampler() -> None:
     probs = token_probs(logits, params)
     for row in range(3):
         expected = apply_top_k_top_p(logits[row] / 0.7, 10, 0.8).softmax(-1)
-        torch.testing.assert_close(probs[row], expected)
+        torch.testing.assert_close(probs[row].float(), expected)
 
 
 def test_proposed_draft_comes_with_its_distribution() -> None:
