@@ -23,6 +23,7 @@ import threading
 import time
 from collections.abc import Callable
 from dataclasses import replace
+from pathlib import Path
 
 import torch
 
@@ -31,6 +32,7 @@ from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec
 from disagg.parallel.shared_memory import map_region, recv_message
 from disagg.parallel.step import Step, encode_step
+from transfer_core.leftovers import dead_leftover
 
 logger = logging.getLogger(__name__)
 
@@ -42,20 +44,32 @@ WORKDIR_PREFIX = "disagg-tp-"
 
 def sweep_dead_workdirs(root: str | None = None) -> list[str]:
     """Remove the private directories (socket, rendezvous file) of leaders that are gone:
-    one killed with SIGKILL cannot remove its own. The leader's pid is in the name."""
+    one killed with SIGKILL cannot remove its own. The leader's pid is in the name. Only this
+    user's directories of dead processes go; any other name in the shared temporary
+    directory (another program's, a pid no process can have) is left alone, never raised on
+    (X5)."""
     root = root or tempfile.gettempdir()
+    try:
+        names = os.listdir(root)
+    except OSError as error:
+        logger.warning("cannot sweep %s for dead TP leaders' directories: %s", root, error)
+        return []
     removed = []
-    for name in os.listdir(root):
-        pid = name.removeprefix(WORKDIR_PREFIX).split("-", 1)[0]
-        if not name.startswith(WORKDIR_PREFIX) or not pid.isdigit():
+    for name in names:
+        if not name.startswith(WORKDIR_PREFIX):
+            continue
+        pid_text = name.removeprefix(WORKDIR_PREFIX).split("-", 1)[0]
+        path = Path(root, name)
+        if not dead_leftover(path, pid_text, directory=True):
             continue
         try:
-            os.kill(int(pid), 0)
-        except ProcessLookupError:
-            shutil.rmtree(os.path.join(root, name), ignore_errors=True)
-            removed.append(name)
-        except PermissionError:
-            pass  # alive, someone else's
+            shutil.rmtree(path)
+        except FileNotFoundError:
+            continue  # another leader's sweep was first
+        except OSError as error:
+            logger.warning("could not remove a dead TP leader's directory %s: %s", path, error)
+            continue
+        removed.append(name)
     return removed
 
 
