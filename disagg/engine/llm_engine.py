@@ -6,7 +6,9 @@ speculator do that, S8). Who observes is fixed when the engine is built: a node'
 passes its messenger (and a decoder's speculator) in; nothing is attached later. The parts an
 engine is made of (`EngineParts`) are built first, so plug-ins can be given the same cache,
 allocator and scheduler the engine steps. With `cuda_graph` the runner sends pure-decode steps
-through static buffers and CUDA graphs (S3b, `cuda_graphs.py`).
+through static buffers and CUDA graphs (S3b, `cuda_graphs.py`). An exception while stepping
+one request fails that request alone, and one in the batched forward fails that batch's
+requests; the engine goes on (X5a, `isolation.py`, which says what still propagates).
 """
 
 from __future__ import annotations
@@ -22,13 +24,14 @@ import torch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.batch import Batch, ForwardOutput, TokenEvent
 from disagg.engine.cuda_graphs import DecodeGraphs, useful_batch_sizes
+from disagg.engine.isolation import MAX_FORWARD_FAILURES, EngineFailure, RequestIsolation
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.page_allocator import PageAllocator
 from disagg.engine.prefix_cache import PrefixCache, cache_salt
-from disagg.engine.request import Request, SamplingParams
+from disagg.engine.request import Request, RequestState, SamplingParams
 from disagg.engine.sampling import sample_token
 from disagg.engine.scheduler import Scheduler
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, RankError
 from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.sharded_kv_cache import ShardedKVCache
@@ -64,6 +67,7 @@ class EngineParts:
     allocator: PageAllocator
     scheduler: Scheduler
     runner: ModelRunner
+    isolation: RequestIsolation  # fails one request whose step raised (X5a)
 
     @staticmethod
     def build(config: EngineConfig, model: Transformer | TPLeader) -> EngineParts:
@@ -94,7 +98,8 @@ class EngineParts:
                                       config.graph_batch_sizes, config.scheduler.max_num_seqs))
         runner = (ModelRunner(model, leader.local_cache, ranks=leader.ranks) if leader
                   else ModelRunner(model, kv_cache, graphs))
-        return EngineParts(config, model, kv_cache, allocator, scheduler, runner)
+        return EngineParts(config, model, kv_cache, allocator, scheduler, runner,
+                           RequestIsolation(scheduler))
 
 
 class LLMEngine:
@@ -108,11 +113,13 @@ class LLMEngine:
         self.allocator = parts.allocator
         self.scheduler = parts.scheduler
         self.runner = parts.runner
+        self.isolation = parts.isolation
         self.observers = tuple(observers)  # in the order they are told
         self.finisher = finisher  # a speculator verifies, samples and drafts instead (S8)
         self._ids = itertools.count()
         self.num_steps = 0  # batches run so far
         self.last_batch: Batch | None = None
+        self._forward_failures = 0  # in a row (X5a)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams | None = None,
                     request_id: str | None = None) -> Request:
@@ -131,31 +138,62 @@ class LLMEngine:
         return self.scheduler.has_unfinished()
 
     def step(self) -> list[TokenEvent]:
-        """Run one batch; return the tokens it produced."""
+        """Run one batch; return the tokens it produced. Requests it failed instead (X5a) are
+        in `take_failures`."""
         batch = self.scheduler.schedule()
         if batch.is_empty:
             return []
         self.last_batch = batch
-        for observer in self.observers:
-            observer.on_batch(batch)
-        output = self.runner.execute(batch)
-        self.num_steps += 1
-        for observer in self.observers:
-            observer.after_forward(batch, output)
+        output = self._forward(batch)
+        if output is None:
+            return []
         if self.finisher is not None:
             return self.finisher.finish_step(batch, output)
-        sampled: dict[str, int] = {}
         if self.config.scheduler.mode == "prefill_only":
-            self.scheduler.postprocess(batch, sampled)  # a prefiller never samples (S8)
+            self.scheduler.postprocess(batch, {})  # a prefiller never samples (S8)
             return []
+        sampled: dict[str, int] = {}
         for row, chunk_idx in enumerate(output.sample_chunk_indices):
             request = batch.chunks[chunk_idx].request
-            sampled[request.request_id] = sample_token(output.logits[row],
-                                                       request.sampling_params, request.generator)
-        self.scheduler.postprocess(batch, sampled)
+            with self.isolation.guard(request, "sampling"):
+                sampled[request.request_id] = sample_token(
+                    output.logits[row], request.sampling_params, request.generator)
+        for chunk in batch.chunks:
+            if not chunk.request.is_finished:  # else it failed above
+                with self.isolation.guard(chunk.request, "appending its token"):
+                    self.scheduler.advance(chunk, sampled.get(chunk.request.request_id))
         sampling_requests = [batch.chunks[i].request for i in output.sample_chunk_indices]
         return [TokenEvent(request, sampled[request.request_id], request.is_finished)
-                for request in sampling_requests]
+                for request in sampling_requests
+                if request.state is not RequestState.FINISHED_FAILED]  # failed this step
+
+    def take_failures(self) -> list[EngineFailure]:
+        """Requests the engine failed since the last call (X5a): the node reports each to its
+        client as `FINISHED_FAILED` with the failure's cause and detail."""
+        return self.isolation.take_failures()
+
+    def _forward(self, batch: Batch) -> ForwardOutput | None:
+        """The observers and the batched forward; None when they raised and the batch's
+        requests failed instead (see `isolation.py` for what propagates)."""
+        self.num_steps += 1  # a batch that fails ran too: its requests made progress (they ended)
+        try:
+            for observer in self.observers:
+                observer.on_batch(batch)
+            output = self.runner.execute(batch)
+            for observer in self.observers:
+                observer.after_forward(batch, output)
+        except RankError:
+            raise  # a dead rank: the node cannot step at all
+        except Exception as error:
+            self._forward_failures += 1
+            if (self.config.scheduler.mode == "prefill_only"
+                    or self._forward_failures >= MAX_FORWARD_FAILURES):
+                raise
+            self.isolation.fail([chunk.request for chunk in batch.chunks],
+                                "the batched forward", error)
+            return None
+        self._forward_failures = 0
+        return output
 
     def generate(self, prompts: Iterable[list[int]],
                  params: SamplingParams | None = None) -> list[Request]:

@@ -56,6 +56,7 @@ class FailureCause(enum.Enum):
     DECODER_DIED = "decoder_died"  # router: the decoder holding the request died
     INVALID_REQUEST = "invalid_request"  # refused at admission (it can never be served)
     ABORTED = "aborted"  # the client gave up
+    ENGINE_ERROR = "engine_error"  # stepping it raised; it failed alone (X5a, `isolation.py`)
 
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM's do)

@@ -149,28 +149,39 @@ class Scheduler:
                 request.page_ids[index], parent, tuple(tokens[index * size:(index + 1) * size])))
 
     def postprocess(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
-        """Advance each chunk's request and append sampled tokens.
+        """Advance each chunk's request and append sampled tokens (see `advance`).
 
         Returns the requests that left the running set: finished ones (pages freed) and, in
         prefill-only mode, those whose prompt is now computed (state TRANSFERRING: their pages
         stay allocated until the messenger has written them out, S4b).
         """
-        done = []
-        for chunk in batch.chunks:
-            request = chunk.request
-            request.num_computed_tokens += chunk.num_tokens
-            self.register_pages(request)
-            if chunk.samples and self.config.mode == "prefill_only":
-                request.state = RequestState.TRANSFERRING
-                self.running.remove(request)
-                done.append(request)
-                continue
-            if chunk.samples:
-                request.append_token(sampled[request.request_id])
-            if request.is_finished:
-                self._release(request)
-                done.append(request)
-        return done
+        return [chunk.request for chunk in batch.chunks
+                if self.advance(chunk, sampled.get(chunk.request.request_id))]
+
+    def advance(self, chunk: ScheduledChunk, token_id: int | None) -> bool:
+        """Advance one chunk's request past its computed tokens and append `token_id` if the
+        chunk samples; returns whether the request left the running set. One request at a
+        time, so the engine can fail one alone if it raises (X5a)."""
+        request = chunk.request
+        request.num_computed_tokens += chunk.num_tokens
+        self.register_pages(request)
+        if chunk.samples and self.config.mode == "prefill_only":
+            request.state = RequestState.TRANSFERRING
+            self.running.remove(request)
+            return True
+        if chunk.samples:
+            assert token_id is not None, f"{request.request_id}: its chunk samples, no token"
+            request.append_token(token_id)
+        if request.is_finished:
+            self._release(request)
+            return True
+        return False
+
+    def fail_request(self, request: Request) -> None:
+        """End a request that stepping it broke (X5a) wherever it is, freeing its pages."""
+        request.state = RequestState.FINISHED_FAILED
+        request.spec_token_ids = []
+        self._release(request)
 
     def abort_request(self, request_id: str) -> Request | None:
         """Drop a request wherever it is, freeing its pages; returns it, or None if unknown."""

@@ -24,7 +24,7 @@ import torch
 from disagg.config import EngineConfig, SpeculativeConfig
 from disagg.engine.batch import Batch, ForwardOutput, TokenEvent
 from disagg.engine.llm_engine import EngineParts, LLMEngine, load_transformer
-from disagg.engine.request import Request
+from disagg.engine.request import Request, RequestState
 from disagg.engine.sampling import sample_token
 from disagg.model.draft_heads import build_mtp_head, mtp_kv_cache
 from disagg.model.kv_cache import PagedKVCache
@@ -90,29 +90,44 @@ class Speculator:
     @torch.inference_mode()
     def finish_step(self, batch: Batch, output: ForwardOutput) -> list[TokenEvent]:
         """After the forward: sample ordinary chunks, verify speculative ones, advance every
-        request, run the draft on what was confirmed and propose the next drafts."""
+        request, run the draft on what was confirmed and propose the next drafts. Each
+        request's share runs guarded, so one that raises fails alone (X5a)."""
         parts, hidden = self._parts, output.all_hidden_states
         assert hidden is not None, "the runner returns every row's hidden state"
+        isolation = parts.isolation
         sampled = {}
         for row, chunk_idx in enumerate(output.sample_chunk_indices):
             request = batch.chunks[chunk_idx].request
-            sampled[request.request_id] = sample_token(output.logits[row],
-                                                       request.sampling_params, request.generator)
+            with isolation.guard(request, "sampling"):
+                sampled[request.request_id] = sample_token(
+                    output.logits[row], request.sampling_params, request.generator)
         verified: list[tuple[Request, list[int]]] = []
         end = 0
         for chunk in batch.chunks:
             end += chunk.num_tokens
-            if chunk.request.spec_token_ids:
-                verified.append((chunk.request, self._verify(chunk.request, hidden, end)))
+            if chunk.request.spec_token_ids and not chunk.request.is_finished:
+                with isolation.guard(chunk.request, "verifying its drafts"):
+                    verified.append((chunk.request, self._verify(chunk.request, hidden, end)))
         before = [len(chunk.request.output_token_ids) for chunk in batch.chunks]
-        parts.scheduler.postprocess(batch, sampled)
+        for chunk in batch.chunks:
+            if not chunk.request.is_finished:  # else it failed above
+                with isolation.guard(chunk.request, "appending its token"):
+                    parts.scheduler.advance(chunk, sampled.get(chunk.request.request_id))
         for request, token_ids in verified:
-            parts.scheduler.accept_tokens(request, token_ids)
-        self.proposer.observe(batch, hidden)
+            if not request.is_finished:
+                with isolation.guard(request, "accepting its drafts"):
+                    parts.scheduler.accept_tokens(request, token_ids)
+        try:
+            self.proposer.observe(batch, hidden)
+        except Exception as error:  # a batched draft forward: not one request's (X5a)
+            isolation.fail([chunk.request for chunk in batch.chunks], "the draft's catch-up",
+                           error)
         self._propose()
         events = []
         for chunk, count in zip(batch.chunks, before, strict=True):
             request = chunk.request
+            if request.state is RequestState.FINISHED_FAILED:
+                continue  # failed this step: reported through `take_failures`
             new = request.output_token_ids[count:]
             events += [TokenEvent(request, token_id, request.is_finished and i == len(new) - 1)
                        for i, token_id in enumerate(new)]
@@ -139,23 +154,42 @@ class Speculator:
         return token_ids
 
     def _propose(self) -> None:
-        """Draft for every running request whose prompt is computed and that has no drafts."""
-        scheduler = self._parts.scheduler
-        requests = [r for r in scheduler.running
-                    if r.output_token_ids and not r.spec_token_ids
-                    and r.num_computed_tokens == r.num_tokens - 1]
-        num_drafts = [self._reserve(r, self._budget(r)) for r in requests]
+        """Draft for every running request whose prompt is computed and that has no drafts.
+        A request whose draft choice raises fails alone once the batched proposal is done
+        (its pages are not freed while the draft still writes them); a proposal that raises
+        as a whole fails every request it drafted for (X5a)."""
+        scheduler, isolation = self._parts.scheduler, self._parts.isolation
+        requests, num_drafts = [], []
+        for request in [r for r in scheduler.running
+                        if r.output_token_ids and not r.spec_token_ids
+                        and r.num_computed_tokens == r.num_tokens - 1]:
+            with isolation.guard(request, "reserving its draft pages"):
+                num_drafts.append(self._reserve(request, self._budget(request)))
+                requests.append(request)
         probs: list[list[torch.Tensor]] = [[] for _ in requests]
+        errors: dict[int, Exception] = {}
 
         def choose(i: int, logits: torch.Tensor) -> int:
             request = requests[i]
-            token, q = propose_token(logits, request.sampling_params, request.generator)
+            try:
+                token, q = propose_token(logits, request.sampling_params, request.generator)
+            except Exception as error:
+                errors.setdefault(i, error)  # failed below, after the batched run
+                return int(logits.argmax())  # any valid id keeps the batch going
             if request.sampling_params.temperature > 0:
                 probs[i].append(q)
             return token
 
-        drafts = self.proposer.propose(requests, num_drafts, choose)
+        try:
+            drafts = self.proposer.propose(requests, num_drafts, choose)
+        except Exception as error:
+            isolation.fail(requests, "the draft's proposal", error)
+            return
+        for i, error in errors.items():
+            isolation.fail([requests[i]], "choosing its draft", error)
         for request, tokens, q in zip(requests, drafts, probs, strict=True):
+            if request.is_finished:
+                continue
             request.spec_token_ids = tokens
             if q:
                 self._draft_probs[request] = q
