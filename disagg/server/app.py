@@ -1,22 +1,26 @@
 """The OpenAI-compatible HTTP API of a cluster: completions, chat completions, models, health
 and metrics (FastAPI).
 
-Handlers validate the body (`protocol.py`), turn the prompt into token ids, submit through
-the `ClusterClient` and either stream server-sent events or answer once the request ends. A
-client that disconnects cancels its handler; the request is then aborted in the cluster and
-counted with finish reason "abort".
+Handlers read the body within its limit, validate it (`protocol.py`), turn the prompt into
+token ids, submit through the `ClusterClient` and either stream server-sent events
+(`event_stream.py`) or answer once the request ends. Parsing, tokenizing and rendering run in
+a small thread pool, after checks that bound their cost, so the event loop keeps answering
+everyone else (X5b). A client that disconnects cancels its request's task; the request is then
+aborted in the cluster and counted with finish reason "abort".
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator, Callable
+import contextlib
+from collections.abc import AsyncGenerator, Callable
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from fastapi import FastAPI, Request
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.responses import JSONResponse, Response
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
@@ -26,14 +30,23 @@ from disagg.server import responses
 from disagg.server.chat_template import ChatTemplate, require_chat_template
 from disagg.server.cluster_client import ClusterClient, Sampling
 from disagg.server.errors import APIError, InvalidRequest, ModelNotFound
-from disagg.server.generation import Generation, Timings
+from disagg.server.event_stream import EventStream
+from disagg.server.generation import Delta, Generation, Timings
+from disagg.server.http_config import HTTPConfig
+from disagg.server.limits import check_prompt_chars, max_token_chars, read_body
 from disagg.server.metrics import ServerMetrics
+from disagg.server.openapi import install_openapi, request_body
 from disagg.server.protocol import (
     ChatCompletionRequest,
     CompletionRequest,
     SamplingFields,
     parse_body,
 )
+
+T = TypeVar("T")
+# Threads that parse bodies, tokenize and render templates: a few, so that a burst of big
+# prompts queues here instead of taking every core from the event loop and the engines.
+WORK_THREADS = 4
 
 
 @dataclass
@@ -49,18 +62,58 @@ class FrontDoor:
     health: Callable[[], tuple[bool, dict[str, Any]]]  # (all nodes answer, the body)
     max_request_tokens: int | None = None  # a decoder's whole cache, when known
     created: int = field(default_factory=lambda: int(time.time()))
+    executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
+        WORK_THREADS, "front-door-work"))
+    _chars_per_token: int | None = field(default=None, init=False, repr=False)
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T:  # noqa: ANN401
+        """`work(*args)` in the front door's threads; its exceptions are raised here."""
+        return await asyncio.get_running_loop().run_in_executor(self.executor, work, *args)
+
+    @property
+    def context_tokens(self) -> int:
+        """The most tokens one request can hold: the model's context, or a decoder's cache."""
+        context = self.model.max_position_embeddings
+        return context if self.max_request_tokens is None else min(context,
+                                                                    self.max_request_tokens)
+
+    def check_text_length(self, num_chars: int, param: str) -> None:
+        """Refuse text that cannot fit the context at any tokenization, before tokenizing it
+        (the bound on characters per token is read from the vocabulary once, here in a
+        worker thread)."""
+        if self.tokenizer is None:
+            return
+        if self._chars_per_token is None:
+            self._chars_per_token = max_token_chars(self.tokenizer)
+        check_prompt_chars(num_chars, self.context_tokens, self._chars_per_token, param)
 
     def prompt_ids(self, prompt: str | list[int]) -> list[int]:
+        """Token ids of a completion prompt (worker thread: tokenizing is the slow part)."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise InvalidRequest(f"model {self.model_name!r} has no tokenizer: send the "
                                      "prompt as a list of token ids", "prompt")
+            self.check_text_length(len(prompt), "prompt")
             return self.tokenizer.encode(prompt)
+        if len(prompt) > self.context_tokens:
+            raise InvalidRequest(f"the prompt has {len(prompt)} tokens; at most "
+                                 f"{self.context_tokens} fit", "prompt")
         bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary of "
                                  f"{self.model.vocab_size}", "prompt")
         return prompt
+
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
+        """Token ids of a chat prompt: the template rendered, then tokenized (worker thread).
+        The messages' text is a lower bound on the prompt's (a template writes each message),
+        so it is checked against the context first."""
+        template = require_chat_template(self.model_name, self.chat_template)
+        assert self.tokenizer is not None  # a template comes with its tokenizer
+        self.check_text_length(sum(_text_length(m.content) for m in body.messages), "messages")
+        return template.render_ids([m.model_dump(exclude_none=True) for m in body.messages],
+                                   self.tokenizer, body.add_generation_prompt,
+                                   body.allow_special_tokens)
 
     def sampling(self, body: SamplingFields, prompt_len: int, max_tokens: int | None,
                  param: str) -> Sampling:
@@ -84,40 +137,50 @@ class FrontDoor:
                         body.ignore_eos)
 
 
-def build_app(door: FrontDoor) -> FastAPI:
-    app = FastAPI(title="disagg", docs_url=None, redoc_url=None, openapi_url=None)
+def _text_length(content: str | list[dict[str, Any]] | None) -> int:
+    if isinstance(content, str):
+        return len(content)
+    return sum(len(part.get("text") or "") for part in content or [] if isinstance(part, dict))
+
+
+def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
+    """The API over `door`; `http` gives its body limit (the rest of `HTTPConfig` is the HTTP
+    server's: `http_server.py`)."""
+    max_body_bytes = (http or HTTPConfig()).max_body_bytes
+    app = FastAPI(title="disagg", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest])
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
-        return JSONResponse(error.body(), status_code=error.status)
+        return JSONResponse(error.body(), status_code=error.status, headers=error.headers())
 
     @app.exception_handler(HTTPException)
     async def http_error(_: Request, error: HTTPException) -> JSONResponse:
         body = APIError(str(error.detail)).body()
         return JSONResponse(body, status_code=error.status_code)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", openapi_extra=request_body(CompletionRequest))
     async def completions(request: Request) -> Response:
         timings = Timings()
-        body = parse_body(await request.body(), CompletionRequest)
+        raw = await read_body(request, max_body_bytes)
+        body = await door.off_loop(parse_body, raw, CompletionRequest)
         check_model(door, body.model)
-        prompt = door.prompt_ids(body.single_prompt())
+        stops = body.stop_strings()
+        prompt = await door.off_loop(door.prompt_ids, body.single_prompt())
         sampling = door.sampling(body, len(prompt), body.max_tokens, "max_tokens")
-        return await serve(door, request, body, prompt, sampling, timings, chat=False)
+        return await serve(door, request, body, prompt, stops, sampling, timings, chat=False)
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
         timings = Timings()
-        body = parse_body(await request.body(), ChatCompletionRequest)
+        raw = await read_body(request, max_body_bytes)
+        body = await door.off_loop(parse_body, raw, ChatCompletionRequest)
         check_model(door, body.model)
-        template = require_chat_template(door.model_name, door.chat_template)
-        assert door.tokenizer is not None  # a template comes with its tokenizer
-        text = template.render([m.model_dump(exclude_none=True)
-                                          for m in body.messages], body.add_generation_prompt)
-        prompt = template.encode(text, door.tokenizer)
+        stops = body.stop_strings()
+        prompt = await door.off_loop(door.chat_ids, body)
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
         sampling = door.sampling(body, len(prompt), body.token_budget(), param)
-        return await serve(door, request, body, prompt, sampling, timings, chat=True)
+        return await serve(door, request, body, prompt, stops, sampling, timings, chat=True)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -142,22 +205,24 @@ def check_model(door: FrontDoor, model: str) -> None:
 
 
 async def serve(door: FrontDoor, request: Request, body: SamplingFields, prompt: list[int],
-                sampling: Sampling, timings: Timings, chat: bool) -> Response:
+                stops: list[str], sampling: Sampling, timings: Timings, chat: bool) -> Response:
     """Submit, then stream or answer whole; every path records the request's metrics."""
-    stops = body.stop_strings()
     generation = Generation(door.client.open(prompt, sampling), door.tokenizer, stops, timings)
     envelope = responses.Envelope("chatcmpl" if chat else "cmpl", generation.stream.request_id,
                                   door.model_name)
     door.metrics.running.inc()
     if body.stream:
-        chunks = stream_chunks(door, generation, envelope, len(prompt), chat,
-                               body.include_usage(), request, body.continuous_usage())
-        return StreamingResponse(chunks, media_type="text/event-stream")
+        return EventStream(stream_chunks(door, generation, envelope, len(prompt), chat,
+                                         body.include_usage(), body.continuous_usage()))
     try:
         text, ids = await until_done_or_gone(request, collect(generation))
+    except ClientGone:
+        finish(door, generation, len(prompt), "abort")
+        # Nobody reads this: nginx's "client closed request", for the access log only.
+        return Response(status_code=CLIENT_CLOSED_REQUEST)
     except BaseException as error:
         finish(door, generation, len(prompt), "abort" if isinstance(
-            error, asyncio.CancelledError | ClientGone) else "error")
+            error, asyncio.CancelledError) else "error")
         raise
     finish(door, generation, len(prompt), generation.finish_reason or "error")
     reason = generation.finish_reason
@@ -169,15 +234,19 @@ async def serve(door: FrontDoor, request: Request, body: SamplingFields, prompt:
                                           generation.cached_tokens)))
 
 
+CLIENT_CLOSED_REQUEST = 499
+
+
 class ClientGone(Exception):
     """The client closed its connection before the answer was ready."""
 
 
 async def collect(generation: Generation) -> tuple[str, list[int]]:
     text, ids = "", []
-    async for delta in generation.deltas():
-        text += delta.text
-        ids += delta.token_ids
+    async with contextlib.aclosing(generation.deltas()) as deltas:
+        async for delta in deltas:
+            text += delta.text
+            ids += delta.token_ids
     return text, ids
 
 
@@ -197,27 +266,6 @@ async def until_done_or_gone(request: Request, work: Any) -> Any:  # noqa: ANN40
     return task.result()
 
 
-async def while_connected(request: Request, items: AsyncIterator[Any]) -> AsyncIterator[Any]:
-    """`items`, until the client disconnects: then stop them (their cleanup aborts the
-    request in the cluster). Writing to a closed connection need not fail, so we listen."""
-    gone = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        while True:
-            step = asyncio.ensure_future(anext(items))
-            await asyncio.wait({step, gone}, return_when=asyncio.FIRST_COMPLETED)
-            if not step.done():
-                step.cancel()
-                await asyncio.gather(step, return_exceptions=True)
-                raise ClientGone
-            try:
-                yield step.result()
-            except StopAsyncIteration:
-                return
-    finally:
-        gone.cancel()
-        await items.aclose()  # type: ignore[attr-defined]
-
-
 async def wait_disconnect(request: Request) -> None:
     while (await request.receive())["type"] != "http.disconnect":
         pass
@@ -225,8 +273,8 @@ async def wait_disconnect(request: Request) -> None:
 
 async def stream_chunks(door: FrontDoor, generation: Generation,
                         envelope: responses.Envelope, prompt_tokens: int, chat: bool,
-                        include_usage: bool, request: Request,
-                        continuous_usage: bool = False) -> AsyncIterator[bytes]:
+                        include_usage: bool,
+                        continuous_usage: bool = False) -> AsyncGenerator[bytes, None]:
     kind = "chat.completion.chunk" if chat else "text_completion"
     extra: dict[str, Any] = {"usage": None} if include_usage else {}
 
@@ -241,14 +289,11 @@ async def stream_chunks(door: FrontDoor, generation: Generation,
         if chat:
             first = responses.chat_delta({"role": "assistant", "content": ""}, None)
             yield responses.sse(envelope.wrap(kind, [first], **running_usage()))
-        async for delta in while_connected(request, generation.deltas()):
-            if chat:
-                content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
-                choice = responses.chat_delta(content, delta.finish_reason, delta.token_ids)
-            else:
-                choice = responses.completion_choice(delta.text, delta.finish_reason,
-                                                     delta.token_ids)
-            yield responses.sse(envelope.wrap(kind, [choice], **running_usage()))
+        # Closed here, not left to the garbage collector: its `finally` aborts the request.
+        async with contextlib.aclosing(generation.deltas()) as deltas:
+            async for delta in deltas:
+                yield responses.sse(envelope.wrap(kind, [_stream_choice(delta, chat)],
+                                                  **running_usage()))
         reason = generation.finish_reason or "error"
         if include_usage:
             yield responses.sse(envelope.wrap(kind, [], usage=responses.usage(
@@ -258,10 +303,15 @@ async def stream_chunks(door: FrontDoor, generation: Generation,
         reason = "error"
         yield responses.sse(error.body())
         yield responses.DONE
-    except ClientGone:
-        pass  # nobody to tell; the request was aborted in the cluster
-    finally:
+    finally:  # also when a disconnect cancels the stream: the request was aborted by then
         finish(door, generation, prompt_tokens, reason)
+
+
+def _stream_choice(delta: Delta, chat: bool) -> dict[str, Any]:
+    if not chat:
+        return responses.completion_choice(delta.text, delta.finish_reason, delta.token_ids)
+    content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
+    return responses.chat_delta(content, delta.finish_reason, delta.token_ids)
 
 
 def finish(door: FrontDoor, generation: Generation, prompt_tokens: int, reason: str) -> None:

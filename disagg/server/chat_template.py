@@ -7,8 +7,10 @@ for token: `trim_blocks` and `lstrip_blocks`, a `raise_exception` function, a `t
 that keeps non-ASCII text, `strftime_now`, and the variables `messages`,
 `add_generation_prompt`, `bos_token` and `eos_token`. The rendered text is tokenised without
 the tokenizer's own BOS/EOS additions (the template writes those itself), and special markers
-such as `<|im_start|>` in it become their single ids. Messages are checked before rendering;
-every refusal is a `ChatTemplateError` (HTTP 400) naming the offending field.
+such as `<|im_start|>` that the template wrote become their single ids, while the same text
+inside a message stays plain text unless asked otherwise (`render_ids`, `plain_text.py`:
+X5b). Messages are checked before rendering; every refusal is a `ChatTemplateError` (HTTP 400)
+naming the offending field.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 from disagg.errors import ModelLoadError
 from disagg.model.loading.tokenizer import Tokenizer
 from disagg.server.errors import ChatTemplateError
+from disagg.server.plain_text import free_sentinels, plain_text_encoder, unwrap
 
 ROLES = ("system", "developer", "user", "assistant", "tool")
 # Text parts of one message are joined with a newline, so that they stay apart in the prompt.
@@ -59,13 +62,16 @@ class ChatTemplate:
 
         `add_generation_prompt` appends the header that opens the assistant's turn.
         """
+        return self._render(validate_messages(messages), add_generation_prompt, **variables)
+
+    def _render(self, chat: list[dict[str, Any]], add_generation_prompt: bool,
+                **variables: Any) -> str:
         context: dict[str, Any] = {}
         if self.bos_token is not None:
             context["bos_token"] = self.bos_token
         if self.eos_token is not None:
             context["eos_token"] = self.eos_token
         context |= variables
-        chat = validate_messages(messages)
         try:
             return self._compiled.render(messages=chat,
                                          add_generation_prompt=add_generation_prompt, **context)
@@ -86,9 +92,41 @@ class ChatTemplate:
         return tokenizer.encode(text, add_special_tokens=False)
 
     def render_ids(self, messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
-                   add_generation_prompt: bool = True) -> list[int]:
-        """`encode(render(messages, add_generation_prompt), tokenizer)`."""
-        return self.encode(self.render(messages, add_generation_prompt), tokenizer)
+                   add_generation_prompt: bool = True,
+                   allow_special_tokens: bool = False) -> list[int]:
+        """The prompt's ids: `encode(render(...))`, except that special-token text inside a
+        message's content stays plain text unless `allow_special_tokens`.
+
+        To know which characters of the prompt came from content, the messages are rendered
+        a second time with each content wrapped in two unused private-use characters. If
+        removing those gives back the same prompt, the wrapped spans are exact (even where the
+        template transformed the content). If not (the template inspects the content), the
+        content cannot be told apart from the template's own text: that is harmless unless a
+        message spells a special token, and then the request is refused rather than read with
+        real special tokens.
+        """
+        chat = validate_messages(messages)
+        text = self._render(chat, add_generation_prompt)
+        if allow_special_tokens:
+            return self.encode(text, tokenizer)
+        encoder = plain_text_encoder(tokenizer)
+        has_text = [i for i, m in enumerate(chat) if isinstance(m.get("content"), str)]
+        begin, end = free_sentinels([text, *(chat[i]["content"] for i in has_text)])
+        wrapped = [dict(m, content=f"{begin}{m['content']}{end}") if i in has_text else m
+                   for i, m in enumerate(chat)]
+        try:
+            unwrapped, spans = unwrap(self._render(wrapped, add_generation_prompt), begin, end)
+        except ChatTemplateError:
+            unwrapped, spans = "", []  # the template refused the wrapped content: inexact
+        if unwrapped != text:
+            spelled = [i for i in has_text if encoder.contains_special(chat[i]["content"])]
+            if not spelled:
+                return self.encode(text, tokenizer)  # nothing to keep plain: the same ids
+            field = f"messages[{spelled[0]}].content"
+            raise ChatTemplateError(f"{field} spells a special token, and the model's chat "
+                                    "template rewrites the message, so it cannot be kept as "
+                                    "plain text", field)
+        return encoder.encode(text, spans)
 
 
 def require_chat_template(model_name: str, template: ChatTemplate | None) -> ChatTemplate:

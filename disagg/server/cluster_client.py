@@ -6,14 +6,15 @@ thread hands each event to the asyncio queue of its request, on the server's eve
 request that its caller stops reading (a client that went away, a stop string) is aborted in
 the cluster, so nothing keeps generating for nobody. At most `max_in_flight` requests are in
 the cluster at once; one more is refused (HTTP 429) rather than queued without bound.
+Request ids are random (uuid4), so they are unique across front doors and restarts (X5d).
 """
 
 from __future__ import annotations
 
 import asyncio
-import itertools
 import queue
 import threading
+import uuid
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -72,7 +73,6 @@ class ClusterClient:
         self.max_in_flight = max_in_flight
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
-        self._ids = itertools.count()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._dispatch, name="front-door-events",
                                         daemon=True)
@@ -93,7 +93,7 @@ class ClusterClient:
         """Admit and submit one request now (event loop thread): `Overloaded` past the
         in-flight limit, `Unavailable` with no live decoder. Iterate the stream it returns;
         leaving it unfinished (or `close()`) aborts the request in the cluster."""
-        request_id = f"http-{next(self._ids)}"
+        request_id = uuid.uuid4().hex  # also the response's id: chatcmpl-<this>
         stream = RequestStream(self, request_id)
         with self._lock:
             if len(self._streams) >= self.max_in_flight:

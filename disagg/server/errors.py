@@ -1,7 +1,8 @@
 """Errors of the front door, each with the HTTP status and OpenAI error type it answers with.
 
 The body of every error response has the OpenAI shape:
-`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`.
+`{"error": {"message": ..., "type": ..., "param": ..., "code": ...}}`. `headers()` adds what
+a client needs to retry well (`Retry-After` on 429 and 503: X5b).
 """
 
 from __future__ import annotations
@@ -25,6 +26,10 @@ class APIError(DisaggError):
         return {"error": {"message": self.message, "type": self.type, "param": self.param,
                           "code": self.code}}
 
+    def headers(self) -> dict[str, str]:
+        """Response headers that go with this error (none by default)."""
+        return {}
+
 
 class InvalidRequest(APIError):
     """A field is missing, of the wrong type or out of range (HTTP 400)."""
@@ -38,11 +43,29 @@ class ModelNotFound(InvalidRequest):
         super().__init__(f"the model {model!r} does not exist", "model", "model_not_found")
 
 
+class BodyTooLarge(InvalidRequest):
+    """A request body over `HTTPConfig.max_body_bytes`, refused before it is read whole
+    (HTTP 413)."""
+
+    status = 413
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(f"the request body is larger than {limit} bytes", None,
+                         "body_too_large")
+
+
+# Seconds a client is told to wait before retrying a refusal for load (429, 503).
+RETRY_AFTER_S = 1
+
+
 class Overloaded(APIError):
     """More requests in flight than the server admits (HTTP 429)."""
 
     status = 429
     type = "rate_limit_exceeded"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)}
 
 
 class Unavailable(APIError):
@@ -50,6 +73,9 @@ class Unavailable(APIError):
 
     status = 503
     type = "service_unavailable"
+
+    def headers(self) -> dict[str, str]:
+        return {"Retry-After": str(RETRY_AFTER_S)}
 
 
 class ChatTemplateError(InvalidRequest):

@@ -9,6 +9,7 @@ until it cannot (`stop_strings.StopMatcher`, linear in the text: X5b).
 
 from __future__ import annotations
 
+import contextlib
 import time
 from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
@@ -64,15 +65,16 @@ class Generation:
 
     async def deltas(self) -> AsyncIterator[Delta]:
         try:
-            async for delta in self._deltas():
-                yield delta
+            async with contextlib.aclosing(self._deltas()) as deltas:
+                async for delta in deltas:
+                    yield delta
         finally:
             self.stream.close()  # a stop string, an error or a client gone: abort it there
 
     async def _deltas(self) -> AsyncIterator[Delta]:
         decoder = StreamDecoder(self.tokenizer, True) if self.tokenizer is not None else None
         matcher = StopMatcher(self.stops)
-        async for event in self.stream.events():
+        async for event in self.stream.events():  # its own cleanup is `stream.close()`
             now = time.monotonic()
             self.timings.first_event = self.timings.first_event or now
             self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)

@@ -1,11 +1,14 @@
 """The OpenAI API's request bodies, validated: `/v1/completions` and `/v1/chat/completions`.
 
 Field names, types and defaults follow the OpenAI API reference. Fields we do not implement
-are accepted only at their "off" value (`n` 1, `logprobs` null, ...), so a client never gets a
-silently different answer. Extensions, as vLLM and SGLang take them: `top_k` (0 or -1: off),
-`ignore_eos` (load generators ask for exactly `max_tokens`), `stream_options.
-continuous_usage_stats` (usage in every chunk). Unknown fields are ignored, as most
-OpenAI-compatible servers do, since clients send fields of newer API versions.
+are accepted only at their "off" values (null, `n` 1, `logprobs` false, `logit_bias` {},
+`tools` [], `response_format` text, ...); any other value is a 400 naming the field
+(`check_supported`), so a client never gets a silently different answer (X5b). Extensions, as
+vLLM and SGLang take them: `top_k` (0 or -1: off), `ignore_eos` (load generators ask for
+exactly `max_tokens`), `stream_options.continuous_usage_stats` (usage in every chunk); other
+well-known vLLM sampling extensions are refused the same way. Unknown fields are ignored, as
+most OpenAI-compatible servers do, since clients send fields of newer API versions. Text
+that UTF-8 cannot encode (a lone surrogate) is refused naming its field.
 """
 
 from __future__ import annotations
@@ -45,13 +48,36 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] = 1
-    logprobs: None = None
+    n: Literal[1] | None = 1
     presence_penalty: Literal[0, 0.0] | None = None
     frequency_penalty: Literal[0, 0.0] | None = None
-    logit_bias: None = None
+    logit_bias: dict[str, float] | None = None
     user: str | None = None
     ignore_eos: bool = False
+    # vLLM's sampling extensions we do not implement: accepted only as null (or their off
+    # value below), so a client that relies on one hears so.
+    min_p: Literal[0, 0.0] | None = None
+    repetition_penalty: Literal[1, 1.0] | None = None
+    min_tokens: Literal[0] | None = None
+    stop_token_ids: list[int] | None = None
+    guided_json: None = None
+    guided_regex: None = None
+    guided_choice: None = None
+    guided_grammar: None = None
+    use_beam_search: Literal[False] | None = None
+    include_stop_str_in_output: Literal[False] | None = None
+    skip_special_tokens: Literal[True] | None = None
+
+    def check_supported(self) -> None:
+        """A 400 naming the first field set to a value we do not implement (the types let
+        through values that only a rule across fields refuses)."""
+        if self.logit_bias:
+            _unsupported("logit_bias", "biasing tokens")
+        if self.stop_token_ids:
+            _unsupported("stop_token_ids", "stop token ids")
+        if self.stream_options is not None and not self.stream:
+            raise InvalidRequest("stream_options is only allowed when stream is true",
+                                 "stream_options")
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -69,9 +95,10 @@ class CompletionRequest(SamplingFields):
 
     prompt: str | list[int] | list[str] | list[list[int]]
     max_tokens: MaxTokens | None = 16  # OpenAI's default for completions
-    echo: Literal[False] = False
+    echo: Literal[False] | None = False
     best_of: Literal[1] | None = None
-    suffix: None = None
+    suffix: Literal[""] | None = None
+    logprobs: None = None  # 0 is not off here: it asks for the chosen token's logprob
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (a batch of prompts is refused: one request, one choice)."""
@@ -100,9 +127,49 @@ class ChatCompletionRequest(SamplingFields):
     max_tokens: MaxTokens | None = None
     max_completion_tokens: MaxTokens | None = None
     add_generation_prompt: bool = True  # an extension, as in vLLM and SGLang
+    # Ours: let special-token text in message content become special tokens (default: it is
+    # plain text, so a user cannot write the template's own markers; X5b).
+    allow_special_tokens: bool = False
+    logprobs: bool | None = None
+    top_logprobs: Literal[0] | None = None
+    tools: list[dict[str, Any]] | None = None
+    tool_choice: str | dict[str, Any] | None = None
+    parallel_tool_calls: bool | None = None
+    functions: list[dict[str, Any]] | None = None
+    function_call: str | dict[str, Any] | None = None
+    response_format: dict[str, Any] | None = None
+    modalities: list[Literal["text"]] | None = None
+    audio: None = None
+    prediction: None = None
+    reasoning_effort: None = None
+    verbosity: None = None
+    web_search_options: None = None
+    store: Literal[False] | None = None
+    # Bookkeeping that does not change the answer: accepted and not used.
+    metadata: dict[str, str] | None = None
+    service_tier: str | None = None
+    prompt_cache_key: str | None = None
+    safety_identifier: str | None = None
 
     def token_budget(self) -> int | None:
         return self.max_completion_tokens or self.max_tokens
+
+    def check_supported(self) -> None:
+        super().check_supported()
+        if self.logprobs:
+            _unsupported("logprobs", "log probabilities")
+        if self.tools or self.functions:
+            _unsupported("tools" if self.tools else "functions", "tool calling")
+        for name in ("tool_choice", "function_call"):
+            if getattr(self, name) not in (None, "none", "auto"):
+                _unsupported(name, "tool calling")
+        if self.response_format is not None and self.response_format != {"type": "text"}:
+            _unsupported("response_format", "structured output")
+
+
+def _unsupported(field: str, what: str) -> None:
+    raise InvalidRequest(f"{field}: {what} is not supported by this server; leave it unset",
+                         field)
 
 
 def parse_body(raw: bytes, kind: type[SamplingFields]) -> Any:  # noqa: ANN401 - `kind`
@@ -113,12 +180,46 @@ def parse_body(raw: bytes, kind: type[SamplingFields]) -> Any:  # noqa: ANN401 -
         raise InvalidRequest(f"the body is not valid JSON: {error}") from None
     if not isinstance(document, dict):
         raise InvalidRequest("the body must be a JSON object")
+    _check_encodable(document)
     try:
-        return kind.model_validate(document)
+        body = kind.model_validate(document)
     except ValidationError as error:
         first = error.errors()[0]
         param = ".".join(str(part) for part in first["loc"] if not _is_type_tag(part))
         raise InvalidRequest(f"{param or 'body'}: {first['msg']}", param or None) from None
+    body.check_supported()
+    return body
+
+
+def _check_encodable(document: object) -> None:
+    """Every string in a JSON document must be valid Unicode text: JSON's `\\udc80` escapes
+    decode to lone surrogates, which no tokenizer (nor UTF-8) takes. Iterative: a document as
+    deep as `json` allows must not exhaust the stack here."""
+    stack: list[tuple[object, tuple[str | int, ...]]] = [(document, ())]
+    while stack:
+        value, path = stack.pop()
+        if isinstance(value, dict):
+            children: Any = value.items()
+        elif isinstance(value, list):
+            children = enumerate(value)
+        else:
+            _check_text(value, path)
+            continue
+        for key, item in children:
+            _check_text(key, path)
+            if isinstance(item, str | dict | list):
+                stack.append((item, (*path, key)))
+
+
+def _check_text(value: object, path: tuple[str | int, ...]) -> None:
+    if not isinstance(value, str):
+        return
+    try:
+        value.encode()
+    except UnicodeEncodeError as error:
+        where = "".join(f"[{p}]" if isinstance(p, int) else f".{p}" for p in path).lstrip(".")
+        raise InvalidRequest(f"{where or 'body'}: the text has a lone surrogate at character "
+                             f"{error.start}", where or None) from None
 
 
 def _refuse_constant(name: str) -> float:

@@ -2,7 +2,8 @@
 
 `FakeRouter` offers what `ClusterClient` uses of `Router` (submit, abort, alive, events);
 each submitted request gets the events its script returns, or none until the test sends
-them. The app runs under uvicorn on a free port in a thread.
+them. The app runs under the front door's own HTTP server (`http_server.py`, uvicorn with its
+limits) on a free port in a thread.
 """
 
 from __future__ import annotations
@@ -15,13 +16,13 @@ import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
-import uvicorn
-
 from disagg.config import PRESETS
 from disagg.control.messages import Abort, RequestEvent, Submit
 from disagg.errors import PeerClosedError
-from disagg.server.app import FrontDoor, build_app
+from disagg.server.app import FrontDoor
 from disagg.server.cluster_client import ClusterClient
+from disagg.server.http_config import HTTPConfig
+from disagg.server.http_server import http_server
 from disagg.server.metrics import ServerMetrics
 
 Script = Callable[[Submit], list[RequestEvent]]
@@ -53,14 +54,16 @@ class FakeRouter:
 
 @contextmanager
 def running_app(router: FakeRouter, max_in_flight: int = 8, tokenizer=None,  # noqa: ANN001
-                chat_template=None) -> Iterator[tuple[str, FrontDoor]]:  # noqa: ANN001
-    """(base URL, the app's state) while the app serves on 127.0.0.1."""
+                chat_template=None, http: HTTPConfig | None = None,  # noqa: ANN001
+                ) -> Iterator[tuple[str, FrontDoor]]:
+    """(host:port, the app's state) while the app serves on 127.0.0.1 under `http`'s limits
+    (its host and port are ignored)."""
     client = ClusterClient(router, max_in_flight)  # type: ignore[arg-type]
     door = FrontDoor("tiny", PRESETS["tiny"], tokenizer, chat_template, client,
                      ServerMetrics("tiny", waiting=lambda: client.num_waiting),
                      lambda: (True, {"status": "ok", "nodes": []}))
-    server = uvicorn.Server(uvicorn.Config(build_app(door), host="127.0.0.1", port=0,
-                                           log_level="warning", lifespan="off"))
+    fields = {k: getattr(http, k) for k in http.__dataclass_fields__} if http else {}
+    server = http_server(door, HTTPConfig(**{**fields, "host": "127.0.0.1", "port": 0}))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
     thread.start()
     while not server.started:
@@ -72,6 +75,7 @@ def running_app(router: FakeRouter, max_in_flight: int = 8, tokenizer=None,  # n
         server.should_exit = True
         thread.join(timeout=10)
         client.close()
+        door.executor.shutdown(wait=False, cancel_futures=True)
 
 
 def post(address: str, path: str, body: dict | bytes) -> tuple[int, dict | str]:
