@@ -33,6 +33,12 @@ HostOption = Annotated[str, typer.Option(help="Address the HTTP API listens on")
 PortOption = Annotated[int, typer.Option(help="Port of the HTTP API (0: any free port)")]
 MaxInFlightOption = Annotated[int, typer.Option(
     help="Requests admitted at once; one more is answered 429")]
+MaxBodyBytesOption = Annotated[int, typer.Option(
+    help="Largest request body in bytes; a larger one is answered 413 unread")]
+MaxConnectionsOption = Annotated[int, typer.Option(
+    help="Open HTTP connections at once; one more is answered 503 and closed")]
+HeaderTimeoutOption = Annotated[float, typer.Option(
+    help="Seconds a client has to send a request's headers (else 408, closed)")]
 ServedNameOption = Annotated[str | None, typer.Option(
     help="The model name clients send (default: the --model value)")]
 RayOption = Annotated[str | None, typer.Option(
@@ -49,6 +55,9 @@ RayResourceOption = Annotated[str | None, typer.Option(
 HOST: str = default_of(HTTPConfig, "host")
 PORT: int = default_of(HTTPConfig, "port")
 MAX_IN_FLIGHT: int = default_of(HTTPConfig, "max_in_flight")
+MAX_BODY_BYTES: int = default_of(HTTPConfig, "max_body_bytes")
+MAX_CONNECTIONS: int = default_of(HTTPConfig, "max_connections")
+HEADER_TIMEOUT_S: float = default_of(HTTPConfig, "header_timeout_s")
 RAY_CPUS_PER_RANK: float = default_of(RayConfig, "cpus_per_rank")
 RAY_MAX_RESTARTS: int = default_of(RayConfig, "max_restarts")
 RAY_BASE_PORT: int = default_of(RayConfig, "base_port")
@@ -66,6 +75,9 @@ def serve_cluster(
     host: HostOption = HOST,
     port: PortOption = PORT,
     max_in_flight: MaxInFlightOption = MAX_IN_FLIGHT,
+    max_body_bytes: MaxBodyBytesOption = MAX_BODY_BYTES,
+    max_connections: MaxConnectionsOption = MAX_CONNECTIONS,
+    header_timeout: HeaderTimeoutOption = HEADER_TIMEOUT_S,
     served_model_name: ServedNameOption = None,
     prefill_tp: PrefillTpOption = 1, decode_tp: DecodeTpOption = 1,
     routing: RoutingOption = ROUTING, routing_margin: RoutingMarginOption = LOAD_MARGIN,
@@ -87,6 +99,8 @@ def serve_cluster(
 ) -> None:
     """Start a cluster (local processes over libfabric, or Ray actors with --ray) and the
     OpenAI API in front of it."""
+    http = HTTPConfig(host, port, max_in_flight, served_model_name, max_body_bytes,
+                      max_connections, header_timeout)  # bad limits fail before any node starts
     from disagg.node.node_config import check_node_memory
     from disagg.node.ray_placement import (
         ResourceRequest,
@@ -114,7 +128,7 @@ def serve_cluster(
         check_ray_installed()
     elif ray_prefill_resource or ray_decode_resource:
         raise ConfigError("--ray-prefill-resource and --ray-decode-resource need --ray")
-    run(cluster, HTTPConfig(host, port, max_in_flight, served_model_name), ray_config)
+    run(cluster, http, ray_config)
 
 
 @serve_app.command("router")
@@ -125,6 +139,9 @@ def serve_router(
     host: HostOption = HOST,
     port: PortOption = PORT,
     max_in_flight: MaxInFlightOption = MAX_IN_FLIGHT,
+    max_body_bytes: MaxBodyBytesOption = MAX_BODY_BYTES,
+    max_connections: MaxConnectionsOption = MAX_CONNECTIONS,
+    header_timeout: HeaderTimeoutOption = HEADER_TIMEOUT_S,
     served_model_name: ServedNameOption = None,
     routing: RoutingOption = ROUTING, routing_margin: RoutingMarginOption = LOAD_MARGIN,
     page_size: Annotated[int, typer.Option(
@@ -134,6 +151,7 @@ def serve_router(
     from disagg.node.prefix_index import RoutingConfig
     from disagg.server.launch import serve_router as run
 
+    http = HTTPConfig(host, port, max_in_flight, served_model_name, max_body_bytes,
+                      max_connections, header_timeout)
     routing_config = RoutingConfig.parse(routing, routing_margin, page_size)
-    run(model, decoder, HTTPConfig(host, port, max_in_flight, served_model_name),
-        routing_config)
+    run(model, decoder, http, routing_config)
