@@ -52,16 +52,23 @@ class FakeRouter:
         pass
 
 
+def make_door(router: FakeRouter, max_in_flight: int = 8, tokenizer=None,  # noqa: ANN001
+              chat_template=None) -> FrontDoor:  # noqa: ANN001
+    """The app's state for the tiny model in front of `router`."""
+    client = ClusterClient(router, max_in_flight)  # type: ignore[arg-type]
+    return FrontDoor("tiny", PRESETS["tiny"], tokenizer, chat_template, client,
+                     ServerMetrics("tiny", waiting=lambda: client.num_waiting),
+                     lambda: (True, {"status": "ok", "nodes": []}))
+
+
 @contextmanager
 def running_app(router: FakeRouter, max_in_flight: int = 8, tokenizer=None,  # noqa: ANN001
                 chat_template=None, http: HTTPConfig | None = None,  # noqa: ANN001
                 ) -> Iterator[tuple[str, FrontDoor]]:
     """(host:port, the app's state) while the app serves on 127.0.0.1 under `http`'s limits
     (its host and port are ignored)."""
-    client = ClusterClient(router, max_in_flight)  # type: ignore[arg-type]
-    door = FrontDoor("tiny", PRESETS["tiny"], tokenizer, chat_template, client,
-                     ServerMetrics("tiny", waiting=lambda: client.num_waiting),
-                     lambda: (True, {"status": "ok", "nodes": []}))
+    door = make_door(router, max_in_flight, tokenizer, chat_template)
+    client = door.client
     fields = {k: getattr(http, k) for k in http.__dataclass_fields__} if http else {}
     server = http_server(door, HTTPConfig(**{**fields, "host": "127.0.0.1", "port": 0}))
     thread = threading.Thread(target=lambda: asyncio.run(server.serve()), daemon=True)
