@@ -52,11 +52,11 @@ def streaming_server() -> Iterator[tuple[str, queue.Queue[str], list[str]]]:
         assert process.returncode == 0, err[-3000:]
 
 
-def _open_stream(address: str) -> socket.socket:
-    """A completion stream requested over a raw socket (the tiny model: a token-id prompt)."""
+def _open_stream(address: str, stream: bool = True) -> socket.socket:
+    """A completion requested over a raw socket (the tiny model: a token-id prompt)."""
     host, port = address.rsplit(":", 1)
     sock = socket.create_connection((host, int(port)), timeout=10)
-    raw = json.dumps({"model": "tiny", "stream": True, "max_tokens": 4000,
+    raw = json.dumps({"model": "tiny", "stream": stream, "max_tokens": 4000,
                       "prompt": [1, 2]}).encode()
     sock.sendall(b"POST /v1/completions HTTP/1.1\r\nhost: x\r\ncontent-type: "
                  b"application/json\r\ncontent-length: %d\r\n\r\n%s" % (len(raw), raw))
@@ -107,3 +107,18 @@ def test_dropped_streams_are_aborted_within_a_second_without_a_traceback() -> No
         aborted = {line.split()[1] for line in seen if line.startswith("ABORT ")}
         assert len(submitted) == NUM_STREAMS
         assert aborted == submitted
+
+
+@pytest.mark.slow
+def test_dropped_whole_answers_are_aborted_within_a_second_without_a_traceback() -> None:
+    """Clients that wait for a whole answer and leave: no 500 traceback for nobody either."""
+    with streaming_server() as (address, lines, stderr):
+        socks = [_open_stream(address, stream=False) for _ in range(32)]
+        submitted = set()
+        while len(submitted) < len(socks):
+            submitted.add(lines.get(timeout=10).split()[1])
+        for sock in socks:
+            _drop(sock, reset=False)
+        seen = _collect(lines, time.monotonic() + ABORT_WITHIN_S)
+    assert not [p for p in LOG_PROBLEMS if p in stderr[0]], stderr[0][-5000:]
+    assert {line.split()[1] for line in seen if line.startswith("ABORT ")} == submitted
