@@ -65,8 +65,16 @@ class BoundedH11Protocol(H11Protocol):
                                                             self.timeout_keep_alive_handler)
 
     def data_received(self, data: bytes) -> None:
-        if self.conn.their_state is h11.IDLE and self._header_timer is None:
-            self._arm_header_timer()  # the first byte of a next request on this connection
+        if self.conn.their_state is h11.IDLE:  # reading a request's line and headers
+            if self._header_timer is None:
+                self._arm_header_timer()  # the first byte of a next request on this connection
+            # h11 bounds only headers it has not seen the end of; bound those it has, too.
+            buffered = self.conn.trailing_data[0] + data
+            end = buffered.find(b"\r\n\r\n")
+            if (len(buffered) if end < 0 else end + 4) > self.limits.max_header_bytes:
+                self._refuse(431, "Request Header Fields Too Large", "the request line and "
+                             f"headers are larger than {self.limits.max_header_bytes} bytes")
+                return
         super().data_received(data)
         if self.conn.their_state is not h11.IDLE:
             self._cancel_header_timer()  # the headers are in (or the connection failed)
@@ -74,15 +82,6 @@ class BoundedH11Protocol(H11Protocol):
     def connection_lost(self, exc: Exception | None) -> None:
         self._cancel_header_timer()
         super().connection_lost(exc)
-
-    def send_400_response(self, msg: str) -> None:
-        """h11 refuses headers past its size limit like any malformed request: tell them
-        apart, since 431 says what to change."""
-        if len(self.conn.trailing_data[0]) > self.limits.max_header_bytes:
-            self._refuse(431, "Request Header Fields Too Large", "the request line and headers "
-                         f"are larger than {self.limits.max_header_bytes} bytes")
-            return
-        super().send_400_response(msg)
 
     def _arm_header_timer(self) -> None:
         self._cancel_header_timer()
