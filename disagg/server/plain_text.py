@@ -22,7 +22,6 @@ from pathlib import Path
 from tokenizers import Tokenizer as Backend
 
 from disagg.model.loading.tokenizer import Tokenizer
-from disagg.server.errors import ChatTemplateError
 
 Span = tuple[int, int]  # [start, end) in characters of the rendered text
 
@@ -42,7 +41,8 @@ class PlainTextEncoder:
 
     def contains_special(self, text: str) -> bool:
         """Whether `text` holds a special token's spelling."""
-        return any(i in self.special_ids for i in self._marked.encode(text, add_special_tokens=False).ids)
+        ids = self._marked.encode(text, add_special_tokens=False).ids
+        return any(i in self.special_ids for i in ids)
 
     def encode(self, text: str, plain: Sequence[Span]) -> list[int]:
         """Ids of `text` without BOS/EOS added; special tokens matched only outside `plain`
