@@ -10,10 +10,11 @@ each checking on its way out that it leaked nothing.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 import signal
-import subprocess
 import sys
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import uvicorn
@@ -88,45 +89,72 @@ def _interrupt(*_: object) -> None:
 
 def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig,
                   ray_config: RayConfig | None = None) -> None:
-    """Start the cluster's processes (here, or as Ray actors with `ray_config`), then the API
-    in front of its decoders."""
+    """Start the cluster's processes (here, supervised: a node that dies is started again,
+    X5e; or as Ray actors with `ray_config`, which Ray restarts), then the API in front of
+    its decoders."""
     if ray_config is None:
-        with LocalCluster(cluster_config) as cluster:
-            _serve_nodes(cluster, dict(zip(cluster.names, cluster.processes, strict=True)), {},
-                         http)
+        with LocalCluster(cluster_config, supervise=True) as cluster:
+            _serve_nodes(cluster, http)
         return
     from disagg.node.ray_cluster import RayCluster  # only here: Ray is an optional extra
 
     with RayCluster(cluster_config, ray_config) as cluster:
-        _serve_nodes(cluster, {}, cluster.ray_node_ids, http)
+        _serve_nodes(cluster, http)
 
 
-def _serve_nodes(cluster: LocalCluster | RayCluster, processes: dict[str, subprocess.Popen[str]],
-                 ray_node_ids: dict[str, str], http: HTTPConfig) -> None:
+def _serve_nodes(cluster: LocalCluster | RayCluster, http: HTTPConfig) -> None:
     """A router in front of the cluster's decoders, and the API in front of it."""
     config = cluster.config
-    roles = cluster.roles()
     router = Router(cluster.decoder_addresses, config.router_config())
-    addresses = dict(zip(cluster.names, [*cluster.prefiller_addresses,
-                                         *cluster.decoder_addresses], strict=False))
-    decoders = [n for n in cluster.names if roles[n] is not NodeRole.PREFILL]
-    nodes = [NodeInfo(name, roles[name].value, addresses.get(name, ""),
-                      cluster.metrics_addresses.get(name), processes.get(name),
-                      _router_alive(router, decoders.index(name)) if name in decoders else None,
-                      ray_node_ids.get(name))
-             for name in cluster.names]
-    serve_http(make_front_door(config.node.model, router, nodes, http,
+    serve_http(make_front_door(config.node.model, router, cluster_nodes(cluster, router), http,
                                config.node.cache.num_tokens), http)
 
 
+def cluster_nodes(cluster: LocalCluster | RayCluster, router: Router) -> list[NodeInfo]:
+    """What `/health` looks at for each node of a cluster: its current process and restart
+    count (a local cluster's), the router's view of each decoder, its own `/health`."""
+    roles = cluster.roles()
+    addresses = dict(zip(cluster.names, [*cluster.prefiller_addresses,
+                                         *cluster.decoder_addresses], strict=False))
+    decoders = [n for n in cluster.names if roles[n] is not NodeRole.PREFILL]
+    local = isinstance(cluster, LocalCluster)
+    ray_node_ids = getattr(cluster, "ray_node_ids", {})
+    nodes = []
+    for name in cluster.names:
+        index = decoders.index(name) if name in decoders else None
+        nodes.append(NodeInfo(
+            name, roles[name].value, addresses.get(name, ""),
+            cluster.metrics_addresses.get(name),
+            process=functools.partial(cluster.process_of, name) if local else None,
+            connected=None if index is None else _router_view(router.alive.__getitem__, index),
+            takes_requests=None if index is None else _router_view(router.takes_requests, index),
+            ray_node_id=ray_node_ids.get(name),
+            restarts=functools.partial(cluster.restart_count, name) if local else None))
+    return nodes
+
+
 def serve_router(model_spec: str, decoder_addresses: list[str], http: HTTPConfig,
-                 routing: RoutingConfig | None = None) -> None:
-    """The API in front of decoders (or mixed nodes) started by hand, maybe on other hosts."""
+                 routing: RoutingConfig | None = None,
+                 metrics_addresses: list[str | None] | None = None) -> None:
+    """The API in front of decoders (or mixed nodes) started by hand, maybe on other hosts;
+    with each one's metrics address (`metrics_addresses`, in the same order), `/health` also
+    reads its own `/health`: its pid and whether it has a live prefiller."""
     router = Router(decoder_addresses, routing)
-    nodes = [NodeInfo(f"decoder-{i}", "decode", address, connected=_router_alive(router, i))
-             for i, address in enumerate(decoder_addresses)]
-    serve_http(make_front_door(model_spec, router, nodes, http), http)
+    serve_http(make_front_door(model_spec, router, router_nodes(
+        router, decoder_addresses, metrics_addresses), http), http)
 
 
-def _router_alive(router: Router, index: int):  # noqa: ANN202 - a closure
-    return lambda: router.alive[index]
+def router_nodes(router: Router, decoder_addresses: list[str],
+                 metrics_addresses: list[str | None] | None = None) -> list[NodeInfo]:
+    """What `/health` looks at for decoders started by hand: the router's view of each (it
+    takes requests: connected, accepting, not silent), and its own `/health` if known."""
+    metrics = list(metrics_addresses or [])
+    metrics += [None] * (len(decoder_addresses) - len(metrics))
+    return [NodeInfo(f"decoder-{i}", "decode", address, metrics[i],
+                     connected=_router_view(router.alive.__getitem__, i),
+                     takes_requests=_router_view(router.takes_requests, i))
+            for i, address in enumerate(decoder_addresses)]
+
+
+def _router_view(look: Callable[[int], bool], index: int) -> Callable[[], bool]:
+    return lambda: look(index)
