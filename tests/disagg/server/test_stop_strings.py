@@ -14,6 +14,7 @@ from disagg.server.stop_strings import (
     StopMatcher,
     check_stop_strings,
 )
+from tests.disagg.server.app_harness import FakeRouter, post, running_app
 
 
 def reference(text: str, stops: list[str]) -> tuple[str, bool]:
@@ -122,3 +123,14 @@ def test_a_too_long_stop_is_refused_naming_stop() -> None:
 def test_an_empty_stop_is_refused() -> None:
     with pytest.raises(InvalidRequest, match="empty"):
         check_stop_strings([""])
+
+
+def test_four_huge_stops_over_http_are_a_400_before_any_submit() -> None:
+    """The request that froze the front door for 53 s: four 300,000-character stops."""
+    router = FakeRouter()
+    body = {"model": "tiny", "prompt": [1, 2], "max_tokens": 2, "stop": ["ab" * 150_000] * 4}
+    with running_app(router) as (address, _):
+        status, reply = post(address, "/v1/completions", body)
+    assert status == 400
+    assert reply["error"]["param"] == "stop"
+    assert router.submitted == []
