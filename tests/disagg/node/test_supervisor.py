@@ -144,3 +144,26 @@ def test_killed_nodes_are_restarted_and_serve_token_exact(cluster: LocalCluster)
             "prefill-0": 1, "decode-0": 1}
     finally:
         router.close()
+
+
+@pytest.mark.fabric
+@pytest.mark.slow  # a TP 2 decoder: three processes, restarted once
+def test_a_node_whose_rank_died_is_restarted_with_new_ranks() -> None:
+    """SIGKILL TP rank 1 of a TP 2 decoder: the decoder exits (S3c), the supervisor starts it
+    again with new ranks, and it serves the single-node tokens."""
+    reference = single_node_tokens("tiny", PROMPTS[:1], MAX_TOKENS)
+    config = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4,
+                                        num_pages=64, decode_tp=2)
+    with LocalCluster(config, supervise=True) as cluster:
+        (rank1,) = cluster.rank_pids["decode-0"]
+        router = Router(cluster.decoder_addresses)
+        try:
+            os.kill(rank1, signal.SIGKILL)
+            wait_restarted(cluster, "decode-0", 1, router)
+            (new_rank1,) = cluster.rank_pids["decode-0"]
+            assert new_rank1 != rank1
+            assert serve(router, "after-rank", PROMPTS[0]) == reference[0]
+        finally:
+            router.close()
+    assert cluster.exit_codes() == [0, 0], cluster.logs
+    assert not Path(f"/proc/{new_rank1}").exists()
