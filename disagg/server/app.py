@@ -95,9 +95,10 @@ class FrontDoor:
                                      "prompt as a list of token ids", "prompt")
             self.check_text_length(len(prompt), "prompt")
             return self.tokenizer.encode(prompt)
-        if len(prompt) > self.context_tokens:
-            raise InvalidRequest(f"the prompt has {len(prompt)} tokens; at most "
-                                 f"{self.context_tokens} fit", "prompt")
+        context = self.model.max_position_embeddings  # the cache's own check is `sampling`'s
+        if len(prompt) >= context:
+            raise InvalidRequest(f"the prompt has {len(prompt)} tokens; the model's context is "
+                                 f"{context}", "prompt")
         bad = [t for t in prompt if not 0 <= t < self.model.vocab_size]
         if bad:
             raise InvalidRequest(f"token id {bad[0]} is outside the vocabulary of "
