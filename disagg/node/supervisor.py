@@ -137,6 +137,8 @@ class Supervisor:
         try:
             started = self._cluster.restart(record.name)
         except DisaggError as error:
+            if self._cluster.stopping:
+                return  # stop() ended it while it started: not a failed start
             # The new process is dead too (the cluster ends one that did not start): the
             # watch loop sees it and waits the next, doubled, wait.
             record.restarts += 1

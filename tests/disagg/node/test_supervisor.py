@@ -85,6 +85,14 @@ def test_nothing_is_restarted_once_the_cluster_stops() -> None:
     assert supervisor.records["n"].state is NodeWatch.STOPPED
 
 
+def test_a_stopped_local_cluster_starts_nothing_again() -> None:
+    """Once stop() has begun, `restart` starts no process (the supervisor's race with stop)."""
+    cluster = LocalCluster(ClusterConfig.from_options(model="tiny"), supervise=True)
+    cluster.stop()
+    assert cluster.stopping and cluster.restart("decode-0") is False
+    assert cluster.processes == []
+
+
 @pytest.fixture(scope="module")
 def cluster() -> Iterator[LocalCluster]:
     """A supervised prefiller and decoder; at the end every process it ever ran is gone."""
