@@ -1,8 +1,9 @@
 """A control connection: framed messages over a stream socket, one per peer (S2).
 
-Sending is thread-safe (a lock per channel); receiving belongs to one reader thread. A broken
-or closed connection is a `PeerClosedError`; a bad frame is a `ProtocolError`, after which the
-stream cannot be trusted and the channel is closed.
+Sending is thread-safe and never waits on the peer: frames go through the channel's bounded
+`Outbox` (X5c), which cuts off a peer that stops reading. Receiving belongs to one reader
+thread. A broken or closed connection is a `PeerClosedError`; a bad frame is a
+`ProtocolError`, after which the stream cannot be trusted and the channel is closed.
 
 NOTE on authentication. With a cluster secret (the environment variable DISAGG_CLUSTER_SECRET,
 or passed in), each side first sends a preface with a fresh random nonce; every frame then
@@ -37,6 +38,7 @@ from disagg.control.framing import (
     encode,
 )
 from disagg.control.messages import Heartbeat
+from disagg.control.outbox import SEND_DEADLINE_S, Outbox
 from disagg.control.secret import TAG_SIZE, cluster_secret, derive_keys, frame_tag
 from disagg.errors import PeerClosedError, ProtocolError
 
@@ -56,7 +58,8 @@ class Channel:
 
     def __init__(self, sock: socket.socket, peer: str = "peer", secret: bytes | None = None,
                  *, accepted: bool = True, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
-                 frame_timeout_s: float = FRAME_TIMEOUT_S) -> None:
+                 frame_timeout_s: float = FRAME_TIMEOUT_S,
+                 send_deadline_s: float = SEND_DEADLINE_S) -> None:
         self.sock = sock
         self.peer = peer
         self.secret = cluster_secret() if secret is None else (secret or None)
@@ -75,6 +78,7 @@ class Channel:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # Control messages are small and latency bound: do not wait to coalesce them.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        self._outbox = Outbox(sock, peer, deadline_s=send_deadline_s)
 
     @staticmethod
     def connect(address: str, timeout_s: float = 10.0, secret: bytes | None = None) -> Channel:
@@ -90,13 +94,17 @@ class Channel:
         try:
             channel._establish(time.monotonic() + timeout_s)
             channel.send(Heartbeat())
+            # Opened means the opening frames are on the wire, not only queued.
+            if not channel._outbox.flush(timeout_s):
+                raise PeerClosedError(f"{address}: the opening frames did not go out")
         except (PeerClosedError, ProtocolError):
             channel.close()
             raise
         return channel
 
     def send(self, message: Message) -> None:
-        """Send one message; raises `PeerClosedError` if the connection is gone."""
+        """Queue one message for the peer; raises `PeerClosedError` if the connection is gone
+        or the peer was cut off for not reading. It never waits for the peer."""
         try:
             self._ensure_keys()
         except ProtocolError as error:
@@ -108,10 +116,7 @@ class Channel:
             if self._keys is not None:
                 frame += frame_tag(self._keys[0], self._sent, frame)
                 self._sent += 1
-            try:
-                self.sock.sendall(frame)
-            except OSError as error:
-                raise PeerClosedError(f"{self.peer}: send failed: {error}") from None
+            self._outbox.put(frame)
 
     def recv(self) -> Message:
         """Block for the next message (the connecting side's opening Heartbeat is not one)."""
@@ -123,9 +128,13 @@ class Channel:
                 return message
 
     def close(self) -> None:
-        """Close the socket (idempotent); a blocked `recv` then fails with PeerClosedError."""
+        """Close the socket (idempotent) once what is queued went out (a last Reject or
+        Shutdown; at most `CLOSE_LINGER_S`); a blocked `recv` then fails with PeerClosedError."""
+        if self._closed:
+            return
+        self._outbox.close()
         with contextlib.suppress(OSError):  # already disconnected: nothing left to shut down
-            self.sock.shutdown(socket.SHUT_RDWR)  # first, so a blocked sendall lets go
+            self.sock.shutdown(socket.SHUT_RDWR)  # wakes a blocked recv
         with self._send_lock:
             if self._closed:
                 return
@@ -134,8 +143,13 @@ class Channel:
 
     @property
     def closed(self) -> bool:
-        """Whether `close` was called."""
+        """Whether `close` was called (not whether the peer left or was cut off)."""
         return self._closed
+
+    @property
+    def cut_off(self) -> str | None:
+        """Why the peer was disconnected for not reading (X5c), if it was."""
+        return self._outbox.broken
 
     def _ensure_keys(self) -> None:
         if self.secret is not None and self._keys is None:  # an accepted channel's first use
@@ -156,10 +170,7 @@ class Channel:
 
     def _send_raw(self, data: bytes) -> None:
         with self._send_lock:
-            try:
-                self.sock.sendall(data)
-            except OSError as error:
-                raise PeerClosedError(f"{self.peer}: send failed: {error}") from None
+            self._outbox.put(data)
 
     def _read_preface(self, deadline: float) -> bytes:
         magic = self._read_exactly(2, deadline)
@@ -211,7 +222,7 @@ class Channel:
         buffer = bytearray(n)
         view, got = memoryview(buffer), 0
         # With a deadline, never block in recv: poll, not a socket timeout, which would apply
-        # to other threads' sendall too.
+        # to the outbox writer's sends too.
         flags = 0 if deadline is None else socket.MSG_DONTWAIT
         while got < n:
             try:
@@ -223,6 +234,8 @@ class Channel:
             except OSError as error:
                 raise PeerClosedError(f"{self.peer}: receive failed: {error}") from None
             if not count:
+                if self._outbox.broken is not None:  # we cut the peer off: say why
+                    raise PeerClosedError(self._outbox.broken)
                 if got:
                     raise ProtocolError(f"{self.peer}: connection closed mid-frame "
                                         f"({got} of {n} bytes)")

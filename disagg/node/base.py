@@ -124,7 +124,7 @@ class NodeBase:
                 continue
             try:
                 channel = Channel(sock, f"{kind} {name}")
-            except OSError as error:  # it died between accept and setsockopt
+            except (OSError, RuntimeError) as error:  # it died after accept; or no thread left
                 logger.info("dropping %s %s: %s", kind, name, error)
                 sock.close()
                 slots.release()

@@ -225,12 +225,17 @@ def test_a_submit_no_decoder_can_take_fails_alone_and_the_connection_goes_on(
     router connection then serves a good request."""
     channel = Channel.connect(pair.decode.address)
     assert channel.recv() == Status(True)
-    channel.send(Submit("zero", [1, 2, 3], 0))
     body = b'{"request_id": "nan", "prompt_token_ids": [1, 2], "max_tokens": 2, ' \
            b'"temperature": NaN}'
-    channel.sock.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, Submit.TYPE, len(body)) + body)
-    for request_id, words in (("zero", "Submit.max_tokens: 0 is outside"),
-                              ("nan", "Submit.temperature: nan is not a finite number")):
+    # The raw frame goes after the first one is answered: sends are queued (X5c), so a raw
+    # write could overtake it.
+    sends = (lambda: channel.send(Submit("zero", [1, 2, 3], 0)),
+             lambda: channel.sock.sendall(HEADER.pack(MAGIC, PROTOCOL_VERSION, Submit.TYPE,
+                                                      len(body)) + body))
+    for send, (request_id, words) in zip(sends, (
+            ("zero", "Submit.max_tokens: 0 is outside"),
+            ("nan", "Submit.temperature: nan is not a finite number")), strict=True):
+        send()
         event = channel.recv()
         assert (event.request_id, event.state) == (request_id, RequestState.FINISHED_FAILED)
         assert words in event.detail
