@@ -9,28 +9,23 @@ each checking on its way out that it leaked nothing.
 
 from __future__ import annotations
 
-import asyncio
 import functools
 import logging
-import signal
-import sys
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-import uvicorn
-
-from disagg.control.address import format_address
 from disagg.model.loading.registry import load_model
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.local_cluster import LocalCluster
 from disagg.node.node_config import NodeRole
 from disagg.node.prefix_index import RoutingConfig
 from disagg.node.router import Router
-from disagg.server.app import FrontDoor, build_app
+from disagg.server.app import FrontDoor
 from disagg.server.chat_template import ChatTemplate
 from disagg.server.cluster_client import ClusterClient
 from disagg.server.health import NodeInfo, check_nodes
 from disagg.server.http_config import HTTPConfig
+from disagg.server.http_server import serve_http
 from disagg.server.metrics import ServerMetrics
 
 if TYPE_CHECKING:
@@ -54,37 +49,6 @@ def make_front_door(model_spec: str, router: Router, nodes: list[NodeInfo],
     metrics = ServerMetrics(name, lambda: metrics_nodes, lambda: client.num_waiting)
     return FrontDoor(name, loaded.config, loaded.tokenizer, template, client, metrics,
                      lambda: check_nodes(nodes), max_request_tokens)
-
-
-def serve_http(door: FrontDoor, http: HTTPConfig) -> None:
-    """Run the API until SIGINT/SIGTERM (uvicorn's own handlers)."""
-    server = uvicorn.Server(uvicorn.Config(build_app(door), host=http.host, port=http.port,
-                                           log_level="warning", lifespan="off",
-                                           timeout_graceful_shutdown=5))
-
-    async def main() -> None:
-        serving = asyncio.create_task(server.serve())
-        while not server.started and not serving.done():
-            await asyncio.sleep(0.05)
-        if server.started:
-            host, port = server.servers[0].sockets[0].getsockname()[:2]
-            sys.stdout.write(f"READY http://{format_address(host, port)}\n")
-            sys.stdout.flush()
-        await serving
-
-    # uvicorn stops on SIGINT or SIGTERM, then raises the signal again to the handler it found:
-    # a KeyboardInterrupt for both, caught here, so the caller still stops its nodes cleanly.
-    signal.signal(signal.SIGTERM, _interrupt)
-    try:
-        asyncio.run(main())
-    except KeyboardInterrupt:
-        pass
-    finally:
-        door.client.close()
-
-
-def _interrupt(*_: object) -> None:
-    raise KeyboardInterrupt
 
 
 def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig,
