@@ -23,6 +23,7 @@ from disagg.apps.options import (
 )
 from disagg.apps.serve_commands import serve_app
 from disagg.config import default_of
+from disagg.control.address import parse_address
 from disagg.errors import ConfigError
 from disagg.node.cluster_config import THREADS_PER_NODE, ClusterConfig
 from disagg.node.prefix_index import LOAD_MARGIN, PAGE_SIZE
@@ -146,6 +147,9 @@ def serve_router(
     routing: RoutingOption = ROUTING, routing_margin: RoutingMarginOption = LOAD_MARGIN,
     page_size: Annotated[int, typer.Option(
         help="The decoders' page size: the pages prefix routing compares")] = PAGE_SIZE,
+    decoder_metrics: Annotated[list[str] | None, typer.Option(
+        help="A decoder's metrics host:port (repeatable: one per --decoder, in the same "
+             "order); /health then shows each decoder's pid and its own state")] = None,
 ) -> None:
     """The OpenAI API in front of decoders started with `disagg serve decode|mixed`."""
     from disagg.node.prefix_index import RoutingConfig
@@ -154,4 +158,20 @@ def serve_router(
     http = HTTPConfig(host, port, max_in_flight, served_model_name, max_body_bytes,
                       max_connections, header_timeout)
     routing_config = RoutingConfig.parse(routing, routing_margin, page_size)
-    run(model, decoder, http, routing_config)
+    run(model, decoder, http, routing_config, _metrics_addresses(decoder, decoder_metrics))
+
+
+def _metrics_addresses(decoders: list[str], metrics: list[str] | None) -> list[str | None] | None:
+    """Each --decoder-metrics checked before the API starts (X5e): the i-th belongs to the
+    i-th decoder, so a count that differs would pair a decoder with another's /health."""
+    if not metrics:
+        return None
+    if len(metrics) != len(decoders):
+        raise ConfigError(f"--decoder-metrics was given {len(metrics)} times for "
+                          f"{len(decoders)} --decoder; give one per decoder, in the same order")
+    for address in metrics:
+        try:
+            parse_address(address)
+        except ValueError as error:
+            raise ConfigError(f"--decoder-metrics: {error}") from error
+    return list(metrics)
