@@ -76,17 +76,48 @@ class StalledRouter:
 
 
 class LeavingRouter:
-    """Submits `count` long requests, stays `stay_s`, and disconnects without a word."""
+    """Submits `count` long requests, stays `stay_s`, and disconnects without a word; then
+    probes whether the decoder let go of them."""
 
-    def __init__(self, address: str, secret: bytes, prompt: list[int], count: int = 8,
-                 max_tokens: int = 400, stay_s: float = 0.5) -> None:
-        self.address = address
+    def __init__(self, address: str, secret: bytes, prompt: list[int], count: int = 2,
+                 max_tokens: int = 3000, stay_s: float = 0.5) -> None:
+        self.address, self.secret, self.prompt = address, secret, prompt
+        self.ids = [f"leaving-{i}" for i in range(count)]
         channel = Channel.connect(address, secret=secret)
-        for i in range(count):
-            channel.send(Submit(f"leaving-{i}", prompt, max_tokens))
+        for request_id in self.ids:
+            channel.send(Submit(request_id, prompt, max_tokens))
         time.sleep(stay_s)
         channel.close()
         self.left_at = time.monotonic()
+
+    def probe(self, after_s: float = 1.0, timeout_s: float = 30.0) -> dict[str, int]:
+        """`after_s` past the leave, submit each of its ids again from a new connection (a
+        1-token request). Ids belong to a connection (X5d): one still in flight from the gone
+        router fails here as invalid_request; one the decoder aborted is free and finishes.
+        Its `max_tokens` keeps a request it did not abort decoding far past `after_s`."""
+        time.sleep(max(0.0, self.left_at + after_s - time.monotonic()))
+        channel = Channel.connect(self.address, secret=self.secret)
+        outcome: collections.Counter[str] = collections.Counter()
+        try:
+            for request_id in self.ids:
+                channel.send(Submit(request_id, self.prompt, 1))
+            channel.sock.settimeout(timeout_s)
+            ended: set[str] = set()
+            while len(ended) < len(self.ids):
+                message = channel.recv()
+                if isinstance(message, RequestEvent) and message.state.is_terminal():
+                    ended.add(message.request_id)
+                    in_flight = message.cause is not None and message.cause.value == \
+                        "invalid_request"
+                    outcome["still_in_flight" if in_flight else "released"] += 1
+                elif isinstance(message, Reject):
+                    outcome["rejected"] += 1
+                    break
+        except (PeerClosedError, ProtocolError, OSError) as error:
+            outcome[f"probe_failed:{type(error).__name__}"] += 1
+        finally:
+            channel.close()
+        return dict(outcome)
 
 
 class CollidingRouter:

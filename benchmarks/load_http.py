@@ -150,6 +150,7 @@ class Chaos:
         self.stalled: StalledRouter | None = None
         self.colliding: CollidingRouter | None = None
         self.leaving: LeavingRouter | None = None
+        self.leaving_probe: dict[str, int] = {}
         self.collided: set[str] = set()
         self.killed: dict[str, Any] = {}
         self.restarted = threading.Event()
@@ -166,6 +167,7 @@ class Chaos:
 
     def _leave(self) -> None:
         self.leaving = LeavingRouter(self.decoders[0], self.secret, self.prompt)
+        self.leaving_probe = self.leaving.probe()
 
     def _kill(self) -> None:
         name = [n for n in self.nodes if n.startswith("decode-")][-1]
@@ -271,7 +273,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows.update({
         "wall_s": round(wall_s, 1), "outcomes": run_.outcomes(list(run_.submitted)),
         "stalled_router": stalled,
-        "leaving_router": {"decoder": chaos.decoders[0], "left": chaos.leaving is not None},
+        "leaving_router": {"decoder": chaos.decoders[0], "left": chaos.leaving is not None,
+                           "its_ids_1s_after": chaos.leaving_probe},
         "colliding_router": colliding, "collided_front_door_requests": {
             "count": len(collided), "outcomes": run_.outcomes(collided),
             "hurt": collided_hurt[:10]},
@@ -285,7 +288,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     ok = (ok and not collided_hurt and restarted and killed is not None
           and set(after_outcomes) <= set(FINISHED) and len(after) > 0
           and pages and all(v == 0 for v in pages.values()) and not leaked
-          and colliding is not None and colliding["rejects"] > 0)
+          and colliding is not None and colliding["rejects"] > 0
+          and chaos.leaving is not None
+          and chaos.leaving_probe == {"released": len(chaos.leaving.ids)})
     rows["ok"] = bool(ok)
     if args.out:
         Path(args.out).write_text(json.dumps(rows, indent=1) + "\n")

@@ -47,6 +47,11 @@ def test_the_killed_decoder_is_restarted_and_serves_again(result: dict) -> None:
     assert result["after_restart"] == {"finished_length": 3}, result["after_restart"]
 
 
+def test_the_leaving_routers_requests_are_aborted(result: dict) -> None:
+    """1 s after it left, its ids are free again on the decoder (3000-token requests)."""
+    assert result["leaving_router"]["its_ids_1s_after"] == {"released": 2}, result
+
+
 def test_pages_drain_to_zero_and_nothing_leaks(result: dict) -> None:
     """The leaving and stalled routers' requests included; every node exits 0."""
     pages = result["pages_in_use_at_end"]
