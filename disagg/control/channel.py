@@ -38,7 +38,7 @@ from disagg.control.framing import (
     encode,
 )
 from disagg.control.messages import Heartbeat
-from disagg.control.outbox import SEND_DEADLINE_S, Outbox
+from disagg.control import outbox
 from disagg.control.secret import TAG_SIZE, cluster_secret, derive_keys, frame_tag
 from disagg.errors import PeerClosedError, ProtocolError
 
@@ -59,7 +59,7 @@ class Channel:
     def __init__(self, sock: socket.socket, peer: str = "peer", secret: bytes | None = None,
                  *, accepted: bool = True, handshake_timeout_s: float = HANDSHAKE_TIMEOUT_S,
                  frame_timeout_s: float = FRAME_TIMEOUT_S,
-                 send_deadline_s: float = SEND_DEADLINE_S) -> None:
+                 send_deadline_s: float | None = None) -> None:
         self.sock = sock
         self.peer = peer
         self.secret = cluster_secret() if secret is None else (secret or None)
@@ -78,7 +78,8 @@ class Channel:
         if sock.family in (socket.AF_INET, socket.AF_INET6):
             # Control messages are small and latency bound: do not wait to coalesce them.
             sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        self._outbox = Outbox(sock, peer, deadline_s=send_deadline_s)
+        self._outbox = outbox.Outbox(sock, peer, deadline_s=outbox.SEND_DEADLINE_S
+                                     if send_deadline_s is None else send_deadline_s)
 
     @staticmethod
     def connect(address: str, timeout_s: float = 10.0, secret: bytes | None = None) -> Channel:

@@ -8,6 +8,11 @@ prefiller) reads messages into the inbox as typed records (`FromRouter`, `FromPr
 `PrefillerGone`); the engine thread (`run`) drains the inbox, dispatching on those types,
 releases requests whose KV arrived, steps the engine, and reports tokens and `RequestState`s
 to the routers. Built, with its engine and messenger, by `builder.build_node`.
+
+A request belongs to the router connection that submitted it (X5d): only that connection can
+abort it, the same id from another connection is refused to that connection alone, and when a
+connection ends (the router left, or was cut off for not reading, X5c) its requests are
+aborted: nothing decodes for nobody.
 """
 
 from __future__ import annotations
@@ -53,6 +58,14 @@ class FromRouter:
 
     channel: Channel
     message: Submit | Abort | Shutdown
+
+
+@dataclass(frozen=True, slots=True)
+class RouterGone:
+    """A router connection ended: its requests have no one to report to."""
+
+    channel: Channel
+    reason: str
 
 
 @dataclass(frozen=True, slots=True)
@@ -146,6 +159,7 @@ class DecodeNode(NodeBase):
         router hears this node's `Status` first, and heartbeats from then on."""
         self._send(channel, self._status)  # before it is on the heartbeat list: first
         self._routers.append(channel)
+        reason = "its reader thread failed"  # kept if an exception escapes (it propagates)
         try:
             while True:
                 try:
@@ -155,8 +169,10 @@ class DecodeNode(NodeBase):
                     continue
                 except ProtocolError as error:
                     self._send(channel, Reject(str(error)))
+                    reason = f"protocol error: {error}"
                     return
-                except PeerClosedError:
+                except PeerClosedError as error:
+                    reason = str(error)
                     return
                 if isinstance(message, Submit | Abort | Shutdown):
                     self.inbox.put(FromRouter(channel, message))
@@ -164,6 +180,7 @@ class DecodeNode(NodeBase):
                     self._send(channel, Reject(f"unexpected {type(message).__name__}"))
         finally:
             self._routers.remove(channel)
+            self.inbox.put(RouterGone(channel, reason))
 
     def _refuse_message(self, channel: Channel, error: InvalidMessage) -> None:
         """A router's message we cannot take: fail its request (if it named a new one), else
@@ -241,6 +258,10 @@ class DecodeNode(NodeBase):
             self._report(request, state, [event.token_id],
                          num_draft_tokens=request.num_draft_tokens,
                          num_accepted_tokens=request.num_accepted_tokens)
+        for failure in self.engine.take_failures():  # stepping it raised: it failed alone (X5a)
+            self.metrics.inc("failures_total", cause=failure.cause.value)
+            self._report(failure.request, RequestState.FINISHED_FAILED, cause=failure.cause,
+                         detail=failure.detail)
 
     def _handle(self, item: object) -> None:
         match item:
@@ -248,8 +269,14 @@ class DecodeNode(NodeBase):
                 pass  # a counter fired: `run` polls the messenger next
             case FromRouter(channel, Submit() as message):
                 self._admit(channel, message)
-            case FromRouter(_, Abort(request_id)):
-                self._abort(request_id)
+            case FromRouter(channel, Abort(request_id)):
+                if self._clients.get(request_id) is channel:
+                    self._abort(request_id, "aborted by the client")
+                else:  # another connection's request, or none: not this one's to end
+                    self._send(channel, Reject(f"abort of {request_id!r}: no such request "
+                                               "from this connection"))
+            case RouterGone(channel, reason):
+                self._abort_all_of(channel, reason)
             case FromRouter(_, Shutdown()):
                 self.shutdown_requested = True
                 self._stop.set()
@@ -264,21 +291,38 @@ class DecodeNode(NodeBase):
             case _:
                 raise TypeError(f"decode node: no handler for {item!r}")
 
-    def _abort(self, request_id: str) -> None:
-        """A client abort: cancel the KV transfer, or stop decoding, whichever applies."""
+    def _abort(self, request_id: str, detail: str) -> None:
+        """Cancel the KV transfer, or stop decoding, whichever applies."""
         if self.messenger.abort(request_id):
             return  # reported once its pages are safe (poll -> outcome)
         request = self.engine.scheduler.abort_request(request_id)
         if request is not None:
             self._report(request, RequestState.FINISHED_ABORTED, cause=FailureCause.ABORTED,
-                         detail="aborted by the client")
+                         detail=detail)
+
+    def _abort_all_of(self, channel: Channel, reason: str) -> None:
+        """A router connection ended: abort every request it submitted (X5d)."""
+        mine = [rid for rid, owner in self._clients.items() if owner is channel]
+        if mine:
+            logger.warning("router %s left (%s): aborting its %d requests", channel.peer,
+                           reason, len(mine))
+        for request_id in mine:
+            self._abort(request_id, f"its router left: {reason}")
 
     def _admit(self, channel: Channel, message: Submit) -> None:
-        if message.request_id in self._clients:
+        owner = self._clients.get(message.request_id)
+        if owner is channel:
             # Refused by a Reject, not a RequestEvent: an event for that id would end the
             # request already in flight, as far as its router can tell.
             self._send(channel, Reject(f"request {message.request_id!r} is already in flight "
                                        "on this decoder"))
+            return
+        if owner is not None:  # another connection's: only this one hears of it (X5d)
+            self._send(channel, RequestEvent(
+                message.request_id, RequestState.FINISHED_FAILED,
+                cause=FailureCause.INVALID_REQUEST,
+                detail=f"request id {message.request_id!r} is in flight from another "
+                       "connection to this decoder: choose unique ids"))
             return
         try:
             params = sampling_params(message)

@@ -49,7 +49,7 @@ def decode_metrics(engine: LLMEngine, messenger: DecodeMessenger, transfer: Tran
     """The decoder's metrics: transfers, failures by cause, pages in use, quarantine."""
     metrics = Metrics()
     metrics.describe("kv_transfer_seconds", "from asking a prefiller to the KV counter firing")
-    metrics.describe("failures_total", "KV transfers that failed, by cause")
+    metrics.describe("failures_total", "requests that failed, by cause")
     add_cache_metrics(metrics, engine)
     add_fabric_metrics(metrics, transfer)
     metrics.gauge("requests_waiting_for_kv", lambda: len(messenger.pending))

@@ -18,9 +18,17 @@ import time
 
 from disagg.control.backoff import Backoff
 from disagg.control.channel import Channel
-from disagg.control.messages import Abort, Heartbeat, RequestEvent, Shutdown, Status, Submit
+from disagg.control.messages import (
+    Abort,
+    Heartbeat,
+    Reject,
+    RequestEvent,
+    Shutdown,
+    Status,
+    Submit,
+)
 from disagg.engine.request import FailureCause, RequestState
-from disagg.errors import PeerClosedError, ProtocolError
+from disagg.errors import PeerClosedError, ProtocolError, RequestError
 from disagg.node.prefix_index import (
     PrefixIndex,
     RoutingConfig,
@@ -56,10 +64,14 @@ class Router:
                              name=f"router-{index}").start()
 
     def route(self, message: Submit) -> int:
-        """Send a request to the decoder the policy picks; returns its index."""
+        """Send a request to the decoder the policy picks; returns its index. Never waits on
+        the decoder (its channel queues, X5c). `RequestError` if the id is in flight."""
         digests = (page_digests(message.prompt_token_ids, self.index.page_size)
                    if self.routing.policy is RoutingPolicy.PREFIX else [])
         with self._lock:
+            if message.request_id in self._owner:
+                # Its events could not be told from the first one's (X5d).
+                raise RequestError(f"request id {message.request_id!r} is already in flight")
             live = [i for i in range(len(self.decoders)) if self.takes_requests(i)]
             if not live:
                 raise PeerClosedError("no decoder is alive" if not any(self.alive) else
@@ -116,6 +128,9 @@ class Router:
                 continue
             if isinstance(event, Heartbeat):
                 self._beating[index] = True
+                continue
+            if isinstance(event, Reject):  # a message of ours it refused (not a request)
+                logger.warning("decoder %d refused a message: %s", index, event.reason)
                 continue
             if not isinstance(event, RequestEvent):
                 continue

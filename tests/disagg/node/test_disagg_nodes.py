@@ -195,29 +195,6 @@ def test_layer_zero_is_posted_before_the_last_layer_runs() -> None:
         prefill.close()
 
 
-def test_a_duplicate_request_id_is_refused_and_the_first_request_is_untouched(
-        pair: Pair) -> None:
-    """A second Submit of an id in flight used to overwrite the first request's state (its
-    pages then stayed pinned for good). Now it gets a Reject naming the id; the first request
-    finishes with all its tokens and nothing leaks (the fixture checks)."""
-    pair.router.route(Submit("dup", list(range(1, 11)), 48))
-    tokens: list[int] = []
-    while not tokens:  # wait until it is decoding
-        tokens += pair.router.events.get(timeout=30).token_ids
-    other = Channel.connect(pair.decode.address)
-    assert other.recv() == Status(True)  # what a decoder tells every router first
-    other.send(Submit("dup", [3, 4, 5], 4))
-    reply = other.recv()
-    assert isinstance(reply, Reject) and "'dup' is already in flight" in reply.reason
-    other.close()
-    while True:
-        event = pair.router.events.get(timeout=30)
-        tokens += event.token_ids
-        if event.state.is_terminal():
-            break
-    assert (event.state, len(tokens)) == (RequestState.FINISHED_LENGTH, 48)
-
-
 def test_a_submit_no_decoder_can_take_fails_alone_and_the_connection_goes_on(
         pair: Pair) -> None:
     """max_tokens 0 and a NaN temperature (JSON the old decoder accepted, then crashed on):
