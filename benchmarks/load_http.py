@@ -261,7 +261,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     leaked = server.leaked()
     finished_in_time = len(run_.final) == total
     killed = chaos.killed.get("node")
-    rows, ok = summarize(run_, expected, finished_in_time, deadline_s, [],
+    rows, ok = summarize(run_, expected, finished_in_time, deadline_s,
+                         [killed] if killed else [],
                          {"serve cluster": exit_code}, {"serve cluster": server.logs})
     rows.pop("routed_per_decoder")  # the router is inside the server: not seen from HTTP
     rows.pop("checksum_retried_or_failed")  # retries are inside the server too

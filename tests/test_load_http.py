@@ -44,7 +44,9 @@ def test_the_colliding_router_is_refused_and_hurts_no_front_door_request(result:
 def test_the_killed_decoder_is_restarted_and_serves_again(result: dict) -> None:
     killed = result["killed_decoder"]
     assert killed["restarts"] >= 1 and killed["new_pid"] != killed["pid"], killed
-    assert result["after_restart"] == {"finished_length": 3}, result["after_restart"]
+    after = result["after_restart"]  # greedy: an end-of-sequence token may stop one early
+    assert set(after) <= {"finished_length", "finished_stopped"}, after
+    assert sum(after.values()) == 3, after
 
 
 def test_the_leaving_routers_requests_are_aborted(result: dict) -> None:
