@@ -30,6 +30,7 @@ from disagg.kv_transfer.handshake import expected_hello, hello_mismatches
 from disagg.kv_transfer.messages import Cancel, Hello, HelloAck, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.node.base import Inbox, NodeBase, Wake
+from disagg.node.node_ids import NodeIdClaims
 from disagg.node.node_metrics import prefill_metrics
 from disagg.utils.trace import Tracer
 from transfer_core.errors import TransferError
@@ -85,6 +86,7 @@ class PrefillNode(NodeBase):
         self.shutdown_requested = False
         self._channels: list[Channel] = []
         self._peers: list[DecoderPeer] = []
+        self._node_ids = NodeIdClaims()  # one live decoder per node id (X5d)
         start_heartbeats(lambda: [peer.channel for peer in list(self._peers)], self._stop,
                          HEARTBEAT_INTERVAL_S)
         self._start_accepting(self._serve_decoder, "decoder")
@@ -106,6 +108,30 @@ class PrefillNode(NodeBase):
                 channel.send(Reject("peer mismatch: " + "; ".join(mismatches)))
                 channel.close()
                 return
+            holder = self._node_ids.claim(hello.node_id, channel)
+            if holder is not None:
+                logger.warning("refusing decoder %s from %s: %s holds that id", hello.node_id,
+                               channel.peer, holder.peer)
+                channel.send(Reject(f"node id {hello.node_id!r} is held by a live decoder "
+                                    f"({holder.peer}): give each decoder its own --node-id"))
+                channel.close()
+                return
+            self._serve_claimed(channel, hello)
+        except (ProtocolError, RequestError, TransferError) as error:
+            self._refuse(channel, str(error))
+        except PeerClosedError:
+            channel.close()
+
+    def _serve_claimed(self, channel: Channel, hello: Hello) -> None:
+        """A decoder that holds its node id: the rest of the handshake, then its messages;
+        the id is free again once the connection ends."""
+        try:
+            self._join(channel, hello)
+        finally:
+            self._node_ids.release(hello.node_id, channel)
+
+    def _join(self, channel: Channel, hello: Hello) -> None:
+        try:
             peer = self.messenger.add_peer(hello, channel)  # writes its proof slot (S5)
             sharding = self.engine.kv_cache.sharding
             channel.send(HelloAck(self.node_id, self.transfer.address, sharding.tp,
