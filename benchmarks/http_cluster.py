@@ -108,6 +108,13 @@ class ServeCluster:
             self.process.wait()
             return None
 
+    def note_ranks(self, node_pid: int) -> list[int]:
+        """The TP rank processes of a node (its `rank_worker` children), remembered for the
+        leak check."""
+        ranks = rank_pids(node_pid)
+        self.pids_seen.update(ranks)
+        return ranks
+
     def leaked(self) -> list[int]:
         """Node pids still alive after the server exited (zombies of it count as gone)."""
         alive = []
@@ -119,3 +126,18 @@ class ServeCluster:
             if state != "Z":
                 alive.append(pid)
         return alive
+
+
+def rank_pids(node_pid: int) -> list[int]:
+    """The pids of `node_pid`'s TP rank workers (ranks 1.., S3c), from /proc."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            parent = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            if parent == node_pid and b"rank_worker" in (entry / "cmdline").read_bytes():
+                found.append(int(entry.name))
+        except (OSError, ValueError, IndexError):
+            continue  # it ended meanwhile
+    return sorted(found)

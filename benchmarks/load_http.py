@@ -8,8 +8,9 @@ fraction of the clients hang up at a random moment. On a timeline scaled to the 
 (`schedule`): a router that submits long requests to decode-0 and never reads
 (`StalledRouter`); a second control connection on every decoder that aborts and submits the
 front door's in-flight ids (`CollidingRouter`); a router that leaves decode-0 mid-decode
-(`LeavingRouter`); SIGKILL the last decoder (its pid from `/health`): the supervisor starts it
-again. Once it is back, a few more requests are sent. The promises: every request reaches
+(`LeavingRouter`); SIGKILL a TP rank of the last decoder (`--decode-tp 2`, the
+default: the node exits by itself; at TP 1 the decoder), its node's pid from `/health`: the
+supervisor starts the node again. Once it is back, a few more requests are sent. The promises: every request reaches
 exactly one terminal state in time (finished, refused with 429/503, failed with its reason,
 or aborted by its own client); every finished request decoded the single-node engine's
 tokens; every collided front-door request finishes untouched; the killed decoder is
@@ -52,6 +53,7 @@ from load_report import FINISHED, Run, summarize  # noqa: E402
 from disagg.model.loading.registry import load_model  # noqa: E402
 
 COLLIDE_EVERY = 5  # in the collision window, every 5th request is long and collided with
+COLLISION_CAUSES = ("aborted", "invalid_request")  # a front-door request the intruder hit
 HANG_UP_S = 0.05  # a client that hangs up does so this soon at most (8 tokens take ~0.1 s)
 PAGES_SETTLE_S = 30.0  # for the nodes' pages to drain once the traffic has ended
 RESTART_TIMEOUT_S = 120.0
@@ -146,6 +148,8 @@ class Chaos:
         self.server, self.secret, self.prompt = server, secret, prompt
         body = server.health()
         self.nodes = {n["name"]: n for n in body["nodes"]}
+        for node in body["nodes"]:
+            server.note_ranks(node["pid"])
         self.decoders = [n["address"] for n in body["nodes"] if n["role"] == "decode"]
         self.stalled: StalledRouter | None = None
         self.colliding: CollidingRouter | None = None
@@ -170,11 +174,16 @@ class Chaos:
         self.leaving_probe = self.leaving.probe()
 
     def _kill(self) -> None:
+        """SIGKILL the last decoder's last TP rank (the node then exits by itself, S3c), or
+        the decoder itself at TP 1; the supervisor restarts the node (X5e)."""
         name = [n for n in self.nodes if n.startswith("decode-")][-1]
         victim = self.server.health()
         node = {n["name"]: n for n in victim["nodes"]}[name]
-        os.kill(node["pid"], signal.SIGKILL)
-        self.killed = {"node": name, "pid": node["pid"], "at": time.monotonic()}
+        ranks = self.server.note_ranks(node["pid"])
+        os.kill(ranks[-1] if ranks else node["pid"], signal.SIGKILL)
+        self.killed = {"node": name, "pid": node["pid"], "at": time.monotonic(),
+                       "sigkilled": f"tp rank {len(ranks)} (pid {ranks[-1]})" if ranks
+                       else "the node process"}
         threading.Thread(target=self._await_restart, args=(name, node["pid"]),
                          daemon=True).start()
 
@@ -187,7 +196,8 @@ class Chaos:
         if body is not None:
             entry = {n["name"]: n for n in body["nodes"]}[name]
             self.killed.update(back_after_s=round(time.monotonic() - self.killed["at"], 1),
-                               new_pid=entry["pid"], restarts=entry["restarts"])
+                               new_pid=entry["pid"], restarts=entry["restarts"],
+                               new_ranks=len(self.server.note_ranks(entry["pid"])))
             self.killed["back_at"] = time.monotonic()
             self.restarted.set()
 
@@ -223,6 +233,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     server = ServeCluster(["--model", args.model, "--prefillers", str(args.prefillers),
                            "--decoders", str(args.decoders), "--page-size", "8",
                            "--num-pages", "1024", "--chunk-size", "64",
+                           "--decode-tp", str(args.decode_tp),
                            "--kv-timeout", str(args.kv_timeout)], secret)
     server.start()
     run_ = Run(total)
@@ -268,8 +279,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     rows.pop("checksum_retried_or_failed")  # retries are inside the server too
     rows.pop("retries_by_cause")
     collided = sorted(chaos.collided, key=lambda r: int(r[1:]))
-    collided_hurt = [r for r in collided if run_.state(r) not in (*FINISHED, "finished_aborted")
-                     or (run_.state(r) == "finished_aborted" and int(r[1:]) not in hang_ups)]
+    # What the intruder could have done to them: ended them (an abort the front door did not
+    # ask for) or made them fail as a duplicate. A collided request on the decoder that was
+    # killed fails for that (engine_error, decoder_died), which is the kill's doing.
+    collided_hurt = [r for r in collided if run_.state(r) == "finished_failed"
+                     and run_.cause(r) in COLLISION_CAUSES]
     after_outcomes = run_.outcomes(after)
     rows.update({
         "wall_s": round(wall_s, 1), "outcomes": run_.outcomes(list(run_.submitted)),
@@ -314,6 +328,8 @@ def main() -> None:
     parser.add_argument("--requests", type=int, default=1000)
     parser.add_argument("--decoders", type=int, default=2)
     parser.add_argument("--prefillers", type=int, default=2)
+    parser.add_argument("--decode-tp", type=int, default=2,
+                        help="decoder TP degree; above 1 a TP rank is killed, not the decoder")
     parser.add_argument("--after-restart", type=int, default=10,
                         help="requests sent once the killed decoder is back")
     parser.add_argument("--max-clients", type=int, default=128,
