@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import contextlib
 import logging
+import os
 import queue
 import socket
 import threading
@@ -23,6 +24,7 @@ from typing import Any
 
 from disagg.control.address import format_address, listen
 from disagg.control.channel import Channel
+from disagg.control.peer_process import peer_is_process
 from disagg.engine.batch import TokenEvent
 from disagg.utils.trace import Tracer
 from transfer_core.transport import Transport
@@ -149,6 +151,15 @@ class NodeBase:
             channel.close()
             self._forget(channel)
             slots.release()
+
+    @staticmethod
+    def _shutdown_refusal(channel: Channel) -> str | None:
+        """Why `channel` may not shut this node down, or None if it may (X5d): with the
+        cluster secret any peer that has it may; without one, only this process's parent."""
+        if channel.secret is not None or peer_is_process(channel.sock, os.getppid()):
+            return None
+        return ("Shutdown refused: this node has no cluster secret and takes Shutdown only "
+                "from the process that started it (or stop it with SIGTERM)")
 
     def _forget(self, channel: Channel) -> None:
         """Drop a channel that has ended from `_channels` (so a peer that left costs nothing)."""

@@ -174,7 +174,10 @@ class DecodeNode(NodeBase):
                 except PeerClosedError as error:
                     reason = str(error)
                     return
-                if isinstance(message, Submit | Abort | Shutdown):
+                if isinstance(message, Shutdown) and (refusal := self._shutdown_refusal(channel)):
+                    logger.warning("%s: %s", channel.peer, refusal)
+                    self._send(channel, Reject(refusal))
+                elif isinstance(message, Submit | Abort | Shutdown):
                     self.inbox.put(FromRouter(channel, message))
                 else:
                     self._send(channel, Reject(f"unexpected {type(message).__name__}"))

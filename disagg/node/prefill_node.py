@@ -96,6 +96,8 @@ class PrefillNode(NodeBase):
         try:
             hello = channel.recv()
             if isinstance(hello, Shutdown):  # an operator (or the demo) asking us to stop
+                if refusal := self._shutdown_refusal(channel):
+                    raise ProtocolError(refusal)
                 self.inbox.put(ShutdownAsked())
                 channel.close()
                 return
@@ -166,7 +168,13 @@ class PrefillNode(NodeBase):
                 return str(error)
             if isinstance(message, Heartbeat):
                 continue  # recv() already noted that the decoder is alive
-            if isinstance(message, KVRequest | Cancel | Shutdown):
+            if isinstance(message, Shutdown) and (refusal := self._shutdown_refusal(channel)):
+                logger.warning("%s: %s", channel.peer, refusal)
+                try:
+                    channel.send(Reject(refusal))
+                except PeerClosedError as error:
+                    return str(error)
+            elif isinstance(message, KVRequest | Cancel | Shutdown):
                 self.inbox.put(FromDecoder(peer, message))
             else:
                 self._refuse(channel, f"unexpected {type(message).__name__} from a decoder")
