@@ -182,6 +182,10 @@ class NodeBase:
         ranks = self.engine.runner.ranks
         return [] if ranks is None else list(ranks.pids)
 
+    def peer_view(self) -> dict[str, Any]:
+        """What this node's `/health` adds about its peers as it sees them (none here)."""
+        return {}
+
     def health_state(self) -> str:
         """What `/health` says while the node runs: "ok" (200), or why not (503)."""
         return "ok"

@@ -110,6 +110,7 @@ class DecodeNode(NodeBase):
         self._channels: list[Channel] = []
         self._clients: dict[str, Channel] = {}  # request id -> the router that sent it
         self._last_progress = 0.0
+        self._prefiller_addresses = list(prefillers)  # the pool's indices, in this order
         for address in prefillers:  # a prefiller that refuses us stops the node here
             self._use_prefiller(*self._handshake(address))
         self._links = Reconnector(list(prefillers), self._handshake, self.inbox.put, self._stop)
@@ -195,6 +196,14 @@ class DecodeNode(NodeBase):
                                              detail=str(error)))
         else:
             self._send(channel, Reject(str(error)))
+
+    def peer_view(self) -> dict[str, Any]:
+        """Its prefillers, each alive or not as this decoder sees them (for `/health`, read
+        from the metrics thread: a snapshot of plain flags)."""
+        pool = self.messenger.pool
+        return {"prefillers": [{"address": address, "alive": index < len(pool)
+                                and pool.link(index).alive}
+                               for index, address in enumerate(self._prefiller_addresses)]}
 
     def health_state(self) -> str:
         """"ok", or "no_prefiller" while this decoder has prefillers but none alive."""

@@ -35,11 +35,13 @@ def node_state(node: NodeBase) -> str:
     return node.health_state()
 
 
-def health_report(config: NodeConfig, state: str, rank_pids: list[int] = ()) -> dict[str, Any]:
-    """The `/health` body: who answers and its state ("ok": 200, any other state: 503), and
-    the processes it runs (rank 0 is this one)."""
+def health_report(config: NodeConfig, state: str, rank_pids: list[int] = (),
+                  peers: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The `/health` body: who answers and its state ("ok": 200, any other state: 503), the
+    processes it runs (rank 0 is this one) and its peers as it sees them (a decoder's
+    prefillers)."""
     return {"node_id": config.node_id, "role": config.role.value, "state": state,
-            "pid": os.getpid(), "ranks": [os.getpid(), *rank_pids]}
+            "pid": os.getpid(), "ranks": [os.getpid(), *rank_pids], **(peers or {})}
 
 
 def run_node(config: NodeConfig) -> None:
@@ -53,7 +55,7 @@ def run_node(config: NodeConfig) -> None:
 
     def health() -> dict[str, Any]:
         return health_report(config, "stopping" if stopping.is_set() else node_state(node),
-                             node.rank_pids)
+                             node.rank_pids, node.peer_view())
 
     try:
         metrics_address = None

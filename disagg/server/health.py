@@ -61,6 +61,7 @@ class NodeHealth:
     state: NodeState
     pid: int | None = None
     reason: str | None = None  # the node's own state word when it is not "ok"
+    prefillers: tuple[dict[str, Any], ...] = ()  # a decoder's, as it sees them
 
 
 def node_state(node: NodeInfo) -> NodeHealth:
@@ -74,14 +75,15 @@ def node_state(node: NodeInfo) -> NodeHealth:
         return NodeHealth(own, pid)
     pid = pid if own is None else own.get("pid", pid)
     reason = None if own is None or own.get("state") == "ok" else str(own.get("state"))
+    seen = tuple(own.get("prefillers", ())) if own is not None else ()
     if node.takes_requests is not None and not node.takes_requests():
         # The router's view decides whether requests reach it; its own reason says why not.
         connected = node.connected is None or node.connected()
         return NodeHealth(NodeState.REFUSING if connected else NodeState.DISCONNECTED, pid,
-                          reason)
+                          reason, seen)
     if reason is not None:
-        return NodeHealth(NodeState.UNHEALTHY, pid, reason)
-    return NodeHealth(NodeState.OK, pid)
+        return NodeHealth(NodeState.UNHEALTHY, pid, reason, seen)
+    return NodeHealth(NodeState.OK, pid, prefillers=seen)
 
 
 def _own_health(metrics_address: str) -> dict[str, Any] | NodeState | None:
@@ -114,10 +116,24 @@ def check_nodes(nodes: list[NodeInfo]) -> tuple[bool, dict[str, Any]]:
     missing = [entry["name"] for entry in listed if entry["state"] != NodeState.OK.value]
     status = "unavailable" if not servable else "degraded" if missing else "ok"
     body: dict[str, Any] = {"status": status, "servable": servable, "nodes": listed,
-                            "prefillers": [e for e in listed if e["role"] == "prefill"]}
+                            "prefillers": [e for e in listed if e["role"] == "prefill"]
+                            or _seen_prefillers(nodes, judged)}
     if missing:
         body["missing"] = missing
     return servable and not missing, body
+
+
+def _seen_prefillers(nodes: list[NodeInfo], judged: list[NodeHealth]) -> list[dict[str, Any]]:
+    """Prefillers as the decoders see them, where the front door knows none itself (`serve
+    router`): each address, whether some decoder has it alive, and which decoders see it."""
+    seen: dict[str, dict[str, Any]] = {}
+    for node, health in zip(nodes, judged, strict=True):
+        for prefiller in health.prefillers:
+            entry = seen.setdefault(str(prefiller.get("address")), {
+                "address": str(prefiller.get("address")), "alive": False, "seen_by": []})
+            entry["seen_by"].append(node.name)
+            entry["alive"] = entry["alive"] or bool(prefiller.get("alive"))
+    return list(seen.values())
 
 
 def _entry(node: NodeInfo, health: NodeHealth) -> dict[str, Any]:
@@ -126,6 +142,8 @@ def _entry(node: NodeInfo, health: NodeHealth) -> dict[str, Any]:
                              "restarts": node.restarts() if node.restarts is not None else 0}
     if health.reason is not None:
         entry["reason"] = health.reason
+    if health.prefillers:
+        entry["prefillers"] = list(health.prefillers)
     if node.ray_node_id:
         entry["ray_node_id"] = node.ray_node_id
     return entry

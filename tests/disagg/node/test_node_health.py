@@ -23,8 +23,11 @@ def test_each_node_reports_its_health_and_metrics() -> None:
                 assert reply.status == 200
                 report = json.loads(reply.read())
             process = cluster.processes[cluster.names.index(name)]
+            # TP 1: the ranks are itself; a decoder adds its prefillers as it sees them.
+            seen = ({"prefillers": [{"address": cluster.prefiller_address, "alive": True}]}
+                    if name.startswith("decode") else {})
             assert report == {"node_id": name, "role": name.split("-")[0], "state": "ok",
-                              "pid": process.pid, "ranks": [process.pid]}  # TP 1: itself
+                              "pid": process.pid, "ranks": [process.pid], **seen}
             with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
                 assert "disagg_pages_in_use" in parse_metrics(reply.read().decode())
     assert cluster.exit_codes() == [0, 0]

@@ -89,6 +89,28 @@ def test_a_nodes_own_health_gives_its_pid_and_its_reason() -> None:
         server.server_close()
 
 
+def test_prefillers_are_listed_as_the_decoders_see_them() -> None:
+    """`serve router` knows no prefiller itself: it lists those its decoders' own /health
+    names, alive when some decoder has it alive, and which decoders see it."""
+    views = [[{"address": "10.0.0.1:5", "alive": False}, {"address": "10.0.0.2:5",
+                                                          "alive": True}],
+             [{"address": "10.0.0.1:5", "alive": True}]]
+    servers = [serve_metrics(Metrics(), ("127.0.0.1", 0), lambda view=view: {
+        "node_id": "d", "pid": 1, "state": "ok", "prefillers": view}) for view in views]
+    try:
+        nodes = [decoder(f"decode-{i}", metrics_address=f"127.0.0.1:{s.server_address[1]}")
+                 for i, s in enumerate(servers)]
+        ok, body = check_nodes(nodes)
+        assert ok and body["nodes"][0]["prefillers"] == views[0]
+        assert body["prefillers"] == [
+            {"address": "10.0.0.1:5", "alive": True, "seen_by": ["decode-0", "decode-1"]},
+            {"address": "10.0.0.2:5", "alive": True, "seen_by": ["decode-0"]}]
+    finally:
+        for server in servers:
+            server.shutdown()
+            server.server_close()
+
+
 def test_an_unreachable_node_health_is_named_so() -> None:
     ok, body = check_nodes([decoder(metrics_address="127.0.0.1:1")])
     assert not ok and body["nodes"][0]["state"] == "unreachable"
@@ -135,6 +157,9 @@ def test_a_killed_prefiller_is_503_until_the_supervisor_brings_it_back(
         assert "prefill-0" in body["missing"], body
         body = wait_health(by_hand, False, timeout_s=10)
         assert body["nodes"][0]["state"] == "refusing" and body["status"] == "unavailable"
+        seen = wait_health(with_pids, False, timeout_s=10)["prefillers"]
+        assert seen == [{"address": cluster.prefiller_address, "alive": False,
+                         "seen_by": ["decoder-0"]}]
         body = wait_health(whole, True)
         assert body["prefillers"][0]["restarts"] == 1
         assert body["prefillers"][0]["pid"] == cluster.process_of("prefill-0").pid != old
