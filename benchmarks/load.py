@@ -36,7 +36,14 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from hostile import HostileClient  # noqa: E402
-from load_report import Run, decoder_freeze, hostile_rows, prefiller_freeze, summarize  # noqa: E402
+from load_report import (  # noqa: E402
+    Run,
+    decoder_freeze,
+    hostile_rows,
+    prefiller_freeze,
+    print_result,
+    summarize,
+)
 
 from disagg.config import (  # noqa: E402
     CacheConfig,
@@ -267,18 +274,7 @@ def main() -> None:
     except ValueError as error:
         parser.error(str(error))  # one line, exit 2
     result = run(args)
-    if "--json" in sys.argv:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="load under failure")
-        table.add_column("figure")
-        table.add_column("value")
-        for key, value in result.items():
-            table.add_row(key, str(value))
-        Console().print(table)
+    print_result(result, "load under failure", "--json" in sys.argv)
     sys.exit(0 if result["ok"] else 1)
 
 

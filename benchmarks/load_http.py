@@ -48,7 +48,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from http_chaos import CollidingRouter, LeavingRouter, StalledRouter  # noqa: E402
 from http_cluster import ServeCluster  # noqa: E402
 from load import reference_tokens  # noqa: E402
-from load_report import FINISHED, Run, summarize  # noqa: E402
+from load_report import FINISHED, Run, print_result, summarize  # noqa: E402
 
 from disagg.model.loading.registry import load_model  # noqa: E402
 
@@ -346,18 +346,7 @@ def main() -> None:
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     result = run(args)
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        from rich.console import Console
-        from rich.table import Table
-
-        table = Table(title="load under failure, through HTTP")
-        table.add_column("figure")
-        table.add_column("value")
-        for key, value in result.items():
-            table.add_row(key, str(value))
-        Console().print(table)
+    print_result(result, "load under failure, through HTTP", args.json)
     sys.exit(0 if result["ok"] else 1)
 
 

@@ -10,7 +10,9 @@ system broke a promise under it. Nothing here starts or signals a process.
 from __future__ import annotations
 
 import collections
+import json
 import queue
+import sys
 import threading
 import time
 from typing import Any
@@ -175,3 +177,19 @@ def hostile_rows(run: Run, counts: dict[str, Any], victim: str) -> tuple[dict[st
         "requests": len(on_victim), "retried": sum(bool(run.retries[r]) for r in on_victim),
         "outcomes": run.outcomes(on_victim)}}
     return rows, counts["forged_hellos_accepted"] == 0 and counts["guessed_key_writes"] > 0
+
+
+def print_result(result: dict[str, Any], title: str, as_json: bool) -> None:
+    """The run's figures as one JSON line, or as a table."""
+    if as_json:
+        sys.stdout.write(json.dumps(result) + "\n")
+        return
+    from rich.console import Console
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("figure")
+    table.add_column("value")
+    for key, value in result.items():
+        table.add_row(key, str(value))
+    Console().print(table)
