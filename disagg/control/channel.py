@@ -96,7 +96,7 @@ class Channel:
             channel._establish(time.monotonic() + timeout_s)
             channel.send(Heartbeat())
             # Opened means the opening frames are on the wire, not only queued.
-            if not channel._outbox.flush(timeout_s):
+            if not channel.flush(timeout_s):
                 raise PeerClosedError(f"{address}: the opening frames did not go out")
         except (PeerClosedError, ProtocolError):
             channel.close()
@@ -141,6 +141,10 @@ class Channel:
                 return
             self._closed = True
             self.sock.close()
+
+    def flush(self, timeout_s: float) -> bool:
+        """Wait up to `timeout_s` until every queued frame is on the wire; whether it is."""
+        return self._outbox.flush(timeout_s)
 
     @property
     def closed(self) -> bool:

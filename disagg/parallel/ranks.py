@@ -32,7 +32,6 @@ from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec
 from disagg.parallel.shared_memory import map_region, recv_message
 from disagg.parallel.step import Step, encode_step
-from transfer_core.leftovers import dead_leftover
 
 logger = logging.getLogger(__name__)
 
@@ -48,6 +47,10 @@ def sweep_dead_workdirs(root: str | None = None) -> list[str]:
     user's directories of dead processes go; any other name in the shared temporary
     directory (another program's, a pid no process can have) is left alone, never raised on
     (X5)."""
+    # Here, not at the top: the transfer core's package loads the fabric binding, which a
+    # user of the engine alone does not pay for.
+    from transfer_core.leftovers import dead_leftover
+
     root = root or tempfile.gettempdir()
     try:
         names = os.listdir(root)

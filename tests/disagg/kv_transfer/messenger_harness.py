@@ -99,8 +99,10 @@ def placement(tp: int, domains_per_rank: int) -> NodePlacement:
     return plan_placement(detect_topology(), tp, "cpu", domains_per_rank)
 
 
-def receive_ready(channel: Channel) -> list[Message]:
-    """Every message already waiting on `channel` (never blocks on an empty socket)."""
+def receive_ready(channel: Channel, sender: Channel) -> list[Message]:
+    """Every message `sender` (the other end) has sent to `channel` so far: its queue goes
+    out first (sends are queued, X5c); never blocks on an empty socket."""
+    assert sender.flush(5.0), "the other end's frames did not go out"
     messages = []
     while select.select([channel.sock], [], [], 0)[0]:
         messages.append(channel.recv())
@@ -240,7 +242,7 @@ class Harness:
     def deliver_to_prefiller(self) -> None:
         """The prefill node's dispatch of a decoder's messages."""
         assert self.peer is not None
-        for message in receive_ready(self.prefill_channel):
+        for message in receive_ready(self.prefill_channel, self.decode_channel):
             self.to_prefiller.append(message)
             if isinstance(message, KVRequest):
                 try:
@@ -260,7 +262,7 @@ class Harness:
 
     def deliver_to_decoder(self) -> None:
         """The decode node's dispatch of a prefiller's messages."""
-        for message in receive_ready(self.decode_channel):
+        for message in receive_ready(self.decode_channel, self.prefill_channel):
             self.to_decoder.append(message)
             if isinstance(message, KVFailed):
                 self.decode.on_kv_failed(message)

@@ -131,6 +131,7 @@ def test_a_reflected_frame_fails(make_pair: Callable[..., Pair]) -> None:
     start = len(pair.tap.sent)
     pair.server.send(Shutdown())
     assert isinstance(pair.client.recv(), Shutdown)
+    assert pair.server.flush(5.0)  # the tap has recorded the whole frame
     pair.client.sock.sendall(pair.tap.sent[start:])
     with pytest.raises(ProtocolError, match="bad authentication tag on Shutdown"):
         pair.server.recv()

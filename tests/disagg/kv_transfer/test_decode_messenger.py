@@ -132,7 +132,7 @@ def test_failure_cause_is_the_enum_not_the_reason_text(make_harness: MakeHarness
     """The outcome's cause is KVFailed.cause, even when the reason text names another one."""
     h = make_harness()
     request = h.submit(random_prompt(6, seed=5))
-    (asked,) = receive_ready(h.prefill_channel)  # intercepted: the prefiller never starts it
+    (asked,) = receive_ready(h.prefill_channel, h.decode_channel)  # intercepted: the prefiller never starts it
     assert isinstance(asked, KVRequest)
     h.prefill_channel.send(KVFailed("r0", cause, "deadline: KV checksum mismatch", 0))
     h.run_to_end(request)

@@ -146,7 +146,7 @@ def test_requests_get_random_imms_fresh_nonces_and_never_the_proof_slot(
     assert len(pending) == 15 and max(p.context_slot for p in pending) < 15
     imms = [p.imm for p in pending]
     assert len(set(imms)) == 15 and 0 not in imms and max(imms) > 2**20
-    sent = receive_ready(h.prefill_channel)
+    sent = receive_ready(h.prefill_channel, h.decode_channel)
     assert [m.nonce for m in sent] == [p.nonce for p in pending]
     assert len({m.nonce for m in sent}) == 15 and 0 not in {m.nonce for m in sent}
     for message in sent:  # the prefiller gets them as if read by `pump`

@@ -93,7 +93,7 @@ def test_cancel_posts_nothing_more_and_frees_pages_once_writes_completed(
     assert h.prefill.stats["writes"] == posted
     assert prefill_pages_in_use(h) == in_use  # the parked writes still read them
     assert h.prefill.num_in_flight == 1
-    assert receive_ready(h.decode_channel) == []  # not before the writes completed
+    assert receive_ready(h.decode_channel, h.prefill_channel) == []  # not before the writes completed
     h.prefill_transfer.release()
     h.step_prefiller()
     assert (h.prefill.num_in_flight, prefill_pages_in_use(h)) == (0, 0)
@@ -114,7 +114,7 @@ def test_late_cancel_is_answered_with_the_writes_completed(make_harness: MakeHar
     h.prefill.cancel(h.peer, "r0")
     h.prefill.cancel(h.peer, "never-sent")
     writes = expected_write_count(7, CACHE.page_size, tiny_model().config.num_layers)
-    assert kv_failures(receive_ready(h.decode_channel)) == [
+    assert kv_failures(receive_ready(h.decode_channel, h.prefill_channel)) == [
         ("r0", FailureCause.CANCELLED, writes), ("never-sent", FailureCause.CANCELLED, -1)]
 
 
@@ -140,7 +140,7 @@ def test_fail_peer_ends_every_request_of_that_peer_only(make_harness: MakeHarnes
     assert prefill_pages_in_use(h) == 0
     assert h.prefill.stats["failed"] == 2
     assert sorted(r for r, _, _ in kv_failures(h.to_decoder)) == ["r0", "r1"]
-    assert receive_ready(other_channel) == []  # the other decoder is told nothing
+    assert receive_ready(other_channel, other.channel) == []  # the other decoder is told nothing
     assert h.decode_transfer.imm_counted(999) == expected_write_count(
         10, CACHE.page_size, tiny_model().config.num_layers)
 
