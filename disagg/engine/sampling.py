@@ -32,18 +32,24 @@ def shift_logits(logits: torch.Tensor) -> torch.Tensor:
     return logits - logits.amax(-1, keepdim=True)
 
 
-def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float) -> torch.Tensor:
+def apply_top_k_top_p(logits: torch.Tensor, top_k: int, top_p: float,
+                      rank: torch.Tensor | None = None) -> torch.Tensor:
     """Mask all but the `top_k` largest logits and the smallest set with mass >= `top_p`.
 
-    `logits` is ``[vocab_size]`` or ``[rows, vocab_size]``; masked entries become -inf. The
-    largest logit of a row is never masked, whatever `top_k` and `top_p` (X5a).
+    `logits` is ``[vocab_size]`` or ``[rows, vocab_size]``; masked entries become -inf.
+    `rank` (same order as `logits`, finer where they tie: the logits before temperature)
+    decides which tokens count as largest. The largest of a row is never masked, whatever
+    `top_k` and `top_p` (X5a).
     """
+    rank = logits if rank is None else rank
     vocab_size = logits.shape[-1]
     if top_k and top_k < vocab_size:
-        kth = torch.topk(logits, top_k, dim=-1).values[..., -1:]  # [..., 1]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
+        kth = torch.topk(rank, top_k, dim=-1).values[..., -1:]  # [..., 1]
+        logits = logits.masked_fill(rank < kth, float("-inf"))
+        rank = rank.masked_fill(rank < kth, float("-inf"))
     if top_p < 1.0:
-        sorted_logits, order = torch.sort(logits, dim=-1, descending=True)
+        order = torch.sort(rank, dim=-1, descending=True, stable=True).indices
+        sorted_logits = logits.gather(-1, order)
         probs = sorted_logits.double().softmax(-1)
         # Drop a token when the mass before it already reaches top_p. The first (the largest)
         # always stays: set explicitly, so no rounding of a tiny top_p can drop it.
@@ -59,8 +65,11 @@ def token_probs(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     if params.temperature == 0.0:
         return torch.nn.functional.one_hot(logits.argmax(-1), logits.shape[-1]).double()
     # Shift first, then divide: (x - max) / T is <= 0 and finite or -inf for any T >= 1e-5.
-    scaled = shift_logits(logits) / params.temperature
-    return apply_top_k_top_p(scaled, params.top_k, params.top_p).softmax(-1)
+    shifted = shift_logits(logits)
+    scaled = shifted / params.temperature
+    # A huge temperature can round a near-top logit to the top's 0: ranked by the unscaled
+    # logits, that tie cannot keep it in place of the real top (X5a).
+    return apply_top_k_top_p(scaled, params.top_k, params.top_p, rank=shifted).softmax(-1)
 
 
 def sample_token(logits: torch.Tensor, params: SamplingParams,
