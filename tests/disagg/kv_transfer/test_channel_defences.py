@@ -128,6 +128,7 @@ def test_a_replayed_connection_fails_on_another(make_pair: Callable[..., Pair]) 
 def test_a_reflected_frame_fails(make_pair: Callable[..., Pair]) -> None:
     """The server's own signed frames sent back to it fail: the direction is in the key."""
     pair = make_pair(SECRET)
+    assert pair.server.flush(5.0)  # the opening Heartbeat is recorded before we mark the start
     start = len(pair.tap.sent)
     pair.server.send(Shutdown())
     assert isinstance(pair.client.recv(), Shutdown)
