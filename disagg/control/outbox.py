@@ -58,11 +58,6 @@ class Outbox:
             self._queued += len(frame)
             self._cond.notify()
 
-    @property
-    def queued_bytes(self) -> int:
-        """Bytes queued that the socket has not taken yet."""
-        return self._queued
-
     def flush(self, timeout_s: float) -> bool:
         """Wait up to `timeout_s` for the queue to empty; whether it did."""
         deadline = time.monotonic() + timeout_s
