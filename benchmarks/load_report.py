@@ -82,15 +82,21 @@ class Run:
 
 
 def tracebacks(logs: dict[str, list[str]]) -> dict[str, str]:
-    """Node -> the exception line of the last traceback in its log."""
+    """Node -> the last traceback in its log: its innermost frame and exception line. Log
+    lines of the node's other threads ("<node> LEVEL ...") may be interleaved; they are
+    skipped."""
     found = {}
     for name, lines in logs.items():
-        inside = False
+        inside, frame = False, ""
         for line in lines:
             if line.startswith("Traceback"):
-                inside = True
-            elif inside and line and not line.startswith(" "):
-                found[name], inside = line[:200], False
+                inside, frame = True, ""
+            elif not inside or line.startswith(f"{name} "):
+                continue
+            elif line.startswith("  File "):
+                frame = line.strip()
+            elif line and not line.startswith(" "):
+                found[name], inside = f"{line[:200]} (at {frame[:200]})", False
     return found
 
 

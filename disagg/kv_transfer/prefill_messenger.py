@@ -168,6 +168,12 @@ class PrefillMessenger:
         for outgoing in [o for o in self._in_flight.values() if o.peer is peer]:
             self._stop(outgoing, FailureCause.DECODER_GONE, reason)
 
+    def fail_all(self, reason: str) -> None:
+        """This node is shutting down: every request still in flight ends as failed (its
+        decoder retries it elsewhere) once no write reads its pages."""
+        for outgoing in [o for o in self._in_flight.values() if not o.failed]:
+            self._stop(outgoing, FailureCause.PREFILLER_DIED, reason)
+
     def expire_leases(self) -> None:
         """Stop requests older than their lease: the decoder has given up on them by now."""
         now = time.time()

@@ -190,6 +190,10 @@ class NodeBase:
         """What `/health` says while the node runs: "ok" (200), or why not (503)."""
         return "ok"
 
+    def wind_down(self, timeout_s: float = 5.0) -> None:
+        """After a Shutdown, before `check_clean`: end what is still in flight (a no-op for a
+        node whose work all ends with its clients)."""
+
     def stop(self) -> None:
         """Ask `run` to return."""
         self._stop.set()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 
 from disagg.control.channel import Channel
@@ -241,6 +242,18 @@ class PrefillNode(NodeBase):
             peer.channel.send(message)
         except PeerClosedError:
             logger.info("decoder %s is gone", peer.peer_id)
+
+    def wind_down(self, timeout_s: float = 5.0) -> None:
+        """After a Shutdown: end what is still in flight (a decoder may have asked for KV just
+        before it, or left without our noticing yet) as failed, and poll until its writes are
+        done, so that `check_clean` checks the teardown, not the timing of the Shutdown."""
+        self.messenger.fail_all("prefiller shutting down")
+        deadline = time.monotonic() + timeout_s
+        while self.messenger.has_work() and time.monotonic() < deadline:
+            self.messenger.poll()
+            if self.engine.has_unfinished():
+                self._traced_step()
+            time.sleep(0.01)
 
     def check_clean(self) -> None:
         """Assert nothing is left behind: no request, transfer, page or armed counter."""

@@ -72,7 +72,9 @@ def run_node(config: NodeConfig) -> None:
         sys.stdout.flush()
         node.run()
         if node.shutdown_requested:
-            # Asked to stop when idle: prove that nothing leaked (a non-zero exit otherwise).
+            # Asked to stop: end what is in flight, then prove that nothing leaked (a
+            # non-zero exit otherwise).
+            node.wind_down()
             node.check_clean()
     finally:
         stopping.set()
