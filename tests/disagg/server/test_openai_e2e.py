@@ -45,11 +45,19 @@ class Server:
             return error.code, error.read().decode()
 
     def post(self, path: str, body: bytes) -> tuple[int, dict]:
+        status, text = self.post_raw(path, body)
+        return status, json.loads(text)
+
+    def post_raw(self, path: str, body: bytes) -> tuple[int, str]:
+        """The status and body text (a stream's too) of a JSON POST."""
         host, port = self.url.removeprefix("http://").rsplit(":", 1)
         connection = http.client.HTTPConnection(host, int(port), timeout=30)
-        connection.request("POST", path, body, {"Content-Type": "application/json"})
-        reply = connection.getresponse()
-        return reply.status, json.loads(reply.read())
+        try:
+            connection.request("POST", path, body, {"Content-Type": "application/json"})
+            reply = connection.getresponse()
+            return reply.status, reply.read().decode()
+        finally:
+            connection.close()
 
     def metrics(self) -> dict[str, float]:
         _, text = self.get("/metrics")
