@@ -19,7 +19,8 @@ import torch
 
 from disagg.config import PRESETS, ModelConfig
 from disagg.errors import ModelLoadError
-from disagg.model.loading.gguf import find_smollm2_gguf, load_gguf_with_chat_template
+from disagg.model.loading.gguf import find_smollm2_gguf
+from disagg.model.loading.gguf_cache import load_gguf_cached
 from disagg.model.loading.hf import load_hf_checkpoint, parameter_shapes, read_hf_chat_template
 from disagg.model.loading.tokenizer import Tokenizer
 
@@ -48,7 +49,7 @@ def model_names() -> list[str]:
 def load_model(spec: str) -> LoadedModel:
     """Load `spec`: "smollm2-135m", a preset name such as "tiny", or a checkpoint directory."""
     if spec == SMOLLM2_NAME:
-        return LoadedModel(*load_gguf_with_chat_template(find_smollm2_gguf(), name=SMOLLM2_NAME))
+        return LoadedModel(*load_gguf_cached(find_smollm2_gguf(), name=SMOLLM2_NAME))
     if spec in PRESETS:
         config = ModelConfig.from_name(spec)
         logger.info("model %s: random weights (seed 0), no tokenizer", spec)
