@@ -9,10 +9,10 @@ prefiller) reads messages into the inbox as typed records (`FromRouter`, `FromPr
 releases requests whose KV arrived, steps the engine, and reports tokens and `RequestState`s
 to the routers. Built, with its engine and messenger, by `builder.build_node`.
 
-A request belongs to the router connection that submitted it (X5d): only that connection can
-abort it, the same id from another connection is refused to that connection alone, and when a
-connection ends (the router left, or was cut off for not reading, X5c) its requests are
-aborted: nothing decodes for nobody.
+A request belongs to the router connection that submitted it (X5d, `request_owners.py`): only
+that connection can abort it, the same id from another connection is refused to that
+connection alone, and when a connection ends (the router left, or was cut off for not reading,
+X5c) its requests are aborted: nothing decodes for nobody.
 """
 
 from __future__ import annotations
@@ -21,7 +21,6 @@ import logging
 import threading
 import time
 from collections.abc import Sequence
-from dataclasses import dataclass
 from typing import Any
 
 from disagg.control.channel import Channel
@@ -43,45 +42,15 @@ from disagg.kv_transfer.handshake import shake_hands
 from disagg.kv_transfer.messages import HelloAck, KVFailed
 from disagg.kv_transfer.pending_kv import Outcome
 from disagg.node.base import Inbox, NodeBase, Wake
+from disagg.node.decode_inbox import FromPrefiller, FromRouter, PrefillerGone, RouterGone
 from disagg.node.node_metrics import decode_metrics
 from disagg.node.prefiller_link import PrefillerBack, Reconnector
+from disagg.node.request_owners import Claim, RequestOwners
 from disagg.utils.trace import Tracer
 from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.05
-
-
-@dataclass(frozen=True, slots=True)
-class FromRouter:
-    """A router's message, and the connection to answer on."""
-
-    channel: Channel
-    message: Submit | Abort | Shutdown
-
-
-@dataclass(frozen=True, slots=True)
-class RouterGone:
-    """A router connection ended: its requests have no one to report to."""
-
-    channel: Channel
-    reason: str
-
-
-@dataclass(frozen=True, slots=True)
-class FromPrefiller:
-    """A prefiller gave up on a request (`KVFailed`)."""
-
-    message: KVFailed
-
-
-@dataclass(frozen=True, slots=True)
-class PrefillerGone:
-    """The connection to prefiller `index` broke."""
-
-    index: int
-    reason: str
-    channel: Channel | None = None  # which connection (a newer one may have replaced it)
 
 
 def sampling_params(message: Submit) -> SamplingParams:
@@ -108,7 +77,7 @@ class DecodeNode(NodeBase):
         self._stop = threading.Event()
         self.shutdown_requested = False
         self._channels: list[Channel] = []
-        self._clients: dict[str, Channel] = {}  # request id -> the router that sent it
+        self._owners = RequestOwners()
         self._last_progress = 0.0
         self._prefiller_addresses = list(prefillers)  # the pool's indices, in this order
         for address in prefillers:  # a prefiller that refuses us stops the node here
@@ -190,7 +159,7 @@ class DecodeNode(NodeBase):
         """A router's message we cannot take: fail its request (if it named a new one), else
         say why; the router's other requests go on."""
         request_id = error.request_id
-        if request_id is not None and request_id not in self._clients:
+        if request_id is not None and request_id not in self._owners:
             self._send(channel, RequestEvent(request_id, RequestState.FINISHED_FAILED,
                                              cause=FailureCause.INVALID_REQUEST,
                                              detail=str(error)))
@@ -282,7 +251,7 @@ class DecodeNode(NodeBase):
             case FromRouter(channel, Submit() as message):
                 self._admit(channel, message)
             case FromRouter(channel, Abort(request_id)):
-                if self._clients.get(request_id) is channel:
+                if self._owners.owns(channel, request_id):
                     self._abort(request_id, "aborted by the client")
                 else:  # another connection's request, or none: not this one's to end
                     self._send(channel, Reject(f"abort of {request_id!r}: no such request "
@@ -314,7 +283,7 @@ class DecodeNode(NodeBase):
 
     def _abort_all_of(self, channel: Channel, reason: str) -> None:
         """A router connection ended: abort every request it submitted (X5d)."""
-        mine = [rid for rid, owner in self._clients.items() if owner is channel]
+        mine = self._owners.owned_by(channel)
         if mine:
             logger.warning("router %s left (%s): aborting its %d requests", channel.peer,
                            reason, len(mine))
@@ -322,14 +291,14 @@ class DecodeNode(NodeBase):
             self._abort(request_id, f"its router left: {reason}")
 
     def _admit(self, channel: Channel, message: Submit) -> None:
-        owner = self._clients.get(message.request_id)
-        if owner is channel:
+        claim = self._owners.claim(message.request_id, channel)
+        if claim is Claim.SAME_CONNECTION:
             # Refused by a Reject, not a RequestEvent: an event for that id would end the
             # request already in flight, as far as its router can tell.
             self._send(channel, Reject(f"request {message.request_id!r} is already in flight "
                                        "on this decoder"))
             return
-        if owner is not None:  # another connection's: only this one hears of it (X5d)
+        if claim is Claim.OTHER_CONNECTION:  # only this connection hears of it (X5d)
             self._send(channel, RequestEvent(
                 message.request_id, RequestState.FINISHED_FAILED,
                 cause=FailureCause.INVALID_REQUEST,
@@ -340,10 +309,9 @@ class DecodeNode(NodeBase):
             params = sampling_params(message)
             request = Request(message.request_id, list(message.prompt_token_ids), params,
                               self.engine.model.config.eos_token_ids)
-            self._clients[request.request_id] = channel
             self.messenger.admit(request)
         except RequestError as error:
-            self._clients.pop(message.request_id, None)
+            self._owners.release(message.request_id)
             self._send(channel, RequestEvent(message.request_id, RequestState.FINISHED_FAILED,
                                              cause=FailureCause.INVALID_REQUEST,
                                              detail=str(error)))
@@ -353,7 +321,7 @@ class DecodeNode(NodeBase):
 
     def _report(self, request: Request, state: RequestState, token_ids: list[int] | None = None,
                 detail: str = "", **kv: Any) -> None:
-        channel = self._clients.get(request.request_id)
+        channel = self._owners.owner(request.request_id)
         if channel is None:
             return
         received, _ = self.messenger.received_writes(request.request_id)
@@ -361,7 +329,7 @@ class DecodeNode(NodeBase):
                                          kv_writes_received=received, detail=detail,
                                          num_cached_tokens=request.num_cached_tokens, **kv))
         if state.is_terminal():
-            del self._clients[request.request_id]
+            self._owners.release(request.request_id)
             self.metrics.inc("requests_total", state=state.value)
 
     def _report_progress(self) -> None:
