@@ -23,6 +23,7 @@ import uuid
 from collections.abc import Callable
 
 import ray
+from ray._private import state as ray_state
 from ray.exceptions import GetTimeoutError, RayActorError
 from ray.util.placement_group import (
     PlacementGroup,
@@ -92,6 +93,15 @@ class RayCluster:
     def roles(self) -> dict[str, NodeRole]:
         """Node name -> its role, for every node started."""
         return {p.name: p.role for p in self.placements if p.name in self.names}
+
+    def restart_count(self, name: str) -> int:
+        """How often Ray restarted node `name`'s actor (X5e: `/health`'s restarts), as Ray's
+        control store counts it. Ray's public state API asks the dashboard, which a private
+        instance runs without, so this reads the store's actor table as `ray.get` does."""
+        actor = self.actors.get(name)
+        if actor is None:
+            return 0
+        return int(ray_state.actors(actor._actor_id.hex())["NumRestarts"])  # noqa: SLF001
 
     def _connect(self) -> None:
         # One secret for every node, and for this process, whose router signs its frames.

@@ -75,8 +75,8 @@ def _serve_nodes(cluster: LocalCluster | RayCluster, http: HTTPConfig) -> None:
 
 
 def cluster_nodes(cluster: LocalCluster | RayCluster, router: Router) -> list[NodeInfo]:
-    """What `/health` looks at for each node of a cluster: its current process and restart
-    count (a local cluster's), the router's view of each decoder, its own `/health`."""
+    """What `/health` looks at for each node of a cluster: its current process (a local
+    cluster's), its restart count (the supervisor's, or Ray's), the router's view of each decoder, its own `/health`."""
     roles = cluster.roles()
     addresses = dict(zip(cluster.names, [*cluster.prefiller_addresses,
                                          *cluster.decoder_addresses], strict=False))
@@ -93,7 +93,7 @@ def cluster_nodes(cluster: LocalCluster | RayCluster, router: Router) -> list[No
             connected=None if index is None else _router_view(router.alive.__getitem__, index),
             takes_requests=None if index is None else _router_view(router.takes_requests, index),
             ray_node_id=ray_node_ids.get(name),
-            restarts=functools.partial(cluster.restart_count, name) if local else None))
+            restarts=functools.partial(cluster.restart_count, name)))
     return nodes
 
 

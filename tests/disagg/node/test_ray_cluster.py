@@ -175,6 +175,7 @@ def test_a_decoder_killed_mid_stream_is_restarted_and_readmitted(world: World) -
         assert sum(len(e["choices"][0]["token_ids"]) for e in received) == 400
     back = _wait_restarted(world.server, "decode-0", victim["pid"])
     assert (back["address"], back["ray_node_id"]) == (victim["address"], victim["ray_node_id"])
+    assert back["restarts"] == victim["restarts"] + 1
     for seed in (5, 6):  # sequential, least-loaded: decode-0 takes them
         prompt = e2e.prompt_of(9, seed=seed)
         reply = world.server.client.completions.create(model=MODEL, prompt=prompt,
@@ -201,6 +202,7 @@ def test_a_killed_prefiller_is_restarted_and_the_decoders_take_it_back(world: Wo
     os.kill(victim["pid"], signal.SIGKILL)
     back = _wait_restarted(world.server, "prefill-0", victim["pid"])
     assert (back["address"], back["ray_node_id"]) == (victim["address"], victim["ray_node_id"])
+    assert back["restarts"] == victim["restarts"] + 1
     prompt = e2e.prompt_of(12, seed=8)
     reply = world.server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=6,
                                                    temperature=0)
