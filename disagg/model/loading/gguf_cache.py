@@ -10,8 +10,9 @@ a second.
 An entry is keyed by the GGUF's resolved path, size and modification time, the model name,
 and the source of the loading code itself: changing the file or the loader makes a new entry.
 It is written under a name of its own and renamed into place, so concurrent loads never read a
-half-written entry; the last complete one wins. An entry that cannot be read (truncated,
-edited by hand) is logged, rebuilt and replaced. A cache that cannot be written (read-only
+half-written entry; the first complete one stays. An entry that cannot be read (truncated,
+edited by hand) is logged, rebuilt and replaced; what a load that died left half-written is
+swept by the next write. A cache that cannot be written (read-only
 home, full disk) is logged and the load goes on from the GGUF. `DISAGG_CACHE_DIR` moves it
 (default `$XDG_CACHE_HOME/disagg`, else `~/.cache/disagg`).
 """
@@ -55,15 +56,17 @@ def cache_root() -> Path:
 def load_gguf_cached(path: str | Path, name: str = "custom") -> Loaded:
     """`gguf.load_gguf_with_chat_template(path, name)`, from the cache when it holds it."""
     entry = cache_root() / "gguf" / entry_key(Path(path), name)
+    unreadable = False
     if entry.is_dir():
         try:
             return _read(entry)
         except (OSError, ValueError, KeyError, TypeError, SafetensorError,
                 ModelLoadError) as error:
             logger.warning("model cache entry %s is unreadable (%s): rebuilding it", entry, error)
+            unreadable = True
     loaded = gguf.load_gguf_with_chat_template(path, name)
     try:
-        _write(entry, loaded, str(path))
+        _write(entry, loaded, str(path), replace=unreadable)
     except OSError as error:
         logger.warning("cannot write the model cache entry %s (%s): loading from the GGUF "
                        "each time", entry, error)
@@ -92,9 +95,24 @@ def _read(entry: Path) -> Loaded:
     return config, state_dict, loaded_tokenizer, meta["chat_template"]
 
 
-def _write(entry: Path, loaded: Loaded, source: str) -> None:
+def _sweep(directory: Path) -> None:
+    """Remove staging directories (`.KEY.PID.NONCE`, hundreds of MB) of loads that died."""
+    # Here, not at the top: importing the transfer core loads its fabric binding, which an
+    # engine-only user of the model loader never needs.
+    from transfer_core.leftovers import dead_leftover
+
+    for path in directory.glob(".*.*.*"):
+        parts = path.name.split(".")
+        if len(parts) == 4 and dead_leftover(path, parts[2], directory=True):
+            shutil.rmtree(path, ignore_errors=True)
+
+
+def _write(entry: Path, loaded: Loaded, source: str, replace: bool) -> None:
+    """Write `loaded` as `entry`; an entry already there (a concurrent load's) stays, unless
+    `replace` (it was unreadable)."""
     config, state_dict, loaded_tokenizer, chat_template = loaded
     entry.parent.mkdir(parents=True, exist_ok=True)
+    _sweep(entry.parent)
     staging = entry.parent / f".{entry.name}.{os.getpid()}.{uuid.uuid4().hex}"
     staging.mkdir()
     try:
@@ -105,7 +123,7 @@ def _write(entry: Path, loaded: Loaded, source: str) -> None:
                 "eos_token_ids": list(loaded_tokenizer.eos_token_ids),
                 "chat_template": chat_template}
         (staging / _META).write_text(json.dumps(meta))
-        if entry.exists():  # another load wrote it first, or it was unreadable: ours replaces
+        if replace:
             shutil.rmtree(entry, ignore_errors=True)
         try:
             os.rename(staging, entry)

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -97,3 +98,29 @@ def test_an_unwritable_cache_still_loads(gguf_file: Path, tmp_path: Path,
     with caplog.at_level(logging.WARNING):
         config, _, _, _ = load_gguf_cached(gguf_file, name="t")
     assert config.name == "t" and "cannot write the model cache" in caplog.text
+
+
+def test_a_dead_loads_staging_is_swept_and_a_live_ones_kept(gguf_file: Path) -> None:
+    root = Path(os.environ[CACHE_ENV]) / "gguf"
+    root.mkdir(parents=True)
+    ended = subprocess.Popen(["true"])
+    ended.wait()
+    dead = root / f".0123abcd.{ended.pid}.feed"
+    live = root / f".0123abcd.{os.getpid()}.beef"
+    for staging in (dead, live):
+        staging.mkdir()
+        (staging / "weights.safetensors").write_bytes(b"half")
+    load_gguf_cached(gguf_file, name="t")
+    assert not dead.exists() and live.exists()
+
+
+def test_a_concurrent_loads_complete_entry_is_kept(gguf_file: Path,
+                                                   file_reads: list[str]) -> None:
+    """Two loads that both missed: the second's write leaves the first's entry in place."""
+    load_gguf_cached(gguf_file, name="t")
+    [meta] = (Path(os.environ[CACHE_ENV]) / "gguf").glob("*/meta.json")
+    first = meta.stat().st_ino
+    loaded = gguf_loader.load_gguf_with_chat_template(gguf_file, "t")
+    gguf_cache._write(meta.parent, loaded, str(gguf_file), replace=False)  # noqa: SLF001
+    assert meta.stat().st_ino == first
+    assert [p.name for p in meta.parent.parent.iterdir()] == [meta.parent.name]  # no staging
