@@ -55,7 +55,11 @@ def cache_root() -> Path:
 
 def load_gguf_cached(path: str | Path, name: str = "custom") -> Loaded:
     """`gguf.load_gguf_with_chat_template(path, name)`, from the cache when it holds it."""
-    entry = cache_root() / "gguf" / entry_key(Path(path), name)
+    try:
+        key = entry_key(Path(path), name)
+    except OSError:  # no such file: the loader names the problem (ModelLoadError)
+        return gguf.load_gguf_with_chat_template(path, name)
+    entry = cache_root() / "gguf" / key
     unreadable = False
     if entry.is_dir():
         try:

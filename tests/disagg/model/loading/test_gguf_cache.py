@@ -13,6 +13,7 @@ from typing import Any
 
 import pytest
 
+from disagg.errors import ModelLoadError
 from disagg.model.loading import gguf as gguf_loader
 from disagg.model.loading import gguf_cache
 from disagg.model.loading.gguf_cache import CACHE_ENV, load_gguf_cached
@@ -124,3 +125,10 @@ def test_a_concurrent_loads_complete_entry_is_kept(gguf_file: Path,
     gguf_cache._write(meta.parent, loaded, str(gguf_file), replace=False)  # noqa: SLF001
     assert meta.stat().st_ino == first
     assert [p.name for p in meta.parent.parent.iterdir()] == [meta.parent.name]  # no staging
+
+
+def test_a_missing_file_is_the_loaders_error(tmp_path: Path,
+                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(CACHE_ENV, str(tmp_path / "cache"))
+    with pytest.raises(ModelLoadError, match="cannot read GGUF"):
+        load_gguf_cached(tmp_path / "absent.gguf")
