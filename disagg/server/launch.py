@@ -76,7 +76,8 @@ def _serve_nodes(cluster: LocalCluster | RayCluster, http: HTTPConfig) -> None:
 
 def cluster_nodes(cluster: LocalCluster | RayCluster, router: Router) -> list[NodeInfo]:
     """What `/health` looks at for each node of a cluster: its current process (a local
-    cluster's), its restart count (the supervisor's, or Ray's), the router's view of each decoder, its own `/health`."""
+    cluster's), its restart count (the supervisor's, or Ray's), the router's view of each
+    decoder, its own `/health`."""
     roles = cluster.roles()
     addresses = dict(zip(cluster.names, [*cluster.prefiller_addresses,
                                          *cluster.decoder_addresses], strict=False))

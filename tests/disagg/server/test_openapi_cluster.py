@@ -15,6 +15,7 @@ from hypothesis import strategies as st
 
 from tests.disagg.server.openapi_fuzz import server_errors
 from tests.disagg.server.test_openai_e2e import Server, start_server, stop_server
+from tests.disagg.server.test_health_serve_cluster import health_until
 from tests.disagg.server.test_openai_text import MODEL, generate
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
@@ -34,11 +35,7 @@ def server() -> Iterator[Server]:
 
 def _nodes(server: Server) -> dict[str, tuple[int, int]]:
     """Node name -> (pid, restarts), once `/health` is 200."""
-    deadline = time.monotonic() + 30
-    while (reply := server.get("/health"))[0] != 200:
-        assert time.monotonic() < deadline, reply
-        time.sleep(0.1)
-    return {n["name"]: (n["pid"], n["restarts"]) for n in json.loads(reply[1])["nodes"]}
+    return {n["name"]: (n["pid"], n["restarts"]) for n in health_until(server, 200, 30)["nodes"]}
 
 
 def _pages_in_use(server: Server) -> list[float]:
