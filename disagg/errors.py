@@ -23,6 +23,11 @@ class RequestError(DisaggError, ValueError):
     """A request cannot be served as given (empty prompt, too long for the cache, ...)."""
 
 
+class GuideError(RequestError):
+    """A structured-output spec (JSON schema, regex, choice, grammar) cannot be compiled, or
+    the model's tokens cannot follow it."""
+
+
 class OutOfPagesError(DisaggError):
     """The page allocator has fewer free pages than asked for."""
 
