@@ -1,4 +1,5 @@
-"""A request and its sampling parameters, as the scheduler and the messengers see it (S2a).
+"""A request as the scheduler and the messengers see it (S2a); what it asks of each token is
+`sampling_params.py`.
 
 The one counter that matters is `num_computed_tokens`: tokens whose K/V are in this node's cache,
 whether computed here or written by a prefiller over RDMA. A request needs work whenever it is
@@ -8,12 +9,14 @@ below `num_tokens` (prompt plus generated tokens).
 from __future__ import annotations
 
 import enum
-import math
 from dataclasses import dataclass, field
 
 import torch
 
+from disagg.engine.sampling_params import SamplingParams
 from disagg.errors import RequestError
+
+__all__ = ["FailureCause", "Request", "RequestState", "SamplingParams", "TERMINAL_STATES"]
 
 
 class RequestState(enum.Enum):
@@ -57,37 +60,6 @@ class FailureCause(enum.Enum):
     INVALID_REQUEST = "invalid_request"  # refused at admission (it can never be served)
     ABORTED = "aborted"  # the client gave up
     ENGINE_ERROR = "engine_error"  # stepping it raised; it failed alone (X5a, `isolation.py`)
-
-
-GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM's do)
-
-
-@dataclass(frozen=True, slots=True)
-class SamplingParams:
-    """How to pick each next token. `temperature == 0` means greedy."""
-
-    max_tokens: int = 16
-    temperature: float = 0.0
-    top_p: float = 1.0
-    top_k: int = 0  # 0 keeps every token
-    seed: int | None = None
-    ignore_eos: bool = False
-    stop_token_ids: tuple[int, ...] = ()
-
-    def __post_init__(self) -> None:
-        if self.max_tokens <= 0:
-            raise RequestError(f"max_tokens must be positive, got {self.max_tokens}")
-        if not math.isfinite(self.temperature) or self.temperature < 0:
-            raise RequestError(f"temperature must be finite and >= 0, got {self.temperature}")
-        if self.temperature < GREEDY_BELOW:
-            # Logits divided by so small a temperature overflow to inf: it is greedy anyway.
-            object.__setattr__(self, "temperature", 0.0)
-        if self.seed is not None and not 0 <= self.seed < 2**63:
-            raise RequestError(f"seed must be in [0, 2**63), got {self.seed}")
-        if not 0 < self.top_p <= 1:
-            raise RequestError(f"top_p must be in (0, 1], got {self.top_p}")
-        if self.top_k < 0:
-            raise RequestError(f"top_k must be >= 0, got {self.top_k}")
 
 
 @dataclass(eq=False)
