@@ -6,7 +6,9 @@ token ids, submit through the `ClusterClient` and either stream server-sent even
 (`event_stream.py`) or answer once the request ends. Parsing, tokenizing and rendering run in
 a small thread pool, after checks that bound their cost, so the event loop keeps answering
 everyone else (X5b). A client that disconnects cancels its request's task; the request is then
-aborted in the cluster and counted with finish reason "abort".
+aborted in the cluster and counted with finish reason "abort". The API key check and the
+utility routes (tokenize, detokenize, version) are installed from `api_key.py` and
+`utility_routes.py`.
 """
 
 from __future__ import annotations
@@ -27,6 +29,7 @@ from starlette.exceptions import HTTPException
 from disagg.config import ModelConfig
 from disagg.model.loading.tokenizer import Tokenizer
 from disagg.server import responses
+from disagg.server.api_key import install_api_key
 from disagg.server.chat_template import ChatTemplate, require_chat_template
 from disagg.server.cluster_client import ClusterClient, Sampling
 from disagg.server.errors import APIError, InvalidRequest, ModelNotFound
@@ -42,6 +45,8 @@ from disagg.server.protocol import (
     SamplingFields,
     parse_body,
 )
+from disagg.server.tokenize_protocol import REQUEST_MODELS as UTILITY_REQUESTS
+from disagg.server.utility_routes import install_utility_routes
 
 T = TypeVar("T")
 # Threads that parse bodies, tokenize and render templates: a few, so that a burst of big
@@ -145,11 +150,13 @@ def _text_length(content: str | list[dict[str, Any]] | None) -> int:
 
 
 def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
-    """The API over `door`; `http` gives its body limit (the rest of `HTTPConfig` is the HTTP
-    server's: `http_server.py`)."""
-    max_body_bytes = (http or HTTPConfig()).max_body_bytes
+    """The API over `door`; `http` gives its body limit and API key (the rest of `HTTPConfig`
+    is the HTTP server's: `http_server.py`)."""
+    http = http or HTTPConfig()
+    max_body_bytes = http.max_body_bytes
     app = FastAPI(title="disagg", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
-    install_openapi(app, [CompletionRequest, ChatCompletionRequest])
+    install_openapi(app, [CompletionRequest, ChatCompletionRequest, *UTILITY_REQUESTS])
+    install_api_key(app, http.api_key)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -197,6 +204,7 @@ def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
         text = await asyncio.to_thread(generate_latest, door.metrics.registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
 
+    install_utility_routes(app, door, max_body_bytes)  # /tokenize, /detokenize, /version
     return app
 
 

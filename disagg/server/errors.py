@@ -80,3 +80,16 @@ class Unavailable(APIError):
 
 class ChatTemplateError(InvalidRequest):
     """Messages the model's chat template cannot render (HTTP 400)."""
+
+
+class AuthenticationError(APIError):
+    """A request without the server's API key, or with another (HTTP 401, code
+    invalid_api_key, as OpenAI answers). The message never repeats the key that was sent."""
+
+    status = 401
+
+    def __init__(self, message: str) -> None:
+        super().__init__(message, None, "invalid_api_key")
+
+    def headers(self) -> dict[str, str]:
+        return {"WWW-Authenticate": "Bearer"}  # RFC 9110: a 401 names its scheme
