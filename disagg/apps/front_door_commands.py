@@ -40,6 +40,12 @@ MaxConnectionsOption = Annotated[int, typer.Option(
     help="Open HTTP connections at once; one more is answered 503 and closed")]
 HeaderTimeoutOption = Annotated[float, typer.Option(
     help="Seconds a client has to send a request's headers (else 408, closed)")]
+ApiKeyOption = Annotated[str | None, typer.Option(
+    envvar="DISAGG_API_KEY", show_envvar=True, show_default=False,
+    help="Require `Authorization: Bearer KEY` on /v1/*, /tokenize and /detokenize (else 401); "
+         "/health, /metrics and /version stay open. Compared on every request, in constant "
+         "time. The API speaks plain HTTP: put a TLS proxy in front so the key is not sent "
+         "in clear. The environment variable keeps the key out of `ps`")]
 ServedNameOption = Annotated[str | None, typer.Option(
     help="The model name clients send (default: the --model value)")]
 RayOption = Annotated[str | None, typer.Option(
@@ -80,6 +86,7 @@ def serve_cluster(
     max_connections: MaxConnectionsOption = MAX_CONNECTIONS,
     header_timeout: HeaderTimeoutOption = HEADER_TIMEOUT_S,
     served_model_name: ServedNameOption = None,
+    api_key: ApiKeyOption = None,
     prefill_tp: PrefillTpOption = 1, decode_tp: DecodeTpOption = 1,
     routing: RoutingOption = ROUTING, routing_margin: RoutingMarginOption = LOAD_MARGIN,
     ray: RayOption = None, ray_prefill_resource: RayResourceOption = None,
@@ -101,7 +108,8 @@ def serve_cluster(
     """Start a cluster (local processes over libfabric, or Ray actors with --ray) and the
     OpenAI API in front of it."""
     http = HTTPConfig(host, port, max_in_flight, served_model_name, max_body_bytes,
-                      max_connections, header_timeout)  # bad limits fail before any node starts
+                      max_connections, header_timeout,  # bad limits fail before any node starts
+                      api_key=api_key)
     from disagg.node.node_config import check_node_memory
     from disagg.node.ray_placement import (
         ResourceRequest,
@@ -144,6 +152,7 @@ def serve_router(
     max_connections: MaxConnectionsOption = MAX_CONNECTIONS,
     header_timeout: HeaderTimeoutOption = HEADER_TIMEOUT_S,
     served_model_name: ServedNameOption = None,
+    api_key: ApiKeyOption = None,
     routing: RoutingOption = ROUTING, routing_margin: RoutingMarginOption = LOAD_MARGIN,
     page_size: Annotated[int, typer.Option(
         help="The decoders' page size: the pages prefix routing compares")] = PAGE_SIZE,
@@ -156,7 +165,7 @@ def serve_router(
     from disagg.server.launch import serve_router as run
 
     http = HTTPConfig(host, port, max_in_flight, served_model_name, max_body_bytes,
-                      max_connections, header_timeout)
+                      max_connections, header_timeout, api_key=api_key)
     routing_config = RoutingConfig.parse(routing, routing_margin, page_size)
     run(model, decoder, http, routing_config, _metrics_addresses(decoder, decoder_metrics))
 
