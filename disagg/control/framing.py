@@ -26,7 +26,9 @@ from typing import Any, ClassVar, TypeVar
 from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import InvalidMessage, ProtocolError
 
-PROTOCOL_VERSION = 3  # 3: the handshake proof (HelloProof), KVRequest.nonce; the channel preface
+# 4: Submit's logits processors, logprobs, n and guide, RequestEvent's logprobs and index;
+# 3: the handshake proof (HelloProof), KVRequest.nonce; the channel preface
+PROTOCOL_VERSION = 4
 MAGIC = b"DG"
 HEADER = struct.Struct("!2sBBI")  # magic, version, type (| TAGGED), payload length
 TAGGED = 0x80  # set in the type byte when an HMAC tag follows the payload
@@ -63,7 +65,7 @@ def register(cls: type[M]) -> type[M]:
 
 
 _JSON_TYPES = {"str": str, "int": int, "float": (int, float), "bytes": str, "bool": bool,
-               "list[int]": list, "list[bytes]": list}
+               "list[int]": list, "list[float]": list, "list[bytes]": list}
 _ENUMS: dict[str, type[enum.Enum]] = {"RequestState": RequestState,
                                       "FailureCause": FailureCause}
 
@@ -164,6 +166,10 @@ def _check_field(message: str, name: str, type_name: str, value: Any) -> Any:
     bad = not isinstance(value, expected) or (isinstance(value, bool) and type_name != "bool")
     if type_name == "list[int]" and not bad:
         bad = not all(isinstance(v, int) and not isinstance(v, bool) for v in value)
+    if type_name == "list[float]" and not bad:
+        bad = not all(isinstance(v, int | float) and not isinstance(v, bool) for v in value)
+        if not bad and not all(math.isfinite(v) for v in value):
+            raise ProtocolError(f"{message}.{name}: not every number is finite")
     if type_name == "list[bytes]" and not bad:
         bad = not all(isinstance(v, str) for v in value)
     if bad:
@@ -174,6 +180,8 @@ def _check_field(message: str, name: str, type_name: str, value: Any) -> Any:
         return [_b64(message, name, item) for item in value]
     if type_name == "float" and not math.isfinite(value):
         raise ProtocolError(f"{message}.{name}: {value} is not a finite number")
+    if type_name == "list[float]":
+        return [float(v) for v in value]
     return float(value) if type_name == "float" else value
 
 

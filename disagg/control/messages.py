@@ -42,7 +42,10 @@ class Submit(Message):
     TYPE: ClassVar[int] = 10
     BOUNDS: ClassVar[dict[str, Bounds]] = {"prompt_token_ids": NATURAL, "max_tokens": POSITIVE,
                                               "temperature": NATURAL, "top_p": (0, 1),
-                                              "top_k": (-1, None), "seed": (-1, 2**63 - 1)}
+                                              "top_k": (-1, None), "seed": (-1, 2**63 - 1),
+                                              "stop_token_ids": NATURAL, "min_tokens": NATURAL,
+                                              "logit_bias_ids": NATURAL, "logprobs": (-1, None),
+                                              "n": POSITIVE}
     request_id: str
     prompt_token_ids: list[int]
     max_tokens: int
@@ -51,6 +54,18 @@ class Submit(Message):
     top_k: int = 0
     seed: int = -1  # -1: unseeded
     ignore_eos: bool = False  # generate max_tokens whatever the model says (load generators)
+    # What shapes the logits before sampling (`SamplingParams` checks their ranges).
+    stop_token_ids: list[int] = field(default_factory=list)
+    min_tokens: int = 0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias_ids: list[int] = field(default_factory=list)  # with the bias of each, in order
+    logit_bias_values: list[float] = field(default_factory=list)
+    logprobs: int = -1  # -1: none; k: the chosen token's logprob and the top k's
+    n: int = 1  # parallel samples: forked from one prefill on the decoder
+    guide_kind: str = ""  # structured output: a `GuideKind` value, "" for none
+    guide_spec: str = ""  # ... and its schema, regex, choices or grammar
 
 
 @register
@@ -62,7 +77,8 @@ class RequestEvent(Message):
     BOUNDS: ClassVar[dict[str, Bounds]] = {
         "token_ids": NATURAL, "kv_writes_received": NATURAL, "kv_writes": NATURAL,
         "kv_bytes": NATURAL, "kv_wait_ms": NATURAL, "num_draft_tokens": NATURAL,
-        "num_accepted_tokens": NATURAL, "num_cached_tokens": NATURAL}
+        "num_accepted_tokens": NATURAL, "num_cached_tokens": NATURAL, "index": NATURAL,
+        "top_logprob_ids": NATURAL}
     request_id: str
     state: RequestState
     token_ids: list[int] = field(default_factory=list)
@@ -75,6 +91,12 @@ class RequestEvent(Message):
     num_draft_tokens: int = 0  # speculative decoding so far: drafts verified (S8)
     num_accepted_tokens: int = 0  # ... and accepted
     num_cached_tokens: int = 0  # prompt tokens found in the decoder's prefix cache
+    index: int = 0  # which of the request's `n` parallel samples this is about
+    # With Submit.logprobs >= 0: each of `token_ids`' log probability, and the top k ids and
+    # theirs, k per token in order.
+    logprobs: list[float] = field(default_factory=list)
+    top_logprob_ids: list[int] = field(default_factory=list)
+    top_logprobs: list[float] = field(default_factory=list)
 
 
 @register

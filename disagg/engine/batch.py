@@ -12,6 +12,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from disagg.engine.logprobs import TokenLogprob
 from disagg.engine.request import Request
 
 
@@ -80,3 +81,4 @@ class TokenEvent:
     request: Request
     token_id: int
     finished: bool
+    logprob: TokenLogprob | None = None  # when the request asks for log probabilities

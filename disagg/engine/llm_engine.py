@@ -17,7 +17,7 @@ import itertools
 import os
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -25,12 +25,13 @@ from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.batch import Batch, ForwardOutput, TokenEvent
 from disagg.engine.cuda_graphs import DecodeGraphs, useful_batch_sizes
 from disagg.engine.isolation import MAX_FORWARD_FAILURES, EngineFailure, RequestIsolation
+from disagg.engine.logprobs import TokenLogprob
 from disagg.engine.model_runner import ModelRunner
 from disagg.engine.page_allocator import PageAllocator
 from disagg.engine.prefix_cache import PrefixCache, cache_salt
 from disagg.engine.request import Request, RequestState, SamplingParams
-from disagg.engine.sampling import sample_token
 from disagg.engine.scheduler import Scheduler
+from disagg.engine.token_chooser import TokenChooser
 from disagg.errors import ConfigError, RankError
 from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.layer_counter import LayerCounter
@@ -38,6 +39,9 @@ from disagg.model.sharded_kv_cache import ShardedKVCache
 from disagg.model.sharding import Sharding
 from disagg.model.transformer import Transformer
 from disagg.parallel.leader import TPLeader, start_leader
+
+if TYPE_CHECKING:
+    from disagg.engine.guided import GuideCompiler
 
 
 class StepObserver(Protocol):
@@ -68,11 +72,14 @@ class EngineParts:
     scheduler: Scheduler
     runner: ModelRunner
     isolation: RequestIsolation  # fails one request whose step raised (X5a)
+    chooser: TokenChooser  # each request's next token: logits shaped, masked, sampled
 
     @staticmethod
-    def build(config: EngineConfig, model: Transformer | TPLeader) -> EngineParts:
+    def build(config: EngineConfig, model: Transformer | TPLeader,
+              guides: GuideCompiler | None = None) -> EngineParts:
         """Cache, allocator, scheduler and runner for `model` (moved to `config.device`), or
-        for a TP leader's shard, its ranks and every rank's KV."""
+        for a TP leader's shard, its ranks and every rank's KV; `guides` compiles grammars
+        for structured output (None: the model has no tokenizer, so none is served)."""
         leader = model if isinstance(model, TPLeader) else None
         model = leader.model if leader else model.to(config.device).eval()
         check_cache_fits(model.config, config.cache)
@@ -99,7 +106,8 @@ class EngineParts:
         runner = (ModelRunner(model, leader.local_cache, ranks=leader.ranks) if leader
                   else ModelRunner(model, kv_cache, graphs))
         return EngineParts(config, model, kv_cache, allocator, scheduler, runner,
-                           RequestIsolation(scheduler))
+                           RequestIsolation(scheduler),
+                           TokenChooser(model.config.vocab_size, guides))
 
 
 class LLMEngine:
@@ -114,6 +122,7 @@ class LLMEngine:
         self.scheduler = parts.scheduler
         self.runner = parts.runner
         self.isolation = parts.isolation
+        self.chooser = parts.chooser
         self.observers = tuple(observers)  # in the order they are told
         self.finisher = finisher  # a speculator verifies, samples and drafts instead (S8)
         self._ids = itertools.count()
@@ -126,6 +135,7 @@ class LLMEngine:
         """Queue a prompt; returns its `Request`, which fills in as steps run."""
         request = Request(request_id or f"req-{next(self._ids)}", list(prompt_token_ids),
                           params or SamplingParams(), self.model.config.eos_token_ids)
+        self.chooser.admit(request)
         self.scheduler.add_request(request)
         return request
 
@@ -156,16 +166,20 @@ class LLMEngine:
         for row, chunk_idx in enumerate(output.sample_chunk_indices):
             request = batch.chunks[chunk_idx].request
             with self.isolation.guard(request, "sampling"):
-                sampled[request.request_id] = sample_token(
-                    output.logits[row], request.sampling_params, request.generator)
+                sampled[request.request_id] = self.chooser.choose(request, output.logits[row])
         for chunk in batch.chunks:
             if not chunk.request.is_finished:  # else it failed above
                 with self.isolation.guard(chunk.request, "appending its token"):
                     self.scheduler.advance(chunk, sampled.get(chunk.request.request_id))
         sampling_requests = [batch.chunks[i].request for i in output.sample_chunk_indices]
-        return [TokenEvent(request, sampled[request.request_id], request.is_finished)
+        return [TokenEvent(request, sampled[request.request_id], request.is_finished,
+                           self._last_logprob(request))
                 for request in sampling_requests
                 if request.state is not RequestState.FINISHED_FAILED]  # failed this step
+
+    def _last_logprob(self, request: Request) -> TokenLogprob | None:
+        logprobs = self.chooser.logprobs(request)
+        return logprobs[-1] if logprobs else None
 
     def take_failures(self) -> list[EngineFailure]:
         """Requests the engine failed since the last call (X5a): the node reports each to its

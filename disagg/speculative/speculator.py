@@ -25,7 +25,6 @@ from disagg.config import EngineConfig, SpeculativeConfig
 from disagg.engine.batch import Batch, ForwardOutput, TokenEvent
 from disagg.engine.llm_engine import EngineParts, LLMEngine, load_transformer
 from disagg.engine.request import Request, RequestState
-from disagg.engine.sampling import sample_token
 from disagg.model.draft_heads import build_mtp_head, mtp_kv_cache
 from disagg.model.kv_cache import PagedKVCache
 from disagg.speculative.proposers import EarlyExitProposer, MTPProposer
@@ -72,6 +71,9 @@ class Speculator:
         # The distribution each pending draft came from (sampling only), per request.
         self._draft_probs: weakref.WeakKeyDictionary[Request, list[torch.Tensor]] = (
             weakref.WeakKeyDictionary())
+        # A verified chunk's logits, until its accepted tokens are recorded (`_record`).
+        self._verified_rows: weakref.WeakKeyDictionary[Request, torch.Tensor] = (
+            weakref.WeakKeyDictionary())
 
     def on_batch(self, batch: Batch) -> None:
         """Before the forward: drop drafts the scheduler did not fit (token budget, chunk size,
@@ -94,13 +96,12 @@ class Speculator:
         request's share runs guarded, so one that raises fails alone (X5a)."""
         parts, hidden = self._parts, output.all_hidden_states
         assert hidden is not None, "the runner returns every row's hidden state"
-        isolation = parts.isolation
+        isolation, chooser = parts.isolation, parts.chooser
         sampled = {}
         for row, chunk_idx in enumerate(output.sample_chunk_indices):
             request = batch.chunks[chunk_idx].request
             with isolation.guard(request, "sampling"):
-                sampled[request.request_id] = sample_token(
-                    output.logits[row], request.sampling_params, request.generator)
+                sampled[request.request_id] = chooser.choose(request, output.logits[row])
         verified: list[tuple[Request, list[int]]] = []
         end = 0
         for chunk in batch.chunks:
@@ -116,7 +117,9 @@ class Speculator:
         for request, token_ids in verified:
             if not request.is_finished:
                 with isolation.guard(request, "accepting its drafts"):
+                    count = len(request.output_token_ids)
                     parts.scheduler.accept_tokens(request, token_ids)
+                    self._record(request, request.output_token_ids[count:])
         try:
             self.proposer.observe(batch, hidden)
         except Exception as error:  # a batched draft forward: not one request's (X5a)
@@ -129,29 +132,49 @@ class Speculator:
             if request.state is RequestState.FINISHED_FAILED:
                 continue  # failed this step: reported through `take_failures`
             new = request.output_token_ids[count:]
-            events += [TokenEvent(request, token_id, request.is_finished and i == len(new) - 1)
-                       for i, token_id in enumerate(new)]
+            logprobs = chooser.logprobs(request)[count:] or [None] * len(new)
+            events += [TokenEvent(request, token_id, request.is_finished and i == len(new) - 1,
+                                  logprob)
+                       for i, (token_id, logprob) in enumerate(zip(new, logprobs, strict=True))]
         return events
 
     def _verify(self, request: Request, hidden: torch.Tensor, end: int) -> list[int]:
         """Tokens to append for a speculative chunk whose rows end at `end`."""
         drafts = list(request.spec_token_ids)
         rows = hidden[end - len(drafts) - 1:end]  # the last real token's row, then the drafts'
-        model, params = self._parts.model, request.sampling_params
+        model, params, chooser = self._parts.model, request.sampling_params, self._parts.chooser
         probs = self._draft_probs.pop(request, None)
-        if params.temperature == 0.0:
+        logits = None  # every row's, unless greedy verification needs only some
+        if params.temperature == 0.0 and not params.processes_logits:
             token_ids = verify_greedy_lazily(
                 drafts, lambda row: int(model.compute_logits(rows[row]).argmax()))
         else:
-            assert probs is not None, "sampled drafts keep the distribution they came from"
-            token_ids = verify(drafts, torch.stack(probs[:len(drafts)]),
-                               model.compute_logits(rows), params, request.generator)
+            # Penalties and a grammar shape row j as if drafts[:j] were accepted (S8).
+            logits = model.compute_logits(rows)
+            shaped = chooser.shape_rows(request, logits, drafts)
+            if params.temperature == 0.0:
+                token_ids = verify_greedy_lazily(drafts, lambda row: int(shaped[row].argmax()))
+            else:
+                assert probs is not None, "sampled drafts keep the distribution they came from"
+                token_ids = verify(drafts, torch.stack(probs[:len(drafts)]), shaped, params,
+                                   request.generator)
+        if params.processes_logits or params.logprobs is not None:
+            # Recorded once accepted (a stop may cut the tokens short): `_record`.
+            self._verified_rows[request] = logits if logits is not None else (
+                model.compute_logits(rows[:len(token_ids)]))
         self.stats.verify_steps += 1
         self.stats.drafted += len(drafts)
         self.stats.accepted += len(token_ids) - 1
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += len(token_ids) - 1
         return token_ids
+
+    def _record(self, request: Request, token_ids: list[int]) -> None:
+        """Tell the chooser which verified tokens were appended, with their rows' logits."""
+        logits = self._verified_rows.pop(request, None)
+        if logits is not None:
+            for row, token_id in enumerate(token_ids):
+                self._parts.chooser.record(request, logits[row], token_id)
 
     def _propose(self) -> None:
         """Draft for every running request whose prompt is computed and that has no drafts.

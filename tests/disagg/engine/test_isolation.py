@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
-from disagg.engine import llm_engine
+from disagg.engine import token_chooser
 from disagg.engine.batch import Batch, ForwardOutput
 from disagg.engine.isolation import MAX_FORWARD_FAILURES
 from disagg.engine.llm_engine import LLMEngine, build_engine
@@ -79,7 +79,7 @@ def test_a_sampling_error_fails_that_request_alone(reference: list[list[int]],
     """Sampling raises for one request at its third token: it fails, the others finish."""
     engine = make_engine()
     bad_params = SamplingParams(max_tokens=8, ignore_eos=True)
-    monkeypatch.setattr(llm_engine, "sample_token", raising_for(bad_params, 3, sample_token))
+    monkeypatch.setattr(token_chooser, "sample_token", raising_for(bad_params, 3, sample_token))
     good = [engine.add_request(prompt, PARAMS) for prompt in GOOD[:2]]
     bad = engine.add_request(BAD, bad_params)
     good.append(engine.add_request(GOOD[2], PARAMS))

@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 
 from disagg.control.messages import RequestEvent, Submit
-from disagg.engine import llm_engine
+from disagg.engine import token_chooser
 from disagg.engine.request import FailureCause, RequestState
 from disagg.engine.sampling import sample_token
 from disagg.node.router import Router
@@ -49,7 +49,7 @@ def test_a_raising_request_fails_alone(pair: Pair, monkeypatch: pytest.MonkeyPat
             raise ZeroDivisionError("injected")
         return sample_token(logits, params, generator)
 
-    monkeypatch.setattr(llm_engine, "sample_token", sample)
+    monkeypatch.setattr(token_chooser, "sample_token", sample)
     pair.router.route(Submit("bad", [1, 2, 3], 8, top_k=MARK_TOP_K))
     pair.router.route(Submit("good", [4, 5, 6], 8, ignore_eos=True))
     done = collect(pair.router, {"bad", "good"})

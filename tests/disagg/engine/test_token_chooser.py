@@ -1,0 +1,131 @@
+"""The engine's token choice: log probabilities equal transformers' on the same ids, the
+processors reach the sampler, and a speculative decoder verifies drafts under them (S8)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
+from disagg.engine.llm_engine import LLMEngine, build_engine
+from disagg.engine.request import SamplingParams
+from disagg.errors import RequestError
+from disagg.model.loading.registry import init_random_weights
+from disagg.speculative.speculator import build_speculative_engine
+from tests.disagg.model.test_transformer_vs_hf import make_hf_llama, random_prompts
+from tests.disagg.speculative.test_speculator import Oracle
+
+TINY = ModelConfig.from_name("tiny")
+TINY_WEIGHTS = init_random_weights(TINY, seed=0)
+LOGPROB_TOLERANCE = 1e-4  # fp32, the same ids through two implementations of one model
+
+
+def engine_for(config: ModelConfig, weights: dict[str, torch.Tensor], page_size: int = 4,
+               spec: SpeculativeConfig | None = None) -> LLMEngine:
+    engine_config = EngineConfig(config, CacheConfig(page_size=page_size, num_pages=256),
+                                 SchedulerConfig(chunk_size=7, max_num_batched_tokens=32))
+    if spec is None:
+        return build_engine(engine_config, weights)
+    return build_speculative_engine(engine_config, weights, spec)
+
+
+def test_logprobs_equal_transformers_log_softmax() -> None:
+    """Each chosen token's logprob and the top 5 are log_softmax of transformers' logits at
+    the same position, for a batch of prompts served together."""
+    hf_model, config, state_dict = make_hf_llama(8, 2, tied=True)
+    engine = engine_for(config, state_dict, page_size=5)
+    prompts = random_prompts([3, 11, 20])
+    requests = [engine.add_request(p, SamplingParams(max_tokens=6, ignore_eos=True, logprobs=5))
+                for p in prompts]
+    logprobs: dict[str, list] = {r.request_id: [] for r in requests}
+    while engine.has_unfinished():
+        for event in engine.step():
+            logprobs[event.request.request_id].append(event.logprob)
+    for request in requests:
+        ids = torch.tensor([request.all_token_ids])
+        with torch.inference_mode():
+            reference = torch.log_softmax(hf_model(ids).logits[0].float(), -1)
+        for i, got in enumerate(logprobs[request.request_id]):
+            row = reference[request.num_prompt_tokens - 1 + i]
+            assert got.token_id == request.output_token_ids[i]
+            assert abs(got.logprob - float(row[got.token_id])) < LOGPROB_TOLERANCE
+            top_values, top_ids = torch.topk(row, 5)
+            assert [t for t, _ in got.top] == top_ids.tolist()
+            torch.testing.assert_close(torch.tensor([v for _, v in got.top]), top_values,
+                                       atol=LOGPROB_TOLERANCE, rtol=0)
+
+
+def test_no_logprobs_unless_asked() -> None:
+    engine = engine_for(TINY, TINY_WEIGHTS)
+    engine.add_request([5, 6, 7], SamplingParams(max_tokens=3, ignore_eos=True))
+    events = [e for _ in range(20) if engine.has_unfinished() for e in engine.step()]
+    assert events and all(e.logprob is None for e in events)
+
+
+def test_a_logit_bias_reaches_the_sampler() -> None:
+    """+100 on one id: greedy picks it every step."""
+    engine = engine_for(TINY, TINY_WEIGHTS)
+    params = SamplingParams(max_tokens=5, ignore_eos=True, logit_bias=((42, 100.0),))
+    [request] = engine.generate([[5, 6, 7]], params)
+    assert request.output_token_ids == [42] * 5
+
+
+def test_min_tokens_keeps_eos_away() -> None:
+    """A bias makes EOS the greedy choice at once; min_tokens holds it off for 4 tokens."""
+    eos = TINY.eos_token_ids[0]
+    engine = engine_for(TINY, TINY_WEIGHTS)
+    bias = ((eos, 100.0),)
+    [early, held] = engine.generate([[5, 6, 7]] * 1, SamplingParams(
+        max_tokens=8, logit_bias=bias)) + engine.generate([[5, 6, 7]], SamplingParams(
+            max_tokens=8, logit_bias=bias, min_tokens=4))
+    assert early.output_token_ids == [eos]
+    assert len(held.output_token_ids) == 5 and held.output_token_ids[-1] == eos
+    assert eos not in held.output_token_ids[:4]
+
+
+def test_a_bias_outside_the_vocabulary_is_refused_at_admission() -> None:
+    engine = engine_for(TINY, TINY_WEIGHTS)
+    with pytest.raises(RequestError, match="logit_bias: token"):
+        engine.add_request([1, 2], SamplingParams(logit_bias=((TINY.vocab_size, 1.0),)))
+    assert not engine.has_unfinished()
+
+
+@pytest.mark.parametrize("wrong_every", [0, 3])
+def test_drafts_are_verified_under_the_processors(wrong_every: int) -> None:
+    """Greedy with a repetition penalty: drafted from the penalised reference (wrong at some
+    positions), the speculative engine must give the penalised tokens; verifying against raw
+    argmaxes would take other tokens."""
+    params = SamplingParams(max_tokens=14, ignore_eos=True, repetition_penalty=3.0)
+    prompts = [[5, 6, 7, 5, 6], [9, 9, 9, 1, 2, 3, 4, 5, 6]]
+    reference = [r.output_token_ids for r in engine_for(TINY, TINY_WEIGHTS).generate(
+        prompts, params)]
+    plain = [r.output_token_ids for r in engine_for(TINY, TINY_WEIGHTS).generate(
+        prompts, SamplingParams(max_tokens=14, ignore_eos=True))]
+    assert plain != reference  # the penalty changes these outputs
+    engine = engine_for(TINY, TINY_WEIGHTS, spec=SpeculativeConfig("early-exit", 3,
+                                                                   draft_layers=1))
+    Oracle(engine, {tuple(p): r for p, r in zip(prompts, reference, strict=True)},
+           wrong_at=lambda index: bool(wrong_every) and index % wrong_every == 2)
+    assert [r.output_token_ids for r in engine.generate(prompts, params)] == reference
+    engine.allocator.check_invariants(expect_all_free=True)
+
+
+def test_speculative_logprobs_equal_the_plain_engines() -> None:
+    """Tokens accepted from drafts report the same logprobs as tokens decoded one by one."""
+    params = SamplingParams(max_tokens=10, ignore_eos=True, logprobs=2)
+    prompt = [5, 6, 7, 8]
+
+    def run(engine: LLMEngine) -> list:
+        engine.add_request(prompt, params)
+        return [e.logprob for _ in range(40) if engine.has_unfinished() for e in engine.step()]
+
+    plain = run(engine_for(TINY, TINY_WEIGHTS))
+    reference = [lp.token_id for lp in plain]
+    engine = engine_for(TINY, TINY_WEIGHTS, spec=SpeculativeConfig("early-exit", 3,
+                                                                   draft_layers=1))
+    Oracle(engine, {tuple(prompt): reference})
+    spec = run(engine)
+    assert [lp.token_id for lp in spec] == reference
+    for a, b in zip(plain, spec, strict=True):
+        assert abs(a.logprob - b.logprob) < LOGPROB_TOLERANCE
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
