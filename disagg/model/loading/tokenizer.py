@@ -27,12 +27,31 @@ _GPT2_PRE = ("default", "gpt2")
 _DIGITS_THEN_GPT2_PRE = ("smollm", "starcoder", "refact", "codeshell")
 
 
+def _gpt2_byte_alphabet() -> dict[str, int]:
+    """GPT-2's byte-level alphabet: the character each byte is written as, inverted."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("\xa1"), ord("\xac") + 1),
+                 *range(ord("\xae"), ord("\xff") + 1)]
+    chars, extra = {}, 0
+    for byte in range(256):
+        if byte in printable:
+            chars[chr(byte)] = byte
+        else:
+            chars[chr(256 + extra)] = byte
+            extra += 1
+    return chars
+
+
+_BYTE_OF_CHAR = _gpt2_byte_alphabet()
+
+
 class Tokenizer:
     """Encode text to ids and back; knows the BOS id and the ids that end a generation."""
 
     def __init__(self, backend: Backend, bos_token_id: int | None,
                  eos_token_ids: Sequence[int]) -> None:
         self._backend = backend
+        self._added_ids = frozenset(backend.get_added_tokens_decoder())
+        self._byte_level = "ByteLevel" in repr(backend.decoder)
         self.bos_token_id = bos_token_id
         self.eos_token_ids: tuple[int, ...] = tuple(eos_token_ids)
 
@@ -54,6 +73,24 @@ class Tokenizer:
     def save(self, path: str | Path) -> None:
         """Write the tokenizer as a Hugging Face `tokenizer.json`."""
         self._backend.save(str(path))
+
+    def token_bytes(self, token_id: int) -> bytes:
+        """The bytes one id stands for, as OpenAI's logprobs report them: a byte-level token
+        mapped back through GPT-2's byte alphabet, a `<0xNN>` fallback token as that byte, a
+        SentencePiece token with its word marker as a space, an added token as its text."""
+        token = self._backend.id_to_token(token_id)
+        if token is None:
+            return b""
+        if token_id in self._added_ids:
+            return token.encode()
+        if len(token) == 6 and token.startswith("<0x") and token.endswith(">"):
+            try:
+                return bytes([int(token[3:5], 16)])
+            except ValueError:
+                pass
+        if self._byte_level and all(char in _BYTE_OF_CHAR for char in token):
+            return bytes(_BYTE_OF_CHAR[char] for char in token)
+        return token.replace("\u2581", " ").encode()
 
     def token_to_id(self, token: str) -> int | None:
         """The id of one vocabulary entry, or None."""

@@ -157,3 +157,24 @@ def test_smollm2_decode_and_stream(smollm2_tokenizer: Tokenizer, hf_smollm2_toke
     """On random SmolLM2 ids: our decode equals transformers', and streaming equals decode."""
     assert smollm2_tokenizer.decode(ids) == hf_smollm2_tokenizer.decode(ids)
     assert "".join(_stream(smollm2_tokenizer, ids)) == smollm2_tokenizer.decode(ids)
+
+
+@pytest.mark.parametrize("text", TEXTS)
+def test_token_bytes_spell_the_text(tiny_tokenizer: Tokenizer, text: str) -> None:
+    """Each id's bytes (what OpenAI's logprobs report), joined, are the text's UTF-8, even
+    where one token ends in the middle of a character."""
+    ids = tiny_tokenizer.encode(text, add_special_tokens=False)
+    assert b"".join(tiny_tokenizer.token_bytes(i) for i in ids) == text.encode()
+
+
+def test_token_bytes_of_a_sentencepiece_vocabulary() -> None:
+    """Word markers are spaces and `<0xNN>` fallback tokens are their byte."""
+    from tokenizers import Tokenizer as Backend
+    from tokenizers import decoders, models
+
+    vocab = {"<unk>": 0, "\u2581hi": 1, "<0xC3>": 2, "<0xA9>": 3, "\u2581": 4}
+    backend = Backend(models.BPE(vocab=vocab, merges=[], byte_fallback=True, unk_token="<unk>"))
+    backend.decoder = decoders.Sequence([decoders.Replace("\u2581", " "), decoders.ByteFallback(),
+                                         decoders.Fuse()])
+    tokenizer = Tokenizer(backend, None, [])
+    assert [tokenizer.token_bytes(i) for i in (1, 2, 3, 4)] == [b" hi", b"\xc3", b"\xa9", b" "]
