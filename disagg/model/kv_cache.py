@@ -56,7 +56,7 @@ class PagedKVCache:
     """
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: str | torch.device = "cpu",
-                 buffer: torch.Tensor | None = None):
+                 buffer: torch.Tensor | None = None) -> None:
         self.num_layers = model.num_layers
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
@@ -118,6 +118,16 @@ class PagedKVCache:
             cache[page_ids, 0, :, page_offsets] = k
             cache[page_ids, 1, :, page_offsets] = v
 
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page `src` into page `dst`, every layer, K and V: a fork's own copy of the
+        partly computed page it would otherwise share (`engine/forking.py`). The page axis is
+        the second of `buffer` in both layouts, so one copy moves all of it."""
+        for page_id in (src, dst):
+            self._check_page(0, page_id)
+        if src == dst:
+            raise ValueError(f"cannot copy page {src} onto itself")
+        self.buffer[:, dst] = self.buffer[:, src]  # [num_layers, 2, ...page dims]
+
     def gather(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
                ) -> tuple[torch.Tensor, torch.Tensor]:
         """The first `num_tokens` cached tokens held by `page_ids`, in order.
@@ -174,7 +184,6 @@ class PagedKVCache:
     def dtype(self) -> torch.dtype:
         """Element type of the cache."""
         return self.buffer.dtype
-
 
     # Byte geometry for transfers (S5, S7).
 
@@ -244,6 +253,8 @@ class KVCache(Protocol):
 
     def write(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor,
               page_ids: torch.Tensor, page_offsets: torch.Tensor) -> None: ...
+
+    def copy_page(self, src: int, dst: int) -> None: ...
 
     def gather(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
                ) -> tuple[torch.Tensor, torch.Tensor]: ...

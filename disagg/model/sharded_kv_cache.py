@@ -6,11 +6,13 @@ rank's region, registers each with its one transfer engine and posts every rank'
 The model never runs through this view (each rank runs over its own shard); the transfer side
 reads it: `shards` to register, plan and checksum (every rank's copy, `kv_checksum.py`), `gather`
 for every head from its first holder. Page ids are shared by all ranks (the leader's one
-allocator).
+allocator). A fork's page copy (`copy_page`) is the one change the leader does not make through
+its mapping: each rank copies its own shard, in order with its forward steps (`copy_remote`).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import replace
 
 import torch
@@ -24,7 +26,8 @@ class ShardedKVCache:
     """`tp` per-rank paged caches behaving, to the model, like one cache of every head."""
 
     def __init__(self, model: ModelConfig, cache: CacheConfig, sharding: Sharding,
-                 shards: list[PagedKVCache]) -> None:
+                 shards: list[PagedKVCache],
+                 copy_remote: Callable[[int, int], None] | None = None) -> None:
         if sharding.num_kv_heads != model.num_kv_heads:
             raise ValueError(f"sharding for {sharding.num_kv_heads} heads, model has "
                              f"{model.num_kv_heads}")
@@ -42,6 +45,9 @@ class ShardedKVCache:
         self._shards = list(shards)
         self._heads = [sharding.heads_of(rank) for rank in range(sharding.tp)]
         self._owners = sharding.primary_owners()
+        # Tells ranks 1..tp-1 to copy a page in their own shards (`TPRanks.copy_page`); None
+        # when this process holds every shard's only writer (one process, or a test).
+        self._copy_remote = copy_remote
 
     @property
     def shards(self) -> list[PagedKVCache]:
@@ -65,6 +71,19 @@ class ShardedKVCache:
         for shard, heads in zip(self._shards, self._heads, strict=True):
             rows = slice(heads.start, heads.stop)
             shard.write(layer_idx, k[:, rows], v[:, rows], page_ids, page_offsets)
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy page `src` into page `dst` in every rank's shard (all layers, K and V).
+
+        Rank 0's shard is the leader's own; with rank processes the others copy theirs when
+        `copy_remote` reaches them, after the steps sent before it and before those sent
+        after: a copy through the leader's mapping would be ordered with neither on a GPU.
+        """
+        remote = self._copy_remote is not None
+        for shard in self._shards[:1] if remote else self._shards:
+            shard.copy_page(src, dst)
+        if self._copy_remote is not None:
+            self._copy_remote(src, dst)
 
     def gather(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
                ) -> tuple[torch.Tensor, torch.Tensor]:

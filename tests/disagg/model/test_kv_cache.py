@@ -119,3 +119,25 @@ def test_cumem_cache_round_trips(kv_layout: str) -> None:
     got_k, got_v = cache.gather(1, torch.tensor([3, 5], device="cuda"), 6)
     assert torch.equal(got_k, k.transpose(0, 1))
     assert torch.equal(got_v, -k.transpose(0, 1))
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_copy_page_equals_a_manual_copy_of_every_layer_k_and_v(kv_layout: str) -> None:
+    """copy_page(2, 5) makes page 5 of each layer's K and V page 2's; nothing else moves."""
+    cache = make_cache(kv_layout, page_size=3)
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=torch.Generator().manual_seed(0)))
+    want = cache.buffer.clone()
+    for layer in range(MODEL.num_layers):
+        for half in (0, 1):
+            want[layer, 5, half] = want[layer, 2, half]
+    cache.copy_page(2, 5)
+    assert torch.equal(cache.buffer, want)
+
+
+def test_copy_page_refuses_a_bad_page() -> None:
+    """A page id past the cache, or a copy onto itself, raises before anything is written."""
+    cache = make_cache("NHD")
+    with pytest.raises(IndexError, match="page id 6 out of range"):
+        cache.copy_page(1, 6)
+    with pytest.raises(ValueError, match="onto itself"):
+        cache.copy_page(1, 1)

@@ -63,3 +63,30 @@ def test_shards_of_the_wrong_head_count_are_refused() -> None:
     whole = [PagedKVCache(MODEL, cache) for _ in range(2)]  # 4 heads each, not 2
     with pytest.raises(ValueError, match="each must hold 2 heads"):
         ShardedKVCache(MODEL, cache, Sharding(2, 4), whole)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+@pytest.mark.parametrize("sharding", SHARDINGS, ids=lambda s: f"tp{s.tp}-{s.replicated}")
+def test_copy_page_copies_every_shard(sharding: Sharding, kv_layout: str) -> None:
+    """Page 6 copied from page 1 through the sharded view reads back, every head of every
+    layer, K and V, as page 1 of the plain cache."""
+    sharded, plain = filled_pair(sharding, kv_layout)
+    sharded.copy_page(1, 6)
+    for layer in range(MODEL.num_layers):
+        for got, want in zip(sharded.gather(layer, torch.tensor([6]), 4),
+                             plain.gather(layer, torch.tensor([1]), 4), strict=True):
+            assert torch.equal(got, want)
+
+
+def test_copy_page_with_rank_processes_leaves_their_shards_to_them() -> None:
+    """With `copy_remote` the view copies only rank 0's shard and hands the page to the ranks."""
+    sharded, _ = filled_pair(Sharding(2, 4), "HND")
+    sent: list[tuple[int, int]] = []
+    remote = ShardedKVCache(MODEL, CacheConfig(page_size=4, num_pages=8, kv_layout="HND"),
+                            Sharding(2, 4), sharded.shards,
+                            copy_remote=lambda src, dst: sent.append((src, dst)))
+    remote.copy_page(1, 6)
+    first, second = remote.shards
+    assert torch.equal(first.buffer[:, 6], first.buffer[:, 1])
+    assert not second.buffer[:, 6].any()
+    assert sent == [(1, 6)]
