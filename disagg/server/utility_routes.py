@@ -10,19 +10,38 @@ tokenizer's `decode` with special tokens kept, as vLLM's is. Nothing here reache
 from __future__ import annotations
 
 import importlib.metadata
-from typing import TYPE_CHECKING
+from collections.abc import Callable
+from typing import Any, Protocol, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse
 
+from disagg.config import ModelConfig
+from disagg.model.loading.tokenizer import Tokenizer
 from disagg.server.errors import InvalidRequest, ModelNotFound
 from disagg.server.limits import read_body
 from disagg.server.openapi import request_body
 from disagg.server.protocol import ChatCompletionRequest, parse_body
 from disagg.server.tokenize_protocol import DetokenizeRequest, TokenizeRequest
 
-if TYPE_CHECKING:  # app.py installs these routes: importing it here would be a cycle
-    from disagg.server.app import FrontDoor
+T = TypeVar("T")
+
+
+class FrontDoor(Protocol):
+    """What these routes use of `app.FrontDoor` (named here: app.py imports this module)."""
+
+    model_name: str
+    model: ModelConfig
+    tokenizer: Tokenizer | None
+
+    @property
+    def context_tokens(self) -> int: ...
+
+    async def off_loop(self, work: Callable[..., T], *args: Any) -> T: ...  # noqa: ANN401
+
+    def prompt_ids(self, prompt: str | list[int]) -> list[int]: ...
+
+    def chat_ids(self, body: ChatCompletionRequest) -> list[int]: ...
 
 
 def install_utility_routes(app: FastAPI, door: FrontDoor, max_body_bytes: int) -> None:
