@@ -113,10 +113,13 @@ class Status(Message):
 @register
 @dataclass(frozen=True, slots=True)
 class Abort(Message):
-    """Router -> decoder: the client gave up on this request."""
+    """Router -> decoder: the client gave up on this request (or on one of its `n` choices:
+    one that met a stop string)."""
 
     TYPE: ClassVar[int] = 13
+    BOUNDS: ClassVar[dict[str, Bounds]] = {"index": (-1, None)}
     request_id: str
+    index: int = -1  # -1: every choice
 
 
 @register

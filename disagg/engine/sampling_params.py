@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING
 from disagg.errors import RequestError
 
 if TYPE_CHECKING:
-    from disagg.engine.guided import Guide
+    from disagg.engine.guide_spec import Guide
 
 GREEDY_BELOW = 1e-5  # temperatures below this sample greedily (as vLLM's do)
 MAX_N = 16  # parallel samples of one prompt

@@ -35,7 +35,7 @@ from disagg.control.messages import (
     Submit,
 )
 from disagg.engine.llm_engine import LLMEngine
-from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
+from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.errors import InvalidMessage, PeerClosedError, ProtocolError, RequestError
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
 from disagg.kv_transfer.handshake import shake_hands
@@ -46,19 +46,12 @@ from disagg.node.decode_inbox import FromPrefiller, FromRouter, PrefillerGone, R
 from disagg.node.node_metrics import decode_metrics
 from disagg.node.prefiller_link import PrefillerBack, Reconnector
 from disagg.node.request_owners import Claim, RequestOwners
+from disagg.node.wire_sampling import logprob_fields, sampling_params
 from disagg.utils.trace import Tracer
 from transfer_core.transport import Transport
 
 logger = logging.getLogger(__name__)
 PROGRESS_INTERVAL_S = 0.05
-
-
-def sampling_params(message: Submit) -> SamplingParams:
-    """What a router's `Submit` asks for; `RequestError` for values no sampler can take."""
-    return SamplingParams(max_tokens=message.max_tokens, temperature=message.temperature,
-                          top_p=message.top_p, top_k=message.top_k,
-                          seed=None if message.seed < 0 else message.seed,
-                          ignore_eos=message.ignore_eos)
 
 
 class DecodeNode(NodeBase):
@@ -236,7 +229,7 @@ class DecodeNode(NodeBase):
             request = event.request
             # A speculative step yields several tokens; only the last may end the request.
             state = request.state if event.finished else RequestState.RUNNING
-            self._report(request, state, [event.token_id],
+            self._report(request, state, [event.token_id], **logprob_fields(event.logprob),
                          num_draft_tokens=request.num_draft_tokens,
                          num_accepted_tokens=request.num_accepted_tokens)
         for failure in self.engine.take_failures():  # stepping it raised: it failed alone (X5a)
@@ -309,6 +302,7 @@ class DecodeNode(NodeBase):
             params = sampling_params(message)
             request = Request(message.request_id, list(message.prompt_token_ids), params,
                               self.engine.model.config.eos_token_ids)
+            self.engine.chooser.admit(request)  # its grammar compiled before any KV moves
             self.messenger.admit(request)
         except RequestError as error:
             self._owners.release(message.request_id)

@@ -57,6 +57,7 @@ class Router:
         self.routing = routing or RoutingConfig()
         self.index = PrefixIndex(len(self.decoders), self.routing.page_size)
         self._owner: dict[str, int] = {}
+        self._choices_left: dict[str, int] = {}  # of requests in flight: choices not ended
         self._tokens: dict[str, list[int]] = {}  # prompt then outputs, of requests in flight
         self._lock = threading.Lock()
         for index, channel in enumerate(self.decoders):
@@ -87,6 +88,7 @@ class Router:
                 index = min(live, key=self.in_flight.__getitem__)
             self.in_flight[index] += 1
             self._owner[message.request_id] = index
+            self._choices_left[message.request_id] = message.n
         try:
             self.decoders[index].send(message)
         except PeerClosedError:
@@ -100,14 +102,15 @@ class Router:
                   and time.monotonic() - self.decoders[index].last_received > SILENCE_S)
         return self.alive[index] and self.accepting[index] and not silent
 
-    def abort(self, request_id: str) -> bool:
-        """Tell the request's decoder that the client gave up; False if it is not in flight."""
+    def abort(self, request_id: str, choice: int = -1) -> bool:
+        """Tell the request's decoder that the client gave up on it (on one `choice` of its
+        `n`, -1: all); False if it is not in flight."""
         with self._lock:
             index = self._owner.get(request_id)
         if index is None:
             return False
         try:
-            self.decoders[index].send(Abort(request_id))
+            self.decoders[index].send(Abort(request_id, choice))
         except PeerClosedError:
             return False  # the decoder is dying; its requests fail through _decoder_died
         return True
@@ -138,7 +141,7 @@ class Router:
                 tokens = self._tokens.get(event.request_id)
                 if tokens is not None:
                     tokens += event.token_ids
-                if event.state.is_terminal():
+                if event.state.is_terminal() and self._choice_ended(event.request_id):
                     if self._owner.pop(event.request_id, None) is not None:
                         self.in_flight[index] -= 1
                     self._tokens.pop(event.request_id, None)
@@ -146,6 +149,16 @@ class Router:
                         # The answer's KV is computed but for its last token.
                         self.index.add(index, page_digests(tokens[:-1], self.index.page_size))
             self.events.put(event)
+
+    def _choice_ended(self, request_id: str) -> bool:
+        """Count one choice's terminal event (lock held): whether it was the request's last.
+        A decoder ends each of a request's `n` choices with one (S8: forked samples)."""
+        left = self._choices_left.get(request_id, 1) - 1
+        if left > 0:
+            self._choices_left[request_id] = left
+            return False
+        self._choices_left.pop(request_id, None)
+        return True
 
     def _decoder_died(self, index: int, reason: str) -> None:
         """Its requests can no longer finish: each ends as failed, once; route elsewhere."""
@@ -157,6 +170,7 @@ class Router:
             for request_id in lost:
                 del self._owner[request_id]
                 self._tokens.pop(request_id, None)
+                self._choices_left.pop(request_id, None)
             self.in_flight[index] = 0
             self.index.forget(index)
         for request_id in lost:

@@ -2,24 +2,23 @@
 and metrics (FastAPI).
 
 Handlers read the body within its limit, validate it (`protocol.py`), turn the prompt into
-token ids, submit through the `ClusterClient` and either stream server-sent events
-(`event_stream.py`) or answer once the request ends. Parsing, tokenizing and rendering run in
-a small thread pool, after checks that bound their cost, so the event loop keeps answering
-everyone else (X5b). A client that disconnects cancels its request's task; the request is then
-aborted in the cluster and counted with finish reason "abort". The API key check and the
-utility routes (tokenize, detokenize, version) are installed from `api_key.py` and
-`utility_routes.py`.
+token ids (chat: with the tools offered, `tool_prompt.py`), fit what the decoder is asked for
+(`request_params.py`; a grammar is compiled once here so that a bad one is a 400) and answer
+through `serving.py`. Parsing, tokenizing, rendering and compiling run in a small thread pool,
+after checks that bound their cost, so the event loop keeps answering everyone else (X5b).
+The API key check and the utility routes (tokenize, detokenize, version) are installed from
+`api_key.py` and `utility_routes.py`.
 """
 
 from __future__ import annotations
 
 import asyncio
+import json
 import time
-import contextlib
-from collections.abc import AsyncGenerator, Callable
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response
@@ -27,14 +26,17 @@ from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.exceptions import HTTPException
 
 from disagg.config import ModelConfig
+from disagg.engine.guide_spec import Guide, GuideKind
+from disagg.engine.request import SamplingParams
+from disagg.errors import GuideError
 from disagg.model.loading.tokenizer import Tokenizer
 from disagg.server import responses
 from disagg.server.api_key import install_api_key
 from disagg.server.chat_template import ChatTemplate, require_chat_template
-from disagg.server.cluster_client import ClusterClient, Sampling
+from disagg.server.choices import Shape
+from disagg.server.cluster_client import ClusterClient
 from disagg.server.errors import APIError, InvalidRequest, ModelNotFound
-from disagg.server.event_stream import EventStream
-from disagg.server.generation import Delta, Generation, Timings
+from disagg.server.generation import Timings
 from disagg.server.http_config import HTTPConfig
 from disagg.server.limits import check_prompt_chars, max_token_chars, read_body
 from disagg.server.metrics import ServerMetrics
@@ -46,7 +48,17 @@ from disagg.server.protocol import (
     parse_body,
 )
 from disagg.server.tokenize_protocol import REQUEST_MODELS as UTILITY_REQUESTS
+from disagg.server.request_params import Budget, guide_param, sampling_params
+from disagg.server.serving import serve
+from disagg.server.tool_prompt import (
+    call_guide_spec,
+    render_tool_messages,
+    shown_tools,
+)
 from disagg.server.utility_routes import install_utility_routes
+
+if TYPE_CHECKING:
+    from disagg.engine.guided import GuideCompiler
 
 T = TypeVar("T")
 # Threads that parse bodies, tokenize and render templates: a few, so that a burst of big
@@ -66,6 +78,7 @@ class FrontDoor:
     metrics: ServerMetrics
     health: Callable[[], tuple[bool, dict[str, Any]]]  # (all nodes answer, the body)
     max_request_tokens: int | None = None  # a decoder's whole cache, when known
+    guides: GuideCompiler | None = None  # compiles grammars to check them (needs a tokenizer)
     created: int = field(default_factory=lambda: int(time.time()))
     executor: ThreadPoolExecutor = field(default_factory=lambda: ThreadPoolExecutor(
         WORK_THREADS, "front-door-work"))
@@ -111,36 +124,40 @@ class FrontDoor:
         return prompt
 
     def chat_ids(self, body: ChatCompletionRequest) -> list[int]:
-        """Token ids of a chat prompt: the template rendered, then tokenized (worker thread).
-        The messages' text is a lower bound on the prompt's (a template writes each message),
-        so it is checked against the context first."""
+        """Token ids of a chat prompt: the template rendered (with the tools it is offered,
+        `tool_prompt.py`), then tokenized (worker thread). The messages' text is a lower bound
+        on the prompt's (a template writes each message), so it is checked against the
+        context first."""
         template = require_chat_template(self.model_name, self.chat_template)
         assert self.tokenizer is not None  # a template comes with its tokenizer
         self.check_text_length(sum(_text_length(m.content) for m in body.messages), "messages")
-        return template.render_ids([m.model_dump(exclude_none=True) for m in body.messages],
-                                   self.tokenizer, body.add_generation_prompt,
-                                   body.allow_special_tokens)
+        messages = [m.model_dump(exclude_none=True) for m in body.messages]
+        variables: dict[str, Any] = {}
+        if body.tools:
+            messages, variables = render_tool_messages(messages, body.tools, template.source,
+                                                       body.tool_choice)
+        return template.render_ids(messages, self.tokenizer, body.add_generation_prompt,
+                                   body.allow_special_tokens, **variables)
 
-    def sampling(self, body: SamplingFields, prompt_len: int, max_tokens: int | None,
-                 param: str) -> Sampling:
-        context = self.model.max_position_embeddings
-        room = context - prompt_len
-        if room < 1:
-            raise InvalidRequest(f"the prompt has {prompt_len} tokens; the model's context is "
-                                 f"{context}", "prompt")
-        if max_tokens is not None and max_tokens > room:
-            raise InvalidRequest(f"{param}={max_tokens} does not fit: the prompt has "
-                                 f"{prompt_len} tokens and the context is {context}", param)
-        cache = self.max_request_tokens
-        if max_tokens is None:  # as many as fit: the context, and the cache when known
-            max_tokens = room if cache is None else max(1, min(room, cache - prompt_len))
-        if cache is not None and prompt_len + max_tokens > cache:
-            raise InvalidRequest(f"{prompt_len} prompt tokens + {param}={max_tokens} do not fit "
-                                 f"a decoder's KV cache of {cache} tokens", param)
-        temperature = 1.0 if body.temperature is None else body.temperature
-        return Sampling(max_tokens, temperature,
-                        1.0 if body.top_p is None else body.top_p, max(body.top_k, 0), body.seed,
-                        body.ignore_eos)
+    def params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None,
+               param: str, logprobs: int | None, guide: Guide | None) -> SamplingParams:
+        """What the decoder is asked for (worker thread: a grammar is compiled here once, to
+        refuse one the library cannot compile with a 400 before anything is submitted)."""
+        budget = Budget(self.model.max_position_embeddings, self.max_request_tokens)
+        params = sampling_params(body, budget.max_tokens(prompt_len, max_tokens, param),
+                                 self.model.vocab_size, logprobs, guide)
+        if guide is not None:
+            if body.ignore_eos:
+                raise InvalidRequest("ignore_eos cannot be combined with structured output",
+                                     "ignore_eos")
+            if self.guides is None:
+                raise InvalidRequest(f"model {self.model_name!r} has no tokenizer: structured "
+                                     "output needs one", guide_param(body) or "tool_choice")
+            try:
+                self.guides.check(guide)
+            except GuideError as error:
+                raise InvalidRequest(str(error), guide_param(body) or "tool_choice") from None
+        return params
 
 
 def _text_length(content: str | list[dict[str, Any]] | None) -> int:
@@ -175,8 +192,10 @@ def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
         check_model(door, body.model)
         stops = body.stop_strings()
         prompt = await door.off_loop(door.prompt_ids, body.single_prompt())
-        sampling = door.sampling(body, len(prompt), body.max_tokens, "max_tokens")
-        return await serve(door, request, body, prompt, stops, sampling, timings, chat=False)
+        params = await door.off_loop(door.params, body, len(prompt), body.max_tokens,
+                                     "max_tokens", body.logprobs, body.guide())
+        shape = Shape(chat=False, tokenizer=door.tokenizer, logprobs=body.logprobs is not None)
+        return await serve(door, request, body, prompt, stops, params, timings, shape)
 
     @app.post("/v1/chat/completions", openapi_extra=request_body(ChatCompletionRequest))
     async def chat_completions(request: Request) -> Response:
@@ -187,8 +206,19 @@ def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
         stops = body.stop_strings()
         prompt = await door.off_loop(door.chat_ids, body)
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        sampling = door.sampling(body, len(prompt), body.token_budget(), param)
-        return await serve(door, request, body, prompt, stops, sampling, timings, chat=True)
+        forced_call = call_guide_spec(body.tools, body.tool_choice)
+        guide = body.guide()
+        if forced_call is not None:
+            if guide is not None:
+                raise InvalidRequest(f"tool_choice {body.tool_choice!r} forces a tool call, "
+                                     "so the output cannot also follow another format",
+                                     guide_param(body))
+            guide = Guide(GuideKind.TAGGED_JSON, json.dumps(forced_call))
+        params = await door.off_loop(door.params, body, len(prompt), body.token_budget(),
+                                     param, body.num_logprobs(), guide)
+        shape = Shape(chat=True, tokenizer=door.tokenizer, logprobs=bool(body.logprobs),
+                      tools=bool(shown_tools(body.tools, body.tool_choice)))
+        return await serve(door, request, body, prompt, stops, params, timings, shape)
 
     @app.get("/v1/models")
     async def models() -> JSONResponse:
@@ -211,118 +241,3 @@ def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
 def check_model(door: FrontDoor, model: str) -> None:
     if model != door.model_name:
         raise ModelNotFound(model)
-
-
-async def serve(door: FrontDoor, request: Request, body: SamplingFields, prompt: list[int],
-                stops: list[str], sampling: Sampling, timings: Timings, chat: bool) -> Response:
-    """Submit, then stream or answer whole; every path records the request's metrics."""
-    generation = Generation(door.client.open(prompt, sampling), door.tokenizer, stops, timings)
-    envelope = responses.Envelope("chatcmpl" if chat else "cmpl", generation.stream.request_id,
-                                  door.model_name)
-    door.metrics.running.inc()
-    if body.stream:
-        return EventStream(stream_chunks(door, generation, envelope, len(prompt), chat,
-                                         body.include_usage(), body.continuous_usage()))
-    try:
-        text, ids = await until_done_or_gone(request, collect(generation))
-    except ClientGone:
-        finish(door, generation, len(prompt), "abort")
-        # Nobody reads this: nginx's "client closed request", for the access log only.
-        return Response(status_code=CLIENT_CLOSED_REQUEST)
-    except BaseException as error:
-        finish(door, generation, len(prompt), "abort" if isinstance(
-            error, asyncio.CancelledError) else "error")
-        raise
-    finish(door, generation, len(prompt), generation.finish_reason or "error")
-    reason = generation.finish_reason
-    choice = (responses.chat_choice(text, reason, ids) if chat
-              else responses.completion_choice(text, reason, ids))
-    return JSONResponse(envelope.wrap("chat.completion" if chat else "text_completion",
-                                      [choice], usage=responses.usage(
-                                          len(prompt), generation.completion_tokens,
-                                          generation.cached_tokens)))
-
-
-CLIENT_CLOSED_REQUEST = 499
-
-
-class ClientGone(Exception):
-    """The client closed its connection before the answer was ready."""
-
-
-async def collect(generation: Generation) -> tuple[str, list[int]]:
-    text, ids = "", []
-    async with contextlib.aclosing(generation.deltas()) as deltas:
-        async for delta in deltas:
-            text += delta.text
-            ids += delta.token_ids
-    return text, ids
-
-
-async def until_done_or_gone(request: Request, work: Any) -> Any:  # noqa: ANN401
-    """Run `work`; if the client disconnects first, cancel it (its cleanup aborts the request
-    in the cluster) and raise `ClientGone`."""
-    task = asyncio.ensure_future(work)
-    gone = asyncio.ensure_future(wait_disconnect(request))
-    try:
-        await asyncio.wait({task, gone}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        gone.cancel()
-    if not task.done():
-        task.cancel()
-        await asyncio.gather(task, return_exceptions=True)
-        raise ClientGone
-    return task.result()
-
-
-async def wait_disconnect(request: Request) -> None:
-    while (await request.receive())["type"] != "http.disconnect":
-        pass
-
-
-async def stream_chunks(door: FrontDoor, generation: Generation,
-                        envelope: responses.Envelope, prompt_tokens: int, chat: bool,
-                        include_usage: bool,
-                        continuous_usage: bool = False) -> AsyncGenerator[bytes, None]:
-    kind = "chat.completion.chunk" if chat else "text_completion"
-    extra: dict[str, Any] = {"usage": None} if include_usage else {}
-
-    def running_usage() -> dict[str, Any]:  # vLLM's continuous_usage_stats: usage so far
-        if include_usage and continuous_usage:
-            return {"usage": responses.usage(prompt_tokens, generation.completion_tokens,
-                                             generation.cached_tokens)}
-        return extra
-
-    reason = "abort"  # unless the loop below ends the request
-    try:
-        if chat:
-            first = responses.chat_delta({"role": "assistant", "content": ""}, None)
-            yield responses.sse(envelope.wrap(kind, [first], **running_usage()))
-        # Closed here, not left to the garbage collector: its `finally` aborts the request.
-        async with contextlib.aclosing(generation.deltas()) as deltas:
-            async for delta in deltas:
-                yield responses.sse(envelope.wrap(kind, [_stream_choice(delta, chat)],
-                                                  **running_usage()))
-        reason = generation.finish_reason or "error"
-        if include_usage:
-            yield responses.sse(envelope.wrap(kind, [], usage=responses.usage(
-                prompt_tokens, generation.completion_tokens, generation.cached_tokens)))
-        yield responses.DONE
-    except APIError as error:  # headers are sent: the error goes in the stream
-        reason = "error"
-        yield responses.sse(error.body())
-        yield responses.DONE
-    finally:  # also when a disconnect cancels the stream: the request was aborted by then
-        finish(door, generation, prompt_tokens, reason)
-
-
-def _stream_choice(delta: Delta, chat: bool) -> dict[str, Any]:
-    if not chat:
-        return responses.completion_choice(delta.text, delta.finish_reason, delta.token_ids)
-    content = {"content": delta.text} if delta.text or not delta.finish_reason else {}
-    return responses.chat_delta(content, delta.finish_reason, delta.token_ids)
-
-
-def finish(door: FrontDoor, generation: Generation, prompt_tokens: int, reason: str) -> None:
-    door.metrics.running.dec()
-    door.metrics.record(generation.timings, prompt_tokens, reason, generation.cached_tokens)

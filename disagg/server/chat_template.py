@@ -93,9 +93,10 @@ class ChatTemplate:
 
     def render_ids(self, messages: Sequence[Mapping[str, Any]], tokenizer: Tokenizer,
                    add_generation_prompt: bool = True,
-                   allow_special_tokens: bool = False) -> list[int]:
+                   allow_special_tokens: bool = False, **variables: Any) -> list[int]:
         """The prompt's ids: `encode(render(...))`, except that special-token text inside a
-        message's content stays plain text unless `allow_special_tokens`.
+        message's content stays plain text unless `allow_special_tokens`; `variables` (e.g.
+        `tools`) are passed to the template.
 
         To know which characters of the prompt came from content, the messages are rendered
         a second time with each content wrapped in two unused private-use characters. If
@@ -106,7 +107,7 @@ class ChatTemplate:
         real special tokens.
         """
         chat = validate_messages(messages)
-        text = self._render(chat, add_generation_prompt)
+        text = self._render(chat, add_generation_prompt, **variables)
         if allow_special_tokens:
             return self.encode(text, tokenizer)
         encoder = plain_text_encoder(tokenizer)
@@ -115,7 +116,8 @@ class ChatTemplate:
         wrapped = [dict(m, content=f"{begin}{m['content']}{end}") if i in has_text else m
                    for i, m in enumerate(chat)]
         try:
-            unwrapped, spans = unwrap(self._render(wrapped, add_generation_prompt), begin, end)
+            unwrapped, spans = unwrap(self._render(wrapped, add_generation_prompt, **variables),
+                                      begin, end)
         except ChatTemplateError:
             unwrapped, spans = "", []  # the template refused the wrapped content: inexact
         if unwrapped != text:

@@ -16,32 +16,22 @@ import queue
 import threading
 import uuid
 from collections.abc import AsyncIterator
-from dataclasses import dataclass
 
 from disagg.control.messages import RequestEvent, Submit
+from disagg.engine.request import RequestState, SamplingParams
 from disagg.errors import PeerClosedError
 from disagg.node.router import Router
+from disagg.node.wire_sampling import submit_fields
 from disagg.server.errors import Overloaded, Unavailable
-
-
-@dataclass(frozen=True, slots=True)
-class Sampling:
-    """What a request asks of the decoder (the `Submit` fields besides the prompt)."""
-
-    max_tokens: int
-    temperature: float = 1.0
-    top_p: float = 1.0
-    top_k: int = 0
-    seed: int | None = None
-    ignore_eos: bool = False
 
 
 class RequestStream:
     """The events of one submitted request, until a terminal one."""
 
-    def __init__(self, client: ClusterClient, request_id: str) -> None:
+    def __init__(self, client: ClusterClient, request_id: str, n: int = 1) -> None:
         self.client = client
         self.request_id = request_id
+        self.choices_left = n  # each of the `n` choices ends with a terminal event
         self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.received = False  # any event yet: the decoder has taken it
@@ -52,10 +42,21 @@ class RequestStream:
             while not self.finished:
                 event = await self.queue.get()
                 self.received = True
-                self.finished = event.state.is_terminal()
+                if event.state.is_terminal():
+                    self.choices_left -= 1
+                    # A failure ends them all (the decoder stops the others); an abort may
+                    # be of one choice (`abort_choice`).
+                    self.finished = (self.choices_left == 0
+                                     or event.state is RequestState.FINISHED_FAILED)
                 yield event
         finally:
             self.close()
+
+    def abort_choice(self, index: int) -> None:
+        """Stop one of the request's choices in the cluster (it met a stop string); its
+        terminal event still comes."""
+        if not self.finished:
+            self.client.router.abort(self.request_id, index)
 
     def close(self) -> None:
         """Stop listening; a request not finished yet is aborted in the cluster."""
@@ -89,21 +90,18 @@ class ClusterClient:
         with self._lock:
             return sum(not stream.received for stream in self._streams.values())
 
-    def open(self, prompt_token_ids: list[int], sampling: Sampling) -> RequestStream:
+    def open(self, prompt_token_ids: list[int], params: SamplingParams) -> RequestStream:
         """Admit and submit one request now (event loop thread): `Overloaded` past the
         in-flight limit, `Unavailable` with no live decoder. Iterate the stream it returns;
         leaving it unfinished (or `close()`) aborts the request in the cluster."""
         request_id = uuid.uuid4().hex  # also the response's id: chatcmpl-<this>
-        stream = RequestStream(self, request_id)
+        stream = RequestStream(self, request_id, params.n)
         with self._lock:
             if len(self._streams) >= self.max_in_flight:
                 raise Overloaded(f"{self.max_in_flight} requests are in flight; try again later")
             self._streams[request_id] = stream
-        seed = -1 if sampling.seed is None else sampling.seed
         try:
-            self.router.route(Submit(request_id, prompt_token_ids, sampling.max_tokens,
-                                      sampling.temperature, sampling.top_p, sampling.top_k,
-                                      seed, sampling.ignore_eos))
+            self.router.route(Submit(request_id, prompt_token_ids, **submit_fields(params)))
         except PeerClosedError as error:
             self.release(request_id)
             raise Unavailable(f"no decoder can take the request: {error}") from None

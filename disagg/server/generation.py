@@ -1,10 +1,12 @@
 """One request through the cluster as the HTTP layer sees it: text deltas, stop strings, the
-finish reason and the token counts, from the decoder's `RequestEvent`s.
+finish reason, log probabilities and the token counts, from the decoder's `RequestEvent`s.
 
-Text comes from `StreamDecoder` (special tokens skipped). A stop string ends the request with
-finish reason "stop": the text is cut before it, and leaving the event loop aborts the request
-in the cluster. Text that could still turn out to be the start of a stop string is held back
-until it cannot (`stop_strings.StopMatcher`, linear in the text: X5b).
+A request asks for `n` choices (parallel samples forked on the decoder, S8); each has its own
+text, stop matching and finish reason, and the request ends when every choice has. Text comes
+from `StreamDecoder` (special tokens skipped). A stop string ends its choice with finish reason
+"stop": the text is cut before it, and the choice is aborted in the cluster (the whole request
+once no choice is left). Text that could still turn out to be the start of a stop string is
+held back until it cannot (`stop_strings.StopMatcher`, linear in the text: X5b).
 """
 
 from __future__ import annotations
@@ -15,8 +17,11 @@ from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
 from disagg.control.messages import RequestEvent
+from disagg.engine.logprobs import TokenLogprob
 from disagg.engine.request import RequestState
+from disagg.errors import RequestError
 from disagg.model.loading.tokenizer import StreamDecoder, Tokenizer
+from disagg.node.wire_sampling import event_logprobs
 from disagg.server.cluster_client import RequestStream
 from disagg.server.errors import APIError, InvalidRequest, Unavailable
 from disagg.server.stop_strings import StopMatcher
@@ -38,6 +43,8 @@ class Delta:
     text: str
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # one per token, when asked
+    index: int = 0  # which choice
 
 
 @dataclass(slots=True)
@@ -51,17 +58,32 @@ class Timings:
 
 
 @dataclass(slots=True)
+class Choice:
+    """One of a request's choices, as its events arrive."""
+
+    decoder: StreamDecoder | None
+    matcher: StopMatcher
+    finish_reason: str | None = None
+
+
+@dataclass(slots=True)
 class Generation:
     """One submitted request: iterate `deltas()`; then read `completion_tokens` and
-    `finish_reason`. Timings start when the request arrived (pass its `Timings`)."""
+    `finish_reasons`. Timings start when the request arrived (pass its `Timings`)."""
 
     stream: RequestStream
     tokenizer: Tokenizer | None
     stops: list[str]
     timings: Timings = field(default_factory=Timings)
-    completion_tokens: int = 0
+    n: int = 1
+    completion_tokens: int = 0  # over every choice
     cached_tokens: int = 0  # prompt tokens the decoder found in its prefix cache
-    finish_reason: str | None = None
+    finish_reasons: list[str | None] = field(default_factory=list)
+
+    @property
+    def finish_reason(self) -> str | None:
+        """The first choice's (the only one unless `n > 1`)."""
+        return self.finish_reasons[0] if self.finish_reasons else None
 
     async def deltas(self) -> AsyncIterator[Delta]:
         try:
@@ -72,29 +94,52 @@ class Generation:
             self.stream.close()  # a stop string, an error or a client gone: abort it there
 
     async def _deltas(self) -> AsyncIterator[Delta]:
-        decoder = StreamDecoder(self.tokenizer, True) if self.tokenizer is not None else None
-        matcher = StopMatcher(self.stops)
+        choices = [Choice(StreamDecoder(self.tokenizer, True) if self.tokenizer else None,
+                          StopMatcher(self.stops)) for _ in range(self.n)]
+        self.finish_reasons = [None] * self.n
         async for event in self.stream.events():  # its own cleanup is `stream.close()`
             now = time.monotonic()
             self.timings.first_event = self.timings.first_event or now
             self.cached_tokens = max(self.cached_tokens, event.num_cached_tokens)
+            if not 0 <= event.index < self.n:
+                raise GenerationFailed(f"the decoder sent choice {event.index} of {self.n}")
+            choice = choices[event.index]
+            if choice.finish_reason is not None:
+                continue  # it met a stop string: this is its abort, or tokens before it
             self._check(event)
-            text = ""
-            for token in event.token_ids:
-                self.completion_tokens += 1
-                self.timings.token_times.append(now)
-                text += decoder.push(token) if decoder is not None else ""
-            if event.state.is_terminal() and decoder is not None:
-                text += decoder.flush()
-            text, stopped = matcher.feed(text)
-            if stopped or event.state.is_terminal():
-                self.finish_reason = "stop" if stopped else FINISH_REASONS[event.state]
+            delta = self._step(choice, event, now)
+            if delta is not None:
+                yield delta
+            if all(c.finish_reason is not None for c in choices):
                 self.timings.end = now
-                tail = "" if stopped else matcher.flush()
-                yield Delta(text + tail, list(event.token_ids), self.finish_reason)
                 return
-            if text or event.token_ids:
-                yield Delta(text, list(event.token_ids))
+
+    def _step(self, choice: Choice, event: RequestEvent, now: float) -> Delta | None:
+        """What one event adds to its choice, if anything."""
+        try:
+            logprobs = event_logprobs(event.token_ids, event.logprobs, event.top_logprob_ids,
+                                      event.top_logprobs)
+        except RequestError as error:
+            raise GenerationFailed(str(error)) from None
+        text = ""
+        for token in event.token_ids:
+            self.completion_tokens += 1
+            self.timings.token_times.append(now)
+            text += choice.decoder.push(token) if choice.decoder is not None else ""
+        if event.state.is_terminal() and choice.decoder is not None:
+            text += choice.decoder.flush()
+        text, stopped = choice.matcher.feed(text)
+        if stopped or event.state.is_terminal():
+            choice.finish_reason = "stop" if stopped else FINISH_REASONS[event.state]
+            self.finish_reasons[event.index] = choice.finish_reason
+            if stopped and self.n > 1 and not event.state.is_terminal():
+                self.stream.abort_choice(event.index)  # the others go on
+            tail = "" if stopped else choice.matcher.flush()
+            return Delta(text + tail, list(event.token_ids), choice.finish_reason, logprobs,
+                         event.index)
+        if text or event.token_ids:
+            return Delta(text, list(event.token_ids), None, logprobs, event.index)
+        return None
 
     def _check(self, event: RequestEvent) -> None:
         if event.state is RequestState.FINISHED_FAILED:

@@ -14,6 +14,7 @@ import logging
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from disagg.engine.guided import GuideCompiler
 from disagg.model.loading.registry import load_model
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.local_cluster import LocalCluster
@@ -47,8 +48,12 @@ def make_front_door(model_spec: str, router: Router, nodes: list[NodeInfo],
     name = http.model_name or model_spec
     metrics_nodes = {n.name: n.metrics_address for n in nodes if n.metrics_address}
     metrics = ServerMetrics(name, lambda: metrics_nodes, lambda: client.num_waiting)
+    guides = None  # to refuse a grammar that cannot compile before submitting it
+    if loaded.tokenizer is not None:
+        guides = GuideCompiler(loaded.tokenizer, loaded.config.vocab_size,
+                               loaded.config.eos_token_ids)
     return FrontDoor(name, loaded.config, loaded.tokenizer, template, client, metrics,
-                     lambda: check_nodes(nodes), max_request_tokens)
+                     lambda: check_nodes(nodes), max_request_tokens, guides=guides)
 
 
 def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig,

@@ -1,14 +1,13 @@
 """The OpenAI API's request bodies, validated: `/v1/completions` and `/v1/chat/completions`.
 
-Field names, types and defaults follow the OpenAI API reference. Fields we do not implement
-are accepted only at their "off" values (null, `n` 1, `logprobs` false, `logit_bias` {},
-`tools` [], `response_format` text, ...); any other value is a 400 naming the field
-(`check_supported`), so a client never gets a silently different answer (X5b). Extensions, as
-vLLM and SGLang take them: `top_k` (0 or -1: off), `ignore_eos` (load generators ask for
-exactly `max_tokens`), `stream_options.continuous_usage_stats` (usage in every chunk); other
-well-known vLLM sampling extensions are refused the same way. Unknown fields are ignored, as
-most OpenAI-compatible servers do, since clients send fields of newer API versions. Text
-that UTF-8 cannot encode (a lone surrogate) is refused naming its field.
+Field names, types, ranges and defaults follow the OpenAI API reference. Fields we do not
+implement are accepted only at their "off" values (null, `echo` false, `best_of` 1, ...); any
+other value is a 400 naming the field (`check_supported`), so a client never gets a silently
+different answer (X5b). Extensions, as vLLM and SGLang take them: `top_k` (0 or -1: off),
+`ignore_eos`, `min_tokens`, `repetition_penalty`, `stop_token_ids`, the `guided_*` grammars
+(structured output on the decoder, S8), `stream_options.continuous_usage_stats`. Unknown
+fields are ignored, as most OpenAI-compatible servers do, since clients send fields of newer
+API versions. Text that UTF-8 cannot encode (a lone surrogate) is refused naming its field.
 """
 
 from __future__ import annotations
@@ -19,13 +18,20 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from disagg.engine.guide_spec import Guide, GuideKind
+from disagg.engine.sampling_params import MAX_LOGPROBS, MAX_N
 from disagg.server.errors import InvalidRequest
 from disagg.server.stop_strings import check_stop_strings
+from disagg.server.tool_prompt import check_tools
 
 Temperature = Annotated[float, Field(ge=0.0, le=2.0)]
 TopP = Annotated[float, Field(gt=0.0, le=1.0)]
 Seed = Annotated[int, Field(ge=0, lt=2**63)]
 MaxTokens = Annotated[int, Field(ge=1)]
+Penalty = Annotated[float, Field(ge=-2.0, le=2.0)]
+Bias = Annotated[float, Field(ge=-100.0, le=100.0)]
+TokenId = Annotated[int, Field(ge=0)]
+NumLogprobs = Annotated[int, Field(ge=0, le=MAX_LOGPROBS)]
 
 
 class StreamOptions(BaseModel):
@@ -48,22 +54,23 @@ class SamplingFields(BaseModel):
     stop: str | list[str] | None = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    n: Literal[1] | None = 1
-    presence_penalty: Literal[0, 0.0] | None = None
-    frequency_penalty: Literal[0, 0.0] | None = None
-    logit_bias: dict[str, float] | None = None
+    n: Annotated[int, Field(ge=1, le=MAX_N)] | None = 1
+    presence_penalty: Penalty | None = None
+    frequency_penalty: Penalty | None = None
+    logit_bias: dict[str, Bias] | None = None  # token id (as a string) -> bias
     user: str | None = None
     ignore_eos: bool = False
-    # vLLM's sampling extensions we do not implement: accepted only as null (or their off
-    # value below), so a client that relies on one hears so.
+    # vLLM's sampling extensions.
+    repetition_penalty: Annotated[float, Field(gt=0.0, le=1e4)] | None = None
+    min_tokens: Annotated[int, Field(ge=0)] | None = None
+    stop_token_ids: list[TokenId] | None = None
+    guided_json: dict[str, Any] | str | None = None
+    guided_regex: str | None = None
+    guided_choice: Annotated[list[str], Field(min_length=1)] | None = None
+    guided_grammar: str | None = None
+    # vLLM's extensions we do not implement: accepted only as null (or their off value
+    # below), so a client that relies on one hears so.
     min_p: Literal[0, 0.0] | None = None
-    repetition_penalty: Literal[1, 1.0] | None = None
-    min_tokens: Literal[0] | None = None
-    stop_token_ids: list[int] | None = None
-    guided_json: None = None
-    guided_regex: None = None
-    guided_choice: None = None
-    guided_grammar: None = None
     use_beam_search: Literal[False] | None = None
     include_stop_str_in_output: Literal[False] | None = None
     skip_special_tokens: Literal[True] | None = None
@@ -71,13 +78,43 @@ class SamplingFields(BaseModel):
     def check_supported(self) -> None:
         """A 400 naming the first field set to a value we do not implement (the types let
         through values that only a rule across fields refuses)."""
-        if self.logit_bias:
-            _unsupported("logit_bias", "biasing tokens")
-        if self.stop_token_ids:
-            _unsupported("stop_token_ids", "stop token ids")
+        self.logit_bias_pairs()
+        self.guide()
         if self.stream_options is not None and not self.stream:
             raise InvalidRequest("stream_options is only allowed when stream is true",
                                  "stream_options")
+
+    def logit_bias_pairs(self) -> tuple[tuple[int, float], ...]:
+        """`logit_bias` as (token id, bias); its keys must be token ids."""
+        pairs = []
+        for key, bias in (self.logit_bias or {}).items():
+            if not (key.isascii() and key.isdigit()) or len(key) > 12:
+                raise InvalidRequest(f"logit_bias: the key {key[:20]!r} is not a token id",
+                                     "logit_bias")
+            pairs.append((int(key), bias))
+        return tuple(pairs)
+
+    def guide(self) -> Guide | None:
+        """The grammar the output must follow, from whichever one field asks for one."""
+        asked = {name: value for name, value in self.guides().items() if value is not None}
+        if len(asked) > 1:
+            first, second = list(asked)[:2]
+            raise InvalidRequest(f"{first} and {second} both constrain the output: use one",
+                                 second)
+        return next(iter(asked.values()), None)
+
+    def guides(self) -> dict[str, Guide | None]:
+        """Each field that can ask for a grammar, and the grammar it asks for."""
+        schema = self.guided_json
+        return {
+            "guided_json": None if schema is None else Guide(
+                GuideKind.JSON_SCHEMA, schema if isinstance(schema, str) else json.dumps(schema)),
+            "guided_regex": None if self.guided_regex is None else Guide(
+                GuideKind.REGEX, self.guided_regex),
+            "guided_choice": None if self.guided_choice is None else Guide(
+                GuideKind.CHOICE, json.dumps(self.guided_choice)),
+            "guided_grammar": None if self.guided_grammar is None else Guide(
+                GuideKind.GRAMMAR, self.guided_grammar)}
 
     def stop_strings(self) -> list[str]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -98,7 +135,7 @@ class CompletionRequest(SamplingFields):
     echo: Literal[False] | None = False
     best_of: Literal[1] | None = None
     suffix: Literal[""] | None = None
-    logprobs: None = None  # 0 is not off here: it asks for the chosen token's logprob
+    logprobs: NumLogprobs | None = None  # 0 is not off here: it asks for the chosen token's
 
     def single_prompt(self) -> str | list[int]:
         """The one prompt (a batch of prompts is refused: one request, one choice)."""
@@ -131,7 +168,7 @@ class ChatCompletionRequest(SamplingFields):
     # plain text, so a user cannot write the template's own markers; X5b).
     allow_special_tokens: bool = False
     logprobs: bool | None = None
-    top_logprobs: Literal[0] | None = None
+    top_logprobs: NumLogprobs | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: str | dict[str, Any] | None = None
     parallel_tool_calls: bool | None = None
@@ -156,15 +193,44 @@ class ChatCompletionRequest(SamplingFields):
 
     def check_supported(self) -> None:
         super().check_supported()
-        if self.logprobs:
-            _unsupported("logprobs", "log probabilities")
-        if self.tools or self.functions:
-            _unsupported("tools" if self.tools else "functions", "tool calling")
-        for name in ("tool_choice", "function_call"):
-            if getattr(self, name) not in (None, "none", "auto"):
-                _unsupported(name, "tool calling")
-        if self.response_format is not None and self.response_format != {"type": "text"}:
-            _unsupported("response_format", "structured output")
+        if self.top_logprobs and not self.logprobs:
+            raise InvalidRequest("top_logprobs needs logprobs: true", "top_logprobs")
+        check_tools(self.tools, self.tool_choice, self.parallel_tool_calls)
+        if self.functions or self.function_call is not None:
+            name = "functions" if self.functions else "function_call"
+            _unsupported(name, "the deprecated function calling (use tools)")
+
+    def num_logprobs(self) -> int | None:
+        """Top alternatives per token when log probabilities are asked for, else None."""
+        return (self.top_logprobs or 0) if self.logprobs else None
+
+    def guides(self) -> dict[str, Guide | None]:
+        return {**super().guides(), "response_format": response_format_guide(
+            self.response_format)}
+
+
+def response_format_guide(response_format: dict[str, Any] | None) -> Guide | None:
+    """OpenAI's `response_format`: text (no grammar), json_object or json_schema."""
+    if response_format is None:
+        return None
+    kind = response_format.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return Guide(GuideKind.JSON_OBJECT)
+    if kind != "json_schema":
+        raise InvalidRequest(f"response_format.type must be text, json_object or json_schema, "
+                             f"got {str(kind)[:40]!r}", "response_format.type")
+    spec = response_format.get("json_schema")
+    if not isinstance(spec, dict) or not isinstance(spec.get("name"), str):
+        raise InvalidRequest("response_format.json_schema must be an object with a name",
+                             "response_format.json_schema")
+    schema = spec.get("schema", {})
+    strict = spec.get("strict")
+    if not isinstance(schema, dict) or not isinstance(strict, bool | None):
+        raise InvalidRequest("response_format.json_schema.schema must be an object and strict "
+                             "a boolean", "response_format.json_schema")
+    return Guide(GuideKind.JSON_SCHEMA, json.dumps(schema), strict=bool(strict))
 
 
 def _unsupported(field: str, what: str) -> None:

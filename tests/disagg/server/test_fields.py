@@ -45,37 +45,66 @@ def test_off_values_are_accepted(extra: dict[str, Any]) -> None:
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
+    ({"tools": [{"type": "function", "function": {"name": "f g"}}]}, "tools[0].function.name"),
     ({"tool_choice": "required"}, "tool_choice"),
-    ({"tool_choice": {"type": "function", "function": {"name": "f"}}}, "tool_choice"),
+    ({"tool_choice": {"type": "function", "function": {"name": "f"}}},
+     "tool_choice.function.name"),
     ({"functions": [{"name": "f"}]}, "functions"),
-    ({"response_format": {"type": "json_object"}}, "response_format"),
-    ({"response_format": {"type": "json_schema", "json_schema": {}}}, "response_format"),
+    ({"response_format": {"type": "xml"}}, "response_format.type"),
+    ({"response_format": {"type": "json_schema", "json_schema": {}}},
+     "response_format.json_schema"),
+    ({"response_format": {"type": "json_object"}, "guided_regex": "a+"}, "response_format"),
     ({"stream_options": {"include_usage": True}}, "stream_options"),
-    ({"logprobs": True}, "logprobs"),
     ({"top_logprobs": 3}, "top_logprobs"),
-    ({"logit_bias": {"5": 10}}, "logit_bias"),
-    ({"n": 2}, "n"),
-    ({"presence_penalty": 0.5}, "presence_penalty"),
+    ({"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
+    ({"logit_bias": {"five": 10}}, "logit_bias"),
+    ({"logit_bias": {"5": 101}}, "logit_bias.5"),
+    ({"n": 17}, "n"),
+    ({"presence_penalty": 2.5}, "presence_penalty"),
+    ({"repetition_penalty": 0}, "repetition_penalty"),
     ({"min_p": 0.1}, "min_p"),
-    ({"repetition_penalty": 1.2}, "repetition_penalty"),
-    ({"stop_token_ids": [3]}, "stop_token_ids"),
-    ({"guided_json": {}}, "guided_json"),
+    ({"stop_token_ids": [-3]}, "stop_token_ids.0"),
+    ({"guided_choice": []}, "guided_choice"),
     ({"audio": {"voice": "x"}}, "audio"),
     ({"modalities": ["text", "audio"]}, "modalities.1"),
     ({"store": True}, "store"),
 ])
-def test_unimplemented_values_are_refused_naming_the_field(extra: dict[str, Any],
-                                                           param: str) -> None:
+def test_unimplemented_or_bad_values_are_refused_naming_the_field(extra: dict[str, Any],
+                                                                  param: str) -> None:
     assert _refused_param({**CHAT, **extra}) == param
 
 
 @pytest.mark.parametrize(("extra", "param"), [
-    ({"logprobs": 0}, "logprobs"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
+    ({"logprobs": 21}, "logprobs"), ({"echo": True}, "echo"), ({"suffix": "x"}, "suffix"),
     ({"best_of": 2}, "best_of"), ({"stream_options": {"include_usage": True}},
                                   "stream_options")])
 def test_completion_fields_refused_naming_the_field(extra: dict[str, Any], param: str) -> None:
     assert _refused_param({**COMPLETION, **extra}) == param
+
+
+def test_the_sampling_fields_reach_the_decoder() -> None:
+    """What the body asks the sampler for is what the decoder is sent (`Submit`)."""
+    def script(message: Submit) -> list[RequestEvent]:
+        return [RequestEvent(message.request_id, RequestState.FINISHED_LENGTH, [3], index=i)
+                for i in range(message.n)]
+
+    body = {**COMPLETION, "logit_bias": {"5": 10, "7": -2.5}, "n": 2, "presence_penalty": 0.5,
+            "frequency_penalty": -1, "repetition_penalty": 1.2, "min_tokens": 1,
+            "stop_token_ids": [9], "logprobs": 3, "guided_regex": "[ab]+", "seed": 7}
+    router = FakeRouter(script)
+    with running_app(router) as (address, _):
+        status, reply = post(address, "/v1/completions", body)
+    assert status == 400 and reply["error"]["param"] == "guided_regex"  # tiny: no tokenizer
+    del body["guided_regex"]
+    with running_app(router) as (address, _):
+        status, reply = post(address, "/v1/completions", body)
+    assert status == 200, reply
+    [sent] = router.submitted
+    assert (sent.logit_bias_ids, sent.logit_bias_values) == ([5, 7], [10.0, -2.5])
+    assert (sent.n, sent.presence_penalty, sent.frequency_penalty, sent.repetition_penalty,
+            sent.min_tokens, sent.stop_token_ids, sent.logprobs, sent.seed) == (
+                2, 0.5, -1.0, 1.2, 1, [9], 3, 7)
+    assert [choice["index"] for choice in reply["choices"]] == [0, 1]
 
 
 @pytest.mark.parametrize(("body", "param"), [
