@@ -10,8 +10,9 @@ allowed token, structural tokens weighted up so strings close within CAP), whose
 `json.loads` and pass `jsonschema`; a valid instance (compact and indented) must be accepted
 and an invalid one refused. Per token: mask fill, accept and the library's CPU apply over the
 vocab of 49,152. Also resident memory, whether a special token other than EOS is ever
-allowed, and schemas with keywords a library may not implement: refused, enforced (every walk
-validates) or ignored (some walk does not).
+allowed, and schemas with keywords a library may not implement: refused, enforced or ignored
+(an instance breaking only that keyword is accepted). Last, the same walks through
+`disagg.engine.guided` itself: what the sampler pays per token.
 """
 
 from __future__ import annotations
@@ -35,7 +36,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 LIBRARIES = ("xgrammar", "llguidance")
 CAP = 300  # tokens per walk
-WHITESPACE_MAX = 24  # characters in one run of JSON whitespace (indent 2, depth 11)
+WHITESPACE_MAX = 24  # as disagg/engine/guide_spec.py bounds a run of JSON whitespace
 OBJ = {"type": "object", "additionalProperties": False}
 # name -> (schema, a valid instance, an invalid instance)
 SCHEMAS: dict[str, tuple[dict[str, Any], Any, Any]] = {
@@ -57,7 +58,8 @@ SCHEMAS: dict[str, tuple[dict[str, Any], Any, Any]] = {
                  "required": ["x", "ok", "nothing", "n"]},
                 {"x": -1.5e3, "ok": False, "nothing": None, "n": 12},
                 {"x": 1, "ok": "no", "nothing": None, "n": 1}),
-    "pattern": ({**OBJ, "properties": {"code": {"type": "string", "pattern": "^[A-Z]{3}-[0-9]{3}$"}},
+    "pattern": ({**OBJ, "properties": {"code": {"type": "string",
+                                                "pattern": "^[A-Z]{3}-[0-9]{3}$"}},
                  "required": ["code"]}, {"code": "ABC-123"}, {"code": "abc-123"}),
     "optional": ({**OBJ, "properties": {"a": {"type": "integer"}, "b": {"type": "string",
                                                                          "maxLength": 6},
@@ -242,6 +244,8 @@ def measure(name: str, walks: int) -> dict[str, Any]:
     """Everything about one library, in this (fresh) process."""
     from disagg.model.loading.registry import load_model
 
+    # One torch thread: the costs per token, not how a busy machine schedules a thread pool.
+    torch.set_num_threads(1)
     loaded = load_model("smollm2-135m")
     tokenizer, vocab_size = loaded.tokenizer, loaded.config.vocab_size
     eos = list(loaded.config.eos_token_ids)
@@ -274,6 +278,17 @@ def measure(name: str, walks: int) -> dict[str, Any]:
             row["compiled_bytes"] = compiled.memory_size_bytes
         schemas[schema_name] = row
     rss_all = rss_mib()
+    # Not JSON, yet a string's content to a library that misreads it: a raw control character
+    # (JSON wants it escaped) and a chat template's special token.
+    any_object = lib.compile({"type": "object"})
+    bounded = lib.compile({"type": "object", "properties": {"x": {"type": "string",
+                                                                 "maxLength": 6}}})
+    not_json = {"raw_control_char_in_string": accepts_text(lib, any_object, tokenizer,
+                                                           '{"x": "a\x19b"}'),
+                "raw_control_char_in_maxLength_string": accepts_text(lib, bounded, tokenizer,
+                                                                     '{"x": "a\x19b"}'),
+                "im_start_token_in_string": accepts_text(lib, any_object, tokenizer,
+                                                         '{"x": "<|im_start|>"}')}
     probes = {}
     for probe, (schema, bad) in PROBES.items():
         try:
@@ -283,17 +298,48 @@ def measure(name: str, walks: int) -> dict[str, Any]:
             continue
         probes[probe] = ("IGNORED (breaking instance accepted)"
                          if accepts(lib, compiled, tokenizer, bad, None) else "enforced")
-    return {"library": name, "setup_s": setup_s, "walks_per_schema": walks,
+    module = module_us(walker, walks) if name == "llguidance" else None
+    return {"library": name, "setup_s": setup_s, "walks_per_schema": walks, "module_us": module,
             "rss_mib": {"before": rss0, "after_setup": rss_setup, "after_all": rss_all},
-            "special_allowed_steps": walker.special_allowed_steps,
+            "special_allowed_steps": walker.special_allowed_steps, "not_json_accepted": not_json,
             **{f"{kind}_us": summary(v) for kind, v in walker.us.items()},
             "schemas": schemas, "probes": probes}
 
 
+def module_us(walker: Walker, walks: int) -> dict[str, dict[str, float]]:
+    """Per token through `disagg.engine.guided` itself (llguidance underneath): mask_logits
+    (which computes allowed()) on CPU logits, then accept."""
+    from disagg.engine.guided import Guide, GuideCompiler, GuideKind
+
+    compiler = GuideCompiler(walker.tokenizer, walker.vocab_size, walker.eos)
+    us: dict[str, list[float]] = {"mask_logits": [], "accept": []}
+    for schema, _, _ in SCHEMAS.values():
+        guide = Guide(GuideKind.JSON_SCHEMA, json.dumps(schema))
+        for _ in range(walks):
+            state, steps = compiler.start(guide), 0
+            while steps < CAP and not state.is_finished:
+                logits = torch.randn(walker.vocab_size, generator=walker.generator)
+                start = time.perf_counter_ns()
+                state.mask_logits(logits)
+                us["mask_logits"].append((time.perf_counter_ns() - start) / 1e3)
+                token = int(torch.multinomial(walker.weights * state.allowed(), 1,
+                                              generator=walker.generator))
+                start = time.perf_counter_ns()
+                state.accept(token)
+                us["accept"].append((time.perf_counter_ns() - start) / 1e3)
+                steps += 1
+    return {kind: summary(v) for kind, v in us.items()}
+
+
 def accepts(lib: Any, compiled: Any, tokenizer: Any, instance: Any, indent: int | None) -> bool:
     """Whether the tokens of `instance` as json.dumps writes it are accepted, then EOS."""
+    return accepts_text(lib, compiled, tokenizer, json.dumps(instance, indent=indent))
+
+
+def accepts_text(lib: Any, compiled: Any, tokenizer: Any, text: str) -> bool:
+    """Whether the tokens of `text` (special markers as their own ids) are accepted, then EOS."""
     matcher = lib.matcher(compiled)
-    ids = tokenizer.encode(json.dumps(instance, indent=indent), add_special_tokens=False)
+    ids = tokenizer.encode(text, add_special_tokens=False)
     return all(lib.accept(matcher, i) for i in ids + list(tokenizer.eos_token_ids))
 
 
@@ -338,6 +384,15 @@ def print_table(results: list[dict[str, Any]]) -> None:
                       f"{r['rss_mib']['after_all'] - r['rss_mib']['before']:.0f}",
                       str(r["special_allowed_steps"]))
     console.print(table)
+    for r in results:
+        bad = [k for k, v in r["not_json_accepted"].items() if v]
+        console.print(f"{r['library']}: not JSON but accepted: {', '.join(bad) or 'none'}")
+    for r in results:
+        if r["module_us"]:
+            m = r["module_us"]
+            console.print(f"disagg.engine.guided over {r['library']}, per token (µs): mask_logits "
+                          f"p50 {m['mask_logits']['p50']:.0f} p99 {m['mask_logits']['p99']:.0f}, "
+                          f"accept p50 {m['accept']['p50']:.0f} p99 {m['accept']['p99']:.0f}")
     table = Table(title="keywords a library may not implement")
     table.add_column("schema")
     for r in results:
