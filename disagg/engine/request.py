@@ -3,7 +3,9 @@
 
 The one counter that matters is `num_computed_tokens`: tokens whose K/V are in this node's cache,
 whether computed here or written by a prefiller over RDMA. A request needs work whenever it is
-below `num_tokens` (prompt plus generated tokens).
+below `num_tokens` (prompt plus generated tokens). A request asking for `n > 1` samples is
+replaced, once its prompt is computed but for the last token, by `n` forks with ids
+`f"{parent_id}/{index}"` (`forking.py`); the parent then lists them in `forks`.
 """
 
 from __future__ import annotations
@@ -32,6 +34,7 @@ class RequestState(enum.Enum):
     FINISHED_ABORTED = "finished_aborted"  # the client gave up
     FINISHED_TRANSFERRED = "finished_transferred"  # prefiller: every write landed, pages freed
     FINISHED_FAILED = "finished_failed"  # a peer or transfer failed; `FailureCause` says which
+    FINISHED_FORKED = "finished_forked"  # n > 1: its forks decode instead (`forking.py`)
 
     def is_terminal(self) -> bool:
         """Whether nothing more happens to a request in this state."""
@@ -40,7 +43,8 @@ class RequestState(enum.Enum):
 
 TERMINAL_STATES = frozenset({
     RequestState.FINISHED_STOPPED, RequestState.FINISHED_LENGTH, RequestState.FINISHED_ABORTED,
-    RequestState.FINISHED_TRANSFERRED, RequestState.FINISHED_FAILED})
+    RequestState.FINISHED_TRANSFERRED, RequestState.FINISHED_FAILED,
+    RequestState.FINISHED_FORKED})
 
 
 class FailureCause(enum.Enum):
@@ -89,6 +93,10 @@ class Request:
     num_cached_tokens: int = 0
     page_digests: list[bytes] = field(default_factory=list)
     reuse_prefix: bool = True
+    # Parallel samples (`forking.py`): a fork's parent and choice index; a parent's forks.
+    parent_id: str | None = None
+    index: int = 0
+    forks: list[Request] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

@@ -1,4 +1,4 @@
-"""Continuous batching with chunked prefill under a token budget (S1, S3a, X2a).
+"""Continuous batching with chunked prefill under a token budget (S1, S3a, X2a), and forks.
 
 NOTE on the algorithm. There is no "prefill phase" or "decode phase" in the state: each request
 only has `num_computed_tokens` (K/V in the cache) and `num_tokens` (prompt plus outputs), and
@@ -13,15 +13,20 @@ a request only with every page it will need.
 With a prefix cache, a request admitted with no pages first takes the cached pages of its
 longest cached prefix and starts computing after them (never its last token: that one must run
 to be sampled); full pages are registered as soon as their tokens' KV is computed.
+A request asking for `n > 1` samples is prefilled to all but its last prompt token (a decoder's
+arrives so, S8), then replaced in place by its `n` forks (`forking.py`), which share its full
+pages; it counts as `n` sequences from admission. Forks are ordinary requests from then on.
 """
 
 from __future__ import annotations
 
 import logging
 from collections import deque
+from collections.abc import Callable
 
 from disagg.config import SchedulerConfig
 from disagg.engine.batch import Batch, ScheduledChunk
+from disagg.engine.forking import fork_request, pages_to_fork
 from disagg.engine.page_allocator import PageAllocator
 from disagg.engine.prefix_cache import ROOT
 from disagg.engine.request import Request, RequestState
@@ -34,13 +39,18 @@ class Scheduler:
     """Decides, each step, which chunk of which request runs."""
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
-                 max_model_len: int) -> None:
+                 max_model_len: int, copy_page: Callable[[int, int], None] | None = None
+                 ) -> None:
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
         self.max_model_len = max_model_len
+        # Copies a page in every KV cache (the model's, a draft head's): a fork's own copy of
+        # the partly computed last page. Without it forks compute that page's tokens again.
+        self.copy_page = copy_page
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
+        self._parents: dict[str, Request] = {}  # forked requests with a fork still live
 
     def add_request(self, request: Request) -> None:
         """Queue a request; refuse one that could never fit."""
@@ -55,10 +65,17 @@ class Scheduler:
             raise RequestError(f"request {request.request_id}: prompt of "
                                f"{request.num_prompt_tokens} tokens exceeds the limit of "
                                f"{self.max_model_len} (cache size / model context)")
-        if self._pages_for(longest - 1) > self.allocator.num_pages:
-            raise RequestError(f"request {request.request_id}: {longest} tokens need "
-                               f"{self._pages_for(longest - 1)} pages, the cache has "
-                               f"{self.allocator.num_pages}")
+        n = request.sampling_params.n if self._forks_here(request) else 1
+        if n > self.config.max_num_seqs:
+            raise RequestError(f"request {request.request_id}: n={n} samples exceed the "
+                               f"{self.config.max_num_seqs} sequences a step may hold")
+        # Every fork holds the prompt's full pages (shared) and pages of its own.
+        shared = (request.num_prompt_tokens - 1) // self.page_size
+        pages = self._pages_for(longest - 1) + (n - 1) * (self._pages_for(longest - 1) - shared)
+        if pages > self.allocator.num_pages:
+            samples = f" x {n} samples" if n > 1 else ""
+            raise RequestError(f"request {request.request_id}: {longest} tokens{samples} need "
+                               f"{pages} pages, the cache has {self.allocator.num_pages}")
 
     def has_unfinished(self) -> bool:
         """Whether any request is waiting or running."""
@@ -68,6 +85,7 @@ class Scheduler:
         """Pick this step's chunks and make sure their pages exist."""
         batch = Batch()
         budget = self.config.max_num_batched_tokens
+        self._fork_running()
         # Running requests first; iterate over a copy because preemption edits the list.
         for request in list(self.running):
             if budget == 0:
@@ -81,9 +99,14 @@ class Scheduler:
             batch.chunks.append(ScheduledChunk(request, request.num_computed_tokens, num_tokens))
             budget -= num_tokens
         # Then admit waiting requests while budget, sequence slots and pages allow.
-        while self.waiting and budget > 0 and len(self.running) < self.config.max_num_seqs:
+        while self.waiting and budget > 0:
             request = self.waiting[0]
+            if self._num_seqs() + self._seqs(request) > self.config.max_num_seqs:
+                break
             hit = self.take_cached_prefix(request)
+            if self._ready_to_fork(request):
+                self._fork_waiting(request)
+                continue
             num_tokens = self._chunk_len(request, budget)
             # A prefiller reserves a request's every page up front: its pages are written out
             # while it is still being prefilled (S3), so it must never be preempted (S4b).
@@ -184,7 +207,16 @@ class Scheduler:
         self._release(request)
 
     def abort_request(self, request_id: str) -> Request | None:
-        """Drop a request wherever it is, freeing its pages; returns it, or None if unknown."""
+        """Drop a request wherever it is, freeing its pages; returns it, or None if unknown.
+        A forked request's id aborts each of its live forks; one fork's id, that fork."""
+        parent = self._parents.get(request_id)
+        if parent is not None:
+            for fork in parent.forks:
+                if not fork.is_finished:
+                    fork.state = RequestState.FINISHED_ABORTED
+                    self._release(fork)
+            parent.state = RequestState.FINISHED_ABORTED
+            return parent
         for queue in (self.running, self.waiting):
             for request in queue:
                 if request.request_id == request_id:
@@ -212,6 +244,12 @@ class Scheduler:
             self.allocator.free(request.page_ids[keep:])
             del request.page_ids[keep:]
 
+    def forks_of(self, parent_id: str) -> list[Request]:
+        """The forks of a forked request, in choice-index order, while any of them is live;
+        [] for a request that was not forked (yet) or whose forks have all finished."""
+        parent = self._parents.get(parent_id)
+        return list(parent.forks) if parent is not None else []
+
     def detach(self, request_id: str) -> Request | None:
         """Take a request out of the schedule but leave its pages allocated (a prefiller
         whose writes may still read them frees them later, S4b)."""
@@ -225,9 +263,57 @@ class Scheduler:
     # Helpers.
 
     def _chunk_len(self, request: Request, budget: int) -> int:
-        # Draft tokens ride along after the real ones: one forward verifies them (S8).
-        remaining = request.num_tokens + len(request.spec_token_ids) - request.num_computed_tokens
-        return min(remaining, self.config.chunk_size, budget)
+        # Draft tokens ride along after the real ones: one forward verifies them (S8). A
+        # request to fork stops before its last prompt token: each fork runs that one.
+        end = (request.num_prompt_tokens - 1 if self._forks_here(request)
+               else request.num_tokens + len(request.spec_token_ids))
+        return min(end - request.num_computed_tokens, self.config.chunk_size, budget)
+
+    # Forks (`forking.py`).
+
+    def _forks_here(self, request: Request) -> bool:
+        """Whether `request` is to be forked here (a prefiller never samples, so never forks)."""
+        return request.sampling_params.n > 1 and self.config.mode != "prefill_only"
+
+    def _ready_to_fork(self, request: Request) -> bool:
+        return (self._forks_here(request)
+                and request.num_computed_tokens == request.num_prompt_tokens - 1)
+
+    def _seqs(self, request: Request) -> int:
+        return request.sampling_params.n if self._forks_here(request) else 1
+
+    def _num_seqs(self) -> int:
+        return sum(self._seqs(request) for request in self.running)
+
+    def _fork_running(self) -> None:
+        """Replace each running request that is ready to fork by its forks, in its place.
+        Short of pages for the copies, it preempts newer requests only; else it waits."""
+        for request in [r for r in self.running if self._ready_to_fork(r)]:
+            if request not in self.running:  # preempted to make room for another's forks
+                continue
+            needed = pages_to_fork(request, self.page_size, self.copy_page is not None)
+            while not self.allocator.can_allocate(needed):
+                older = self.running[:self.running.index(request) + 1]
+                victim = self._pick_victim({id(r) for r in older})
+                if victim is None:
+                    break
+                self._preempt(victim)
+            if self.allocator.can_allocate(needed):
+                at = self.running.index(request)
+                self.running[at:at + 1] = self._fork(request)
+
+    def _fork_waiting(self, request: Request) -> None:
+        """Fork a waiting request that has nothing to prefill but its last token (a 1-token
+        prompt, or all else cached): its forks wait in its place, holding no page, and each
+        takes the cached pages again when admitted."""
+        self.release_cached_prefix(request)
+        self.waiting.popleft()
+        self.waiting.extendleft(reversed(self._fork(request)))
+
+    def _fork(self, request: Request) -> list[Request]:
+        forks = fork_request(request, self.allocator, self.page_size, self.copy_page)
+        self._parents[request.request_id] = request
+        return forks
 
     def _pages_for(self, num_tokens: int) -> int:
         return -(-num_tokens // self.page_size)
@@ -276,3 +362,6 @@ class Scheduler:
             self.waiting.remove(request)
         self.allocator.free(request.page_ids)
         request.page_ids = []
+        parent = self._parents.get(request.parent_id) if request.parent_id else None
+        if parent is not None and all(fork.is_finished for fork in parent.forks):
+            del self._parents[parent.request_id]
