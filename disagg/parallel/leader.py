@@ -60,7 +60,9 @@ def start_leader(model_spec: str, config: ModelConfig, state_dict: dict[str, tor
             ranks.connect()
             shards += [PagedKVCache(shard_model, cache, rank_device(device, r), buffer=b)
                        for r, b in enumerate(ranks.kv_buffers, start=1)]
-        return TPLeader(model, local, ShardedKVCache(config, cache, sharding, shards), ranks)
+        kv_cache = ShardedKVCache(config, cache, sharding, shards,
+                                  copy_remote=ranks.copy_page if ranks else None)
+        return TPLeader(model, local, kv_cache, ranks)
     except BaseException:
         if ranks is not None:
             ranks.stop()

@@ -2,8 +2,9 @@
 
 It loads the model and keeps its shard (`model/tensor_parallel.py`), allocates its KV shard as
 shareable memory and sends the leader the fd (`shared_memory.py`), joins the node's group, then
-runs every step the leader sends down the same socket over its own heads, until told to stop. It never opens
-libfabric and never samples: the leader registers this rank's KV and posts its page writes.
+runs every step the leader sends down the same socket over its own heads (and every page copy
+of a fork, in its own shard), until told to stop. It never opens libfabric and never samples:
+the leader registers this rank's KV and posts its page writes.
 It exits when the leader's end of its stdin closes, so a leader killed with SIGKILL leaves no
 rank behind.
 """
@@ -28,7 +29,7 @@ from disagg.model.transformer import Transformer
 from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec, rank_device
 from disagg.parallel.shared_memory import create_region, send_message
-from disagg.parallel.step import receive_step, step_to
+from disagg.parallel.step import PageCopy, receive_step, step_to
 
 logger = logging.getLogger(__name__)
 
@@ -93,6 +94,9 @@ def serve_rank(spec: RankSpec) -> None:
         try:
             with torch.inference_mode():
                 while (step := receive_step(sock)) is not None:
+                    if isinstance(step, PageCopy):
+                        cache.copy_page(step.src, step.dst)
+                        continue
                     input_ids, positions, meta = step_to(step, device)
                     model(input_ids, positions, cache, meta)
         finally:

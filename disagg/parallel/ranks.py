@@ -3,9 +3,10 @@
 `TPRanks.start` runs ranks 1..N-1 as child processes (`rank_worker.py`) while the leader loads
 its own shard; `connect` then takes each rank's KV memory over a Unix socket and joins the
 group. Every step the leader sends its batch's inputs down each rank's socket before running
-its own forward, so all ranks enter each all-reduce in the same order. A rank that dies is reported once through
-`on_failure` (the node fails: its requests go elsewhere); `stop` ends every rank and leaves no
-process, fd, socket or directory behind.
+its own forward, so all ranks enter each all-reduce in the same order; a fork's page copy goes
+down the same sockets (`copy_page`). A rank that dies is reported once through `on_failure`
+(the node fails: its requests go elsewhere); `stop` ends every rank and leaves no process, fd,
+socket or directory behind.
 """
 
 from __future__ import annotations
@@ -31,7 +32,7 @@ from disagg.errors import RankError
 from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec
 from disagg.parallel.shared_memory import map_region, recv_message
-from disagg.parallel.step import Step, encode_step
+from disagg.parallel.step import PageCopy, Step, encode_step
 
 logger = logging.getLogger(__name__)
 
@@ -215,15 +216,22 @@ class TPRanks:
 
     def broadcast_step(self, step: Step) -> None:
         """Send this step's inputs to every rank (before the leader's own forward)."""
+        self._broadcast(encode_step(step), "took no step")
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Have every rank copy page `src` into `dst` in its own KV shard, after the steps
+        already sent and before the next (the leader copies its own shard itself)."""
+        self._broadcast(encode_step(PageCopy(src, dst)), f"copied no page {src} -> {dst}")
+
+    def _broadcast(self, frame: bytes, failed: str) -> None:
         if self._failed is not None:
             raise self._failed
-        frame = encode_step(step)
         for rank, channel in self._channels.items():
             try:
                 channel.sendall(frame)
             except OSError as error:
                 raise self._failed or RankError(f"TP rank {rank} of {self.spec.node_id} "
-                                                f"took no step: {error}") from error
+                                                f"{failed}: {error}") from error
 
     def stop(self) -> None:
         """Tell the ranks to stop, wait for them (kill the stuck), release everything."""

@@ -3,7 +3,9 @@
 A step goes to each rank over the Unix socket that brought the leader its KV memory: one
 pickled frame (the leader and its ranks are one program, started by it, so pickle is safe).
 Over gloo it would cost two collectives per step (a size, then the bytes), each a round trip
-through every rank; a socket write is a few microseconds. `None` tells a rank to stop.
+through every rank; a socket write is a few microseconds. `None` tells a rank to stop, and a
+`PageCopy` to copy a page in its own KV shard (a fork's tail page, `engine/forking.py`): on
+the same socket, so the copy runs between the steps it was sent between.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ import pickle
 import socket
 import struct
 from dataclasses import replace
+from typing import NamedTuple
 
 import torch
 
@@ -21,15 +24,23 @@ Step = tuple[torch.Tensor, torch.Tensor, AttentionMetadata]
 _LENGTH = struct.Struct("!Q")
 
 
-def encode_step(step: Step | None) -> bytes:
-    """`step` (its tensors moved to host memory), or `None`, as one length-prefixed frame."""
-    body = pickle.dumps(None if step is None else step_to(step, "cpu"),
-                        protocol=pickle.HIGHEST_PROTOCOL)
+class PageCopy(NamedTuple):
+    """Copy page `src` into page `dst` of the rank's KV shard, every layer, K and V."""
+
+    src: int
+    dst: int
+
+
+def encode_step(step: Step | PageCopy | None) -> bytes:
+    """`step` (its tensors moved to host memory), a `PageCopy` or `None`, as one
+    length-prefixed frame."""
+    message = step if step is None or isinstance(step, PageCopy) else step_to(step, "cpu")
+    body = pickle.dumps(message, protocol=pickle.HIGHEST_PROTOCOL)
     return _LENGTH.pack(len(body)) + body
 
 
-def receive_step(sock: socket.socket) -> Step | None:
-    """The leader's next step, or `None` (stop, or the leader is gone)."""
+def receive_step(sock: socket.socket) -> Step | PageCopy | None:
+    """The leader's next step or page copy, or `None` (stop, or the leader is gone)."""
     header = _read(sock, _LENGTH.size)
     if header is None:
         return None
