@@ -3,15 +3,18 @@ processors reach the sampler, and a speculative decoder verifies drafts under th
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
 from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig, SpeculativeConfig
-from disagg.engine.llm_engine import LLMEngine, build_engine
+from disagg.engine.guide_spec import Guide, GuideKind
+from disagg.engine.llm_engine import EngineParts, LLMEngine, build_engine, load_transformer
 from disagg.engine.request import SamplingParams
 from disagg.errors import RequestError
 from disagg.model.loading.registry import init_random_weights
-from disagg.speculative.speculator import build_speculative_engine
+from disagg.speculative.speculator import build_speculative_engine, speculative_engine
 from tests.disagg.model.test_transformer_vs_hf import make_hf_llama, random_prompts
 from tests.disagg.speculative.test_speculator import Oracle
 
@@ -129,3 +132,82 @@ def test_speculative_logprobs_equal_the_plain_engines() -> None:
     for a, b in zip(plain, spec, strict=True):
         assert abs(a.logprob - b.logprob) < LOGPROB_TOLERANCE
         assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+class SpellingGuide:
+    """A grammar that admits exactly one sequence of ids, then EOS: a stand-in for a real
+    grammar library, so the engine's use of one is tested without a tokenizer."""
+
+    def __init__(self, sequence: list[int], eos: int, vocab_size: int) -> None:
+        self.sequence, self.eos, self.vocab_size = sequence, eos, vocab_size
+        self.position = 0
+        self.finished = False
+
+    def mask_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        allowed = self.sequence[self.position] if self.position < len(self.sequence) else self.eos
+        blocked = torch.ones(self.vocab_size, dtype=torch.bool)
+        blocked[allowed] = False
+        return logits.masked_fill_(blocked, float("-inf"))
+
+    def accept(self, token_id: int) -> None:
+        expected = self.sequence[self.position] if self.position < len(self.sequence) else (
+            self.eos)
+        assert token_id == expected, f"the engine appended {token_id}, the grammar wants {expected}"
+        self.position += 1
+
+    def rollback(self, num_tokens: int) -> None:
+        assert 0 <= num_tokens <= self.position
+        self.position -= num_tokens
+
+    @property
+    def is_finished(self) -> bool:
+        return self.position > len(self.sequence)
+
+
+class SpellingCompiler:
+    def __init__(self, vocab_size: int) -> None:
+        self.vocab_size = vocab_size
+
+    def start(self, guide: object) -> SpellingGuide:
+        return SpellingGuide(json.loads(guide.spec), TINY.eos_token_ids[0], self.vocab_size)
+
+
+SPELLED = [17, 4, 99, 4, 4, 23]
+
+
+def guided_engine(spec: SpeculativeConfig | None = None) -> LLMEngine:
+    config = EngineConfig(TINY, CacheConfig(page_size=4, num_pages=256),
+                          SchedulerConfig(chunk_size=7, max_num_batched_tokens=32))
+    parts = EngineParts.build(config, load_transformer(config, TINY_WEIGHTS),
+                              SpellingCompiler(TINY.vocab_size))  # type: ignore[arg-type]
+    return LLMEngine(parts) if spec is None else speculative_engine(parts, spec)
+
+
+def test_the_grammar_masks_every_token_it_chooses() -> None:
+    """Whatever the random model prefers, the output is the grammar's, then EOS ends it."""
+    engine = guided_engine()
+    params = SamplingParams(max_tokens=20, temperature=0.9, seed=3,
+                            guide=Guide(GuideKind.REGEX, json.dumps(SPELLED)))
+    [request] = engine.generate([[5, 6, 7]], params)
+    assert request.output_token_ids == [*SPELLED, TINY.eos_token_ids[0]]
+    engine.allocator.check_invariants(expect_all_free=True)
+
+
+@pytest.mark.parametrize("wrong_every", [0, 2])
+def test_drafts_are_verified_under_the_grammar(wrong_every: int) -> None:
+    """Drafts from the grammar's own sequence, wrong at some positions: the wrong ones are
+    rejected under the mask, the grammar rolls back over every tentative draft, and the
+    output is the grammar's."""
+    engine = guided_engine(SpeculativeConfig("early-exit", 3, draft_layers=1))
+    prompt = [5, 6, 7]
+    Oracle(engine, {tuple(prompt): [*SPELLED, TINY.eos_token_ids[0]] + [1] * 8},
+           wrong_at=lambda index: bool(wrong_every) and index % wrong_every == 1)
+    params = SamplingParams(max_tokens=20, guide=Guide(GuideKind.REGEX, json.dumps(SPELLED)))
+    [request] = engine.generate([prompt], params)
+    assert request.output_token_ids == [*SPELLED, TINY.eos_token_ids[0]]
+
+
+def test_a_guided_request_without_a_compiler_is_refused() -> None:
+    engine = engine_for(TINY, TINY_WEIGHTS)
+    with pytest.raises(RequestError, match="tokenizer"):
+        engine.add_request([1, 2], SamplingParams(guide=Guide(GuideKind.JSON_OBJECT)))
