@@ -66,6 +66,7 @@ class Submit(Message):
     n: int = 1  # parallel samples: forked from one prefill on the decoder
     guide_kind: str = ""  # structured output: a `GuideKind` value, "" for none
     guide_spec: str = ""  # ... and its schema, regex, choices or grammar
+    guide_strict: bool = True  # json_schema: refuse keywords the grammar cannot enforce
 
 
 @register

@@ -31,15 +31,15 @@ def sampling_params(message: Submit) -> SamplingParams:
         repetition_penalty=message.repetition_penalty,
         logit_bias=tuple(zip(message.logit_bias_ids, message.logit_bias_values, strict=True)),
         logprobs=None if message.logprobs < 0 else message.logprobs, n=message.n,
-        guide=guide_of(message.guide_kind, message.guide_spec))
+        guide=guide_of(message.guide_kind, message.guide_spec, message.guide_strict))
 
 
-def guide_of(kind: str, spec: str) -> Guide | None:
+def guide_of(kind: str, spec: str, strict: bool = True) -> Guide | None:
     """The `Guide` a `Submit` names ("" for none)."""
     if not kind:
         return None
     try:
-        return Guide(GuideKind(kind), spec)
+        return Guide(GuideKind(kind), spec, strict)
     except ValueError:
         raise RequestError(f"guide_kind {kind!r} is not one of "
                            f"{[k.value for k in GuideKind]}") from None
@@ -59,7 +59,8 @@ def submit_fields(params: SamplingParams) -> dict[str, Any]:
             "logit_bias_values": [b for _, b in params.logit_bias],
             "logprobs": -1 if params.logprobs is None else params.logprobs, "n": params.n,
             "guide_kind": "" if guide is None else guide.kind.value,
-            "guide_spec": "" if guide is None else guide.spec}
+            "guide_spec": "" if guide is None else guide.spec,
+            "guide_strict": True if guide is None else guide.strict}
 
 
 def logprob_fields(logprob: TokenLogprob | None) -> dict[str, Any]:
