@@ -39,8 +39,8 @@ class Scheduler:
     """Decides, each step, which chunk of which request runs."""
 
     def __init__(self, config: SchedulerConfig, allocator: PageAllocator, page_size: int,
-                 max_model_len: int, copy_page: Callable[[int, int], None] | None = None
-                 ) -> None:
+                 max_model_len: int, copy_page: Callable[[int, int], None] | None = None,
+                 on_fork: Callable[[Request, list[Request]], None] | None = None) -> None:
         self.config = config
         self.allocator = allocator
         self.page_size = page_size
@@ -48,6 +48,9 @@ class Scheduler:
         # Copies a page in every KV cache (the model's, a draft head's): a fork's own copy of
         # the partly computed last page. Without it forks compute that page's tokens again.
         self.copy_page = copy_page
+        # Told (parent, forks) as forks replace their parent, before any of them samples: what
+        # keeps per-request state elsewhere (a grammar, a draft head's) starts theirs.
+        self.on_fork = on_fork
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._parents: dict[str, Request] = {}  # forked requests with a fork still live
@@ -313,6 +316,8 @@ class Scheduler:
     def _fork(self, request: Request) -> list[Request]:
         forks = fork_request(request, self.allocator, self.page_size, self.copy_page)
         self._parents[request.request_id] = request
+        if self.on_fork is not None:
+            self.on_fork(request, forks)
         return forks
 
     def _pages_for(self, num_tokens: int) -> int:

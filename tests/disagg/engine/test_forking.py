@@ -243,6 +243,22 @@ def test_a_request_prefilled_elsewhere_forks_at_the_next_schedule() -> None:
     scheduler.allocator.check_invariants(expect_all_free=True)
 
 
+def test_on_fork_is_told_the_parent_and_its_forks_once() -> None:
+    """The hook hears of the forks before any of them samples, once per forked request."""
+    forked: list[tuple[str, list[str]]] = []
+    scheduler = make_scheduler()
+    scheduler.on_fork = lambda parent, forks: forked.append(
+        (parent.request_id, [fork.request_id for fork in forks]))
+    scheduler.add_request(Request("p", [1, 2, 3], SamplingParams(n=2, ignore_eos=True)))
+    scheduler.postprocess(scheduler.schedule(), {})  # the 2 tokens before the last
+    assert forked == []
+    batch = scheduler.schedule()
+    assert forked == [("p", ["p/0", "p/1"])]
+    scheduler.postprocess(batch, {"p/0": 5, "p/1": 6})
+    scheduler.schedule()
+    assert len(forked) == 1
+
+
 def test_a_request_to_fork_counts_as_n_sequences() -> None:
     """With 4 sequences a step, n=3 and one more request run; a third waits."""
     scheduler = make_scheduler(max_num_seqs=4)
