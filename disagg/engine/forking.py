@@ -21,13 +21,16 @@ from disagg.engine.request import Request, RequestState
 CopyPage = Callable[[int, int], None]  # (src, dst): every layer's K and V, in every KV cache
 
 
+FORK_SEPARATOR = "/"  # between a forked request's id and the fork's index
+
+
 def fork_request_id(parent_id: str, index: int) -> str:
     """The id of fork `index` (OpenAI's choice index) of `parent_id`.
 
     >>> fork_request_id("req-7", 2)
     'req-7/2'
     """
-    return f"{parent_id}/{index}"
+    return f"{parent_id}{FORK_SEPARATOR}{index}"
 
 
 def fork_seed(seed: int, index: int) -> int:

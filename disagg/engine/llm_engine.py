@@ -24,6 +24,7 @@ import torch
 from disagg.config import CacheConfig, EngineConfig, ModelConfig
 from disagg.engine.batch import Batch, ForwardOutput, TokenEvent
 from disagg.engine.cuda_graphs import DecodeGraphs, useful_batch_sizes
+from disagg.engine.fork_hooks import ForkHooks
 from disagg.engine.isolation import MAX_FORWARD_FAILURES, EngineFailure, RequestIsolation
 from disagg.engine.logprobs import TokenLogprob
 from disagg.engine.model_runner import ModelRunner
@@ -73,6 +74,7 @@ class EngineParts:
     runner: ModelRunner
     isolation: RequestIsolation  # fails one request whose step raised (X5a)
     chooser: TokenChooser  # each request's next token: logits shaped, masked, sampled
+    forks: ForkHooks  # who takes part in forking an n > 1 request (plug-ins register here)
 
     @staticmethod
     def build(config: EngineConfig, model: Transformer | TPLeader,
@@ -96,7 +98,14 @@ class EngineParts:
         allocator = PageAllocator(num_request_pages, prefix_cache)
         max_model_len = min(model.config.max_position_embeddings,
                             num_request_pages * cache.page_size)
-        scheduler = Scheduler(config.scheduler, allocator, cache.page_size, max_model_len)
+        # Forks of n > 1 requests (X6c): the cache copies their last page (at TP the leader's
+        # cache has every rank copy its shard), and each fork's token choice starts afresh.
+        forks = ForkHooks()
+        chooser = TokenChooser(model.config.vocab_size, guides)
+        forks.add(copy_page=kv_cache.copy_page,
+                  on_fork=lambda _, children: [chooser.admit(child) for child in children])
+        scheduler = Scheduler(config.scheduler, allocator, cache.page_size, max_model_len,
+                              copy_page=forks.copy_page, on_fork=forks.on_fork)
         graphs = None
         if config.cuda_graph:
             graphs = DecodeGraphs(model, kv_cache, padding_page=cache.num_pages - 1,
@@ -106,8 +115,7 @@ class EngineParts:
         runner = (ModelRunner(model, leader.local_cache, ranks=leader.ranks) if leader
                   else ModelRunner(model, kv_cache, graphs))
         return EngineParts(config, model, kv_cache, allocator, scheduler, runner,
-                           RequestIsolation(scheduler),
-                           TokenChooser(model.config.vocab_size, guides))
+                           RequestIsolation(scheduler), chooser, forks)
 
 
 class LLMEngine:
@@ -211,7 +219,8 @@ class LLMEngine:
 
     def generate(self, prompts: Iterable[list[int]],
                  params: SamplingParams | None = None) -> list[Request]:
-        """Serve every prompt to completion; requests come back in prompt order."""
+        """Serve every prompt to completion; requests come back in prompt order (with `n > 1`,
+        each prompt's forks in choice order)."""
         requests = [self.add_request(prompt, params) for prompt in prompts]
         while self.has_unfinished():
             steps_before = self.num_steps
@@ -220,7 +229,7 @@ class LLMEngine:
                 # Requests wait but nothing could be scheduled: a bug, never a silent hang.
                 raise RuntimeError(f"engine made no progress ({self.allocator.num_free} pages "
                                    f"free, {len(self.scheduler.waiting)} waiting)")
-        return requests
+        return [fork for request in requests for fork in (request.forks or [request])]
 
 
 def make_kv_cache(model: ModelConfig, config: EngineConfig) -> KVCache:

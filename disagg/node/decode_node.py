@@ -34,6 +34,7 @@ from disagg.control.messages import (
     Status,
     Submit,
 )
+from disagg.engine.forking import FORK_SEPARATOR
 from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.errors import InvalidMessage, PeerClosedError, ProtocolError, RequestError
@@ -71,6 +72,7 @@ class DecodeNode(NodeBase):
         self.shutdown_requested = False
         self._channels: list[Channel] = []
         self._owners = RequestOwners()
+        self._choices_open: dict[str, int] = {}  # choices of a request whose end is unsent
         self._last_progress = 0.0
         self._prefiller_addresses = list(prefillers)  # the pool's indices, in this order
         for address in prefillers:  # a prefiller that refuses us stops the node here
@@ -243,9 +245,9 @@ class DecodeNode(NodeBase):
                 pass  # a counter fired: `run` polls the messenger next
             case FromRouter(channel, Submit() as message):
                 self._admit(channel, message)
-            case FromRouter(channel, Abort(request_id)):
+            case FromRouter(channel, Abort(request_id, choice)):
                 if self._owners.owns(channel, request_id):
-                    self._abort(request_id, "aborted by the client")
+                    self._abort(request_id, "aborted by the client", choice)
                 else:  # another connection's request, or none: not this one's to end
                     self._send(channel, Reject(f"abort of {request_id!r}: no such request "
                                                "from this connection"))
@@ -265,13 +267,25 @@ class DecodeNode(NodeBase):
             case _:
                 raise TypeError(f"decode node: no handler for {item!r}")
 
-    def _abort(self, request_id: str, detail: str) -> None:
-        """Cancel the KV transfer, or stop decoding, whichever applies."""
+    def _abort(self, request_id: str, detail: str, choice: int = -1) -> None:
+        """Cancel the KV transfer, or stop decoding, whichever applies; `choice` >= 0 stops
+        only that fork of a forked request (X6c)."""
+        scheduler = self.engine.scheduler
+        forks = scheduler.forks_of(request_id)
+        if choice >= 0:
+            if choice < len(forks) and not forks[choice].is_finished:
+                scheduler.abort_request(forks[choice].request_id)
+                self._report(forks[choice], RequestState.FINISHED_ABORTED,
+                             cause=FailureCause.ABORTED, detail=detail)
+            return  # not forked yet, or that choice already ended: nothing runs for it
         if self.messenger.abort(request_id):
             return  # reported once its pages are safe (poll -> outcome)
-        request = self.engine.scheduler.abort_request(request_id)
-        if request is not None:
-            self._report(request, RequestState.FINISHED_ABORTED, cause=FailureCause.ABORTED,
+        live = [fork for fork in forks if not fork.is_finished]
+        request = scheduler.abort_request(request_id)
+        if request is None:
+            return
+        for ended in live if request.forks else [request]:
+            self._report(ended, RequestState.FINISHED_ABORTED, cause=FailureCause.ABORTED,
                          detail=detail)
 
     def _abort_all_of(self, channel: Channel, reason: str) -> None:
@@ -284,6 +298,12 @@ class DecodeNode(NodeBase):
             self._abort(request_id, f"its router left: {reason}")
 
     def _admit(self, channel: Channel, message: Submit) -> None:
+        if FORK_SEPARATOR in message.request_id:  # forks are named <id>/<index> (X6c)
+            self._send(channel, RequestEvent(
+                message.request_id, RequestState.FINISHED_FAILED,
+                cause=FailureCause.INVALID_REQUEST,
+                detail=f"request id {message.request_id!r} contains {FORK_SEPARATOR!r}"))
+            return
         claim = self._owners.claim(message.request_id, channel)
         if claim is Claim.SAME_CONNECTION:
             # Refused by a Reject, not a RequestEvent: an event for that id would end the
@@ -310,20 +330,38 @@ class DecodeNode(NodeBase):
                                              cause=FailureCause.INVALID_REQUEST,
                                              detail=str(error)))
             return
+        self._choices_open[request.request_id] = params.n  # each ends with its own event
         if not request.is_finished:  # one that failed at once is reported with its cause
             self._report(request, request.state)
 
     def _report(self, request: Request, state: RequestState, token_ids: list[int] | None = None,
                 detail: str = "", **kv: Any) -> None:
-        channel = self._owners.owner(request.request_id)
+        """Tell the request's router; a fork reports as its parent, with its choice index.
+        A request of `n` choices ends with one terminal event per choice: one that ends
+        before it forked sends all `n` here."""
+        request_id = request.parent_id or request.request_id
+        channel = self._owners.owner(request_id)
         if channel is None:
+            self._choices_open.pop(request_id, None)
             return
-        received, _ = self.messenger.received_writes(request.request_id)
-        self._send(channel, RequestEvent(request.request_id, state, token_ids or [],
-                                         kv_writes_received=received, detail=detail,
-                                         num_cached_tokens=request.num_cached_tokens, **kv))
-        if state.is_terminal():
-            self._owners.release(request.request_id)
+        received, _ = self.messenger.received_writes(request_id)
+        n = request.sampling_params.n
+        unforked_end = state.is_terminal() and request.parent_id is None and n > 1
+        for index in range(n) if unforked_end else [request.index]:
+            self._send(channel, RequestEvent(request_id, state, token_ids or [],
+                                             kv_writes_received=received, detail=detail,
+                                             num_cached_tokens=request.num_cached_tokens,
+                                             index=index, **kv))
+        if not state.is_terminal():
+            return
+        left = 0 if unforked_end else self._choices_open.get(request_id, 1) - 1
+        self._choices_open[request_id] = left
+        if state is RequestState.FINISHED_FAILED and request.parent_id is not None:
+            # One choice failed: the request has failed, so its other choices stop.
+            self._abort(request_id, f"choice {request.index} of the request failed: {detail}")
+        if left == 0 and request_id in self._owners:  # its last choice ended
+            del self._choices_open[request_id]
+            self._owners.release(request_id)
             self.metrics.inc("requests_total", state=state.value)
 
     def _report_progress(self) -> None:

@@ -141,7 +141,7 @@ class Router:
                 tokens = self._tokens.get(event.request_id)
                 if tokens is not None:
                     tokens += event.token_ids
-                if event.state.is_terminal() and self._choice_ended(event.request_id):
+                if event.state.is_terminal() and self._choice_ended(event):
                     if self._owner.pop(event.request_id, None) is not None:
                         self.in_flight[index] -= 1
                     self._tokens.pop(event.request_id, None)
@@ -150,11 +150,13 @@ class Router:
                         self.index.add(index, page_digests(tokens[:-1], self.index.page_size))
             self.events.put(event)
 
-    def _choice_ended(self, request_id: str) -> bool:
-        """Count one choice's terminal event (lock held): whether it was the request's last.
-        A decoder ends each of a request's `n` choices with one (S8: forked samples)."""
+    def _choice_ended(self, event: RequestEvent) -> bool:
+        """Count one choice's terminal event (lock held): whether the request has ended. A
+        decoder ends each of a request's `n` choices with one (X6c); a failure ends them all
+        (the decoder stops the others)."""
+        request_id = event.request_id
         left = self._choices_left.get(request_id, 1) - 1
-        if left > 0:
+        if left > 0 and event.state is not RequestState.FINISHED_FAILED:
             self._choices_left[request_id] = left
             return False
         self._choices_left.pop(request_id, None)

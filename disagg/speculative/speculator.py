@@ -16,6 +16,7 @@ what the MTP head starts from.
 
 from __future__ import annotations
 
+import dataclasses
 import weakref
 from dataclasses import dataclass
 
@@ -74,6 +75,9 @@ class Speculator:
         # A verified chunk's logits, until its accepted tokens are recorded (`_record`).
         self._verified_rows: weakref.WeakKeyDictionary[Request, torch.Tensor] = (
             weakref.WeakKeyDictionary())
+        # Forks of an n > 1 request (X6c) copy the head's pages and start where it stood.
+        parts.forks.add(copy_page=None if self.kv_cache is None else self.kv_cache.copy_page,
+                        on_fork=self._on_fork)
 
     def on_batch(self, batch: Batch) -> None:
         """Before the forward: drop drafts the scheduler did not fit (token budget, chunk size,
@@ -168,6 +172,12 @@ class Speculator:
         request.num_draft_tokens += len(drafts)
         request.num_accepted_tokens += len(token_ids) - 1
         return token_ids
+
+    def _on_fork(self, parent: Request, forks: list[Request]) -> None:
+        """Each fork's MTP head stands where the parent's stood (its pages were copied)."""
+        if isinstance(self.proposer, MTPProposer) and parent in self.proposer.states:
+            for fork in forks:
+                self.proposer.states[fork] = dataclasses.replace(self.proposer.states[parent])
 
     def _record(self, request: Request, token_ids: list[int]) -> None:
         """Tell the chooser which verified tokens were appended, with their rows' logits."""

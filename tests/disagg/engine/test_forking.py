@@ -30,8 +30,8 @@ def make_engine(kv_layout: str = "NHD", prefix_caching: bool = False, copy: bool
     cache = CacheConfig(PAGE, num_pages, kv_layout, prefix_caching=prefix_caching)
     engine = build_engine(EngineConfig(MODEL, cache, SchedulerConfig(
         chunk_size=8, max_num_batched_tokens=16)), WEIGHTS)
-    if copy:  # what `EngineParts.build` is to pass the scheduler
-        engine.scheduler.copy_page = engine.kv_cache.copy_page
+    if not copy:  # a scheduler without a page copier (`EngineParts.build` always has one)
+        engine.scheduler.copy_page = None
     return engine
 
 

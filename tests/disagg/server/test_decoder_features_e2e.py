@@ -5,6 +5,7 @@ tool-call round trip, and response objects exactly of the OpenAI API's types."""
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Iterator
 from typing import Any
 
@@ -214,3 +215,49 @@ def test_streamed_tool_calls_equal_the_whole_answer(server: Server) -> None:
         (c["function"]["name"], c["function"]["arguments"])
         for c in whole["message"]["tool_calls"]]
     assert chunks[-1].choices[0].finish_reason == "tool_calls" == whole["finish_reason"]
+
+
+def test_n_choices_are_forks_of_one_request(server: Server) -> None:
+    """n = 3 greedy: three equal choices; seeded sampling: choice 0 is the unforked request's
+    and the others differ; usage counts every choice; the decoder's pages all come back. (One
+    prefill and one transfer: tests/disagg/node/test_parallel_samples.py.)"""
+    prompt = "List three fruits:"
+    greedy = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                              temperature=0, n=3)
+    strictly(Completion, greedy.model_dump(exclude_unset=True))
+    assert [c.index for c in greedy.choices] == [0, 1, 2]
+    assert len({c.text for c in greedy.choices}) == 1
+    assert greedy.usage.completion_tokens == sum(
+        len(c.model_extra["token_ids"]) for c in greedy.choices)
+    sampled = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                               temperature=1.0, seed=5, n=3)
+    alone = server.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12,
+                                             temperature=1.0, seed=5)
+    assert sampled.choices[0].text == alone.choices[0].text
+    assert len({c.text for c in sampled.choices}) > 1
+    assert decoder_pages_in_use(server) == 0
+
+
+def test_n_choices_stream_with_their_index_and_stop_alone(server: Server) -> None:
+    """Streamed n = 2 sampled: chunks carry each choice's index; a stop string ends its
+    choice alone (its fork is aborted on the decoder), the other goes on."""
+    stream = server.client.completions.create(model=MODEL, prompt="Count: 1, 2,", n=2,
+                                              max_tokens=20, temperature=1.0, seed=3,
+                                              stop=[","], stream=True)
+    reasons: dict[int, str] = {}
+    for chunk in stream:
+        for choice in chunk.choices:
+            if choice.finish_reason:
+                reasons[choice.index] = choice.finish_reason
+    assert set(reasons) == {0, 1}
+    assert decoder_pages_in_use(server) == 0
+
+
+def decoder_pages_in_use(server: Server) -> float:
+    for _ in range(50):  # the decoder frees a request's pages as it reports its end
+        used = sum(v for k, v in server.metrics().items()
+                   if "kv_pages_in_use" in k and "decode" in k)
+        if used == 0:
+            return 0
+        time.sleep(0.1)
+    return used
