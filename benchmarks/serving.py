@@ -9,7 +9,10 @@ through `GET /health`); the front door process and this client are not pinned: t
 those cores, and the result says how much CPU each used. Each token's time is the arrival of
 the stream chunk that carried it (a chunk's `token_ids` extension lists its tokens).
 `--stream steady` replays instead the schedule of the in-process benchmark (benchmarks/disagg.py),
-whose goal is read in its steady window (a decode batch of about constant size).
+whose goal is read in its steady window (a decode batch of about constant size). Mode
+"disagg-json" is "disagg" with every request under a JSON schema (`guided_json`, an array of
+integers that can run to `max_tokens`): the decoder masks every token (S8), so its tokens/s
+beside "disagg" is the cost of the mask.
 Run: `python benchmarks/serving.py [--model tiny] [--out serving.json]` (defaults: ~3.5 min).
 """
 
@@ -42,7 +45,13 @@ from serving_report import print_table, summarize  # noqa: E402
 
 # Same allocator settings as benchmarks/disagg.py (see MALLOC_TUNING there), for comparability.
 MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
-MODE_FLAGS = {"disagg": ["--prefillers", "1", "--decoders", "1"], "mixed": ["--mixed", "2"]}
+MODE_FLAGS = {"disagg": ["--prefillers", "1", "--decoders", "1"], "mixed": ["--mixed", "2"],
+              "disagg-json": ["--prefillers", "1", "--decoders", "1"]}
+# What each mode's requests add to their body (structured output: the decoder's mask).
+JSON_NUMBERS = {"type": "object", "properties": {"values": {"type": "array",
+                                                            "items": {"type": "integer"}}},
+                "required": ["values"], "additionalProperties": False}
+MODE_BODY: dict[str, dict[str, Any]] = {"disagg-json": {"guided_json": JSON_NUMBERS}}
 
 
 @dataclass(frozen=True, slots=True)
@@ -149,7 +158,8 @@ class Server:
             return self.process.wait()
 
 
-async def send(client: openai.AsyncOpenAI, arrival: Arrival, start: float) -> Observed:
+async def send(client: openai.AsyncOpenAI, arrival: Arrival, start: float,
+               extra_body: dict[str, Any] | None = None) -> Observed:
     """Wait for the request's time, stream it, note when each token came."""
     seen = Observed(arrival)
     await asyncio.sleep(max(0.0, start + arrival.at_s - time.perf_counter()))
@@ -157,7 +167,8 @@ async def send(client: openai.AsyncOpenAI, arrival: Arrival, start: float) -> Ob
     try:
         stream = await client.completions.create(
             model="bench", prompt=arrival.prompt, max_tokens=arrival.max_tokens,
-            temperature=0, stream=True, stream_options={"include_usage": True})
+            temperature=0, stream=True, stream_options={"include_usage": True},
+            extra_body=extra_body)
         async for chunk in stream:
             now = time.perf_counter() - start
             if chunk.usage is not None:
@@ -173,17 +184,17 @@ async def send(client: openai.AsyncOpenAI, arrival: Arrival, start: float) -> Ob
     return seen
 
 
-async def replay(url: str, stream: list[Arrival], warmup: int, timeout_s: float
-                 ) -> tuple[list[Observed], float]:
+async def replay(url: str, stream: list[Arrival], warmup: int, timeout_s: float,
+                 extra_body: dict[str, Any] | None = None) -> tuple[list[Observed], float]:
     """A few warm-up requests at once (not counted), then the stream; (requests, wall s)."""
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                   timeout=timeout_s) as client:
         short = next((a for a in stream if a.kind == "short"), stream[0])
         await asyncio.gather(*[send(client, Arrival(0.0, "warmup", short.prompt, 4),
-                                    time.perf_counter()) for _ in range(warmup)])
+                                    time.perf_counter(), extra_body) for _ in range(warmup)])
         start = time.perf_counter()
         seen = await asyncio.wait_for(
-            asyncio.gather(*[send(client, a, start) for a in stream]), timeout_s)
+            asyncio.gather(*[send(client, a, start, extra_body) for a in stream]), timeout_s)
         return list(seen), time.perf_counter() - start
 
 
@@ -196,7 +207,8 @@ def run_mode(args: argparse.Namespace, mode: str, stream: list[Arrival]) -> dict
             quiet = wait_for_quiet(list(pids.values()), args.quiet_wait_s)
             meters = {name: CpuMeter([pid]) for name, pid in pids.items()}
             machine = CpuMeter(list(pids.values()))
-            observed, wall = asyncio.run(replay(server.url, stream, args.warmup, args.timeout_s))
+            observed, wall = asyncio.run(replay(server.url, stream, args.warmup, args.timeout_s,
+                                                MODE_BODY.get(mode)))
             ncpu = os.cpu_count() or 1
             cpu = {name: meter.read()["ours"] * ncpu for name, meter in meters.items()}
             cpu["others"] = machine.read()["others"] * ncpu
@@ -216,7 +228,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--model", default="smollm2-135m", help="smollm2-135m, tiny, small or a checkpoint dir")
     add("--stream", choices=["poisson", "steady"], default="poisson",
         help="poisson: the seeded stream below; steady: the in-process benchmark's schedule")
-    add("--modes", nargs="+", choices=["disagg", "mixed"], default=["disagg", "mixed"])
+    add("--modes", nargs="+", choices=list(MODE_FLAGS), default=["disagg", "mixed"],
+        help="disagg-json: disagg under a JSON schema (the structured-output mask's cost)")
     add("--rate", type=float, default=0.5, help="mean arrivals per second (Poisson)")
     add("--num-requests", type=int, default=40)
     add("--seed", type=int, default=0)

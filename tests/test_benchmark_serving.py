@@ -149,3 +149,13 @@ def test_benchmark_runs_both_modes_and_reports_every_key(tmp_path: Path) -> None
     assert result["modes"]["disagg"]["affinity"] == {"prefill-0": [0], "decode-0": [1]}
     assert result["modes"]["mixed"]["affinity"] == {"mixed-0": [0], "mixed-1": [1]}
     assert set(result["goal"]) >= {"disagg_itl_p99_over_p50", "target", "met"}
+
+
+def test_the_json_mode_is_disagg_under_a_schema_that_can_fill_max_tokens() -> None:
+    """"disagg-json" runs the disagg cluster, every request under a JSON schema whose array
+    has no end of its own (so the mask, not the schema, is what differs)."""
+    args = serving.parse_args(["--modes", "disagg", "disagg-json"])
+    assert args.modes == ["disagg", "disagg-json"]
+    assert serving.MODE_FLAGS["disagg-json"] == serving.MODE_FLAGS["disagg"]
+    schema = serving.MODE_BODY["disagg-json"]["guided_json"]
+    assert "maxItems" not in schema["properties"]["values"]
