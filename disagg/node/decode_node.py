@@ -12,7 +12,8 @@ to the routers. Built, with its engine and messenger, by `builder.build_node`.
 A request belongs to the router connection that submitted it (X5d, `request_owners.py`): only
 that connection can abort it, the same id from another connection is refused to that
 connection alone, and when a connection ends (the router left, or was cut off for not reading,
-X5c) its requests are aborted: nothing decodes for nobody.
+X5c) its requests are aborted: nothing decodes for nobody. What the routers hear, fork by fork
+for a request of `n` choices (X6c), is `router_reports.py`'s.
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ from disagg.node.base import Inbox, NodeBase, Wake
 from disagg.node.decode_inbox import FromPrefiller, FromRouter, PrefillerGone, RouterGone
 from disagg.node.node_metrics import decode_metrics
 from disagg.node.prefiller_link import PrefillerBack, Reconnector
-from disagg.node.request_owners import Claim, RequestOwners
+from disagg.node.request_owners import Claim
+from disagg.node.router_reports import RouterReports
 from disagg.node.wire_sampling import logprob_fields, sampling_params
 from disagg.utils.trace import Tracer
 from transfer_core.transport import Transport
@@ -71,8 +73,9 @@ class DecodeNode(NodeBase):
         self._stop = threading.Event()
         self.shutdown_requested = False
         self._channels: list[Channel] = []
-        self._owners = RequestOwners()
-        self._choices_open: dict[str, int] = {}  # choices of a request whose end is unsent
+        self._reports = RouterReports(
+            lambda request_id: self.messenger.received_writes(request_id)[0],
+            lambda state: self.metrics.inc("requests_total", state=state.value))
         self._last_progress = 0.0
         self._prefiller_addresses = list(prefillers)  # the pool's indices, in this order
         for address in prefillers:  # a prefiller that refuses us stops the node here
@@ -122,7 +125,7 @@ class DecodeNode(NodeBase):
     def _read_router(self, channel: Channel) -> None:
         """Reader thread of one router connection (`_start_accepting` closes it after); the
         router hears this node's `Status` first, and heartbeats from then on."""
-        self._send(channel, self._status)  # before it is on the heartbeat list: first
+        self._reports.send(channel, self._status)  # before it is on the heartbeat list: first
         self._routers.append(channel)
         reason = "its reader thread failed"  # kept if an exception escapes (it propagates)
         try:
@@ -133,7 +136,7 @@ class DecodeNode(NodeBase):
                     self._refuse_message(channel, error)
                     continue
                 except ProtocolError as error:
-                    self._send(channel, Reject(str(error)))
+                    self._reports.send(channel, Reject(str(error)))
                     reason = f"protocol error: {error}"
                     return
                 except PeerClosedError as error:
@@ -141,11 +144,11 @@ class DecodeNode(NodeBase):
                     return
                 if isinstance(message, Shutdown) and (refusal := self._shutdown_refusal(channel)):
                     logger.warning("%s: %s", channel.peer, refusal)
-                    self._send(channel, Reject(refusal))
+                    self._reports.send(channel, Reject(refusal))
                 elif isinstance(message, Submit | Abort | Shutdown):
                     self.inbox.put(FromRouter(channel, message))
                 else:
-                    self._send(channel, Reject(f"unexpected {type(message).__name__}"))
+                    self._reports.send(channel, Reject(f"unexpected {type(message).__name__}"))
         finally:
             self._routers.remove(channel)
             self.inbox.put(RouterGone(channel, reason))
@@ -154,12 +157,12 @@ class DecodeNode(NodeBase):
         """A router's message we cannot take: fail its request (if it named a new one), else
         say why; the router's other requests go on."""
         request_id = error.request_id
-        if request_id is not None and request_id not in self._owners:
-            self._send(channel, RequestEvent(request_id, RequestState.FINISHED_FAILED,
+        if request_id is not None and request_id not in self._reports.owners:
+            self._reports.send(channel, RequestEvent(request_id, RequestState.FINISHED_FAILED,
                                              cause=FailureCause.INVALID_REQUEST,
                                              detail=str(error)))
         else:
-            self._send(channel, Reject(str(error)))
+            self._reports.send(channel, Reject(str(error)))
 
     def peer_view(self) -> dict[str, Any]:
         """Its prefillers, each alive or not as this decoder sees them (for `/health`, read
@@ -182,7 +185,7 @@ class DecodeNode(NodeBase):
         logger.warning("%s new requests (%s)", "taking" if alive else "refusing",
                        self._status.reason or "a prefiller is back")
         for channel in list(self._routers):
-            self._send(channel, self._status)
+            self._reports.send(channel, self._status)
 
     def run(self) -> None:
         """The engine loop, until `stop()` or a Shutdown message."""
@@ -246,10 +249,10 @@ class DecodeNode(NodeBase):
             case FromRouter(channel, Submit() as message):
                 self._admit(channel, message)
             case FromRouter(channel, Abort(request_id, choice)):
-                if self._owners.owns(channel, request_id):
+                if self._reports.owners.owns(channel, request_id):
                     self._abort(request_id, "aborted by the client", choice)
                 else:  # another connection's request, or none: not this one's to end
-                    self._send(channel, Reject(f"abort of {request_id!r}: no such request "
+                    self._reports.send(channel, Reject(f"abort of {request_id!r}: no such request "
                                                "from this connection"))
             case RouterGone(channel, reason):
                 self._abort_all_of(channel, reason)
@@ -290,7 +293,7 @@ class DecodeNode(NodeBase):
 
     def _abort_all_of(self, channel: Channel, reason: str) -> None:
         """A router connection ended: abort every request it submitted (X5d)."""
-        mine = self._owners.owned_by(channel)
+        mine = self._reports.owners.owned_by(channel)
         if mine:
             logger.warning("router %s left (%s): aborting its %d requests", channel.peer,
                            reason, len(mine))
@@ -299,20 +302,20 @@ class DecodeNode(NodeBase):
 
     def _admit(self, channel: Channel, message: Submit) -> None:
         if FORK_SEPARATOR in message.request_id:  # forks are named <id>/<index> (X6c)
-            self._send(channel, RequestEvent(
+            self._reports.send(channel, RequestEvent(
                 message.request_id, RequestState.FINISHED_FAILED,
                 cause=FailureCause.INVALID_REQUEST,
                 detail=f"request id {message.request_id!r} contains {FORK_SEPARATOR!r}"))
             return
-        claim = self._owners.claim(message.request_id, channel)
+        claim = self._reports.owners.claim(message.request_id, channel)
         if claim is Claim.SAME_CONNECTION:
             # Refused by a Reject, not a RequestEvent: an event for that id would end the
             # request already in flight, as far as its router can tell.
-            self._send(channel, Reject(f"request {message.request_id!r} is already in flight "
+            self._reports.send(channel, Reject(f"request {message.request_id!r} is already in flight "
                                        "on this decoder"))
             return
         if claim is Claim.OTHER_CONNECTION:  # only this connection hears of it (X5d)
-            self._send(channel, RequestEvent(
+            self._reports.send(channel, RequestEvent(
                 message.request_id, RequestState.FINISHED_FAILED,
                 cause=FailureCause.INVALID_REQUEST,
                 detail=f"request id {message.request_id!r} is in flight from another "
@@ -325,44 +328,21 @@ class DecodeNode(NodeBase):
             self.engine.chooser.admit(request)  # its grammar compiled before any KV moves
             self.messenger.admit(request)
         except RequestError as error:
-            self._owners.release(message.request_id)
-            self._send(channel, RequestEvent(message.request_id, RequestState.FINISHED_FAILED,
+            self._reports.owners.release(message.request_id)
+            self._reports.send(channel, RequestEvent(message.request_id, RequestState.FINISHED_FAILED,
                                              cause=FailureCause.INVALID_REQUEST,
                                              detail=str(error)))
             return
-        self._choices_open[request.request_id] = params.n  # each ends with its own event
+        self._reports.opened(request.request_id, params.n)  # each ends with its own event
         if not request.is_finished:  # one that failed at once is reported with its cause
             self._report(request, request.state)
 
     def _report(self, request: Request, state: RequestState, token_ids: list[int] | None = None,
                 detail: str = "", **kv: Any) -> None:
-        """Tell the request's router; a fork reports as its parent, with its choice index.
-        A request of `n` choices ends with one terminal event per choice: one that ends
-        before it forked sends all `n` here."""
-        request_id = request.parent_id or request.request_id
-        channel = self._owners.owner(request_id)
-        if channel is None:
-            self._choices_open.pop(request_id, None)
-            return
-        received, _ = self.messenger.received_writes(request_id)
-        n = request.sampling_params.n
-        unforked_end = state.is_terminal() and request.parent_id is None and n > 1
-        for index in range(n) if unforked_end else [request.index]:
-            self._send(channel, RequestEvent(request_id, state, token_ids or [],
-                                             kv_writes_received=received, detail=detail,
-                                             num_cached_tokens=request.num_cached_tokens,
-                                             index=index, **kv))
-        if not state.is_terminal():
-            return
-        left = 0 if unforked_end else self._choices_open.get(request_id, 1) - 1
-        self._choices_open[request_id] = left
-        if state is RequestState.FINISHED_FAILED and request.parent_id is not None:
+        if self._reports.report(request, state, token_ids, detail, **kv):
             # One choice failed: the request has failed, so its other choices stop.
-            self._abort(request_id, f"choice {request.index} of the request failed: {detail}")
-        if left == 0 and request_id in self._owners:  # its last choice ended
-            del self._choices_open[request_id]
-            self._owners.release(request_id)
-            self.metrics.inc("requests_total", state=state.value)
+            self._abort(request.parent_id or request.request_id,
+                        f"choice {request.index} of the request failed: {detail}")
 
     def _report_progress(self) -> None:
         now = time.monotonic()
@@ -371,12 +351,6 @@ class DecodeNode(NodeBase):
         self._last_progress = now
         for pending in self.messenger.pending.values():
             self._report(pending.request, RequestState.WAITING_FOR_KV)
-
-    def _send(self, channel: Channel, message: Any) -> None:
-        try:
-            channel.send(message)
-        except PeerClosedError:
-            logger.info("router %s is gone", channel.peer)
 
     def check_clean(self) -> None:
         """Assert nothing is left behind: no request, transfer context, page or counter."""
