@@ -2,16 +2,20 @@
 
 Stores a 10-token request in three scattered pages of a tiny model's cache, reads it back in
 order, and shows why HND lets a tensor-parallel rank move its heads of a page in one write while
-NHD needs one write per token. Pairs with docs/tutorials/01-paged-kv-cache.md.
+NHD needs one write per token. Then forks one prompt into n = 3 streams that share its pages
+(X6c). Pairs with docs/tutorials/01-paged-kv-cache.md.
 """
 
 from __future__ import annotations
 
 import torch
 
-from disagg.config import CacheConfig, ModelConfig
+from disagg.config import CacheConfig, EngineConfig, ModelConfig, SchedulerConfig
+from disagg.engine.llm_engine import build_engine
 from disagg.engine.page_allocator import PageAllocator
+from disagg.engine.request import SamplingParams
 from disagg.model.kv_cache import PagedKVCache
+from disagg.model.loading.registry import init_random_weights
 
 
 def main() -> None:
@@ -41,6 +45,26 @@ def main() -> None:
         runs = cache.page_segments(0, page_ids[0], head_start=0, head_end=2)
         print(f"  heads 0-1 of one page: {len(runs)} runs of {runs[0].nbytes} bytes")
         allocator.free(page_ids)
+    forks()
+
+
+def forks() -> None:
+    """n = 3 answers to one 14-token prompt: computed once, then three forks that share its
+    full pages (a reference each) and each own a copy of the partly filled last one."""
+    model = ModelConfig.from_name("tiny")
+    engine = build_engine(EngineConfig(model, CacheConfig(page_size=4, num_pages=64),
+                                       SchedulerConfig(chunk_size=16, max_num_batched_tokens=16)),
+                          init_random_weights(model))
+    parent = engine.add_request(list(range(3, 17)),
+                                SamplingParams(max_tokens=4, n=3, temperature=1.0, seed=0))
+    while not parent.forks:
+        engine.step()
+    for fork in parent.forks:
+        refs = [engine.allocator.refcount(page) for page in fork.page_ids]
+        print(f"{fork.request_id}: pages {fork.page_ids}, references {refs}")
+    while engine.has_unfinished():
+        engine.step()
+    assert engine.allocator.num_used == 0  # every fork let go of every page
 
 
 if __name__ == "__main__":
