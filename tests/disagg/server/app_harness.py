@@ -1,8 +1,8 @@
 """The HTTP app in this process, in front of a scripted stand-in for the cluster's router.
 
 `FakeRouter` offers what `ClusterClient` uses of `Router` (submit, abort, alive, events);
-each submitted request gets the events its script returns, or none until the test sends
-them. The app runs under the front door's own HTTP server (`http_server.py`, uvicorn with its
+each submitted request gets the events its script returns (for each of its `n` choices, when
+the script speaks for one), or none until the test sends them. The app runs under the front door's own HTTP server (`http_server.py`, uvicorn with its
 limits) on a free port in a thread.
 """
 
@@ -15,6 +15,7 @@ import queue
 import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from dataclasses import replace
 
 from disagg.config import PRESETS
 from disagg.control.messages import Abort, RequestEvent, Submit
@@ -40,12 +41,16 @@ class FakeRouter:
         if not any(self.alive):
             raise PeerClosedError("no decoder is alive")
         self.submitted.append(message)
-        for event in self.script(message) if self.script else []:
+        events = self.script(message) if self.script else []
+        if message.n > 1 and all(event.index == 0 for event in events):
+            # A script written for one choice: every fork of the request says the same.
+            events = [replace(event, index=i) for event in events for i in range(message.n)]
+        for event in events:
             self.events.put(event)
         return 0
 
-    def abort(self, request_id: str) -> bool:
-        self.aborted.append(Abort(request_id).request_id)
+    def abort(self, request_id: str, choice: int = -1) -> bool:
+        self.aborted.append(Abort(request_id, choice).request_id)
         return True
 
     def close(self) -> None:

@@ -85,8 +85,7 @@ def test_completion_fields_refused_naming_the_field(extra: dict[str, Any], param
 def test_the_sampling_fields_reach_the_decoder() -> None:
     """What the body asks the sampler for is what the decoder is sent (`Submit`)."""
     def script(message: Submit) -> list[RequestEvent]:
-        return [RequestEvent(message.request_id, RequestState.FINISHED_LENGTH, [3], index=i)
-                for i in range(message.n)]
+        return [RequestEvent(message.request_id, RequestState.FINISHED_LENGTH, [3])]
 
     body = {**COMPLETION, "logit_bias": {"5": 10, "7": -2.5}, "n": 2, "presence_penalty": 0.5,
             "frequency_penalty": -1, "repetition_penalty": 1.2, "min_tokens": 1,
