@@ -217,7 +217,8 @@ def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
         params = await door.off_loop(door.params, body, len(prompt), body.token_budget(),
                                      param, body.num_logprobs(), guide)
         shape = Shape(chat=True, tokenizer=door.tokenizer, logprobs=bool(body.logprobs),
-                      tools=bool(shown_tools(body.tools, body.tool_choice)))
+                      tools=bool(shown_tools(body.tools, body.tool_choice)),
+                      one_call=body.parallel_tool_calls is False)
         return await serve(door, request, body, prompt, stops, params, timings, shape)
 
     @app.get("/v1/models")

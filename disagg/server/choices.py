@@ -28,6 +28,7 @@ class Shape:
     tokenizer: TokenText | None = None
     logprobs: bool = False  # the request asked for log probabilities
     tools: bool = False  # tools were offered: parse calls out of the answer
+    one_call: bool = False  # parallel_tool_calls false: the first call only
 
     def logprob_object(self, logprobs: list[TokenLogprob], text_offset: int = 0
                        ) -> dict[str, Any] | None:
@@ -64,6 +65,7 @@ class WholeChoice:
         reason = self.reason
         if shape.tools:
             content, calls = parse_tool_calls(self.text)
+            calls = calls[:1] if shape.one_call else calls
             if calls:
                 message = {"role": "assistant", "content": content, "tool_calls": calls}
                 reason = finish_reason(len(calls), reason)
@@ -102,6 +104,9 @@ class StreamedChoice:
         if reason is not None:
             pieces += self._calls.flush()
             reason = finish_reason(self._calls.num_calls, reason)
+        if shape.one_call:
+            pieces = [p for p in pieces if "tool_calls" not in p
+                      or p["tool_calls"][0]["index"] == 0]
         if not pieces:
             pieces = [{}]  # the tokens' ids and logprobs still go out, or the finish reason
         return [responses.chat_delta(piece, reason if i == len(pieces) - 1 else None,
