@@ -10,9 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Callable
 
+from disagg.engine.forking import CopyPage
 from disagg.engine.request import Request
 
-CopyPage = Callable[[int, int], None]  # (src, dst) page ids
 OnFork = Callable[[Request, list[Request]], None]  # (parent, its forks in index order)
 
 

@@ -180,7 +180,14 @@ class GuideCompiler:
                 self._cache.move_to_end(key)
                 return self._cache[key]
         # Compile outside the lock (llguidance drops the GIL for it); a race compiles twice.
-        matcher = llguidance.LLMatcher(self._tokenizer, grammar_of(guide), log_level=0)
+        try:
+            matcher = llguidance.LLMatcher(self._tokenizer, grammar_of(guide), log_level=0)
+        except GuideError:
+            raise
+        except Exception as error:  # the library's own checks raise more than one kind (a
+            # 400-digit integer in a schema is a ValueError, a bad "x-guidance" a TypeError)
+            raise GuideError(f"{guide.kind.value}: {type(error).__name__}: "
+                             f"{str(error)[:_MAX_ERROR]}") from None
         if matcher.is_error():
             raise GuideError(f"{guide.kind.value}: {matcher.get_error()[:_MAX_ERROR]}")
         with self._lock:

@@ -14,7 +14,7 @@ import math
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from disagg.errors import RequestError
+from disagg.errors import GuideError, RequestError
 
 if TYPE_CHECKING:
     from disagg.engine.guide_spec import Guide
@@ -24,6 +24,9 @@ MAX_N = 16  # parallel samples of one prompt
 MAX_LOGPROBS = 20  # OpenAI's limit on top_logprobs
 MAX_LOGIT_BIAS = 100.0  # OpenAI's range for a bias: [-100, 100]
 MAX_PENALTY = 2.0  # OpenAI's range for presence and frequency penalties: [-2, 2]
+# A grammar is compiled on the decoder's engine thread at admission: a 48 KiB schema takes
+# about 50 ms there, so longer specs are refused rather than stall every running request.
+MAX_GUIDE_CHARS = 32 * 1024
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +81,9 @@ class SamplingParams:
             raise RequestError(f"logprobs must be in [0, {MAX_LOGPROBS}], got {self.logprobs}")
         if not 1 <= self.n <= MAX_N:
             raise RequestError(f"n must be in [1, {MAX_N}], got {self.n}")
+        if self.guide is not None and len(self.guide.spec) > MAX_GUIDE_CHARS:
+            raise GuideError(f"the structured-output spec has {len(self.guide.spec)} "
+                             f"characters; at most {MAX_GUIDE_CHARS} are compiled")
 
     @property
     def processes_logits(self) -> bool:

@@ -25,7 +25,7 @@ from disagg.engine.logits_processors import process_logits
 from disagg.engine.logprobs import TokenLogprob, token_logprob
 from disagg.engine.request import Request
 from disagg.engine.sampling import sample_token
-from disagg.errors import RequestError
+from disagg.errors import GuideError, RequestError
 
 if TYPE_CHECKING:
     from disagg.engine.guided import GuideCompiler, GuideState
@@ -68,7 +68,13 @@ class TokenChooser:
                                    "node has none")
             if params.ignore_eos:  # a grammar ends with EOS: ignoring it cannot be followed
                 raise RequestError("ignore_eos cannot be combined with structured output")
-            choices.guide = self.guides.start(params.guide)
+            try:
+                choices.guide = self.guides.start(params.guide)
+            except RequestError:
+                raise
+            except Exception as error:  # a spec no check foresaw must not stop the node (X5a)
+                raise GuideError(f"{params.guide.kind.value}: {type(error).__name__}: "
+                                 f"{error}"[:300]) from None
         self._choices[request] = choices
 
     def choose(self, request: Request, logits: torch.Tensor) -> int:

@@ -158,9 +158,9 @@ class DecodeNode(NodeBase):
         say why; the router's other requests go on."""
         request_id = error.request_id
         if request_id is not None and request_id not in self._reports.owners:
-            self._reports.send(channel, RequestEvent(request_id, RequestState.FINISHED_FAILED,
-                                             cause=FailureCause.INVALID_REQUEST,
-                                             detail=str(error)))
+            self._reports.send(channel, RequestEvent(
+                request_id, RequestState.FINISHED_FAILED, cause=FailureCause.INVALID_REQUEST,
+                detail=str(error)))
         else:
             self._reports.send(channel, Reject(str(error)))
 
@@ -252,8 +252,8 @@ class DecodeNode(NodeBase):
                 if self._reports.owners.owns(channel, request_id):
                     self._abort(request_id, "aborted by the client", choice)
                 else:  # another connection's request, or none: not this one's to end
-                    self._reports.send(channel, Reject(f"abort of {request_id!r}: no such request "
-                                               "from this connection"))
+                    self._reports.send(channel, Reject(
+                        f"abort of {request_id!r}: no such request from this connection"))
             case RouterGone(channel, reason):
                 self._abort_all_of(channel, reason)
             case FromRouter(_, Shutdown()):
@@ -311,8 +311,8 @@ class DecodeNode(NodeBase):
         if claim is Claim.SAME_CONNECTION:
             # Refused by a Reject, not a RequestEvent: an event for that id would end the
             # request already in flight, as far as its router can tell.
-            self._reports.send(channel, Reject(f"request {message.request_id!r} is already in flight "
-                                       "on this decoder"))
+            self._reports.send(channel, Reject(
+                f"request {message.request_id!r} is already in flight on this decoder"))
             return
         if claim is Claim.OTHER_CONNECTION:  # only this connection hears of it (X5d)
             self._reports.send(channel, RequestEvent(
@@ -329,9 +329,9 @@ class DecodeNode(NodeBase):
             self.messenger.admit(request)
         except RequestError as error:
             self._reports.owners.release(message.request_id)
-            self._reports.send(channel, RequestEvent(message.request_id, RequestState.FINISHED_FAILED,
-                                             cause=FailureCause.INVALID_REQUEST,
-                                             detail=str(error)))
+            self._reports.send(channel, RequestEvent(
+                message.request_id, RequestState.FINISHED_FAILED,
+                cause=FailureCause.INVALID_REQUEST, detail=str(error)))
             return
         self._reports.opened(request.request_id, params.n)  # each ends with its own event
         if not request.is_finished:  # one that failed at once is reported with its cause

@@ -139,7 +139,7 @@ class Router:
                 continue
             with self._lock:
                 tokens = self._tokens.get(event.request_id)
-                if tokens is not None:
+                if tokens is not None and event.index == 0:  # choice 0's is what it caches
                     tokens += event.token_ids
                 if event.state.is_terminal() and self._choice_ended(event):
                     if self._owner.pop(event.request_id, None) is not None:

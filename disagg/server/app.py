@@ -140,11 +140,22 @@ class FrontDoor:
                                    body.allow_special_tokens, **variables)
 
     def params(self, body: SamplingFields, prompt_len: int, max_tokens: int | None,
-               param: str, logprobs: int | None, guide: Guide | None) -> SamplingParams:
-        """What the decoder is asked for (worker thread: a grammar is compiled here once, to
-        refuse one the library cannot compile with a 400 before anything is submitted)."""
+               param: str, logprobs: int | None,
+               forced_call: dict[str, Any] | None = None) -> SamplingParams:
+        """What the decoder is asked for (worker thread: the grammar is built and compiled here
+        once, to refuse one the library cannot compile with a 400 before anything is
+        submitted). `forced_call`: the tagged-JSON spec of a tool call the request forces."""
+        guide = body.guide()
+        if forced_call is not None:
+            if guide is not None:
+                raise InvalidRequest(f"tool_choice {getattr(body, 'tool_choice', None)!r} "
+                                     "forces a tool call, so the output cannot also follow "
+                                     "another format", guide_param(body))
+            guide = Guide(GuideKind.TAGGED_JSON, json.dumps(forced_call))
+        where = guide_param(body) or "tool_choice"
         budget = Budget(self.model.max_position_embeddings, self.max_request_tokens)
-        params = sampling_params(body, budget.max_tokens(prompt_len, max_tokens, param),
+        params = sampling_params(body, budget.max_tokens(prompt_len, max_tokens, param,
+                                                         body.n or 1),
                                  self.model.vocab_size, logprobs, guide)
         if guide is not None:
             if body.ignore_eos:
@@ -152,11 +163,11 @@ class FrontDoor:
                                      "ignore_eos")
             if self.guides is None:
                 raise InvalidRequest(f"model {self.model_name!r} has no tokenizer: structured "
-                                     "output needs one", guide_param(body) or "tool_choice")
+                                     "output needs one", where)
             try:
                 self.guides.check(guide)
             except GuideError as error:
-                raise InvalidRequest(str(error), guide_param(body) or "tool_choice") from None
+                raise InvalidRequest(str(error), where) from None
         return params
 
 
@@ -193,7 +204,7 @@ def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
         stops = body.stop_strings()
         prompt = await door.off_loop(door.prompt_ids, body.single_prompt())
         params = await door.off_loop(door.params, body, len(prompt), body.max_tokens,
-                                     "max_tokens", body.logprobs, body.guide())
+                                     "max_tokens", body.logprobs)
         shape = Shape(chat=False, tokenizer=door.tokenizer, logprobs=body.logprobs is not None)
         return await serve(door, request, body, prompt, stops, params, timings, shape)
 
@@ -206,16 +217,9 @@ def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
         stops = body.stop_strings()
         prompt = await door.off_loop(door.chat_ids, body)
         param = "max_completion_tokens" if body.max_completion_tokens else "max_tokens"
-        forced_call = call_guide_spec(body.tools, body.tool_choice)
-        guide = body.guide()
-        if forced_call is not None:
-            if guide is not None:
-                raise InvalidRequest(f"tool_choice {body.tool_choice!r} forces a tool call, "
-                                     "so the output cannot also follow another format",
-                                     guide_param(body))
-            guide = Guide(GuideKind.TAGGED_JSON, json.dumps(forced_call))
         params = await door.off_loop(door.params, body, len(prompt), body.token_budget(),
-                                     param, body.num_logprobs(), guide)
+                                     param, body.num_logprobs(),
+                                     call_guide_spec(body.tools, body.tool_choice))
         shape = Shape(chat=True, tokenizer=door.tokenizer, logprobs=bool(body.logprobs),
                       tools=bool(shown_tools(body.tools, body.tool_choice)),
                       one_call=body.parallel_tool_calls is False)

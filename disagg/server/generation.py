@@ -104,6 +104,8 @@ class Generation:
             if not 0 <= event.index < self.n:
                 raise GenerationFailed(f"the decoder sent choice {event.index} of {self.n}")
             choice = choices[event.index]
+            if event.state is RequestState.FINISHED_FAILED:
+                self._check(event)  # a failure is the request's, whichever choice it names
             if choice.finish_reason is not None:
                 continue  # it met a stop string: this is its abort, or tokens before it
             self._check(event)
@@ -113,6 +115,10 @@ class Generation:
             if all(c.finish_reason is not None for c in choices):
                 self.timings.end = now
                 return
+        # The events ended (the cluster ended the request) with a choice still open.
+        raise GenerationFailed(f"the cluster ended the request with choices "
+                               f"{[i for i, c in enumerate(choices) if c.finish_reason is None]} "
+                               "unfinished")
 
     def _step(self, choice: Choice, event: RequestEvent, now: float) -> Delta | None:
         """What one event adds to its choice, if anything."""

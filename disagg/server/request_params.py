@@ -26,8 +26,9 @@ class Budget:
     context: int
     cache: int | None = None
 
-    def max_tokens(self, prompt_len: int, asked: int | None, param: str) -> int:
-        """`asked` checked against the room the prompt leaves, or as many as fit."""
+    def max_tokens(self, prompt_len: int, asked: int | None, param: str, n: int = 1) -> int:
+        """`asked` checked against the room the prompt leaves, or as many as fit. The `n`
+        choices share the prompt's pages and each needs its own for its tokens (X6c)."""
         room = self.context - prompt_len
         if room < 1:
             raise InvalidRequest(f"the prompt has {prompt_len} tokens; the model's context is "
@@ -37,10 +38,11 @@ class Budget:
                                  f"tokens and the context is {self.context}", param)
         cache = self.cache
         if asked is None:  # as many as fit: the context, and the cache when known
-            return room if cache is None else max(1, min(room, cache - prompt_len))
-        if cache is not None and prompt_len + asked > cache:
-            raise InvalidRequest(f"{prompt_len} prompt tokens + {param}={asked} do not fit "
-                                 f"a decoder's KV cache of {cache} tokens", param)
+            return room if cache is None else max(1, min(room, (cache - prompt_len) // n))
+        if cache is not None and prompt_len + n * asked > cache:
+            choices = f" for each of n={n} choices" if n > 1 else ""
+            raise InvalidRequest(f"{prompt_len} prompt tokens + {param}={asked}{choices} do not "
+                                 f"fit a decoder's KV cache of {cache} tokens", param)
         return asked
 
 
@@ -72,7 +74,7 @@ def sampling_params(body: SamplingFields, max_tokens: int, vocab_size: int,
             repetition_penalty=body.repetition_penalty or 1.0, logit_bias=bias,
             logprobs=logprobs, n=body.n or 1, guide=guide)
     except GuideError as error:
-        raise InvalidRequest(str(error), guide_param(body)) from None
+        raise InvalidRequest(str(error), guide_param(body) or "tools") from None
     except RequestError as error:  # the body's types let through what the engine refuses
         raise InvalidRequest(str(error)) from None
 

@@ -284,3 +284,16 @@ def test_states_of_one_guide_are_independent(compiler: GuideCompiler,
     accept_text(first, smollm2_model.tokenizer, '{"a"')
     assert not torch.equal(first.allowed(), second.allowed())
     assert torch.equal(second.allowed(), compiler.start(guide).allowed())
+
+
+@pytest.mark.parametrize("spec", [
+    Guide(GuideKind.JSON_SCHEMA, '{"type": "integer", "maximum": ' + "9" * 400 + "}"),
+    Guide(GuideKind.TAGGED_JSON, '{"begin": "<", "schema": {"x-guidance": 3}, "end": ">"}'),
+], ids=["huge-integer", "bad-x-guidance"])
+def test_what_the_library_itself_chokes_on_is_a_guide_error(compiler: GuideCompiler,
+                                                             spec: Guide) -> None:
+    """The library raises ValueError or TypeError for these: they must be GuideErrors (a 400
+    at the front door, a refused request at a decoder), never an exception that stops a
+    node."""
+    with pytest.raises(GuideError):
+        compiler.check(spec)

@@ -9,7 +9,7 @@ from typing import Any
 import pytest
 
 from disagg.control.messages import RequestEvent, Submit
-from disagg.engine.request import RequestState
+from disagg.engine.request import FailureCause, RequestState
 from disagg.model.loading.tokenizer import Tokenizer
 from disagg.server.errors import InvalidRequest
 from disagg.server.protocol import ChatCompletionRequest, CompletionRequest, parse_body
@@ -145,3 +145,18 @@ def test_explicit_nulls_and_off_values_serve_over_http() -> None:
     with running_app(FakeRouter(script)) as (address, _):
         status, reply = post(address, "/v1/completions", body)
     assert status == 200, reply
+
+
+def test_a_failure_after_a_choice_ended_is_not_a_success() -> None:
+    """n = 2: choice 0 ends, then the decoder dies (the router's failure names no choice):
+    the answer is an error, never 200 with choice 1 missing."""
+    def script(message: Submit) -> list[RequestEvent]:
+        return [RequestEvent(message.request_id, RequestState.FINISHED_LENGTH, [3], index=0),
+                RequestEvent(message.request_id, RequestState.RUNNING, [4], index=1),
+                RequestEvent(message.request_id, RequestState.FINISHED_FAILED,
+                             cause=FailureCause.DECODER_DIED, detail="decoder 0 died")]
+
+    with running_app(FakeRouter(script)) as (address, _):
+        status, reply = post(address, "/v1/completions", {**COMPLETION, "n": 2})
+    assert status == 500 and reply["error"]["code"] == "decoder_died"
+
