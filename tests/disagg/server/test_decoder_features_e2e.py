@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Iterator
 from typing import Any
 
 import jsonschema
@@ -24,7 +23,8 @@ from disagg.engine.llm_engine import EngineParts, LLMEngine, load_transformer
 from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import LoadedModel
 from disagg.server.chat_template import ChatTemplate
-from tests.disagg.server.test_openai_e2e import Server, start_server, stop_server
+from tests.disagg.server.test_openai_e2e import Server
+from tests.disagg.server.test_openai_text import server  # noqa: F401 (the SmolLM2 cluster)
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
@@ -50,14 +50,6 @@ TOOLS = [{"type": "function", "function": {
     "name": "get_weather", "description": "The weather in a city today",
     "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
                    "required": ["city"], "additionalProperties": False}}}]
-
-
-@pytest.fixture(scope="module")
-def server() -> Iterator[Server]:
-    running = start_server("--model", MODEL, "--page-size", "16", "--num-pages", "256",
-                           "--chunk-size", "64")
-    yield running
-    stop_server(running)
 
 
 def strictly(kind: type[BaseModel], payload: dict[str, Any]) -> BaseModel:

@@ -161,7 +161,7 @@ def test_sse_framing_is_data_lines_then_done(server: Server) -> None:
     (b'{"model": "tiny", "prompt": [1], "max_tokens": 5000}', "max_tokens", "context"),
     (b'{"model": "tiny", "prompt": [99999]}', "prompt", "vocabulary"),
     (b'{"model": "tiny", "prompt": "text"}', "prompt", "no tokenizer"),
-    (b'{"model": "tiny", "prompt": [1], "n": 2}', "n", "1"),
+    (b'{"model": "tiny", "prompt": [1], "n": 17}', "n", "16"),
     (b'{"model": "gpt-9", "prompt": [1]}', "model", "does not exist"),
     (b'{"model": "tiny"}', "prompt", "required"),
 ])
