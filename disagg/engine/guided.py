@@ -164,6 +164,11 @@ class GuideCompiler:
         unsupported schema keyword, a bad regex, an unknown grammar rule...)."""
         self._compiled(guide)
 
+    def is_compiled(self, guide: Guide) -> bool:
+        """Whether `guide`'s grammar is in the cache (`start` is then a copy, microseconds)."""
+        with self._lock:
+            return (guide.kind, guide.spec, guide.strict) in self._cache
+
     def start(self, guide: Guide) -> GuideState:
         """A fresh matcher for one request, at the start of `guide`'s grammar."""
         compiled = self._compiled(guide)

@@ -9,12 +9,18 @@ structured output, penalties and logprobs live on the decoder alone and a prefil
 whatever a request asks. Drafts are verified under the same rules (S8): row j of a speculative
 chunk is shaped as if the first j drafts had been accepted, grammar included, and a draft the
 grammar forbids has probability 0, so it is never accepted.
+
+A grammar not compiled yet compiles on the chooser's own thread while the request's KV
+arrives (or, on a single node, while it prefills), so the engine thread never waits on a
+compile at admission; the request's first sampled token waits for it if it must. A grammar
+that fails there fails its request alone (X5a); the front door has compiled it before (a 400).
 """
 
 from __future__ import annotations
 
 import dataclasses
 import weakref
+from concurrent.futures import Future, ThreadPoolExecutor
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -28,6 +34,7 @@ from disagg.engine.sampling import sample_token
 from disagg.errors import GuideError, RequestError
 
 if TYPE_CHECKING:
+    from disagg.engine.guide_spec import Guide
     from disagg.engine.guided import GuideCompiler, GuideState
 
 
@@ -36,6 +43,7 @@ class Choices:
     """What one request's choices so far left behind."""
 
     guide: GuideState | None = None
+    compiling: Future[GuideState] | None = None  # the grammar, until it is ready
     logprobs: list[TokenLogprob] = field(default_factory=list)  # one per output token
 
 
@@ -48,6 +56,7 @@ class TokenChooser:
         self.guides = guides
         self._choices: weakref.WeakKeyDictionary[Request, Choices] = (
             weakref.WeakKeyDictionary())
+        self._compiler: ThreadPoolExecutor | None = None  # started by the first compile
 
     def admit(self, request: Request) -> None:
         """Check what `request` asks against this node and start its grammar; a
@@ -68,13 +77,12 @@ class TokenChooser:
                                    "node has none")
             if params.ignore_eos:  # a grammar ends with EOS: ignoring it cannot be followed
                 raise RequestError("ignore_eos cannot be combined with structured output")
-            try:
-                choices.guide = self.guides.start(params.guide)
-            except RequestError:
-                raise
-            except Exception as error:  # a spec no check foresaw must not stop the node (X5a)
-                raise GuideError(f"{params.guide.kind.value}: {type(error).__name__}: "
-                                 f"{error}"[:300]) from None
+            if self.guides.is_compiled(params.guide):
+                choices.guide = self._start(params.guide)
+            else:
+                if self._compiler is None:
+                    self._compiler = ThreadPoolExecutor(1, "grammar-compile")
+                choices.compiling = self._compiler.submit(self._start, params.guide)
         self._choices[request] = choices
 
     def choose(self, request: Request, logits: torch.Tensor) -> int:
@@ -94,7 +102,7 @@ class TokenChooser:
         output_ids = [*request.output_token_ids, *drafted]
         shaped = process_logits(logits, params, request.prompt_token_ids, output_ids,
                                 request.eos_token_ids)
-        guide = self._get(request).guide
+        guide = self._guide(request)
         if guide is None:
             return shaped
         masked = guide.mask_logits(shaped)
@@ -112,7 +120,7 @@ class TokenChooser:
         (verification stops there: that draft has probability 0)."""
         if not request.sampling_params.processes_logits:
             return rows
-        guide = self._get(request).guide
+        guide = self._guide(request)
         shaped: list[torch.Tensor] = []
         advanced = 0  # drafts the grammar accepted so far, rolled back at the end
         try:
@@ -135,8 +143,9 @@ class TokenChooser:
         """`token_id` was chosen from ``[vocab_size]`` raw `logits`: advance the grammar and
         keep its log probability if the request asks for them."""
         choices = self._get(request)
-        if choices.guide is not None:
-            choices.guide.accept(token_id)
+        guide = self._guide(request)
+        if guide is not None:
+            guide.accept(token_id)
         k = request.sampling_params.logprobs
         if k is not None:
             choices.logprobs.append(token_logprob(logits, token_id, k))
@@ -144,6 +153,24 @@ class TokenChooser:
     def logprobs(self, request: Request) -> list[TokenLogprob]:
         """One per output token, for a request that asks for them (else empty)."""
         return self._get(request).logprobs
+
+    def _start(self, guide: Guide) -> GuideState:
+        assert self.guides is not None
+        try:
+            return self.guides.start(guide)
+        except RequestError:
+            raise
+        except Exception as error:  # a spec no check foresaw must not stop the node (X5a)
+            raise GuideError(f"{guide.kind.value}: {type(error).__name__}: "
+                             f"{error}"[:300]) from None
+
+    def _guide(self, request: Request) -> GuideState | None:
+        """The request's grammar, once compiled (a GuideError if it could not be)."""
+        choices = self._get(request)
+        if choices.compiling is not None:
+            choices.guide = choices.compiling.result()  # a failed compile raises each time
+            choices.compiling = None
+        return choices.guide
 
     def _get(self, request: Request) -> Choices:
         choices = self._choices.get(request)

@@ -4,6 +4,7 @@ processors reach the sampler, and a speculative decoder verifies drafts under th
 from __future__ import annotations
 
 import json
+import threading
 
 import pytest
 import torch
@@ -165,21 +166,35 @@ class SpellingGuide:
 
 
 class SpellingCompiler:
+    """Never has a grammar cached: each one "compiles" on the chooser's thread, waiting for
+    `release` (set by default), or raising for the spec "fail"."""
+
     def __init__(self, vocab_size: int) -> None:
         self.vocab_size = vocab_size
+        self.release = threading.Event()
+        self.release.set()
+
+    def is_compiled(self, guide: object) -> bool:
+        return False
 
     def start(self, guide: object) -> SpellingGuide:
+        assert threading.current_thread() is not threading.main_thread(), (
+            "a grammar compiled on the engine's thread")
+        self.release.wait(10)
+        if guide.spec == "fail":
+            raise ValueError("the library chokes on this spec")
         return SpellingGuide(json.loads(guide.spec), TINY.eos_token_ids[0], self.vocab_size)
 
 
 SPELLED = [17, 4, 99, 4, 4, 23]
 
 
-def guided_engine(spec: SpeculativeConfig | None = None) -> LLMEngine:
+def guided_engine(spec: SpeculativeConfig | None = None,
+                  compiler: SpellingCompiler | None = None) -> LLMEngine:
     config = EngineConfig(TINY, CacheConfig(page_size=4, num_pages=256),
                           SchedulerConfig(chunk_size=7, max_num_batched_tokens=32))
     parts = EngineParts.build(config, load_transformer(config, TINY_WEIGHTS),
-                              SpellingCompiler(TINY.vocab_size))  # type: ignore[arg-type]
+                              compiler or SpellingCompiler(TINY.vocab_size))  # type: ignore[arg-type]
     return LLMEngine(parts) if spec is None else speculative_engine(parts, spec)
 
 
@@ -211,3 +226,31 @@ def test_a_guided_request_without_a_compiler_is_refused() -> None:
     engine = engine_for(TINY, TINY_WEIGHTS)
     with pytest.raises(RequestError, match="tokenizer"):
         engine.add_request([1, 2], SamplingParams(guide=Guide(GuideKind.JSON_OBJECT)))
+
+
+def test_admission_does_not_wait_for_a_grammar_to_compile() -> None:
+    """The compile runs on the chooser's thread: admitting returns at once, the request's
+    first sampled token waits for it, and the output is the grammar's."""
+    compiler = SpellingCompiler(TINY.vocab_size)
+    compiler.release.clear()  # the compile cannot finish until the test says so
+    engine = guided_engine(compiler=compiler)
+    params = SamplingParams(max_tokens=20, guide=Guide(GuideKind.REGEX, json.dumps(SPELLED)))
+    request = engine.add_request([5, 6, 7], params)  # returns: it did not compile here
+    assert not request.output_token_ids
+    compiler.release.set()
+    while engine.has_unfinished():
+        engine.step()
+    assert request.output_token_ids == [*SPELLED, TINY.eos_token_ids[0]]
+
+
+def test_a_grammar_that_fails_to_compile_fails_its_request_alone() -> None:
+    engine = guided_engine()
+    bad = engine.add_request([5, 6, 7], SamplingParams(
+        max_tokens=4, guide=Guide(GuideKind.REGEX, "fail")))
+    good = engine.add_request([5, 6, 8], SamplingParams(max_tokens=4, ignore_eos=True))
+    while engine.has_unfinished():
+        engine.step()
+    [failure] = engine.take_failures()
+    assert failure.request is bad and "chokes" in failure.detail
+    assert len(good.output_token_ids) == 4
+    engine.allocator.check_invariants(expect_all_free=True)
