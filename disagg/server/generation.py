@@ -64,6 +64,8 @@ class Choice:
     decoder: StreamDecoder | None
     matcher: StopMatcher
     finish_reason: str | None = None
+    decoded: int = 0  # characters decoded so far (some may be held back by the matcher)
+    emitted: int = 0  # characters sent so far
 
 
 @dataclass(slots=True)
@@ -127,14 +129,20 @@ class Generation:
                                       event.top_logprobs)
         except RequestError as error:
             raise GenerationFailed(str(error)) from None
-        text = ""
+        text, ends = "", []  # where each token's text ends in the choice's text
         for token in event.token_ids:
             self.completion_tokens += 1
             self.timings.token_times.append(now)
             text += choice.decoder.push(token) if choice.decoder is not None else ""
+            ends.append(choice.decoded + len(text))
         if event.state.is_terminal() and choice.decoder is not None:
             text += choice.decoder.flush()
+        choice.decoded += len(text)
         text, stopped = choice.matcher.feed(text)
+        choice.emitted += len(text)
+        if stopped and logprobs:  # a token that reaches into the stop string is not the answer
+            logprobs = [lp for lp, end in zip(logprobs, ends, strict=True)
+                        if end <= choice.emitted]
         if stopped or event.state.is_terminal():
             choice.finish_reason = "stop" if stopped else FINISH_REASONS[event.state]
             self.finish_reasons[event.index] = choice.finish_reason

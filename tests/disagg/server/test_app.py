@@ -177,3 +177,21 @@ def test_continuous_usage_stats_puts_usage_in_every_chunk() -> None:
     assert status == 200
     assert [c["usage"]["completion_tokens"] for c in chunks] == [1, 2, 2]  # the last: usage only
     assert chunks[-1]["choices"] == []
+
+
+def test_logprobs_stop_where_a_stop_string_cuts_the_text() -> None:
+    """The tokens the stop string's text came from (and after) are not the answer: their
+    logprobs are not reported, so the logprob tokens spell the text."""
+    def script(message: Submit) -> list[RequestEvent]:
+        ids = words("hello", "world", "STOP", "after")
+        return [RequestEvent(message.request_id, RUN, ids, logprobs=[-0.5] * 4,
+                             top_logprob_ids=ids, top_logprobs=[-0.5] * 4),
+                RequestEvent(message.request_id, LENGTH, [])]
+
+    with running_app(FakeRouter(script), tokenizer=word_tokenizer()) as (address, _):
+        status, reply = post(address, "/v1/completions",
+                             {**BODY, "stop": ["STOP"], "logprobs": 1})
+    assert status == 200, reply
+    choice = reply["choices"][0]
+    assert choice["text"] == "hello world "
+    assert choice["logprobs"]["tokens"] == ["hello", "world"]
