@@ -35,6 +35,7 @@ class FakeDecoder:
         self.submits: list[Submit] = []
         self.channel: Channel | None = None
         self.connections = 0
+        self._accepted = threading.Event()  # the router's connect returns before our accept
         threading.Thread(target=self._serve, daemon=True).start()
 
     def _serve(self) -> None:
@@ -45,6 +46,7 @@ class FakeDecoder:
                 return
             self.channel = Channel(sock, "router")
             self.connections += 1
+            self._accepted.set()
             while True:
                 try:
                     message = self.channel.recv()
@@ -54,11 +56,11 @@ class FakeDecoder:
                     self.submits.append(message)
 
     def send(self, message: object) -> None:
-        assert self.channel is not None
+        assert self._accepted.wait(10) and self.channel is not None
         self.channel.send(message)  # type: ignore[arg-type]
 
     def finish(self, request_id: str, output: list[int]) -> None:
-        assert self.channel is not None
+        assert self._accepted.wait(10) and self.channel is not None
         self.channel.send(RequestEvent(request_id, RequestState.RUNNING, output[:-1]))
         self.channel.send(RequestEvent(request_id, RequestState.FINISHED_LENGTH, output[-1:]))
 
