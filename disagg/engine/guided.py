@@ -24,6 +24,7 @@ import torch
 
 from disagg.engine.guide_spec import Guide, GuideKind, grammar_of
 from disagg.errors import ConfigError, GuideError
+from disagg.model.loading.registry import LoadedModel
 from disagg.model.loading.tokenizer import Tokenizer
 
 __all__ = ["Guide", "GuideCompiler", "GuideKind", "GuideState"]
@@ -158,6 +159,14 @@ class GuideCompiler:
         self._cache: OrderedDict[tuple[GuideKind, str, bool], llguidance.LLMatcher] = \
             OrderedDict()
         self._lock = threading.Lock()
+
+    @classmethod
+    def for_model(cls, loaded: LoadedModel) -> GuideCompiler | None:
+        """The compiler for a loaded model's tokenizer, or None when it has none (then
+        structured output is refused)."""
+        if loaded.tokenizer is None:
+            return None
+        return cls(loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids)
 
     def check(self, guide: Guide) -> None:
         """GuideError naming the problem if `guide` cannot be compiled (bad JSON, an

@@ -68,7 +68,7 @@ class Scheduler:
             raise RequestError(f"request {request.request_id}: prompt of "
                                f"{request.num_prompt_tokens} tokens exceeds the limit of "
                                f"{self.max_model_len} (cache size / model context)")
-        n = request.sampling_params.n if self._forks_here(request) else 1
+        n = self._seqs(request)
         if n > self.config.max_num_seqs:
             raise RequestError(f"request {request.request_id}: n={n} samples exceed the "
                                f"{self.config.max_num_seqs} sequences a step may hold")

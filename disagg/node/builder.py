@@ -178,12 +178,8 @@ def decode_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox) -> Engin
             # from the cache would come without it. So an MTP decoder caches no prefixes.
             logger.info("prefix caching is off on this decoder: its MTP head needs every page")
         engine_config = engine_config.with_cache(prefix_caching=False)
-    guides = None  # structured output needs the tokenizer's vocabulary (S8)
-    if loaded.tokenizer is not None:
-        guides = GuideCompiler(loaded.tokenizer, loaded.config.vocab_size,
-                               loaded.config.eos_token_ids)
     return EngineParts.build(engine_config, _model(config, engine_config, loaded, inbox),
-                             guides)
+                             GuideCompiler.for_model(loaded))
 
 
 def wire_decode_side(config: NodeConfig, loaded: LoadedModel, parts: EngineParts,

@@ -158,9 +158,7 @@ class DecodeNode(NodeBase):
         say why; the router's other requests go on."""
         request_id = error.request_id
         if request_id is not None and request_id not in self._reports.owners:
-            self._reports.send(channel, RequestEvent(
-                request_id, RequestState.FINISHED_FAILED, cause=FailureCause.INVALID_REQUEST,
-                detail=str(error)))
+            self._refuse(channel, request_id, str(error))
         else:
             self._reports.send(channel, Reject(str(error)))
 
@@ -302,10 +300,8 @@ class DecodeNode(NodeBase):
 
     def _admit(self, channel: Channel, message: Submit) -> None:
         if FORK_SEPARATOR in message.request_id:  # forks are named <id>/<index> (X6c)
-            self._reports.send(channel, RequestEvent(
-                message.request_id, RequestState.FINISHED_FAILED,
-                cause=FailureCause.INVALID_REQUEST,
-                detail=f"request id {message.request_id!r} contains {FORK_SEPARATOR!r}"))
+            self._refuse(channel, message.request_id,
+                         f"request id {message.request_id!r} contains {FORK_SEPARATOR!r}")
             return
         claim = self._reports.owners.claim(message.request_id, channel)
         if claim is Claim.SAME_CONNECTION:
@@ -315,27 +311,29 @@ class DecodeNode(NodeBase):
                 f"request {message.request_id!r} is already in flight on this decoder"))
             return
         if claim is Claim.OTHER_CONNECTION:  # only this connection hears of it (X5d)
-            self._reports.send(channel, RequestEvent(
-                message.request_id, RequestState.FINISHED_FAILED,
-                cause=FailureCause.INVALID_REQUEST,
-                detail=f"request id {message.request_id!r} is in flight from another "
-                       "connection to this decoder: choose unique ids"))
+            self._refuse(channel, message.request_id,
+                         f"request id {message.request_id!r} is in flight from another "
+                         "connection to this decoder: choose unique ids")
             return
         try:
             params = sampling_params(message)
             request = Request(message.request_id, list(message.prompt_token_ids), params,
                               self.engine.model.config.eos_token_ids)
-            self.engine.chooser.admit(request)  # its grammar compiled before any KV moves
+            self.engine.chooser.admit(request)  # its grammar starts compiling before KV moves
             self.messenger.admit(request)
         except RequestError as error:
             self._reports.owners.release(message.request_id)
-            self._reports.send(channel, RequestEvent(
-                message.request_id, RequestState.FINISHED_FAILED,
-                cause=FailureCause.INVALID_REQUEST, detail=str(error)))
+            self._refuse(channel, message.request_id, str(error))
             return
         self._reports.opened(request.request_id, params.n)  # each ends with its own event
         if not request.is_finished:  # one that failed at once is reported with its cause
             self._report(request, request.state)
+
+    def _refuse(self, channel: Channel, request_id: str, detail: str) -> None:
+        """Fail a request this node will not take, telling only the connection that sent it."""
+        self._reports.send(channel, RequestEvent(request_id, RequestState.FINISHED_FAILED,
+                                                 cause=FailureCause.INVALID_REQUEST,
+                                                 detail=detail))
 
     def _report(self, request: Request, state: RequestState, token_ids: list[int] | None = None,
                 detail: str = "", **kv: Any) -> None:

@@ -48,12 +48,10 @@ def make_front_door(model_spec: str, router: Router, nodes: list[NodeInfo],
     name = http.model_name or model_spec
     metrics_nodes = {n.name: n.metrics_address for n in nodes if n.metrics_address}
     metrics = ServerMetrics(name, lambda: metrics_nodes, lambda: client.num_waiting)
-    guides = None  # to refuse a grammar that cannot compile before submitting it
-    if loaded.tokenizer is not None:
-        guides = GuideCompiler(loaded.tokenizer, loaded.config.vocab_size,
-                               loaded.config.eos_token_ids)
+    # Its own compiler refuses a grammar that cannot compile before it is submitted.
     return FrontDoor(name, loaded.config, loaded.tokenizer, template, client, metrics,
-                     lambda: check_nodes(nodes), max_request_tokens, guides=guides)
+                     lambda: check_nodes(nodes), max_request_tokens,
+                     guides=GuideCompiler.for_model(loaded))
 
 
 def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig,

@@ -81,10 +81,8 @@ def raw_chat(server: Server, **body: Any) -> dict[str, Any]:  # noqa: ANN401
 def single_node(loaded: LoadedModel, ids: list[int], params: SamplingParams) -> list[int]:
     """The same request on one engine in this process, with its own grammar compiler."""
     config = EngineConfig(loaded.config, CacheConfig(page_size=16, num_pages=256))
-    guides = GuideCompiler(loaded.tokenizer, loaded.config.vocab_size,
-                           loaded.config.eos_token_ids)
     engine = LLMEngine(EngineParts.build(config, load_transformer(config, loaded.state_dict),
-                                         guides))
+                                         GuideCompiler.for_model(loaded)))
     [request] = engine.generate([ids], params)
     return request.output_token_ids
 
