@@ -106,10 +106,11 @@ class Generation:
             if not 0 <= event.index < self.n:
                 raise GenerationFailed(f"the decoder sent choice {event.index} of {self.n}")
             choice = choices[event.index]
-            if event.state is RequestState.FINISHED_FAILED:
-                self._check(event)  # a failure is the request's, whichever choice it names
-            if choice.finish_reason is not None:
-                continue  # it met a stop string: this is its abort, or tokens before it
+            # A choice that met a stop string: this is its abort, or tokens before it. A
+            # failure is the request's, whichever choice it names.
+            if choice.finish_reason is not None and (
+                    event.state is not RequestState.FINISHED_FAILED):
+                continue
             self._check(event)
             delta = self._step(choice, event, now)
             if delta is not None:

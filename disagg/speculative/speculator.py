@@ -148,8 +148,9 @@ class Speculator:
         rows = hidden[end - len(drafts) - 1:end]  # the last real token's row, then the drafts'
         model, params, chooser = self._parts.model, request.sampling_params, self._parts.chooser
         probs = self._draft_probs.pop(request, None)
-        logits = None  # every row's, unless greedy verification needs only some
-        if params.temperature == 0.0 and not params.processes_logits:
+        # The chooser needs every row's logits when it shapes them or keeps their logprobs.
+        needs_rows = params.processes_logits or params.logprobs is not None
+        if params.temperature == 0.0 and not needs_rows:
             token_ids = verify_greedy_lazily(
                 drafts, lambda row: int(model.compute_logits(rows[row]).argmax()))
         else:
@@ -162,10 +163,8 @@ class Speculator:
                 assert probs is not None, "sampled drafts keep the distribution they came from"
                 token_ids = verify(drafts, torch.stack(probs[:len(drafts)]), shaped, params,
                                    request.generator)
-        if params.processes_logits or params.logprobs is not None:
-            # Recorded once accepted (a stop may cut the tokens short): `_record`.
-            self._verified_rows[request] = logits if logits is not None else (
-                model.compute_logits(rows[:len(token_ids)]))
+            if needs_rows:  # recorded once accepted (a stop may cut them short): `_record`
+                self._verified_rows[request] = logits
         self.stats.verify_steps += 1
         self.stats.drafted += len(drafts)
         self.stats.accepted += len(token_ids) - 1
