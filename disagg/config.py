@@ -1,8 +1,8 @@
-"""Configuration dataclasses: the model shape, the paged KV cache, the scheduler, parallelism,
+"""Configuration dataclasses: the paged KV cache, the scheduler, parallelism,
 speculation and a decoder's reliability policy (S1, S3, S6, S7, S8).
 
 Frozen and validated on construction, so a bad value fails where it is written, not deep
-inside a forward pass. `ModelConfig.from_name` holds small random-init presets for tests.
+inside a forward pass. The model's own shape (`ModelConfig`, presets) is in `model_config.py`.
 """
 
 from __future__ import annotations
@@ -15,6 +15,9 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from disagg.errors import ConfigError
+# The model's shape lives in `model_config.py`; re-exported, since every config names it.
+from disagg.model_config import PRESETS as PRESETS
+from disagg.model_config import ModelConfig as ModelConfig
 
 KVLayout = Literal["NHD", "HND"]
 KV_LAYOUTS: tuple[KVLayout, ...] = ("NHD", "HND")
@@ -66,61 +69,6 @@ def default_of(config: type, name: str) -> Any:  # noqa: ANN401 - any field's de
             assert f.default is not dataclasses.MISSING, f"{config.__name__}.{name} has no default"
             return f.default
     raise AssertionError(f"{config.__name__} has no field {name!r}")
-
-
-@dataclass(frozen=True, slots=True)
-class ModelConfig:
-    """Shape of a Llama-architecture decoder-only transformer."""
-
-    vocab_size: int
-    hidden_size: int
-    intermediate_size: int
-    num_layers: int
-    num_heads: int
-    num_kv_heads: int
-    head_dim: int
-    rms_norm_eps: float = 1e-5
-    rope_theta: float = 10000.0
-    max_position_embeddings: int = 2048
-    tie_word_embeddings: bool = False
-    bos_token_id: int | None = None
-    eos_token_ids: tuple[int, ...] = ()
-    name: str = "custom"
-
-    def __post_init__(self) -> None:
-        for attr in ("vocab_size", "hidden_size", "intermediate_size", "num_layers",
-                     "num_heads", "num_kv_heads", "head_dim"):
-            if getattr(self, attr) <= 0:
-                raise ConfigError(f"model {self.name}: {attr} must be positive, got "
-                                  f"{getattr(self, attr)}")
-        if self.num_heads % self.num_kv_heads:
-            raise ConfigError(f"model {self.name}: num_heads={self.num_heads} is not a multiple "
-                              f"of num_kv_heads={self.num_kv_heads}")
-        if self.head_dim % 2:
-            raise ConfigError(f"model {self.name}: head_dim={self.head_dim} must be even for RoPE")
-
-    @property
-    def num_queries_per_kv(self) -> int:
-        """Query heads sharing one KV head (1 for MHA, num_heads for MQA)."""
-        return self.num_heads // self.num_kv_heads
-
-    @staticmethod
-    def from_name(name: str) -> ModelConfig:
-        """A named random-init preset, e.g. `ModelConfig.from_name("tiny")`."""
-        if name not in PRESETS:
-            raise ConfigError(f"unknown model preset {name!r}: expected one of {sorted(PRESETS)}")
-        return PRESETS[name]
-
-
-# Random-init presets. `tiny` has 4 KV heads so TP degrees 1, 2 and 4 divide it.
-PRESETS: dict[str, ModelConfig] = {
-    "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
-                        num_heads=8, num_kv_heads=4, head_dim=8, eos_token_ids=(0,),
-                        max_position_embeddings=4096, name="tiny"),
-    "small": ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_layers=4,
-                         num_heads=8, num_kv_heads=8, head_dim=32, eos_token_ids=(0,),
-                         max_position_embeddings=4096, name="small"),
-}
 
 
 @dataclass(frozen=True, slots=True)

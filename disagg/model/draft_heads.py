@@ -21,7 +21,8 @@ from disagg.config import CacheConfig, ModelConfig
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.tensor_parallel import TPShard
-from disagg.model.transformer import DecoderLayer, RMSNorm, Transformer
+from disagg.model.norms import RMSNorm
+from disagg.model.transformer import DecoderLayer, Transformer
 
 MTP_INIT_STD = 0.02
 MTP_SEED = 0  # every node builds the same random head from it: nothing to ship or agree on

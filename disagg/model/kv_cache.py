@@ -2,7 +2,8 @@
 
 One tensor holds every layer so that a transfer engine can register it as one memory region.
 Per layer it is FlashInfer's single-tensor paged cache: K and V of a page sit next to each other,
-so one RDMA write moves both. This module only stores and locates; attention reads it
+so one RDMA write moves both. An MLA model's cache has one part instead of two: per token, the
+latent row `c_KV` and the shared RoPE key, one "head" wide (`write_latent`, `gather_latent`). This module only stores and locates; attention reads it
 (`attention.py`) and the allocator decides which pages a request owns (`page_allocator.py`).
 """
 
@@ -48,7 +49,8 @@ class PagedKVCache:
     `kv_layout` is NHD, and ``[num_layers, num_pages, 2, num_kv_heads, page_size, head_dim]`` if
     it is HND. Index 0 of the third axis is K, 1 is V, so ``layer(i)[:, 0]`` is FlashInfer's K
     cache: ``[num_pages, page_size, num_kv_heads, head_dim]`` (NHD) or
-    ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND).
+    ``[num_pages, num_kv_heads, page_size, head_dim]`` (HND). With MLA the third axis has one
+    entry (`kv_parts` 1), the latent rows, and `num_kv_heads` is 1.
 
     >>> cache = PagedKVCache(ModelConfig.from_name("tiny"), CacheConfig(page_size=4, num_pages=8))
     >>> cache.page_nbytes  # 2 (K,V) * 4 tokens * 4 kv heads * 8 dims * 4 bytes
@@ -58,6 +60,7 @@ class PagedKVCache:
     def __init__(self, model: ModelConfig, cache: CacheConfig, device: str | torch.device = "cpu",
                  buffer: torch.Tensor | None = None) -> None:
         self.num_layers = model.num_layers
+        self.kv_parts = model.kv_parts
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
         self.page_size = cache.page_size
@@ -74,9 +77,9 @@ class PagedKVCache:
     @staticmethod
     def buffer_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
         """The shape of the one tensor holding every layer (see the class docstring)."""
-        heads, page = model.num_kv_heads, cache.page_size
-        page_shape = (2, page, heads, model.head_dim) if cache.kv_layout == "NHD" else (
-            2, heads, page, model.head_dim)
+        heads, page, parts = model.num_kv_heads, cache.page_size, model.kv_parts
+        page_shape = (parts, page, heads, model.head_dim) if cache.kv_layout == "NHD" else (
+            parts, heads, page, model.head_dim)
         return (model.num_layers, cache.num_pages, *page_shape)
 
     def layer(self, layer_idx: int) -> torch.Tensor:
@@ -91,11 +94,11 @@ class PagedKVCache:
     @property
     def geometry(self) -> PageGeometry:
         """Where heads sit in a page's bytes (`page_geometry.py`)."""
-        return PageGeometry(self.kv_layout, self.page_size, self.head_dim, self.element_size)
+        return PageGeometry.of(self)
 
     @property
     def page_nbytes(self) -> int:
-        """Bytes of one page of one layer, K and V together."""
+        """Bytes of one page of one layer, K and V together (or the latent rows)."""
         return self.geometry.page_nbytes(self.num_kv_heads)
 
     @property
@@ -109,6 +112,7 @@ class PagedKVCache:
 
         `k` and `v` are ``[num_tokens, num_kv_heads, head_dim]``.
         """
+        self._check_parts(2, "write")
         cache = self.buffer[layer_idx]
         if self.kv_layout == "NHD":
             cache[page_ids, 0, page_offsets] = k
@@ -117,6 +121,16 @@ class PagedKVCache:
             # Advanced indices around a slice put the indexed dim first: [num_tokens, heads, dim].
             cache[page_ids, 0, :, page_offsets] = k
             cache[page_ids, 1, :, page_offsets] = v
+
+    def write_latent(self, layer_idx: int, latent: torch.Tensor, page_ids: torch.Tensor,
+                     page_offsets: torch.Tensor) -> None:
+        """Store new tokens' latent rows (MLA): `latent` is ``[num_tokens, head_dim]``."""
+        self._check_parts(1, "write_latent")
+        cache = self.buffer[layer_idx]
+        if self.kv_layout == "NHD":
+            cache[page_ids, 0, page_offsets] = latent[:, None]
+        else:
+            cache[page_ids, 0, :, page_offsets] = latent[:, None]
 
     def copy_page(self, src: int, dst: int) -> None:
         """Copy page `src` into page `dst`, every layer, K and V: a fork's own copy of the
@@ -135,13 +149,26 @@ class PagedKVCache:
         Returns K and V as ``[num_kv_heads, num_tokens, head_dim]`` (the shape attention wants),
         each a view of one gathered copy.
         """
+        self._check_parts(2, "gather")
         k, v = (self._gather_half(layer_idx, half, page_ids) for half in (0, 1))
         return k[0, :, :num_tokens], v[0, :, :num_tokens]
+
+    def gather_latent(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
+                      ) -> torch.Tensor:
+        """The first `num_tokens` latent rows held by `page_ids` (MLA): ``[num_tokens, dim]``."""
+        self._check_parts(1, "gather_latent")
+        return self._gather_half(layer_idx, 0, page_ids)[0, 0, :num_tokens]
+
+    def gather_latent_batch(self, layer_idx: int, page_table: torch.Tensor) -> torch.Tensor:
+        """Every request's latent rows: ``[num_seqs, max_pages * page_size, dim]`` (MLA)."""
+        self._check_parts(1, "gather_latent_batch")
+        return self._gather_half(layer_idx, 0, page_table)[:, 0]
 
     def gather_batch(self, layer_idx: int, page_table: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every request's pages at once: `page_table` is ``[num_seqs, max_pages]``; returns K
         and V, each ``[num_seqs, num_kv_heads, max_pages * page_size, head_dim]``."""
+        self._check_parts(2, "gather_batch")
         return (self._gather_half(layer_idx, 0, page_table),
                 self._gather_half(layer_idx, 1, page_table))
 
@@ -222,6 +249,12 @@ class PagedKVCache:
         whole = head_start == 0 and head_end == self.num_kv_heads
         return whole or self.kv_layout == "HND" or self.page_size == 1
 
+    def _check_parts(self, parts: int, method: str) -> None:
+        if self.kv_parts != parts:
+            kind = "K/V" if parts == 2 else "latent (MLA)"
+            raise TypeError(f"{method} is for a {kind} cache; this one has {self.kv_parts} "
+                            "part(s) per token")
+
     def _check_page(self, layer_idx: int, page_id: int) -> None:
         if not 0 <= layer_idx < self.num_layers:
             raise IndexError(f"layer {layer_idx} out of range [0, {self.num_layers})")
@@ -233,6 +266,7 @@ class KVCache(Protocol):
     """What the model and attention need from a paged cache, sharded or not."""
 
     num_layers: int
+    kv_parts: int
     num_kv_heads: int
     head_dim: int
     page_size: int
@@ -261,3 +295,12 @@ class KVCache(Protocol):
 
     def gather_batch(self, layer_idx: int, page_table: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]: ...
+
+    def write_latent(self, layer_idx: int, latent: torch.Tensor, page_ids: torch.Tensor,
+                     page_offsets: torch.Tensor) -> None: ...
+
+    def gather_latent(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
+                      ) -> torch.Tensor: ...
+
+    def gather_latent_batch(self, layer_idx: int, page_table: torch.Tensor
+                            ) -> torch.Tensor: ...

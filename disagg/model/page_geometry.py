@@ -1,7 +1,8 @@
 """Where a page's heads sit in its bytes, NHD and HND: the one page geometry (S6, S7).
 
 A page of one layer, on a rank holding H heads, is K then V, each ``[page_size, H, head_dim]``
-if `kv_layout` is NHD and ``[H, page_size, head_dim]`` if it is HND. `PageGeometry` turns a head
+if `kv_layout` is NHD and ``[H, page_size, head_dim]`` if it is HND. An MLA cache has one part
+(the latent row, one "head") instead of two (`ModelConfig.kv_parts`). `PageGeometry` turns a head
 range into the contiguous byte runs that hold it. The cache (`kv_cache.py`, `page_segments`),
 the transfer planner (`kv_transfer/transfer_plan.py`) and the figures all take their offsets
 from here. It knows no buffer and no sharding: offsets are inside one page.
@@ -22,6 +23,7 @@ class PagedCache(Protocol):
     kv_layout: str
     page_size: int
     head_dim: int
+    kv_parts: int
 
     @property
     def dtype(self) -> torch.dtype: ...
@@ -49,16 +51,17 @@ class PageGeometry:
     page_size: int
     head_dim: int
     element_size: int
+    kv_parts: int = 2  # K and V; 1 for MLA's latent row
 
     @staticmethod
     def of(cache: PagedCache) -> PageGeometry:
         """The geometry of `cache`'s pages."""
         return PageGeometry(cache.kv_layout, cache.page_size, cache.head_dim,
-                            cache.dtype.itemsize)
+                            cache.dtype.itemsize, cache.kv_parts)
 
     def page_nbytes(self, num_heads: int) -> int:
-        """Bytes of one page (K and V) on a rank holding `num_heads` heads."""
-        return 2 * self.page_size * num_heads * self.head_dim * self.element_size
+        """Bytes of one page (K and V, or the latent) on a rank holding `num_heads` heads."""
+        return self.kv_parts * self.page_size * num_heads * self.head_dim * self.element_size
 
     def run_segments(self, num_heads: int, first: int, count: int) -> list[Segment]:
         """The runs of heads `[first, first + count)` of a page holding `num_heads` heads,
@@ -70,9 +73,9 @@ class PageGeometry:
             raise ValueError(f"head range [{first}, {first + count}) is not inside "
                              f"[0, {num_heads})")
         row = self.head_dim * self.element_size  # bytes of one head of one token
-        half = self.page_nbytes(num_heads) // 2
+        half = self.page_nbytes(num_heads) // self.kv_parts
         if self.kv_layout == "HND":
             return [Segment(kv * half + first * self.page_size * row, count * self.page_size * row)
-                    for kv in range(2)]
+                    for kv in range(self.kv_parts)]
         return [Segment(kv * half + (token * num_heads + first) * row, count * row)
-                for kv in range(2) for token in range(self.page_size)]
+                for kv in range(self.kv_parts) for token in range(self.page_size)]

@@ -37,6 +37,7 @@ class ShardedKVCache:
                              f"{sharding.heads_per_rank} heads")
         self.sharding = sharding
         self.num_layers = model.num_layers
+        self.kv_parts = model.kv_parts
         self.num_kv_heads = model.num_kv_heads
         self.head_dim = model.head_dim
         self.page_size = cache.page_size
@@ -92,6 +93,21 @@ class ShardedKVCache:
         k = torch.stack([parts[rank][0][index] for rank, index in self._owners])
         v = torch.stack([parts[rank][1][index] for rank, index in self._owners])
         return k, v
+
+    def write_latent(self, layer_idx: int, latent: torch.Tensor, page_ids: torch.Tensor,
+                     page_offsets: torch.Tensor) -> None:
+        """Store the latent rows in every rank's copy (MLA: every rank holds the same rows)."""
+        for shard in self._shards:
+            shard.write_latent(layer_idx, latent, page_ids, page_offsets)
+
+    def gather_latent(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
+                      ) -> torch.Tensor:
+        """The latent rows from rank 0's copy: ``[num_tokens, dim]``."""
+        return self._shards[0].gather_latent(layer_idx, page_ids, num_tokens)
+
+    def gather_latent_batch(self, layer_idx: int, page_table: torch.Tensor) -> torch.Tensor:
+        """Every request's latent rows from rank 0's copy."""
+        return self._shards[0].gather_latent_batch(layer_idx, page_table)
 
     def gather_batch(self, layer_idx: int, page_table: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import NamedTuple
 
 import torch
 
@@ -29,6 +30,31 @@ AllReduce = Callable[[torch.Tensor], torch.Tensor]
 
 def _identity(x: torch.Tensor) -> torch.Tensor:
     return x
+
+
+class Cut(NamedTuple):
+    """The part of a full weight one rank holds: `[start, stop)` along dimension `dim`.
+
+    Each module says which cuts its weights take (`tp_cuts`), so sharding a state dict and
+    reading only a rank's slices from a checkpoint (`model/weight_shards.py`) share one rule.
+    """
+
+    dim: int
+    start: int
+    stop: int
+
+    @staticmethod
+    def rows(heads: range, width: int) -> Cut:
+        """The rows of heads `heads`, each `width` rows, along dimension 0."""
+        return Cut(0, heads.start * width, heads.stop * width)
+
+    def along(self, dim: int) -> Cut:
+        """The same range along another dimension (a row-parallel weight's columns)."""
+        return Cut(dim, self.start, self.stop)
+
+    def apply(self, tensor: torch.Tensor) -> torch.Tensor:
+        """This rank's part of the full `tensor`, contiguous."""
+        return tensor.narrow(self.dim, self.start, self.stop - self.start).contiguous()
 
 
 @dataclass(frozen=True)
@@ -70,9 +96,11 @@ class TPShard:
         stored = self.kv_heads()
         return slice(first - stored.start, last - stored.start + 1)
 
-    def intermediate(self, config: ModelConfig) -> slice:
-        """This rank's slice of the MLP's intermediate size."""
-        per_rank = config.intermediate_size // self.size
+    def split(self, size: int, what: str) -> slice:
+        """This rank's contiguous share of `size` (an intermediate size, a head count)."""
+        if size % self.size:
+            raise ConfigError(f"TP {self.size} does not divide the {what} {size}")
+        per_rank = size // self.size
         return slice(self.rank * per_rank, (self.rank + 1) * per_rank)
 
 
@@ -88,29 +116,3 @@ def check_tp(config: ModelConfig, sharding: Sharding) -> None:
     if sharding.num_kv_heads != config.num_kv_heads:
         raise ConfigError(f"sharding for {sharding.num_kv_heads} KV heads, model {config.name} "
                           f"has {config.num_kv_heads}")
-
-
-def shard_state_dict(state_dict: dict[str, torch.Tensor], config: ModelConfig,
-                     shard: TPShard) -> dict[str, torch.Tensor]:
-    """The weights rank `shard.rank` holds (names as in `Transformer.load_weights`)."""
-    if shard.size == 1:
-        return state_dict
-    d = config.head_dim
-    queries, kv = shard.query_heads(config), shard.kv_heads()
-    q_rows = slice(queries.start * d, queries.stop * d)
-    kv_rows = slice(kv.start * d, kv.stop * d)
-    inner = shard.intermediate(config)
-    cuts: dict[str, tuple[int, slice]] = {  # weight name suffix -> (dim, slice)
-        "self_attn.q_proj.weight": (0, q_rows), "self_attn.k_proj.weight": (0, kv_rows),
-        "self_attn.v_proj.weight": (0, kv_rows), "self_attn.o_proj.weight": (1, q_rows),
-        "mlp.gate_proj.weight": (0, inner), "mlp.up_proj.weight": (0, inner),
-        "mlp.down_proj.weight": (1, inner)}
-    out = {}
-    for name, tensor in state_dict.items():
-        cut = next((c for suffix, c in cuts.items() if name.endswith(suffix)), None)
-        if cut is None:
-            out[name] = tensor
-        else:
-            dim, part = cut
-            out[name] = tensor.narrow(dim, part.start, part.stop - part.start).contiguous()
-    return out

@@ -18,8 +18,9 @@ from disagg.model.kv_cache import PagedKVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.sharded_kv_cache import ShardedKVCache, shard_config
 from disagg.model.sharding import Sharding
-from disagg.model.tensor_parallel import TPShard, check_tp, shard_state_dict
+from disagg.model.tensor_parallel import TPShard, check_tp
 from disagg.model.transformer import Transformer
+from disagg.model.weight_shards import shard_state_dict
 from disagg.parallel import group
 from disagg.parallel.group import GroupSpec
 from disagg.parallel.rank_spec import RankSpec, rank_device

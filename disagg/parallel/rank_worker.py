@@ -24,8 +24,9 @@ import torch
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.loading.registry import load_model
 from disagg.model.sharded_kv_cache import shard_config
-from disagg.model.tensor_parallel import TPShard, shard_state_dict
+from disagg.model.tensor_parallel import TPShard
 from disagg.model.transformer import Transformer
+from disagg.model.weight_shards import shard_state_dict
 from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec, rank_device
 from disagg.parallel.shared_memory import create_region, send_message

@@ -1,8 +1,7 @@
-"""Load a Hugging Face Llama checkpoint directory (config.json + safetensors) into fp32 tensors.
+"""Load a Hugging Face checkpoint directory (config.json + safetensors) into fp32 tensors.
 
-Also the one place that spells out the parameter names and shapes the model expects: Hugging
-Face's `LlamaForCausalLM` state dict without the leading `model.` (`parameter_shapes`). Refuses
-anything it cannot run exactly (biases, rope scaling, other architectures) with a
+The names and shapes expected are the model's own (`weight_shards.parameter_shapes`): Hugging
+Face's state dict without the leading `model.`. Refuses anything it cannot run exactly with a
 `ModelLoadError` naming the file and field, rather than loading it approximately.
 """
 
@@ -18,6 +17,7 @@ import torch
 from disagg.config import ModelConfig
 from disagg.errors import ConfigError, ModelLoadError
 from disagg.model.loading.tokenizer import Tokenizer
+from disagg.model.weight_shards import parameter_shapes
 
 logger = logging.getLogger(__name__)
 
@@ -26,39 +26,6 @@ _INDEX_FILE = "model.safetensors.index.json"
 _CHAT_TEMPLATE_FILE = "chat_template.jinja"
 # Buffers some older exports saved alongside the weights; the model recomputes them.
 _IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
-
-
-def parameter_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
-    """Name -> shape of every model parameter, weights as `[out_features, in_features]`.
-
-    >>> cfg = ModelConfig.from_name("tiny")
-    >>> shapes = parameter_shapes(cfg)
-    >>> shapes["layers.0.self_attn.k_proj.weight"]  # [num_kv_heads * head_dim, hidden_size]
-    (32, 64)
-    >>> len(shapes) == 2 + 9 * cfg.num_layers + (0 if cfg.tie_word_embeddings else 1)
-    True
-    """
-    hidden, inter = config.hidden_size, config.intermediate_size
-    q_out = config.num_heads * config.head_dim
-    kv_out = config.num_kv_heads * config.head_dim
-    shapes: dict[str, tuple[int, ...]] = {"embed_tokens.weight": (config.vocab_size, hidden)}
-    for i in range(config.num_layers):
-        layer = f"layers.{i}"
-        shapes |= {
-            f"{layer}.input_layernorm.weight": (hidden,),
-            f"{layer}.self_attn.q_proj.weight": (q_out, hidden),
-            f"{layer}.self_attn.k_proj.weight": (kv_out, hidden),
-            f"{layer}.self_attn.v_proj.weight": (kv_out, hidden),
-            f"{layer}.self_attn.o_proj.weight": (hidden, q_out),
-            f"{layer}.post_attention_layernorm.weight": (hidden,),
-            f"{layer}.mlp.gate_proj.weight": (inter, hidden),
-            f"{layer}.mlp.up_proj.weight": (inter, hidden),
-            f"{layer}.mlp.down_proj.weight": (hidden, inter),
-        }
-    shapes["norm.weight"] = (hidden,)
-    if not config.tie_word_embeddings:
-        shapes["lm_head.weight"] = (config.vocab_size, hidden)
-    return shapes
 
 
 def check_state_dict(state_dict: dict[str, torch.Tensor], config: ModelConfig,

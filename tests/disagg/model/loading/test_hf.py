@@ -19,7 +19,8 @@ from safetensors.torch import load_file, save_file
 
 from disagg.config import ModelConfig
 from disagg.errors import ModelLoadError
-from disagg.model.loading.hf import load_hf_checkpoint, parameter_shapes
+from disagg.model.loading.hf import load_hf_checkpoint
+from disagg.model.weight_shards import parameter_shapes
 from disagg.model.loading.tokenizer import Tokenizer
 
 SHAPES = [(4, 4, False), (4, 4, True), (4, 2, False), (4, 2, True), (4, 1, False), (4, 1, True)]

@@ -10,7 +10,7 @@ import torch
 
 from disagg.config import ModelConfig
 from disagg.errors import ModelLoadError
-from disagg.model.loading.hf import parameter_shapes
+from disagg.model.weight_shards import parameter_shapes
 from disagg.model.loading.registry import LoadedModel, init_random_weights, load_model, model_names
 
 
