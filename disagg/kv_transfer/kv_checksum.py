@@ -2,7 +2,7 @@
 
 The decoder's guard against a counter that fired early (a duplicated immediate) or over pages
 that were corrupted or misplaced. Each value counts with a weight drawn from its logical place
-(layer, K or V, token position, head, dim), so swapped pages, tokens or heads change the sum,
+(layer, K or V or MLA's latent, token position, head, dim), so swapped pages, tokens or heads change the sum,
 and the sum is over the values' bits in integers, so it is exact: any layout, sharding, device
 or thread count gives the same number. It is not a cryptographic hash (that is the nonce's
 job, `context_slot.py`); a decoder checks every rank's copy (`agreed_kv_checksum`).
@@ -61,7 +61,7 @@ def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens
     head_ids = torch.tensor(list(heads), dtype=torch.int64, device=device)
     total = torch.zeros((), dtype=torch.int64, device=device)  # one sync, at the end
     for layer in range(shard.num_layers):
-        for half, values in enumerate(shard.gather(layer, pages, num_tokens)):
+        for half, values in enumerate(shard.gather_parts(layer, pages, num_tokens)):
             lanes = _lanes(values)  # [heads, num_tokens, head_dim * lanes]
             seed = int(_mix(_mix(salt) + 2 * layer + half))
             # |int16 * weight| < 2^31: exact below 2^32 lanes per layer and rank.

@@ -153,6 +153,14 @@ class PagedKVCache:
         k, v = (self._gather_half(layer_idx, half, page_ids) for half in (0, 1))
         return k[0, :, :num_tokens], v[0, :, :num_tokens]
 
+    def gather_parts(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
+                     ) -> list[torch.Tensor]:
+        """Every part the cache stores of the first `num_tokens` tokens of `page_ids`, each
+        ``[num_kv_heads, num_tokens, head_dim]``: K and V, or the latent rows as one "head".
+        What a reader of bytes needs (the KV checksum), whatever the attention."""
+        return [self._gather_half(layer_idx, part, page_ids)[0, :, :num_tokens]
+                for part in range(self.kv_parts)]
+
     def gather_latent(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
                       ) -> torch.Tensor:
         """The first `num_tokens` latent rows held by `page_ids` (MLA): ``[num_tokens, dim]``."""
