@@ -226,8 +226,8 @@ def plan(
     from disagg.model.sharding import Sharding
 
     config = model_config(model)
-    report = plan_report(config, Sharding(prefill_tp, config.num_kv_heads, replicated),
-                         Sharding(decode_tp, config.num_kv_heads, replicated),
+    report = plan_report(config, Sharding.of_model(config, prefill_tp, replicated),
+                         Sharding.of_model(config, decode_tp, replicated),
                          check_kv_layout(kv_layout), page_size, 4, prompt_tokens)
     if as_json:
         sys.stdout.write(json.dumps(report) + "\n")

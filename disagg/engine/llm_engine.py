@@ -240,9 +240,10 @@ def make_kv_cache(model: ModelConfig, config: EngineConfig) -> KVCache:
         raise ConfigError(f"TP {parallel.tp} runs {parallel.tp} rank processes: build the "
                           "engine from `disagg.parallel.leader.start_leader`")
     local = PagedKVCache(model, config.cache, config.device)
-    if not parallel.replicated_kv:
+    sharding = Sharding.of_model(model, 1, parallel.replicated_kv)
+    if not sharding.replicated:
         return local
-    return ShardedKVCache(model, config.cache, Sharding(1, model.num_kv_heads, True), [local])
+    return ShardedKVCache(model, config.cache, sharding, [local])
 
 
 def check_cache_fits(model: ModelConfig, cache: CacheConfig) -> None:
@@ -250,7 +251,7 @@ def check_cache_fits(model: ModelConfig, cache: CacheConfig) -> None:
     if cache.page_size > model.max_position_embeddings:
         raise ConfigError(f"page size {cache.page_size} does not fit: the model's context is "
                           f"{model.max_position_embeddings} tokens")
-    nbytes = (2 * model.num_layers * cache.num_tokens * model.num_kv_heads * model.head_dim
+    nbytes = (model.num_layers * cache.num_tokens * model.kv_values_per_token_layer
               * torch.empty(0, dtype=cache.dtype).element_size())
     limit = os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") // 2
     if nbytes > limit:
@@ -279,7 +280,7 @@ def build_model(config: EngineConfig, state_dict: dict[str, torch.Tensor],
     if model_spec is None:
         raise ConfigError(f"TP {parallel.tp}: the rank processes load the model themselves, "
                           "so they need its model_spec")
-    sharding = Sharding(parallel.tp, config.model.num_kv_heads, parallel.replicated_kv)
+    sharding = Sharding.of_model(config.model, parallel.tp, parallel.replicated_kv)
     return start_leader(model_spec, config.model, state_dict, config.cache, sharding,
                         device=config.device, threads=threads, node_id=node_id,
                         layer_counter=layer_counter, on_failure=on_failure)

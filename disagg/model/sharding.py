@@ -12,6 +12,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from disagg.errors import ConfigError
+from disagg.model_config import ModelConfig
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +38,13 @@ class Sharding:
         if big % small:
             raise ConfigError(f"tp={self.tp} and num_kv_heads={self.num_kv_heads}: one must "
                               "divide the other to shard KV heads evenly")
+
+    @staticmethod
+    def of_model(model: ModelConfig, tp: int, replicated: bool = False) -> Sharding:
+        """How `model`'s cache spreads over `tp` ranks. An MLA model's latent row is computed
+        whole on every rank, so its cache is replicated by construction, whatever was asked;
+        `replicated` replicates a GQA cache too (an experiment, not a real deployment)."""
+        return Sharding(tp, model.num_kv_heads, replicated or model.mla is not None)
 
     @property
     def heads_per_rank(self) -> int:
