@@ -113,6 +113,10 @@ def check_tp(config: ModelConfig, sharding: Sharding) -> None:
     if config.intermediate_size % tp:
         raise ConfigError(f"TP {tp} does not divide model {config.name}'s intermediate size "
                           f"{config.intermediate_size}")
+    # Every expert's intermediate dimension is split like the dense MLP's (`moe.py`).
+    if config.moe is not None and config.moe.moe_intermediate_size % tp:
+        raise ConfigError(f"TP {tp} does not divide model {config.name}'s "
+                          f"moe_intermediate_size {config.moe.moe_intermediate_size}")
     if sharding.num_kv_heads != config.num_kv_heads:
         raise ConfigError(f"sharding for {sharding.num_kv_heads} KV heads, model {config.name} "
                           f"has {config.num_kv_heads}")
