@@ -16,7 +16,8 @@ ROOT = Path(__file__).resolve().parents[1]
 # Left to right: a layer may import itself and any layer to its left, never one to its right.
 LAYERS = ("leaves", "model", "parallel", "engine", "speculative", "control", "kv_transfer", "node",
           "server", "apps")
-LEAVES = ("disagg.config", "disagg.model_config", "disagg.errors", "disagg.utils")
+LEAVES = ("disagg.config", "disagg.model_config", "disagg.model_catalog", "disagg.errors",
+          "disagg.utils")
 # The simulator stands aside: it reads the engine's and the model's shapes and nothing else.
 SIM_MAY_IMPORT = {"leaves", "model", "engine", "sim"}
 

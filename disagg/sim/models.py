@@ -1,9 +1,10 @@
 """Model shapes for the cluster simulator: parameter, FLOP and KV byte counts (S1, S9).
 
 Presets for DeepSeek-R1 (MLA attention, 256-expert MoE), Qwen3-Coder-480B-A35B (GQA, 160-expert
-MoE) and SmolLM2-135M (dense Llama), each constant copied from the model's published
-`config.json` or paper. This is arithmetic on shapes, not a model you can run: the engine's
-runnable `ModelConfig` converts here with `from_model_config`.
+MoE) and SmolLM2-135M (dense Llama), converted from their published shapes in
+`disagg/model_catalog.py` (the engine's own `ModelConfig`s) with `from_model_config`, plus the
+precisions and kernel counts of their deployments. This is arithmetic on shapes, not a model
+you can run.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from typing import Literal
 
 from disagg.config import ModelConfig
 from disagg.errors import ConfigError
+from disagg.model_catalog import published
 
 AttentionKind = Literal["gqa", "mla"]
 
@@ -161,43 +163,43 @@ class SimModel:
 
 def from_model_config(config: ModelConfig, weight_bytes: float = 4.0,
                       kv_bytes: float = 4.0) -> SimModel:
-    """The simulator's view of an engine `ModelConfig` (a dense Llama; fp32 by default)."""
+    """The simulator's view of an engine `ModelConfig`, any architecture (fp32 by default)."""
+    mla, moe = config.mla, config.moe
+    attention: AttentionKind = "mla" if mla is not None else "gqa"
+    sparse = sum(moe.is_sparse(i) for i in range(config.num_layers)) if moe else 0
+    shape: dict[str, int] = {"num_kv_heads": config.num_kv_heads, "head_dim": config.head_dim}
+    if mla is not None:
+        shape = {"q_lora_rank": mla.q_lora_rank or 0, "kv_lora_rank": mla.kv_lora_rank,
+                 "qk_nope_head_dim": mla.qk_nope_head_dim,
+                 "qk_rope_head_dim": mla.qk_rope_head_dim, "v_head_dim": mla.v_head_dim}
+    if moe is not None:
+        shape |= {"num_experts": moe.num_experts, "num_experts_per_token": moe.num_experts_per_tok,
+                  "num_shared_experts": moe.num_shared_experts,
+                  "moe_intermediate_size": moe.moe_intermediate_size}
     return SimModel(name=config.name, num_layers=config.num_layers,
                     hidden_size=config.hidden_size, vocab_size=config.vocab_size,
-                    num_heads=config.num_heads, num_kv_heads=config.num_kv_heads,
-                    head_dim=config.head_dim, intermediate_size=config.intermediate_size,
-                    num_dense_layers=config.num_layers,
+                    num_heads=config.num_heads, attention=attention,
+                    intermediate_size=config.intermediate_size,
+                    num_dense_layers=config.num_layers - sparse,
                     tie_word_embeddings=config.tie_word_embeddings, weight_bytes=weight_bytes,
-                    kv_bytes=kv_bytes, lm_head_bytes=weight_bytes)
+                    kv_bytes=kv_bytes, lm_head_bytes=weight_bytes, **shape)
 
 
 PRESETS: dict[str, SimModel] = {
-    # DeepSeek-V3 config.json (deepseek-ai/DeepSeek-R1 on Hugging Face; R1 shares V3's shape):
-    # 61 layers, 3 dense, 256 routed + 1 shared expert, top-8, MLA with a 512 latent and
-    # 64-dim RoPE key; fp8 (e4m3) weights as published. MTP: one module (V3 report §2.2),
-    # used for speculative decoding. Kernel count: SGLang's absorbed-MLA + fused-MoE decode
-    # layer (norms, 5 projections, 2 bmm, rope, cache write, attention, 2 all-reduces,
-    # gate, top-k, align, 2 grouped GEMMs, activation, sum, shared expert, fp8 quant).
-    "deepseek-r1": SimModel(
-        name="deepseek-r1", num_layers=61, hidden_size=7168, vocab_size=129280,
-        num_heads=128, attention="mla", q_lora_rank=1536, kv_lora_rank=512,
-        qk_nope_head_dim=128, qk_rope_head_dim=64, v_head_dim=128, intermediate_size=18432,
-        num_dense_layers=3, num_experts=256, num_experts_per_token=8, num_shared_experts=1,
-        moe_intermediate_size=2048, weight_bytes=1.0, kv_bytes=2.0, mtp_layers=1,
-        kernels_per_layer=25),
-    # Qwen/Qwen3-Coder-480B-A35B-Instruct config.json: 62 layers, GQA 96 query / 8 KV heads
-    # of 128, 160 experts top-8 (no shared expert), moe_intermediate_size 2560. Weights as
-    # in the official -FP8 checkpoint. No MTP module. Kernels: GQA + fused-MoE layer.
-    "qwen3-coder-480b": SimModel(
-        name="qwen3-coder-480b", num_layers=62, hidden_size=6144, vocab_size=151936,
-        num_heads=96, num_kv_heads=8, head_dim=128, num_experts=160, num_experts_per_token=8,
-        moe_intermediate_size=2560, weight_bytes=1.0, kv_bytes=2.0, kernels_per_layer=20),
-    # HuggingFaceTB/SmolLM2-135M config.json: 30 layers, hidden 576, 9 heads / 3 KV heads of
-    # 64, intermediate 1536, vocab 49152, tied embeddings; bf16 weights as published.
-    "smollm2-135m": SimModel(
-        name="smollm2-135m", num_layers=30, hidden_size=576, vocab_size=49152, num_heads=9,
-        num_kv_heads=3, head_dim=64, intermediate_size=1536, num_dense_layers=30,
-        tie_word_embeddings=True, weight_bytes=2.0, kv_bytes=2.0, kernels_per_layer=12),
+    # DeepSeek-R1 (`model_catalog.py`): fp8 (e4m3) weights as published, the LM head in bf16.
+    # MTP: one module (V3 report §2.2), used for speculative decoding. Kernel count: SGLang's
+    # absorbed-MLA + fused-MoE decode layer (norms, 5 projections, 2 bmm, rope, cache write,
+    # attention, 2 all-reduces, gate, top-k, align, 2 grouped GEMMs, activation, sum, shared
+    # expert, fp8 quant).
+    "deepseek-r1": replace(from_model_config(published("deepseek-r1"), 1.0, 2.0),
+                           lm_head_bytes=2.0, mtp_layers=1, kernels_per_layer=25),
+    # Qwen3-Coder-480B-A35B (`model_catalog.py`): weights as in the official -FP8 checkpoint.
+    # No MTP module. Kernels: GQA + fused-MoE layer.
+    "qwen3-coder-480b": replace(from_model_config(published("qwen3-coder-480b"), 1.0, 2.0),
+                                lm_head_bytes=2.0, kernels_per_layer=20),
+    # SmolLM2-135M (`model_catalog.py`): bf16 weights as published.
+    "smollm2-135m": replace(from_model_config(published("smollm2-135m"), 2.0, 2.0),
+                            kernels_per_layer=12),
 }
 
 
