@@ -16,6 +16,7 @@ from rich.markup import escape
 
 from disagg.apps import front_door_commands  # noqa: F401 - adds serve cluster|router
 from disagg.apps.figures.commands import register as register_figures
+from disagg.apps.models_command import register as register_models
 from disagg.apps.options import (
     DECODER,
     DEFAULT_MODEL,
@@ -62,6 +63,7 @@ register_sim_commands(app)
 app.add_typer(serve_app, name="serve")
 register_figures(app)
 register_topology(app)
+register_models(app)
 console = Console()
 err_console = Console(stderr=True)
 
