@@ -1,7 +1,8 @@
 """A TP rank process: `python -m disagg.parallel.rank_worker`, started by its node's leader (S3c, S5a).
 
-It loads the model and keeps its shard (`model/tensor_parallel.py`), allocates its KV shard as
-shareable memory and sends the leader the fd (`shared_memory.py`), joins the node's group, then
+It reads its shard of the model, only its slices of each split weight (`load_rank_model`,
+`model/tensor_parallel.py`), allocates its KV shard as shareable memory and sends the leader
+the fd (`shared_memory.py`), joins the node's group, then
 runs every step the leader sends down the same socket over its own heads (and every page copy
 of a fork, in its own shard), until told to stop. It never opens libfabric and never samples:
 the leader registers this rank's KV and posts its page writes.
@@ -26,7 +27,6 @@ from disagg.model.loading.registry import load_model
 from disagg.model.sharded_kv_cache import shard_config
 from disagg.model.tensor_parallel import TPShard
 from disagg.model.transformer import Transformer
-from disagg.model.weight_shards import shard_state_dict
 from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec, rank_device
 from disagg.parallel.shared_memory import create_region, send_message
@@ -71,6 +71,15 @@ def share_kv(spec: RankSpec, device: str, sock: socket.socket, shape: tuple[int,
     return buffer
 
 
+def load_rank_model(model_spec: str, shard: TPShard, device: str) -> Transformer:
+    """Rank `shard.rank`'s part of the model on `device`. A checkpoint is read slice by slice:
+    the rank never holds a full split weight (`load_model(..., shard=)`)."""
+    loaded = load_model(model_spec, shard=shard)
+    model = Transformer(loaded.config, shard=shard)
+    model.load_weights(loaded.state_dict)
+    return model.to(device).eval()
+
+
 def serve_rank(spec: RankSpec) -> None:
     """Load, share the KV memory, join, then run the leader's steps until `None`."""
     device = rank_device(spec.device, spec.rank)
@@ -79,12 +88,8 @@ def serve_rank(spec: RankSpec) -> None:
     torch.set_num_threads(spec.threads or max(1, (os.cpu_count() or 1) // spec.sharding.tp))
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
-    loaded = load_model(spec.model)
-    shard = TPShard(spec.rank, spec.sharding, group.all_reduce)
-    model = Transformer(loaded.config, shard=shard)
-    model.load_weights(shard_state_dict(loaded.state_dict, loaded.config, shard))
-    model = model.to(device).eval()
-    del loaded
+    model = load_rank_model(spec.model, TPShard(spec.rank, spec.sharding, group.all_reduce),
+                            device)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(spec.socket_path)
         shard_model = shard_config(model.config, spec.sharding)

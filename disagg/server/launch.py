@@ -15,7 +15,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 from disagg.engine.guided import GuideCompiler
-from disagg.model.loading.registry import load_model
+from disagg.model.loading.registry import load_tokenizer
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.local_cluster import LocalCluster
 from disagg.node.node_config import NodeRole
@@ -38,11 +38,11 @@ logger = logging.getLogger(__name__)
 
 def make_front_door(model_spec: str, router: Router, nodes: list[NodeInfo],
                     http: HTTPConfig, max_request_tokens: int | None = None) -> FrontDoor:
-    """The API's state: the model's tokenizer and chat template, the client, the metrics."""
-    loaded = load_model(model_spec)  # the tokenizer and template; the weights are dropped
+    """The API's state: the model's tokenizer and chat template, the client, the metrics. It
+    never reads the weights (the nodes do): for a Hub id it fetches only the tokenizer files."""
+    loaded = load_tokenizer(model_spec)
     template = None
-    if getattr(loaded, "chat_template", None) and loaded.tokenizer is not None:
-
+    if loaded.chat_template and loaded.tokenizer is not None:
         template = ChatTemplate.for_tokenizer(loaded.chat_template, loaded.tokenizer)
     client = ClusterClient(router, http.max_in_flight)
     name = http.model_name or model_spec

