@@ -55,6 +55,10 @@ class RopeScaling:
             raise ConfigError(f"unknown rope_type {self.rope_type!r}: expected one of {ROPE_TYPES}")
         if self.factor <= 0:
             raise ConfigError(f"rope factor must be positive, got {self.factor}")
+        original = self.original_max_position_embeddings
+        if original is not None and original <= 0:
+            raise ConfigError(f"rope original_max_position_embeddings must be positive, got "
+                              f"{original}")
 
 
 @dataclass(frozen=True, slots=True)
@@ -145,7 +149,8 @@ class ModelConfig:
     eos_token_ids: tuple[int, ...] = ()
     name: str = "custom"
     architecture: Architecture = "llama"
-    attention_bias: bool = False  # Qwen2: biases on the Q, K and V projections
+    attention_bias: bool = False  # biases on the Q, K and V projections (Qwen2, ...)
+    o_proj_bias: bool = False  # and on o_proj (Llama's and Qwen3's attention_bias, not Qwen2)
     qk_norm: bool = False  # Qwen3: RMSNorm over each query and key head, before RoPE
     rope_scaling: RopeScaling | None = None
     moe: MoEConfig | None = None

@@ -169,7 +169,7 @@ def _config_edit(**changes: Any) -> Callable[[Path], None]:
 def _old_format_scaling(directory: Path) -> None:
     def edit(raw: dict[str, Any]) -> None:
         _to_old_rope_format(raw)
-        raw["rope_scaling"] = {"type": "linear", "factor": 2.0}
+        raw["rope_scaling"] = {"type": "longrope", "short_factor": [1.0], "long_factor": [1.0]}
 
     _edit_config(directory, edit)
 
@@ -179,13 +179,15 @@ MALFORMED: dict[str, tuple[Callable[[Path], None], str]] = {
     "missing-weights": (_remove("model.safetensors"), "no weights found"),
     "missing-tensor": (_drop_tensor, "missing tensor(s) layers.1.self_attn.v_proj.weight"),
     "misshaped-tensor": (_shrink_tensor, "norm.weight has shape (63,), expected (64,)"),
-    "not-llama": (_config_edit(model_type="mistral", architectures=["MistralForCausalLM"]),
-                  "not a Llama checkpoint"),
-    "attention-bias": (_config_edit(attention_bias=True), "attention_bias=true is unsupported"),
+    "other-architecture": (_config_edit(model_type="gpt2", architectures=["GPT2LMHeadModel"]),
+                           "supported architectures: LlamaForCausalLM, MistralForCausalLM"),
+    "bias-without-tensors": (_config_edit(attention_bias=True),
+                             "missing tensor(s) layers.0.self_attn.q_proj.bias"),
     "mlp-bias": (_config_edit(mlp_bias=True), "mlp_bias=true is unsupported"),
-    "rope-llama3": (_config_edit(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
-                    "rope_type='llama3' is unsupported"),
-    "rope-scaling-old": (_old_format_scaling, "rope_type='linear' is unsupported"),
+    "rope-llama3-no-factor": (
+        _config_edit(rope_parameters={"rope_type": "llama3", "rope_theta": 5e5}),
+        "factor is required for rope_type 'llama3'"),
+    "rope-scaling-old": (_old_format_scaling, "rope_type='longrope' is unsupported"),
     "no-heads": (_config_edit(num_attention_heads=None), "'num_attention_heads' is missing"),
     "bad-json": (lambda d: (d / "config.json").write_text("{"), "cannot parse JSON"),
 }
