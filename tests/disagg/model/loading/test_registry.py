@@ -1,17 +1,23 @@
-"""`load_model` dispatch and deterministic random init (`disagg.model.loading.registry`)."""
+"""`load_model` dispatch, deterministic random init, and what the front door loads (only the
+tokenizer, `load_tokenizer`) (`disagg.model.loading.registry`)."""
 
 from __future__ import annotations
 
+import json
+import queue
 from collections.abc import Callable
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
 from disagg.config import ModelConfig
 from disagg.errors import ModelLoadError
+from disagg.model.loading.registry import (LoadedModel, init_random_weights, load_model,
+                                           load_tokenizer, model_config, model_names)
+from disagg.model.loading.tokenizer import Tokenizer
 from disagg.model.weight_shards import parameter_shapes
-from disagg.model.loading.registry import LoadedModel, init_random_weights, load_model, model_names
 
 
 def test_preset_loads_random_weights_without_tokenizer() -> None:
@@ -85,3 +91,59 @@ def test_smollm2_spec(smollm2_model: LoadedModel) -> None:
     assert config.tie_word_embeddings
     assert smollm2_model.tokenizer is not None
     assert smollm2_model.state_dict.keys() == parameter_shapes(config).keys()
+
+
+def test_load_tokenizer_reads_no_tensor(make_hf_llama_checkpoint: Callable[..., Path],
+                                        tiny_tokenizer: Tokenizer) -> None:
+    """`load_tokenizer` of a checkpoint without its weight files still gives the config,
+    tokenizer and chat template: it never opens a tensor file."""
+    directory = make_hf_llama_checkpoint()
+    tiny_tokenizer.save(directory / "tokenizer.json")
+    (directory / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    (directory / "model.safetensors").unlink()
+    loaded = load_tokenizer(str(directory))
+    assert (loaded.config.hidden_size, loaded.config.name) == (64, directory.name)
+    assert loaded.tokenizer is not None
+    assert loaded.chat_template == "{{ messages[0].content }}"
+    assert model_config(str(directory)) == loaded.config
+
+
+def test_the_front_door_loads_no_weights(make_hf_llama_checkpoint: Callable[..., Path],
+                                         tiny_tokenizer: Tokenizer) -> None:
+    """`make_front_door` needs the tokenizer and template only: a checkpoint directory without
+    weights serves (the nodes read the weights, not the front door)."""
+    from disagg.server.http_config import HTTPConfig
+    from disagg.server.launch import make_front_door
+
+    directory = make_hf_llama_checkpoint()
+    tiny_tokenizer.save(directory / "tokenizer.json")
+    (directory / "chat_template.jinja").write_text("{{ messages[0].content }}")
+    (directory / "model.safetensors").unlink()
+    router = SimpleNamespace(events=queue.Queue(), close=lambda: None)  # no decoder to reach
+    front_door = make_front_door(str(directory), router, [], HTTPConfig())  # type: ignore[arg-type]
+    try:
+        assert front_door.model.vocab_size == 256
+        assert front_door.tokenizer is not None and front_door.chat_template is not None
+        assert front_door.guides is not None
+    finally:
+        front_door.client.close()
+        front_door.executor.shutdown()
+
+
+def test_an_unsupported_architecture_is_one_cli_line(tmp_path: Path,
+                                                     capsys: pytest.CaptureFixture[str]) -> None:
+    """`disagg generate --model <a GPT-2 checkpoint>`: exit code 2 and one line on stderr
+    naming what the checkpoint is and what is supported."""
+    from disagg.apps.cli import main
+
+    directory = tmp_path / "gpt2"
+    directory.mkdir()
+    (directory / "config.json").write_text(json.dumps({
+        "model_type": "gpt2", "architectures": ["GPT2LMHeadModel"], "vocab_size": 256,
+        "n_embd": 64, "n_layer": 2, "n_head": 4}))
+    with pytest.raises(SystemExit) as info:
+        main(["generate", "--model", str(directory), "--prompt-token-ids", "1,2,3"])
+    _, err = capsys.readouterr()
+    assert info.value.code == 2
+    assert err.count("\n") == 1 and err.startswith("error:")
+    assert "gpt2" in err and "llama" in err.lower()
