@@ -14,6 +14,7 @@ import torch
 
 from disagg.config import ModelConfig
 from disagg.errors import ModelLoadError
+from disagg.model.loading.hf_config import ARCHITECTURES
 from disagg.model.loading.registry import (LoadedModel, init_random_weights, load_model,
                                            load_tokenizer, model_config, model_names)
 from disagg.model.loading.tokenizer import Tokenizer
@@ -146,4 +147,5 @@ def test_an_unsupported_architecture_is_one_cli_line(tmp_path: Path,
     _, err = capsys.readouterr()
     assert info.value.code == 2
     assert err.count("\n") == 1 and err.startswith("error:")
-    assert "gpt2" in err and "llama" in err.lower()
+    assert "'gpt2'" in err and "GPT2LMHeadModel" in err
+    assert all(name in err for name in ARCHITECTURES)  # every supported architectures value
