@@ -73,7 +73,7 @@ class LatentAttention(nn.Module):
         self.num_heads = self.heads.stop - self.heads.start
         self.scale = softmax_scale(mla.qk_head_dim, config.rope_scaling)
         hidden, rank = config.hidden_size, mla.kv_lora_rank
-        # Biases where DeepSeek puts them: on the two down-projections and on o_proj.
+        # Biases where DeepSeek puts them: the two down-projections and o_proj (o_proj_bias).
         bias = config.attention_bias
         q_size = self.num_heads * mla.qk_head_dim
         if mla.q_lora_rank is None:
@@ -86,7 +86,7 @@ class LatentAttention(nn.Module):
         self.kv_a_layernorm = RMSNorm(rank, LATENT_NORM_EPS)
         self.kv_b_proj = nn.Linear(rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                    bias=False)
-        self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=bias)
+        self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=config.o_proj_bias)
 
     def tp_cuts(self) -> dict[str, Cut]:
         """Which slice of each full weight this rank holds (names relative to this module):
@@ -97,13 +97,12 @@ class LatentAttention(nn.Module):
                 "kv_b_proj.weight": Cut.rows(heads, mla.qk_nope_head_dim + mla.v_head_dim),
                 "o_proj.weight": Cut.rows(heads, mla.v_head_dim).along(1)}
 
-    def latent_rows(self, x: torch.Tensor, positions: torch.Tensor,
-                    rope: RotaryEmbedding) -> torch.Tensor:
+    def latent_rows(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """What the cache stores for `x` ``[num_tokens, hidden_size]``: ``[num_tokens,
         kv_lora_rank + qk_rope_head_dim]``, the normalised `c_KV` then the rotated RoPE key."""
         c_kv, k_rope = self.kv_a_proj_with_mqa(x).split(
             [self.mla.kv_lora_rank, self.mla.qk_rope_head_dim], dim=-1)
-        k_rope = self._rotate(k_rope[:, None], positions, rope)[:, 0]  # [tokens, rope dim]
+        k_rope = self._rotate(k_rope[:, None], cos, sin)[:, 0]  # [num_tokens, qk_rope_head_dim]
         return torch.cat((self.kv_a_layernorm(c_kv), k_rope), dim=-1)
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
@@ -115,24 +114,22 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
         q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        q_rope = self._rotate(q_rope, positions, rope)
-        kv_cache.write_latent(layer_idx, self.latent_rows(x, positions, rope),
-                              meta.slot_page_ids, meta.slot_offsets)
+        cos, sin = rope.cos_sin(positions, meta)  # [num_tokens, qk_rope_head_dim] each
+        q_rope = self._rotate(q_rope, cos, sin)
+        kv_cache.write_latent(layer_idx, self.latent_rows(x, cos, sin), meta.slot_page_ids,
+                              meta.slot_offsets)
         # kv_b_proj's rows are per head: first the key's no-RoPE part, then the value.
         w_kv = self.kv_b_proj.weight.view(self.num_heads, -1, mla.kv_lora_rank)
         w_uk, w_uv = w_kv.split([mla.qk_nope_head_dim, mla.v_head_dim], dim=1)
         o = latent_paged_attention(q_nope, q_rope, kv_cache, layer_idx, meta, w_uk, w_uv,
                                    self.scale)  # [num_tokens, num_heads, v_head_dim]
-        out = F.linear(o.reshape(num_tokens, -1), self.o_proj.weight)
-        # o_proj is row-parallel: the ranks' partial sums add up in the all-reduce, so its
-        # bias is added once, by the leader. Once the all-reduce returns every rank has written
-        # its latent rows above (S3c: the leader's layer bump follows).
-        if self.o_proj.bias is not None and self.shard.is_leader:
-            out = out + self.o_proj.bias
-        return self.shard.all_reduce(out)
+        # Row-parallel: each rank's partial sum. Once the all-reduce returns every rank has
+        # written its latent rows above (S3c: the leader's layer bump follows).
+        out = self.shard.all_reduce(F.linear(o.reshape(num_tokens, -1), self.o_proj.weight))
+        # The bias joins the sum once, not once per rank.
+        return out if self.o_proj.bias is None else out + self.o_proj.bias
 
-    def _rotate(self, x: torch.Tensor, positions: torch.Tensor,
-                rope: RotaryEmbedding) -> torch.Tensor:
+    def _rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         if self.mla.rope_interleave:
             x = deinterleave(x)
-        return rope(x, positions)
+        return RotaryEmbedding.rotate(x, cos, sin)

@@ -2,9 +2,10 @@
 
 The reference is the transformers module with our weights copied in, run over the whole
 sequence at once; ours prefills through the paged latent cache and then decodes token by
-token, both KV layouts, several page sizes, one request alone and a padded decode batch. Also:
-the absorbed and up-projected forms agree on the same cache, the cache holds transformers' own
-latent rows, TP ranks' outputs sum to TP 1 and their latent rows are bit-identical.
+token, both KV layouts, several page sizes, one request alone and a padded decode batch, with
+biases and with DeepSeek's yarn. Also: decodes take the absorbed form, which agrees with the
+up-projected one on the same cache; the cache holds transformers' own latent rows; TP ranks'
+outputs sum to TP 1 and their latent rows are bit-identical.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ import torch
 from disagg.config import CacheConfig
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import PagedKVCache
+from disagg.model import latent_paged_attention
 from disagg.model.latent_attention import LatentAttention, softmax_scale
 from disagg.model.latent_paged_attention import absorbed_attention, upprojected_attention
 from disagg.model.rope import RotaryEmbedding
@@ -54,7 +56,8 @@ def model_config(hf_config: object) -> ModelConfig:
         num_heads=hf_config.num_attention_heads, num_kv_heads=1, head_dim=mla.latent_dim,
         rms_norm_eps=hf_config.rms_norm_eps, rope_theta=hf_config.rope_parameters["rope_theta"],
         max_position_embeddings=hf_config.max_position_embeddings,
-        attention_bias=hf_config.attention_bias, architecture="deepseek_v3", mla=mla)
+        attention_bias=hf_config.attention_bias, o_proj_bias=hf_config.attention_bias,
+        architecture="deepseek_v3", mla=mla)
 
 
 def make_pair(q_lora_rank: int | None = 12, seed: int = 0, **overrides: object
@@ -126,6 +129,27 @@ def prefill_then_decode(ours: LatentAttention, config: ModelConfig, cache: Paged
     return torch.cat(outs)
 
 
+def forbid_upprojection(monkeypatch: pytest.MonkeyPatch) -> None:
+    """From now on a decode that expands K/V from the latent fails the test: decodes must
+    take the absorbed form."""
+    def refuse(*_: object) -> torch.Tensor:
+        raise AssertionError("a decode up-projected the latent instead of absorbing W_UK/W_UV")
+    monkeypatch.setattr(latent_paged_attention, "upprojected_attention", refuse)
+
+
+def test_decodes_take_the_absorbed_form(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A single request's one-token steps attend over the latent rows (absorbed), and still
+    equal transformers."""
+    hf, ours, config = make_pair(seed=7)
+    x = torch.randn(8, HIDDEN)
+    cache = make_cache(config, "NHD", 3)
+    pages = request_pages(3, 8)
+    outs = [run_chunk(ours, config, cache, x[:5], pages, 0)]
+    forbid_upprojection(monkeypatch)
+    outs += [run_chunk(ours, config, cache, x[t:t + 1], pages, t) for t in range(5, 8)]
+    torch.testing.assert_close(torch.cat(outs), hf_forward(hf, x)[0], atol=ATOL, rtol=0)
+
+
 @pytest.mark.parametrize("q_lora_rank", [12, None], ids=["q-lora", "q-proj"])
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
 @pytest.mark.parametrize("page_size", [1, 3, 16])
@@ -151,7 +175,7 @@ def test_chunked_prefill_matches_hf() -> None:
 
 
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
-def test_batched_decode_matches_hf(kv_layout: str) -> None:
+def test_batched_decode_matches_hf(kv_layout: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """A pure-decode batch over a padded `decode_page_table` equals transformers per request."""
     hf, ours, config = make_pair(seed=2)
     page_size, lengths = 3, [4, 9, 1]
@@ -162,6 +186,7 @@ def test_batched_decode_matches_hf(kv_layout: str) -> None:
         pages.append(request_pages(page_size, n + 1, first))
         first += len(pages[-1])
         run_chunk(ours, config, cache, x[:n], pages[-1], 0)
+    forbid_upprojection(monkeypatch)
     table = torch.zeros(len(lengths), max(len(p) for p in pages), dtype=torch.int64)
     for row, p in enumerate(pages):
         table[row, :len(p)] = p
@@ -218,7 +243,8 @@ def test_attention_bias_matches_hf() -> None:
 @pytest.mark.parametrize("q_lora_rank", [12, None], ids=["q-lora", "q-proj"])
 def test_tp2_ranks_sum_to_tp1_with_identical_latents(q_lora_rank: int | None) -> None:
     """TP 2 (identity all-reduce): the ranks' outputs sum to TP 1's and their caches hold
-    bit-identical latent rows (the replicated latent cache of S9a)."""
+    bit-identical latent rows (the replicated latent cache of S9a). Each rank adds o_proj's
+    bias after its (here identity) all-reduce, so the sum holds it twice."""
     _, whole, config = make_pair(q_lora_rank, seed=6, attention_bias=True)
     full = whole.state_dict()
     x = torch.randn(9, HIDDEN)
@@ -231,8 +257,28 @@ def test_tp2_ranks_sum_to_tp1_with_identical_latents(q_lora_rank: int | None) ->
                               for name, t in full.items()})
         caches.append(make_cache(config, "NHD", 3))
         outs.append(prefill_then_decode(part, config, caches[-1], x, 5))
-    torch.testing.assert_close(outs[0] + outs[1], expected, atol=ATOL, rtol=0)
+    torch.testing.assert_close(outs[0] + outs[1], expected + full["o_proj.bias"], atol=ATOL,
+                               rtol=0)
     assert torch.equal(caches[0].buffer, caches[1].buffer)
+
+
+YARN = {"rope_type": "yarn", "rope_theta": 10000.0, "factor": 4.0, "mscale": 1.0,
+        "mscale_all_dim": 0.8, "original_max_position_embeddings": 16, "beta_fast": 32.0,
+        "beta_slow": 1.0}
+
+
+def test_yarn_layer_matches_hf() -> None:
+    """DeepSeek's yarn (cos/sin scaled by the mscale ratio, the softmax by mscale_all_dim's
+    temperature squared) past the original length: prefill and decodes equal transformers."""
+    hf, ours, config = make_pair(seed=8, rope_parameters=YARN)
+    scaling = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=16, mscale=1.0,
+                          mscale_all_dim=0.8)
+    config = replace(config, rope_scaling=scaling)
+    yarn_ours = LatentAttention(config, TPShard.single(1))
+    yarn_ours.load_state_dict(ours.state_dict())
+    x = torch.randn(24, HIDDEN)
+    got = prefill_then_decode(yarn_ours, config, make_cache(config, "HND", 3), x, 20)
+    torch.testing.assert_close(got, hf_forward(hf, x)[0], atol=ATOL, rtol=0)
 
 
 def test_yarn_softmax_scale_matches_hf() -> None:
