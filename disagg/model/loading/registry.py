@@ -24,8 +24,12 @@ from disagg.config import PRESETS, ModelConfig
 from disagg.errors import ModelLoadError
 from disagg.model.loading.gguf import find_smollm2_gguf
 from disagg.model.loading.gguf_cache import load_gguf_cached
-from disagg.model.loading.hf import (load_hf_checkpoint, read_hf_chat_template, read_hf_config,
-                                     read_hf_tokenizer)
+from disagg.model.loading.hf import (
+    load_hf_checkpoint,
+    read_hf_chat_template,
+    read_hf_config,
+    read_hf_tokenizer,
+)
 from disagg.model.loading.hub import hub_snapshot, is_hub_id
 from disagg.model.loading.tokenizer import Tokenizer
 from disagg.model.tensor_parallel import TPShard

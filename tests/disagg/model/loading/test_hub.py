@@ -56,8 +56,8 @@ class FakeHub:
     """`snapshot_download` over a local "remote": cache look-ups are the real function;
     downloads copy matching files into the cache, or fail when `online` is False."""
 
-    def __init__(self, cache: Path, remote: dict[str, Path]) -> None:
-        self.cache, self.remote, self.online = cache, remote, True
+    def __init__(self, cache: Path, remote: dict[str, Path], online: bool) -> None:
+        self.cache, self.remote, self.online = cache, remote, online
         self.downloads: list[tuple[str, list[str]]] = []
         self._real = huggingface_hub.snapshot_download
 
@@ -88,8 +88,7 @@ def hub(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
     tiny_tokenizer.save(remote / "tokenizer.json")
     shutil.copy(remote / "model.safetensors", remote / "pytorch_model.bin")
     (remote / "README.md").write_text("a model card")
-    fake = FakeHub(cache, {REPO: remote})
-    fake.online = False
+    fake = FakeHub(cache, {REPO: remote}, online=False)
     monkeypatch.setattr(huggingface_hub, "snapshot_download", fake)
     return fake
 
@@ -131,8 +130,10 @@ def test_a_missing_model_offline_is_one_line_naming_the_fix(hub: FakeHub) -> Non
         load_model(REPO)
     message = str(info.value)
     assert "\n" not in message
-    assert "not in the Hugging Face cache" in message and str(hub.cache) in message
-    assert f"hf download {REPO}" in message and "HF_HUB_OFFLINE" in message
+    assert "not in the Hugging Face cache" in message
+    assert str(hub.cache) in message
+    assert f"hf download {REPO}" in message
+    assert "HF_HUB_OFFLINE" in message
 
 
 def test_a_partial_snapshot_is_not_taken_for_the_model(hub: FakeHub) -> None:
@@ -149,7 +150,8 @@ def test_a_download_fetches_only_the_files_we_read(hub: FakeHub,
     """Online and not cached: one download, of config, tokenizer and safetensors files only."""
     go_online(hub, monkeypatch)
     loaded = load_model(REPO)
-    assert loaded.config.name == REPO and loaded.tokenizer is not None
+    assert loaded.config.name == REPO
+    assert loaded.tokenizer is not None
     assert len(hub.downloads) == 1
     assert cached_names(hub) == {"config.json", "generation_config.json", "tokenizer.json",
                                  "model.safetensors"}
@@ -160,7 +162,8 @@ def test_the_front_door_fetches_no_weights(hub: FakeHub,
     """`load_tokenizer` of a Hub id downloads the config and tokenizer, no weight file."""
     go_online(hub, monkeypatch)
     loaded = load_tokenizer(REPO)
-    assert loaded.config.vocab_size == 256 and loaded.tokenizer is not None
+    assert loaded.config.vocab_size == 256
+    assert loaded.tokenizer is not None
     [(_, patterns)] = hub.downloads
     assert not any(fnmatch.fnmatch("model.safetensors", p) for p in patterns)
     assert not any(name.endswith(".safetensors") for name in cached_names(hub))

@@ -15,8 +15,14 @@ import torch
 from disagg.config import ModelConfig
 from disagg.errors import ModelLoadError
 from disagg.model.loading.hf_config import ARCHITECTURES
-from disagg.model.loading.registry import (LoadedModel, init_random_weights, load_model,
-                                           load_tokenizer, model_config, model_names)
+from disagg.model.loading.registry import (
+    LoadedModel,
+    init_random_weights,
+    load_model,
+    load_tokenizer,
+    model_config,
+    model_names,
+)
 from disagg.model.loading.tokenizer import Tokenizer
 from disagg.model.weight_shards import parameter_shapes
 
@@ -124,7 +130,8 @@ def test_the_front_door_loads_no_weights(make_hf_llama_checkpoint: Callable[...,
     front_door = make_front_door(str(directory), router, [], HTTPConfig())  # type: ignore[arg-type]
     try:
         assert front_door.model.vocab_size == 256
-        assert front_door.tokenizer is not None and front_door.chat_template is not None
+        assert front_door.tokenizer is not None
+        assert front_door.chat_template is not None
         assert front_door.guides is not None
     finally:
         front_door.client.close()
@@ -146,6 +153,8 @@ def test_an_unsupported_architecture_is_one_cli_line(tmp_path: Path,
         main(["generate", "--model", str(directory), "--prompt-token-ids", "1,2,3"])
     _, err = capsys.readouterr()
     assert info.value.code == 2
-    assert err.count("\n") == 1 and err.startswith("error:")
-    assert "'gpt2'" in err and "GPT2LMHeadModel" in err
+    assert err.count("\n") == 1
+    assert err.startswith("error:")
+    assert "'gpt2'" in err
+    assert "GPT2LMHeadModel" in err
     assert all(name in err for name in ARCHITECTURES)  # every supported architectures value
