@@ -1,11 +1,12 @@
 """Greedy tokens of our paged engine equal transformers' on tiny random DeepSeek-V3 models.
 
 The reference is `transformers.DeepseekV3ForCausalLM` built here, saved with `save_pretrained`
-and read back as our checkpoint would be (safetensors, ``model.`` stripped). Every layer is
-dense (`first_k_dense_replace = num_hidden_layers`), so this checks MLA over the paged latent
-cache end to end: both KV layouts, queries with and without the low-rank path, and a batch of
+and read back as our checkpoint would be (safetensors, ``model.`` stripped). With every layer
+dense (`first_k_dense_replace = num_hidden_layers`) this checks MLA over the paged latent cache
+end to end: both KV layouts, queries with and without the low-rank path, and a batch of
 prompts under chunked prefill whose decodes run as one padded batch (the absorbed form), also
-through the static buffers that CUDA graphs replay.
+through the static buffers that CUDA graphs replay. The MoE variant makes layer 1 sparse
+(sigmoid routing over expert groups with a random correction bias, one shared expert).
 """
 
 from __future__ import annotations
@@ -26,24 +27,30 @@ transformers = pytest.importorskip("transformers")
 
 NUM_LAYERS, NUM_NEW_TOKENS = 2, 16
 HFModel = tuple[object, ModelConfig, dict[str, torch.Tensor]]
+GetModel = Callable[..., HFModel]
 
 
-def make_hf_deepseek(tmp_path: Path, q_lora_rank: int | None, seed: int = 0) -> HFModel:
-    """A random all-dense DeepSeek-V3, our `ModelConfig` and its saved weights in our names."""
+def make_hf_deepseek(tmp_path: Path, q_lora_rank: int | None, first_dense: int = NUM_LAYERS,
+                     seed: int = 0) -> HFModel:
+    """A random DeepSeek-V3 whose first `first_dense` layers are dense (the rest MoE), our
+    `ModelConfig` and its saved weights in our names."""
     torch.manual_seed(seed)
     hf_config = transformers.DeepseekV3Config(
         vocab_size=256, hidden_size=64, intermediate_size=96, moe_intermediate_size=32,
         num_hidden_layers=NUM_LAYERS, num_attention_heads=4, num_key_value_heads=4,
         q_lora_rank=q_lora_rank, kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
         v_head_dim=12, n_routed_experts=4, num_experts_per_tok=2, n_group=2, topk_group=1,
-        n_shared_experts=1, first_k_dense_replace=NUM_LAYERS, max_position_embeddings=512,
+        n_shared_experts=1, first_k_dense_replace=first_dense, max_position_embeddings=512,
         rms_norm_eps=1e-6, initializer_range=0.2, tie_word_embeddings=False,
         attn_implementation="eager")
     hf_model = transformers.DeepseekV3ForCausalLM(hf_config).eval()
     with torch.no_grad():
         for name, param in hf_model.named_parameters():
-            if name.endswith("layernorm.weight") or name.endswith("norm.weight"):
+            if name.endswith("norm.weight"):
                 param.uniform_(0.5, 1.5)
+        for name, buffer in hf_model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # steers the choice, not the weight
+                buffer.uniform_(-0.3, 0.3)
     hf_model.save_pretrained(tmp_path / "deepseek")
     saved = safetensors.torch.load_file(tmp_path / "deepseek" / "model.safetensors")
     state_dict = {name.removeprefix("model."): tensor for name, tensor in saved.items()}
@@ -52,7 +59,7 @@ def make_hf_deepseek(tmp_path: Path, q_lora_rank: int | None, seed: int = 0) -> 
     moe = MoEConfig(num_experts=4, num_experts_per_tok=2, moe_intermediate_size=32,
                     routing="sigmoid_grouped", num_shared_experts=1, n_group=2, topk_group=1,
                     routed_scaling_factor=hf_config.routed_scaling_factor,
-                    first_dense_layers=NUM_LAYERS)
+                    first_dense_layers=first_dense)
     config = ModelConfig(vocab_size=256, hidden_size=64, intermediate_size=96,
                          num_layers=NUM_LAYERS, num_heads=4, num_kv_heads=1,
                          head_dim=mla.latent_dim, rms_norm_eps=1e-6, rope_theta=10000.0,
@@ -62,15 +69,15 @@ def make_hf_deepseek(tmp_path: Path, q_lora_rank: int | None, seed: int = 0) -> 
 
 
 @pytest.fixture(scope="module")
-def deepseek(tmp_path_factory: pytest.TempPathFactory) -> Callable[[int | None], HFModel]:
-    """`deepseek(q_lora_rank)`: the model of `make_hf_deepseek`, built once per module."""
-    models: dict[int | None, HFModel] = {}
+def deepseek(tmp_path_factory: pytest.TempPathFactory) -> GetModel:
+    """`deepseek(q_lora_rank, first_dense)`: `make_hf_deepseek`'s model, built once per module."""
+    models: dict[tuple[int | None, int], HFModel] = {}
 
-    def get(q_lora_rank: int | None) -> HFModel:
-        if q_lora_rank not in models:
-            models[q_lora_rank] = make_hf_deepseek(tmp_path_factory.mktemp("deepseek"),
-                                                   q_lora_rank)
-        return models[q_lora_rank]
+    def get(q_lora_rank: int | None, first_dense: int = NUM_LAYERS) -> HFModel:
+        key = (q_lora_rank, first_dense)
+        if key not in models:
+            models[key] = make_hf_deepseek(tmp_path_factory.mktemp("deepseek"), *key)
+        return models[key]
 
     return get
 
@@ -106,8 +113,8 @@ def random_prompts(lengths: list[int], seed: int = 1) -> list[list[int]]:
 
 @pytest.mark.parametrize("q_lora_rank", [24, None], ids=["q-lora", "q-proj"])
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
-def test_dense_deepseek_v3_matches_hf(deepseek: Callable[[int | None], HFModel],
-                                      q_lora_rank: int | None, kv_layout: str) -> None:
+def test_dense_deepseek_v3_matches_hf(deepseek: GetModel, q_lora_rank: int | None,
+                                      kv_layout: str) -> None:
     """One prompt, each layout, with and without the low-rank query, decodes HF's tokens."""
     hf_model, config, state_dict = deepseek(q_lora_rank)
     prompt = random_prompts([19])[0]
@@ -115,12 +122,25 @@ def test_dense_deepseek_v3_matches_hf(deepseek: Callable[[int | None], HFModel],
     assert ours == [hf_greedy(hf_model, prompt)]
 
 
-@pytest.mark.parametrize("cuda_graph", [False, True], ids=["eager", "static-decode"])
-def test_batched_chunked_deepseek_v3_matches_hf(deepseek: Callable[[int | None], HFModel],
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_moe_deepseek_v3_matches_hf(deepseek: GetModel, kv_layout: str) -> None:
+    """A dense layer, then a sparse one (routed and shared experts): HF's tokens."""
+    hf_model, config, state_dict = deepseek(24, first_dense=1)
+    assert config.moe is not None and config.moe.is_sparse(1)
+    assert "layers.1.mlp.experts.3.down_proj.weight" in state_dict
+    prompt = random_prompts([19])[0]
+    ours = our_greedy(config, state_dict, [prompt], kv_layout, page_size=16, chunk_size=512)
+    assert ours == [hf_greedy(hf_model, prompt)]
+
+
+@pytest.mark.parametrize(("first_dense", "cuda_graph"),
+                         [(NUM_LAYERS, False), (NUM_LAYERS, True), (1, False)],
+                         ids=["dense-eager", "dense-static-decode", "moe-eager"])
+def test_batched_chunked_deepseek_v3_matches_hf(deepseek: GetModel, first_dense: int,
                                                 cuda_graph: bool) -> None:
     """Concurrent prompts, chunks splitting odd pages, batched decodes (eager, or through the
     padded static buffers of the decode graphs): HF's tokens for each prompt."""
-    hf_model, config, state_dict = deepseek(24)
+    hf_model, config, state_dict = deepseek(24, first_dense)
     prompts = random_prompts([1, 9, 17, 6])
     ours = our_greedy(config, state_dict, prompts, "HND", page_size=3, chunk_size=5,
                       cuda_graph=cuda_graph)
