@@ -149,7 +149,8 @@ def _rope(raw: dict[str, Any], source: str, trained_length: int,
     factor = number("factor", trained_length / original if rope_type == "yarn" else None)
     try:
         return theta, RopeScaling(
-            rope_type=rope_type, factor=factor, original_max_position_embeddings=int(original),
+            rope_type=rope_type, factor=factor,
+            original_max_position_embeddings=None if rope_type == "linear" else int(original),
             low_freq_factor=number("low_freq_factor", 1.0 if rope_type != "llama3" else None),
             high_freq_factor=number("high_freq_factor", 4.0 if rope_type != "llama3" else None),
             beta_fast=number("beta_fast", 32.0), beta_slow=number("beta_slow", 1.0),
