@@ -175,7 +175,8 @@ class RotaryEmbedding(nn.Module):
 
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """Rotate `x` ``[num_tokens, num_heads, rope_dim]`` by cos/sin ``[num_tokens, rope_dim]``."""
+        """Rotate `x` ``[num_tokens, num_heads, rope_dim]`` by `cos`, `sin`
+        ``[num_tokens, rope_dim]``."""
         cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
         half = x.shape[-1] // 2
         rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)

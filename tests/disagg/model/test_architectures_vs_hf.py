@@ -51,10 +51,11 @@ def make_hf_model(case: str) -> tuple[Any, ModelConfig, dict[str, torch.Tensor]]
     """A random transformers model of `case`, our config read from its config dict, and its
     state dict in our names (built once per case)."""
     family, overrides = MODELS[case]
-    fields: dict[str, Any] = dict(
-        vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
-        num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512,
-        rms_norm_eps=1e-5, initializer_range=0.2, attn_implementation="eager") | overrides
+    fields: dict[str, Any] = {
+        "vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 2,
+        "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512,
+        "rms_norm_eps": 1e-5, "initializer_range": 0.2, "attn_implementation": "eager",
+    } | overrides
     torch.manual_seed(0)
     hf_config = getattr(transformers, f"{family}Config")(**fields)
     hf_model = getattr(transformers, f"{family}ForCausalLM")(hf_config).eval()
@@ -88,7 +89,8 @@ def test_configs_carry_the_variants() -> None:
     qwen3 = make_hf_model("qwen3-bias")[1]
     assert (qwen3.qk_norm, qwen3.o_proj_bias, qwen3.head_dim) == (True, True, 32)
     dynamic = make_hf_model("llama-dynamic")[1]
-    assert dynamic.rope_scaling is not None and dynamic.max_position_embeddings == 4 * ORIGINAL
+    assert dynamic.rope_scaling is not None
+    assert dynamic.max_position_embeddings == 4 * ORIGINAL
 
 
 def layout(case: str, batched: bool) -> str:

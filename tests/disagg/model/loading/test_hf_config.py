@@ -19,8 +19,8 @@ from disagg.model_config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 
 transformers = pytest.importorskip("transformers")
 
-SMALL = dict(vocab_size=256, hidden_size=64, intermediate_size=96, num_hidden_layers=4,
-             num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=512)
+SMALL = {"vocab_size": 256, "hidden_size": 64, "intermediate_size": 96, "num_hidden_layers": 4,
+         "num_attention_heads": 8, "num_key_value_heads": 2, "max_position_embeddings": 512}
 
 
 def written(tmp_path: Path, family: str, **fields: Any) -> dict[str, Any]:  # noqa: ANN401
@@ -191,4 +191,5 @@ def test_refusals_name_the_field(tmp_path: Path, case: str) -> None:
     edit(raw)
     with pytest.raises(ModelLoadError) as info:
         parse(raw)
-    assert message in str(info.value) and str(info.value).startswith("config.json: ")
+    assert message in str(info.value)
+    assert str(info.value).startswith("config.json: ")
