@@ -47,6 +47,23 @@ def check_choice(value: str, choices: tuple[Choice, ...], what: str) -> Choice:
     raise ConfigError(f"unknown {what} {value!r}: expected one of {choices}")
 
 
+# Precisions the engine runs in: weights and activations (`EngineConfig.dtype`), the KV cache
+# (`CacheConfig.dtype`), by the names torch and the command line use.
+DTYPES: dict[str, torch.dtype] = {"float32": torch.float32, "bfloat16": torch.bfloat16,
+                                  "float16": torch.float16}
+
+
+def check_dtype(name: str) -> torch.dtype:
+    """The torch dtype `name` stands for ("bfloat16"), else a `ConfigError` naming the choices.
+
+    >>> check_dtype("bfloat16")
+    torch.bfloat16
+    """
+    if name not in DTYPES:
+        raise ConfigError(f"unknown dtype {name!r}: expected one of {tuple(DTYPES)}")
+    return DTYPES[name]
+
+
 def check_kv_layout(kv_layout: str) -> KVLayout:
     """Return `kv_layout` if it names a layout, else raise `ConfigError` naming it."""
     return check_choice(kv_layout, KV_LAYOUTS, "kv_layout")
@@ -78,7 +95,7 @@ class CacheConfig:
     page_size: int = 16
     num_pages: int = 256
     kv_layout: KVLayout = "NHD"
-    dtype: torch.dtype = torch.float32
+    dtype: torch.dtype = torch.float32  # of the cached values: what every page write moves
     # Who allocates the cache: torch's allocator, or cuMem (CUDA only: exportable to another
     # process by fd and GPUDirect-RDMA capable where the GPU supports it, S5a).
     memory: KVMemory = "torch"
@@ -93,6 +110,8 @@ class CacheConfig:
             raise ConfigError(f"page_size must be positive, got {self.page_size}")
         if self.num_pages <= 0:
             raise ConfigError(f"num_pages must be positive, got {self.num_pages}")
+        if self.dtype not in DTYPES.values():
+            raise ConfigError(f"KV dtype {self.dtype} is not one of {tuple(DTYPES)}")
 
     @property
     def num_tokens(self) -> int:
@@ -143,12 +162,15 @@ class EngineConfig:
     scheduler: SchedulerConfig = field(default_factory=SchedulerConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     device: str = "cpu"
+    dtype: torch.dtype = torch.float32  # of the weights and activations; the KV's is the cache's
     # Pure-decode steps through static buffers, replayed as CUDA graphs on a GPU (S3b); one
     # page of the cache is then kept back for padding rows. Batch buckets, ascending.
     cuda_graph: bool = False
     graph_batch_sizes: tuple[int, ...] = GRAPH_BATCH_SIZES
 
     def __post_init__(self) -> None:
+        if self.dtype not in DTYPES.values():
+            raise ConfigError(f"dtype {self.dtype} is not one of {tuple(DTYPES)}")
         sizes = self.graph_batch_sizes
         if not sizes or sizes[0] < 1 or any(a >= b for a, b in pairwise(sizes)):
             raise ConfigError(f"graph_batch_sizes must be positive and strictly ascending, "

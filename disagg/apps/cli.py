@@ -28,6 +28,8 @@ from disagg.apps.options import (
     DeviceOption,
     DraftLayersOption,
     DraftTokensOption,
+    DtypeOption,
+    KVDtypeOption,
     LayoutOption,
     ModelOption,
     NodeOptions,
@@ -47,11 +49,12 @@ from disagg.config import (
     EngineConfig,
     ParallelConfig,
     SchedulerConfig,
+    check_dtype,
     check_kv_layout,
 )
 from disagg.errors import DisaggError, RequestError
 from disagg.node.cluster_config import THREADS_PER_NODE
-from disagg.node.node_options import OPTION_DEFAULTS, speculative_config
+from disagg.node.node_options import KV_DTYPE_AUTO, OPTION_DEFAULTS, speculative_config
 from disagg.node.prefix_index import LOAD_MARGIN
 from disagg.sim.commands import register as register_sim_commands
 
@@ -102,6 +105,8 @@ def generate(
     device: DeviceOption = OPTION_DEFAULTS["device"],
     cuda_graph: CudaGraphOption = OPTION_DEFAULTS["cuda_graph"],
     tp: TpOption = OPTION_DEFAULTS["tp"],
+    dtype: DtypeOption = OPTION_DEFAULTS["dtype"],
+    kv_dtype: KVDtypeOption = OPTION_DEFAULTS["kv_dtype"],
 ) -> None:
     """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
     from disagg.apps.generate import generate_one
@@ -113,10 +118,12 @@ def generate(
     config = EngineConfig(
         model=None,  # type: ignore[arg-type]  # filled from the checkpoint by generate_one
         cache=CacheConfig(page_size=page_size, num_pages=num_pages,
-                          kv_layout=check_kv_layout(kv_layout)),
+                          kv_layout=check_kv_layout(kv_layout),
+                          dtype=check_dtype(dtype if kv_dtype == KV_DTYPE_AUTO else kv_dtype)),
         scheduler=SchedulerConfig(chunk_size=chunk_size,
                                   max_num_batched_tokens=max(chunk_size, 1)),
-        parallel=ParallelConfig(tp), device=check_device(device), cuda_graph=cuda_graph)
+        parallel=ParallelConfig(tp), device=check_device(device), dtype=check_dtype(dtype),
+        cuda_graph=cuda_graph)
     stream = None if as_json else _print_now
     tracer = Tracer(trace, "generate")
     result = generate_one(

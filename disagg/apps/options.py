@@ -73,6 +73,11 @@ MetricsPortOption = Annotated[int | None, typer.Option(
 DeviceOption = Annotated[str, typer.Option(help="Model and KV cache device: cpu, cuda, cuda:N")]
 MemoryPathOption = Annotated[str, typer.Option(
     help="How the NIC reaches the KV (S5): auto, host (CPU), hmem (FI_HMEM) or staged")]
+DtypeOption = Annotated[str, typer.Option(
+    help="Weights and activations: float32, bfloat16 or float16")]
+KVDtypeOption = Annotated[str, typer.Option(
+    help="The KV cache, hence every page write: auto (the weights' --dtype), float32, "
+         "bfloat16 or float16")]
 CudaGraphOption = Annotated[bool, typer.Option(
     help="Decode steps through static buffers, replayed as CUDA graphs on a GPU (S3b)")]
 PrefixCachingOption = Annotated[bool, typer.Option(
@@ -95,13 +100,14 @@ NODE_FLAGS: dict[str, object] = {
     "trace": TraceOption, "faults": FaultsOption, "lease": LeaseOption,
     "metrics_port": MetricsPortOption, "kv_timeout": KVTimeoutOption, "retry": RetryOption,
     "speculative": SpeculativeOption, "num_draft_tokens": DraftTokensOption,
-    "draft_layers": DraftLayersOption, "cuda_graph": CudaGraphOption,
+    "draft_layers": DraftLayersOption, "cuda_graph": CudaGraphOption, "dtype": DtypeOption,
+    "kv_dtype": KVDtypeOption,
 }
 # The options every node of a cluster shares, besides the model; a cluster sets ONE_NODE's
 # per node itself, and only decoders keep DECODER's.
 SHARED = ("kv_layout", "page_size", "num_pages", "prefix_caching", "chunk_size",
           "replicated_kv", "provider", "fabric_node", "domains_per_rank", "device",
-          "kv_memory_path", "threads", "trace", "faults", "lease")
+          "kv_memory_path", "threads", "trace", "faults", "lease", "dtype", "kv_dtype")
 ONE_NODE = ("node_id", "listen", "tp", "metrics_port")
 DECODER = ("kv_timeout", "retry", "speculative", "num_draft_tokens", "draft_layers",
            "cuda_graph")

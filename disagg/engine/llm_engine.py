@@ -38,6 +38,7 @@ from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.sharded_kv_cache import ShardedKVCache
 from disagg.model.sharding import Sharding
+from disagg.model.precision import cast_model
 from disagg.model.transformer import Transformer
 from disagg.parallel.leader import TPLeader, start_leader
 
@@ -261,10 +262,11 @@ def check_cache_fits(model: ModelConfig, cache: CacheConfig) -> None:
 
 def load_transformer(config: EngineConfig, state_dict: dict[str, torch.Tensor],
                      layer_counter: LayerCounter | None = None) -> Transformer:
-    """A model holding `state_dict` (names as in `Transformer.load_weights`)."""
+    """A model holding `state_dict` (names as in `Transformer.load_weights`), in the engine's
+    dtype (`model/precision.py`)."""
     model = Transformer(config.model, layer_counter)
     model.load_weights(state_dict)
-    return model
+    return cast_model(model, config.dtype)
 
 
 def build_model(config: EngineConfig, state_dict: dict[str, torch.Tensor],
@@ -282,8 +284,8 @@ def build_model(config: EngineConfig, state_dict: dict[str, torch.Tensor],
                           "so they need its model_spec")
     sharding = Sharding.of_model(config.model, parallel.tp, parallel.replicated_kv)
     return start_leader(model_spec, config.model, state_dict, config.cache, sharding,
-                        device=config.device, threads=threads, node_id=node_id,
-                        layer_counter=layer_counter, on_failure=on_failure)
+                        device=config.device, dtype=config.dtype, threads=threads,
+                        node_id=node_id, layer_counter=layer_counter, on_failure=on_failure)
 
 
 def build_engine(config: EngineConfig, state_dict: dict[str, torch.Tensor],

@@ -65,6 +65,7 @@ def paged_attention(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
         k, v = kv_cache.gather(layer_idx, seq.page_ids, seq.kv_len)  # [kv_heads, kv_len, dim]
         if kv_heads is not None:
             k, v = k[kv_heads], v[kv_heads]
+        k, v = k.to(q.dtype), v.to(q.dtype)  # a cache kept in another precision
         q_seq = q[rows].transpose(0, 1)  # [num_heads, query_len, dim]
         if seq.query_len == 1:
             mask, causal = None, False
@@ -93,6 +94,7 @@ def _batched_decode(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
     k, v = kv_cache.gather_batch(layer_idx, page_table)  # [seqs, kv_heads, max_kv, dim] each
     if kv_heads is not None:
         k, v = k[:, kv_heads], v[:, kv_heads]
+    k, v = k.to(q.dtype), v.to(q.dtype)
     key_pos = torch.arange(k.shape[2], device=q.device)
     mask = (key_pos[None, :] < kv_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, max_kv]
     o = F.scaled_dot_product_attention(q[:, :, None, :], k, v, attn_mask=mask,

@@ -87,6 +87,7 @@ def latent_paged_attention(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache:
     for seq in meta.sequences:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         latent = kv_cache.gather_latent(layer_idx, seq.page_ids, seq.kv_len)  # [kv_len, dim]
+        latent = latent.to(q_nope.dtype)  # a cache kept in another precision
         if seq.query_len == 1:
             out[rows] = absorbed_attention(q_nope[None, rows], q_rope[None, rows], latent[None],
                                            w_uk, w_uv, None, scale)[0]
@@ -108,7 +109,7 @@ def _batched_decode(q_nope: torch.Tensor, q_rope: torch.Tensor, kv_cache: KVCach
     page_table, kv_lens = meta.decode_page_table, meta.decode_kv_lens
     assert page_table is not None
     assert kv_lens is not None
-    latent = kv_cache.gather_latent_batch(layer_idx, page_table)  # [seqs, max_kv, dim]
+    latent = kv_cache.gather_latent_batch(layer_idx, page_table).to(q_nope.dtype)
     key_pos = torch.arange(latent.shape[1], device=q_nope.device)
     mask = (key_pos[None, :] < kv_lens[:, None])[:, None, None, :]  # [seqs, 1, 1, max_kv]
     out = absorbed_attention(q_nope[:, None], q_rope[:, None], latent, w_uk, w_uv, mask, scale)

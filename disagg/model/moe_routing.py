@@ -66,6 +66,9 @@ class Router(nn.Module):
     def __init__(self, hidden_size: int, moe: MoEConfig) -> None:
         super().__init__()
         self.moe = moe
+        # DeepSeek-V3's checkpoints keep the router in float32 at any precision, as
+        # transformers does (`model/precision.py` leaves these parameters alone).
+        self.keep_float32 = moe.routing == "sigmoid_grouped"
         self.weight = nn.Parameter(torch.empty(moe.num_experts, hidden_size))
         self.e_score_correction_bias: nn.Parameter | None = None
         if moe.routing == "sigmoid_grouped":

@@ -165,12 +165,9 @@ class RotaryEmbedding(nn.Module):
             freqs = positions[:, None].float() * inv_freq
             angles = torch.cat((freqs, freqs), dim=-1)
             return angles.cos(), angles.sin()
-        if positions.device.type == "cpu" and positions.numel() and (
-                int(positions.max()) >= self.max_positions):
-            # (On a GPU the out-of-range index asserts on the device; the scheduler keeps
-            # every request within the model's context, so neither happens in the engine.)
-            raise ValueError(f"position {int(positions.max())} is beyond the RoPE table of "
-                             f"{self.max_positions} positions (max_position_embeddings)")
+        # No bounds check here: it would read a tensor on the host every layer of every step
+        # (and break graph capture). The scheduler keeps every request within the model's
+        # context; past the table, indexing fails (an IndexError on CPU, an assert on a GPU).
         return self.cos[positions], self.sin[positions]
 
     @staticmethod

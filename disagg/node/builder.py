@@ -91,7 +91,7 @@ def build_node(config: NodeConfig, tracer: Tracer | None = None,
 
 def _engine_config(config: NodeConfig, loaded: LoadedModel) -> EngineConfig:
     return EngineConfig(loaded.config, config.cache, config.scheduler, config.parallel,
-                        device=config.device, cuda_graph=config.cuda_graph)
+                        device=config.device, dtype=config.dtype, cuda_graph=config.cuda_graph)
 
 
 def _model(config: NodeConfig, engine_config: EngineConfig, loaded: LoadedModel, inbox: Inbox,

@@ -129,6 +129,7 @@ class NodeConfig:
     # Fabric domains per TP rank where no RDMA NIC is near it (stand-ins over the provider's
     # own interface); with RDMA NICs the nearest NICs decide (`rank_placement.py`, S5b).
     domains_per_rank: int = 1
+    dtype: torch.dtype = torch.float32  # weights and activations; the KV's is `cache.dtype`
 
     def __post_init__(self) -> None:
         check_node_memory(self.device, self.kv_memory_path, need_hardware=False)

@@ -24,6 +24,7 @@ from disagg.config import (
     SchedulerConfig,
     SpeculativeConfig,
     check_draft_kind,
+    check_dtype,
     check_kv_layout,
     default_of,
 )
@@ -38,6 +39,7 @@ from disagg.node.node_config import (
 # A served node's defaults where they differ from the engine dataclasses' own (which the
 # engine's unit tests are written against): a larger cache and shorter prefill chunks.
 NUM_PAGES = 512
+KV_DTYPE_AUTO = "auto"  # --kv-dtype: the weights' dtype
 CHUNK_SIZE = 256
 
 
@@ -71,12 +73,14 @@ def node_config_from_options(
     num_draft_tokens: int = default_of(SpeculativeConfig, "num_draft_tokens"),
     draft_layers: int = default_of(SpeculativeConfig, "draft_layers"),
     cuda_graph: bool = default_of(NodeConfig, "cuda_graph"),
+    dtype: str = "float32", kv_dtype: str = KV_DTYPE_AUTO,
 ) -> NodeConfig:
     """The `NodeConfig` of a node of `role` that the options describe.
 
     Each keyword is one command-line option (`--kv-layout` is `kv_layout`). `node_id`
     defaults to the role's first name (`prefill-0`); `threads` 0 keeps torch's default; a
-    prefill chunk is also the step's token budget; `speculative` names the draft kind.
+    prefill chunk is also the step's token budget; `speculative` names the draft kind;
+    `kv_dtype` "auto" keeps the KV in the weights' `dtype`.
 
     >>> config = node_config_from_options(NodeRole.PREFILL, model="tiny", chunk_size=32)
     >>> config.node_id, config.scheduler.mode, config.scheduler.max_num_batched_tokens
@@ -85,7 +89,8 @@ def node_config_from_options(
     return NodeConfig(
         model,
         CacheConfig(page_size=page_size, num_pages=num_pages,
-                    kv_layout=check_kv_layout(kv_layout), prefix_caching=prefix_caching),
+                    kv_layout=check_kv_layout(kv_layout), prefix_caching=prefix_caching,
+                    dtype=check_dtype(dtype if kv_dtype == KV_DTYPE_AUTO else kv_dtype)),
         SchedulerConfig(chunk_size=chunk_size, max_num_batched_tokens=chunk_size,
                         mode=scheduler_mode(role)),
         ParallelConfig(tp, replicated_kv), role=role,
@@ -95,7 +100,7 @@ def node_config_from_options(
         lease_s=lease, metrics_port=metrics_port, trace=trace,
         speculative=speculative_config(speculative, num_draft_tokens, draft_layers),
         device=device, kv_memory_path=check_memory_path(kv_memory_path), cuda_graph=cuda_graph,
-        domains_per_rank=domains_per_rank)
+        domains_per_rank=domains_per_rank, dtype=check_dtype(dtype))
 
 
 # Every option's default, by keyword: what the command line shows and uses.

@@ -18,6 +18,7 @@ from disagg.config import CacheConfig, ModelConfig
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.registry import load_model
+from disagg.model.precision import cast_model
 from disagg.model.sharded_kv_cache import ShardedKVCache, shard_config
 from disagg.model.sharding import Sharding
 from disagg.model.tensor_parallel import TPShard, check_tp
@@ -42,7 +43,7 @@ class TPLeader:
 def start_leader(model_spec: str, config: ModelConfig,
                  state_dict: dict[str, torch.Tensor] | None,
                  cache: CacheConfig, sharding: Sharding, *, device: str = "cpu",
-                 threads: int | None = None, node_id: str = "node",
+                 dtype: torch.dtype = torch.float32, threads: int | None = None, node_id: str = "node",
                  layer_counter: LayerCounter | None = None,
                  on_failure: Callable[[BaseException], None] = lambda _: None) -> TPLeader:
     """Start ranks 1..N-1, build rank 0, map every KV shard, join the group. `state_dict`: the
@@ -51,13 +52,13 @@ def start_leader(model_spec: str, config: ModelConfig,
     ranks = None
     if sharding.tp > 1:
         spec = RankSpec(model_spec, cache, sharding, 0, GroupSpec("", sharding.tp), "", device,
-                        threads, node_id)
+                        threads, node_id, dtype)
         ranks = TPRanks.start(spec, on_failure)
     try:
         shard = TPShard(0, sharding, group.all_reduce) if ranks else TPShard(0, sharding)
         model = Transformer(config, layer_counter, shard)
         model.load_weights(leader_weights(model_spec, config, state_dict, shard))
-        model = model.to(rank_device(device, 0)).eval()
+        model = cast_model(model, dtype).to(rank_device(device, 0)).eval()
         shard_model = shard_config(config, sharding)
         local = PagedKVCache(shard_model, cache, rank_device(device, 0))
         shards = [local]

@@ -32,6 +32,7 @@ class RankSpec:
     device: str = "cpu"  # the node's device; rank r runs on `rank_device(device, r)`
     threads: int | None = None
     node_id: str = "node"
+    dtype: torch.dtype = torch.float32  # of the weights and activations (`model/precision.py`)
 
 
 def rank_device(device: str, rank: int) -> str:

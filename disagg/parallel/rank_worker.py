@@ -26,6 +26,7 @@ from disagg.model.kv_cache import PagedKVCache
 from disagg.model.loading.registry import load_model
 from disagg.model.sharded_kv_cache import shard_config
 from disagg.model.tensor_parallel import TPShard
+from disagg.model.precision import cast_model
 from disagg.model.transformer import Transformer
 from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec, rank_device
@@ -71,13 +72,14 @@ def share_kv(spec: RankSpec, device: str, sock: socket.socket, shape: tuple[int,
     return buffer
 
 
-def load_rank_model(model_spec: str, shard: TPShard, device: str) -> Transformer:
-    """Rank `shard.rank`'s part of the model on `device`. A checkpoint is read slice by slice:
-    the rank never holds a full split weight (`load_model(..., shard=)`)."""
+def load_rank_model(model_spec: str, shard: TPShard, device: str,
+                    dtype: torch.dtype = torch.float32) -> Transformer:
+    """Rank `shard.rank`'s part of the model on `device`, in `dtype`. A checkpoint is read
+    slice by slice: the rank never holds a full split weight (`load_model(..., shard=)`)."""
     loaded = load_model(model_spec, shard=shard)
     model = Transformer(loaded.config, shard=shard)
     model.load_weights(loaded.state_dict)
-    return model.to(device).eval()
+    return cast_model(model, dtype).to(device).eval()
 
 
 def serve_rank(spec: RankSpec) -> None:
@@ -89,7 +91,7 @@ def serve_rank(spec: RankSpec) -> None:
     if torch.device(device).type == "cuda":
         torch.cuda.set_device(device)
     model = load_rank_model(spec.model, TPShard(spec.rank, spec.sharding, group.all_reduce),
-                            device)
+                            device, spec.dtype)
     with socket.socket(socket.AF_UNIX, socket.SOCK_STREAM) as sock:
         sock.connect(spec.socket_path)
         shard_model = shard_config(model.config, spec.sharding)

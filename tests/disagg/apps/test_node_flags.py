@@ -54,6 +54,10 @@ CASES: dict[str, tuple[list[str], Check]] = {
     "draft_layers": (["--speculative", "early-exit", "--draft-layers", "1"],
                      lambda c: c.speculative is not None and c.speculative.draft_layers == 1),
     "cuda_graph": (["--cuda-graph"], lambda c: c.cuda_graph),
+    "dtype": (["--dtype", "bfloat16"],
+              lambda c: (c.dtype, c.cache.dtype) == (torch.bfloat16, torch.bfloat16)),
+    "kv_dtype": (["--kv-dtype", "float16"],
+                 lambda c: (c.dtype, c.cache.dtype) == (torch.float32, torch.float16)),
 }
 
 # Written out here, not imported from `options.py`: the test states what each command must

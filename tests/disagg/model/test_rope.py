@@ -119,6 +119,7 @@ def test_rotate_matches_transformers_apply() -> None:
 
 
 def test_a_position_past_the_table_is_an_error() -> None:
-    """Static scalings hold max_positions rows; asking for more names the limit."""
-    with pytest.raises(ValueError, match="beyond the RoPE table of 256 positions"):
+    """Static scalings hold max_positions rows; a position past them fails (no host-side
+    check: that would read the positions every layer of every step)."""
+    with pytest.raises(IndexError):
         ours(CASES["yarn"]).cos_sin(torch.tensor([3, 256]))
