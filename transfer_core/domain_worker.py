@@ -47,10 +47,15 @@ OnFinish = Callable[[TransferError | None], None]
 OnDone = Callable[[], None]
 OnError = Callable[[TransferError], None]
 
-# Stay well under the provider's TX queue: spinning on EAGAIN at the limit collapses
-# throughput on a busy machine, and tcp;ofi_rxm ran at half speed with 256 x 64 KiB in
-# flight on loopback; 64 writes keep a NIC or a socket busy.
+# Writes in flight to one peer endpoint. Stay well under the provider's TX queue: spinning on
+# EAGAIN at the limit collapses throughput on a busy machine, and tcp;ofi_rxm ran at half
+# speed with 256 x 64 KiB in flight to one peer on loopback; 64 writes keep a NIC or a socket
+# busy.
 DEFAULT_MAX_INFLIGHT = 64
+# A domain holds this many peers' worth of slots (within half the TX queue): a frozen peer
+# keeps its writes in flight until it thaws, and measured with one shared cap of 64, its
+# writes took every slot and no other peer got a write out for as long (X4).
+PEER_SHARES = 4
 # One C call's budget. The call returns early for completions, immediates, deadlines and
 # close()'s interrupt (submissions are taken inside it), so the budget only bounds how often an
 # idle thread comes back for the GIL, which it would take from the engine thread.
@@ -114,6 +119,8 @@ def random_key(key_size: int) -> int:
 
 def error_for(err: int, what: str) -> TransferError:
     """Map a negative fi errno from a write's completion to the exception `on_error` gets."""
+    if -err == lib.FABP_EABANDONED:
+        return PeerError(f"{what}: the peer was given up before the write completed")
     base = fabric_error(what, err)
     if -err == lib.FI_ETIMEDOUT:
         return TransferTimeoutError(f"{what}: no completion before the deadline")
@@ -142,7 +149,8 @@ class DomainWorker:
         self.stack = FabricStack(info)
         self.address = self.stack.endpoint.name
         cap = max_inflight or min(DEFAULT_MAX_INFLIGHT, max(1, info.tx_size // 2))
-        self._worker = Worker(self.stack.endpoint, self.stack.cq, cap)
+        slots = max(cap, min(PEER_SHARES * cap, info.tx_size // 2))
+        self._worker = Worker(self.stack.endpoint, self.stack.cq, slots, dest_cap=cap)
         self._ids = itertools.count(1)
         self._ops: dict[int, OnFinish] = {}
         self._peers: dict[bytes, int] = {}
@@ -201,6 +209,19 @@ class DomainWorker:
             else:
                 check_peer_alive(address)
             return fi_addr
+
+    def abandon_peer(self, address: bytes) -> bool:
+        """Give up on every write submitted so far to the endpoint at `address`: each fails
+        with a `PeerError` on this domain's thread now, not at its deadline, and is freed
+        once the writes the provider already took have returned (G6). False if this domain
+        never wrote there. The peer stays in the AV: a later write reuses (or re-opens) its
+        connection, and fi_av_remove with writes in flight crashed libfabric 1.17's rxm."""
+        with self._lock:
+            fi_addr = self._peers.get(address)
+        if fi_addr is None:
+            return False
+        self._worker.fail_dest(fi_addr)
+        return True
 
     def write_op(
         self, dst_mr: MemoryRegionDescriptor, timeout_s: float, src_mr: MemoryRegion | None,

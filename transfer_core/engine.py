@@ -49,8 +49,8 @@ class TransferEngine(ImmCounting):
     libfabric domain name each domain opens on (verbs `mlx5_0`; efa `rdmap16s27`, matching
     `rdmap16s27-rdm`), None for the default pick (see `placement.py`). hmem: ask for FI_HMEM
     (CUDA memory). delivery_complete: sender completion means "placed" (costs tcp ~40%).
-    timeout_s: default deadline of every op. max_inflight: writes in flight per domain
-    (default: min(64, tx/2)). memory_path: the default of `staging.register_kv` for tensors
+    timeout_s: default deadline of every op. max_inflight: writes in flight per domain and
+    peer endpoint (default: min(64, tx/2)); a domain holds 4 peers' worth (`PEER_SHARES`). memory_path: the default of `staging.register_kv` for tensors
     registered with this engine (auto, host, hmem or staged; see `transfer_core.staging`).
     """
 
@@ -288,6 +288,20 @@ class TransferEngine(ImmCounting):
             raise RuntimeError("TransferEngine.connect() would block its own callback thread")
         assert self._warmup is not None  # set in __init__ once the domains are open
         self._warmup.connect(self.provider, peer_address, self._timeout(timeout_s))
+
+    def abandon_peer(self, peer_address: bytes) -> None:
+        """Give up on every write submitted so far to the engine at `peer_address` (its
+        `address` bytes), on every domain: each fails through `on_error` with a `PeerError`
+        now, not at its deadline (X4: a peer declared gone, whose writes may never complete
+        -- tcp;ofi_rxm keeps answering -FI_EAGAIN to a dead peer). Writes the provider holds
+        are freed only once they return (G6). Writes submitted later are posted as usual.
+
+        Raises DescriptorError for bytes that are no engine address."""
+        self._check_open()
+        peer = EngineAddress.from_bytes(peer_address)
+        for worker in self._domains:
+            for address in peer.domains:
+                worker.abandon_peer(address)
 
     # -- counters (expect_imm_count and the rest: inherited from ImmCounting, S4c) ----------
 

@@ -114,6 +114,11 @@ class FaultyTransport:
         """As the inner engine's: the handshake is not part of the data path."""
         self.inner.connect(peer_address, timeout_s=timeout_s)
 
+    def abandon_peer(self, peer_address: bytes) -> None:
+        """As the inner engine's (operations swallowed or still to be posted late are not
+        covered: they time out, or post, as drawn)."""
+        self.inner.abandon_peer(peer_address)
+
     def post_write(
         self,
         src_mr: MemoryRegion,

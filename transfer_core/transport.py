@@ -6,7 +6,8 @@ Three classes implement the protocol: `engine.TransferEngine` (libfabric), the i
 either that injects faults). By side:
 - identity: `provider`, `num_domains`, `supports_hmem`, `memory_path`, `address`, `timeout_s`;
 - memory: `register_memory`, `unregister_memory`;
-- sender: `connect`, `post_write`, `post_paged_writes`, `post_imm`, `write_and_wait`;
+- sender: `connect`, `post_write`, `post_paged_writes`, `post_imm`, `write_and_wait`,
+  `abandon_peer`;
 - receiver (S4c): `expect_imm_count`, `remove_imm_count`, `pending_imm_counts`,
   `imm_counted`, `dropped_imms`, `tap_imms` (one implementation: `imm_counting.py`);
 - lifecycle: `stats`, `close`.
@@ -203,6 +204,10 @@ class Transport(Protocol):
         domain: int | None = None,
     ) -> None:
         """`post_write`'s write, returning once done; raises its TransferError."""
+        ...
+
+    def abandon_peer(self, peer_address: bytes) -> None:
+        """Fail every write submitted so far to the engine at `peer_address` now (X4)."""
         ...
 
     # -- receiver (S4c) ---------------------------------------------------------------------

@@ -69,6 +69,7 @@ def test_the_protocol_names_what_messengers_use() -> None:
             "post_paged_writes",
             "post_imm",
             "write_and_wait",
+            "abandon_peer",
             "expect_imm_count",
             "remove_imm_count",
             "pending_imm_counts",

@@ -2,8 +2,10 @@
 
 `WriteOp` describes n writes (one call for thousands of pages, from int64 index arrays);
 `Worker.submit` hands it to the C worker from any thread; `Worker.progress` (called only
-by the endpoint's progress thread) posts under an in-flight cap, handles -FI_EAGAIN by
-reaping the CQ, enforces deadlines, and returns finished ops and immediate counts per value.
+by the endpoint's progress thread) posts under an in-flight cap (and one per destination),
+handles -FI_EAGAIN by reaping the CQ and posting to other destinations meanwhile (X4),
+enforces deadlines, and returns finished ops and immediate counts per value; `fail_dest`
+gives up on what is queued for one peer.
 The GIL is released for the whole C call. A thread waiting for its own op runs the same loop
 in `fabp_run_prepared`, a whole prepared run in one call (shim_wait.c.in's NOTEs; called by
 `waited.PreparedWrite` on `Worker.handle`). Retired ops may be dropped; until then the C side
@@ -114,10 +116,17 @@ class Stats(NamedTuple):
 
 
 class Worker:
-    """The C worker of one endpoint. `progress` must be called from a single thread."""
+    """The C worker of one endpoint. `progress` must be called from a single thread.
 
-    def __init__(self, endpoint: Endpoint, cq: CompletionQueue, max_inflight: int) -> None:
-        handle = lib.fabp_worker_new(endpoint.handle, cq.handle, max_inflight)
+    `max_inflight` writes may be in flight in all, at most `dest_cap` (None: all of them) to
+    one destination: a peer that stops reading (frozen) then holds only its share of the slots,
+    and the worker posts to the others meanwhile (X4)."""
+
+    def __init__(
+        self, endpoint: Endpoint, cq: CompletionQueue, max_inflight: int,
+        dest_cap: int | None = None,
+    ) -> None:
+        handle = lib.fabp_worker_new(endpoint.handle, cq.handle, max_inflight, dest_cap or 0)
         if handle == ffi.NULL:
             raise MemoryError("fabp_worker_new")
         self._handle = handle
@@ -128,10 +137,17 @@ class Worker:
         self._n_ev = ffi.new("int *")
         self._n_imm = ffi.new("int *")
         self.max_inflight = max_inflight
+        self.dest_cap = min(dest_cap or max_inflight, max_inflight)
 
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op
         lib.fabp_submit(self._handle, op.c)
+
+    def fail_dest(self, dest: int, err: int = -lib.FABP_EABANDONED) -> None:
+        """Give up on every op accepted for `dest` (an fi_addr) so far: each posts nothing more
+        and is reported failed with `err` by the next `progress` (or waiter) step; its writes
+        already in flight still return before it retires, so it stays alive until then."""
+        lib.fabp_fail_dest(self._handle, dest, err)
 
     def track(self, op: WriteOp) -> None:
         """Keep `op` alive until an event retires it or `untrack`: for an op posted by

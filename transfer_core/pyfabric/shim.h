@@ -19,6 +19,10 @@
 #define FABP_WAIT_DONE 4      /* fabp_run_prepared: retired without error */
 #define FABP_WAIT_PEER_GONE 5 /* fabp_run_prepared: the shm peer's file has no links left */
 
+/* The err of ops failed by fabp_fail_dest when the caller gave up on the peer (not an fi
+ * errno: libfabric's all lie below 1000). */
+#define FABP_EABANDONED 4096
+
 /* One queued operation: n writes of len bytes, page i going from
  * src_addr + src_idx[i] * src_stride to raddr dst_addr + dst_idx[i] * dst_stride.
  * A NULL index array means "index i itself". len == 0 with FABP_OP_IMM is a pure immediate. */
@@ -72,9 +76,15 @@ struct fabp_stats {
 
 struct fabp_worker;
 
-struct fabp_worker *fabp_worker_new(struct fid_ep *ep, struct fid_cq *cq, uint32_t max_inflight);
+/* max_inflight: slots (writes in flight) in all; dest_cap: the most one destination may hold
+ * (0: max_inflight), so that a peer that stopped reading leaves slots to the others. */
+struct fabp_worker *fabp_worker_new(struct fid_ep *ep, struct fid_cq *cq, uint32_t max_inflight,
+                                    uint32_t dest_cap);
 void fabp_worker_free(struct fabp_worker *w);
 void fabp_submit(struct fabp_worker *w, struct fabp_op *op);
+/* Fail every accepted op to `dest` that has not failed yet, with `err`: it posts nothing more,
+ * is reported by the next loop step and retires when its writes in flight return. */
+void fabp_fail_dest(struct fabp_worker *w, uint64_t dest, int32_t err);
 void fabp_interrupt(struct fabp_worker *w);
 void fabp_set_timing(struct fabp_worker *w, int64_t spin_ns, int64_t idle_sleep_ns,
                      int64_t linger_ns, int64_t quiet_ns);

@@ -19,6 +19,7 @@ immediates, and `deliver_inline=True` runs everything in the caller's thread.
 
 from __future__ import annotations
 
+import functools
 import itertools
 import threading
 from collections.abc import Callable, Sequence
@@ -28,7 +29,12 @@ import numpy as np
 
 from transfer_core import write_checks as checks
 from transfer_core.domain_worker import Completion, OnDone, OnError
-from transfer_core.errors import ProviderNotFoundError, TransferError, TransferTimeoutError
+from transfer_core.errors import (
+    PeerError,
+    ProviderNotFoundError,
+    TransferError,
+    TransferTimeoutError,
+)
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor
@@ -242,6 +248,20 @@ class LoopbackEngine(ImmCounting):
         if threading.current_thread() is self.delivery.thread:
             raise RuntimeError("LoopbackEngine.connect() would block its own callback thread")
         self.fabric.check_reachable(PROVIDER, peer_address, self.num_domains)
+
+    def abandon_peer(self, peer_address: bytes) -> None:
+        """As `TransferEngine.abandon_peer`: writes to that peer parked by `hold()` (the
+        only ones still in flight here) fail with `PeerError` and never land."""
+        self._check_open()
+        gone = set(EngineAddress.from_bytes(peer_address).domains)
+
+        def goes_there(job: Callable[[], None]) -> bool:
+            part = getattr(job, "__self__", None)
+            return isinstance(part, WritePart) and part.peer_address in gone
+
+        error = PeerError("rma write: the peer was given up before the write completed")
+        for cancel in self.delivery.take_held(goes_there):  # on_error on our thread, as ever
+            self.delivery.put(functools.partial(cancel, error))
 
     # -- counters (expect_imm_count and the rest: inherited from ImmCounting, S4c) ----------
 

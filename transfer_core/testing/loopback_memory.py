@@ -121,11 +121,15 @@ class WritePart:
     def n(self) -> int:
         return int(self.dst_offsets.size)
 
+    @property
+    def peer_address(self) -> bytes:
+        """The peer endpoint it goes to (domain d writes to the peer's d modulo its count)."""
+        return self.dst_mr.domains[self.domain % len(self.dst_mr.domains)][0]
+
     def run(self) -> None:
         """Deliver on the sender's queue; the completion comes last (its callback may raise)."""
         dst = self.dst_mr
-        # The real engine maps its domain d to the peer's domain d modulo the peer's count.
-        address, key = dst.domains[self.domain % len(dst.domains)]
+        address, key = dst.domains[self.domain % len(dst.domains)]  # as `peer_address`
         found = self.engine.fabric.lookup(address)
         if found is None:
             self.fail(PeerError(f"region {dst.name!r}: peer unreachable: no loopback engine "

@@ -156,6 +156,13 @@ class DeliveryQueue:
         with self._cond:
             return len(self._held)
 
+    def take_held(self, match: Callable[[Job], bool]) -> list[Cancel]:
+        """Unpark the parked jobs `match` picks, for good: the cancels of those that have one."""
+        with self._cond:
+            taken = [(job, cancel) for job, cancel in self._held if match(job)]
+            self._held = [entry for entry in self._held if not match(entry[0])]
+        return [cancel for _, cancel in taken if cancel is not None]
+
     def idle_now(self) -> bool:
         with self._cond:
             return not self._jobs and not self._busy
