@@ -35,7 +35,8 @@ class DecoderPeer:
     wants_draft_kv: bool = False  # it drafts with an MTP head whose KV we ship (S8)
     proof: int = 0  # the nonce written into its proof slot at handshake, for it to echo (S5)
     proven: bool = False  # it echoed it: only now are its requests taken
-
+    engine_address: bytes = b""  # its transfer engine's, from the Hello: where we write (X4)
+    handshake: int = 0  # this prefiller's count of handshakes when it shook hands (X4)
 
 
 def check_kv_request(message: KVRequest, peer: DecoderPeer, page_size: int,

@@ -158,7 +158,8 @@ def parse_peer(hello: Hello, channel: Channel, num_layers: int, geometry: PageGe
                            f"are not {num_layers} layers of whole {page_nbytes}-byte pages")
     return DecoderPeer(hello.node_id, channel, kv, context, sharding, peer_pages,
                        context.length // slot_nbytes, page_nbytes, layer_nbytes,
-                       hello.kv_memory_path, bool(hello.draft_kv_descriptor))
+                       hello.kv_memory_path, bool(hello.draft_kv_descriptor),
+                       engine_address=hello.engine_address)
 
 
 def check_bound(hello: Hello) -> None:

@@ -11,6 +11,11 @@ pages (S4b). Pages the decoder holds already are never
 written; pages found in this node's prefix cache go with the first chunk (X2b). Every write
 carries the request's immediate value; the decoder counts them (S4c).
 
+A gone decoder's writes still queued are given up at once (`Transport.abandon_peer`, X4),
+so its requests end now rather than at their writes' deadline (a dead peer's writes never
+complete: tcp;ofi_rxm answers -FI_EAGAIN until then), unless the same decoder has shaken
+hands again meanwhile: what is queued to its address may then be the new handshake's own.
+
 Collaborators, wired once by the node's builder: the layer streamer (plans, poller thread,
 page writes), the context sender (context slots and the draft-KV plug-in, built when a decoder
 first asks for it), the handshake's prefiller side (`handshake.py`). `wake` rings the node's
@@ -19,9 +24,11 @@ inbox.
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import random
+import threading
 import time
 from collections import OrderedDict, deque
 from collections.abc import Callable
@@ -44,6 +51,7 @@ from disagg.model.layer_counter import LayerCounter
 from disagg.model.page_geometry import PageGeometry
 from disagg.utils.tally import Tally
 from disagg.utils.trace import Tracer
+from transfer_core.errors import TransferError
 from transfer_core.staging import register_kv
 from transfer_core.transport import Transport
 
@@ -87,6 +95,12 @@ class PrefillMessenger:
         self._ended_writes: OrderedDict[str, int] = OrderedDict()  # for a late Cancel
         self.recent: deque[OutgoingKV] = deque(maxlen=64)  # ended requests, for tools
         self._wake = wake  # the node's "something happened" bell
+        # The latest handshake per decoder engine address, and the lock that orders a
+        # handshake's first write after any abandon of that address (reader threads vs the
+        # engine thread).
+        self._handshakes = itertools.count(1)
+        self._latest_handshake: dict[bytes, int] = {}
+        self._abandon_lock = threading.Lock()
 
     @property
     def draft(self) -> DraftSource | None:
@@ -100,6 +114,9 @@ class PrefillMessenger:
         before its first request), write its proof. Raises `RequestError`/`TransferError`."""
         peer = handshake.parse_peer(hello, channel, self.kv_cache.num_layers,
                                     PageGeometry.of(self.kv_cache), self.context.slots.slot_nbytes)
+        with self._abandon_lock:  # before our first write: a later abandon spares it
+            peer.handshake = next(self._handshakes)
+            self._latest_handshake[peer.engine_address] = peer.handshake
         # tcp;ofi_rxm connects on the first write (25-80 ms); pay it now, not in a request's
         # first layer.
         self.transport.connect(hello.engine_address, timeout_s=CONNECT_TIMEOUT_S)
@@ -163,16 +180,34 @@ class PrefillMessenger:
                                   self._ended_writes.get(key, -1)))
 
     def fail_peer(self, peer: DecoderPeer, reason: str) -> None:
-        """The decoder is gone: nothing more is written to it; its requests end as failed
-        once no write reads their pages any more."""
+        """The decoder is gone: nothing more is written to it, what is queued for it is
+        given up, and its requests end as failed once no write reads their pages any more
+        (at once, unless the provider still holds some of their writes)."""
         for outgoing in [o for o in self._in_flight.values() if o.peer is peer]:
             self._stop(outgoing, FailureCause.DECODER_GONE, reason)
+        with self._abandon_lock:
+            # A newer handshake from that engine may have writes queued already (its proof):
+            # then leave them, and the old requests' writes go to a live decoder anyway.
+            if self._latest_handshake.get(peer.engine_address) == peer.handshake:
+                self._abandon(peer.engine_address)
 
     def fail_all(self, reason: str) -> None:
         """This node is shutting down: every request still in flight ends as failed (its
-        decoder retries it elsewhere) once no write reads its pages."""
-        for outgoing in [o for o in self._in_flight.values() if not o.failed]:
+        decoder retries it elsewhere) once no write reads its pages; their decoders' queued
+        writes are given up."""
+        stopped = [o for o in self._in_flight.values() if not o.failed]
+        for outgoing in stopped:
             self._stop(outgoing, FailureCause.PREFILLER_DIED, reason)
+        for address in {o.peer.engine_address for o in self._in_flight.values()}:
+            self._abandon(address)
+
+    def _abandon(self, address: bytes) -> None:
+        if not address:
+            return
+        try:
+            self.transport.abandon_peer(address)
+        except TransferError as error:  # closed engine, or an address that never parsed
+            logger.warning("could not give up the writes to %r: %s", address[:16], error)
 
     def expire_leases(self) -> None:
         """Stop requests older than their lease: the decoder has given up on them by now."""
