@@ -204,7 +204,11 @@ class ModelConfig:
         return PRESETS[name]
 
 
-# Random-init presets. `tiny` has 4 KV heads so TP degrees 1, 2 and 4 divide it.
+# Random-init presets. `tiny` has 4 KV heads so TP degrees 1, 2 and 4 divide it. The last two
+# are S9's deployments at toy size: `tiny-mla-moe` is DeepSeek-V3's shape (MLA, a dense first
+# layer, then shared + routed experts with grouped sigmoid routing), `tiny-qwen3-moe` is
+# Qwen3-Coder's (GQA with q/k norms, softmax-routed experts). Every TP degree up to 4 divides
+# their heads, intermediate sizes and experts.
 PRESETS: dict[str, ModelConfig] = {
     "tiny": ModelConfig(vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2,
                         num_heads=8, num_kv_heads=4, head_dim=8, eos_token_ids=(0,),
@@ -212,4 +216,19 @@ PRESETS: dict[str, ModelConfig] = {
     "small": ModelConfig(vocab_size=2048, hidden_size=256, intermediate_size=688, num_layers=4,
                          num_heads=8, num_kv_heads=8, head_dim=32, eos_token_ids=(0,),
                          max_position_embeddings=4096, name="small"),
+    "tiny-mla-moe": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+        num_kv_heads=1, head_dim=40, rms_norm_eps=1e-6, eos_token_ids=(0,),
+        max_position_embeddings=4096, name="tiny-mla-moe", architecture="deepseek_v3",
+        moe=MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32,
+                      routing="sigmoid_grouped", num_shared_experts=1, n_group=2,
+                      topk_group=1, routed_scaling_factor=2.5, first_dense_layers=1),
+        mla=MLAConfig(kv_lora_rank=32, qk_nope_head_dim=16, qk_rope_head_dim=8,
+                      v_head_dim=16, q_lora_rank=24)),
+    "tiny-qwen3-moe": ModelConfig(
+        vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=8,
+        num_kv_heads=4, head_dim=16, rms_norm_eps=1e-6, eos_token_ids=(0,),
+        max_position_embeddings=4096, name="tiny-qwen3-moe", architecture="qwen3_moe",
+        qk_norm=True,
+        moe=MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)),
 }

@@ -162,8 +162,9 @@ def demo(
         help="Data-parallel decoder ranks: that many independent decoder engines, one process "
              "each (overrides --decoders; S9a's DP deployment)")] = 0,
     deployment: Annotated[str | None, typer.Option(
-        help="A preset of S9 on the toy model: qwen3-coder (TP 4 -> TP 4, HND, 3 decoders) or "
-             "deepseek-r1 (replicated KV, TP 4 prefiller, 3 DP decoders)")] = None,
+        help="A preset of S9 with its model's architecture at toy size: qwen3-coder "
+             "(Qwen3-MoE, TP 4 -> TP 4, HND, 3 decoders) or deepseek-r1 (MLA + MoE, its latent "
+             "KV replicated on every rank, TP 4 prefiller, 3 DP decoders)")] = None,
     routing: RoutingOption = ROUTING,
     routing_margin: RoutingMarginOption = LOAD_MARGIN,
 ) -> None:

@@ -16,27 +16,30 @@ from disagg.errors import ConfigError
 if TYPE_CHECKING:
     import typer
 
-# The two deployments of S9, scaled to the toy models (the `tiny` preset has 4 KV heads).
+# The two deployments of S9, each with its model's architecture at toy size (random weights).
 DEPLOYMENTS: dict[str, dict[str, object]] = {
-    # S9b, Qwen3-Coder: GQA, TP on both sides, HND, rank i -> rank i, 3 decoders per prefiller.
-    "qwen3-coder": {"prefill_tp": 4, "decode_tp": 4, "kv_layout": "HND", "num_decoders": 3,
-                    "replicated_kv": False},
-    # S9a, DeepSeek-R1 with DP decoders: the latent cache is the same on every rank, so any
-    # prefiller rank may send (chosen at random per request); each decoder rank is its own engine.
-    "deepseek-r1": {"prefill_tp": 4, "decode_tp": 1, "kv_layout": "HND", "num_decoders": 3,
-                    "replicated_kv": True},
+    # S9b, Qwen3-Coder: a Qwen3-MoE (GQA, 4 KV heads), TP 4 on both sides, HND, rank i ->
+    # rank i, 3 decoders per prefiller.
+    "qwen3-coder": {"model": "tiny-qwen3-moe", "prefill_tp": 4, "decode_tp": 4,
+                    "kv_layout": "HND", "num_decoders": 3, "replicated_kv": False},
+    # S9a, DeepSeek-R1 with DP decoders: an MLA + MoE model, whose latent cache is the same on
+    # every rank by construction, so any prefiller rank may send (chosen at random per
+    # request); each decoder rank is its own engine.
+    "deepseek-r1": {"model": "tiny-mla-moe", "prefill_tp": 4, "decode_tp": 1,
+                    "kv_layout": "HND", "num_decoders": 3},
 }
 
 # The `disagg demo` flag behind each field a preset sets: errors name what the user typed.
-FLAGS: dict[str, str] = {"prefill_tp": "--prefill-tp", "decode_tp": "--decode-tp",
-                         "kv_layout": "--kv-layout", "num_decoders": "--decoders",
-                         "replicated_kv": "--replicated-kv"}
+FLAGS: dict[str, str] = {"model": "--model", "prefill_tp": "--prefill-tp",
+                         "decode_tp": "--decode-tp", "kv_layout": "--kv-layout",
+                         "num_decoders": "--decoders", "replicated_kv": "--replicated-kv"}
 
 # demo's parameters (python names) -> the option each sets. --decode-dp comes after --decoders
 # because it overrides it, as in the demo.
-DEMO_PARAMS: dict[str, str] = {"prefill_tp": "prefill_tp", "decode_tp": "decode_tp",
-                               "kv_layout": "kv_layout", "decoders": "num_decoders",
-                               "decode_dp": "num_decoders", "replicated_kv": "replicated_kv"}
+DEMO_PARAMS: dict[str, str] = {"model": "model", "prefill_tp": "prefill_tp",
+                               "decode_tp": "decode_tp", "kv_layout": "kv_layout",
+                               "decoders": "num_decoders", "decode_dp": "num_decoders",
+                               "replicated_kv": "replicated_kv"}
 
 # Parameter sources of a value the user left alone, so a preset may replace it. By name:
 # recent typer versions carry their own copy of click, whose ParameterSource enum is not
