@@ -8,8 +8,9 @@ and its op's result reaches it without a hand-off (shim.c.in's NOTE on waited op
 must run even on a pure receiver: progress is manual (the target's polling moves the data).
 Every submitted op reaches its `on_finish` exactly once, also on close or fatal error;
 `Completion` folds the ops of one transfer (one per domain) into one on_done/on_error.
-Memory keys are random (or the provider's own), never sequential: a key is all a peer needs to
-write a region.
+One peer's writes never hold up another's (X5c): each peer endpoint gets its own share of the
+slots, and `abandon_peer` fails what is queued for a peer given up (X4). Memory keys are
+random (or the provider's own), never sequential: a key is all a peer needs to write a region.
 """
 
 from __future__ import annotations
@@ -54,7 +55,7 @@ OnError = Callable[[TransferError], None]
 DEFAULT_MAX_INFLIGHT = 64
 # A domain holds this many peers' worth of slots (within half the TX queue): a frozen peer
 # keeps its writes in flight until it thaws, and measured with one shared cap of 64, its
-# writes took every slot and no other peer got a write out for as long (X4).
+# writes took every slot and no other peer got a write out for as long (X5c).
 PEER_SHARES = 4
 # One C call's budget. The call returns early for completions, immediates, deadlines and
 # close()'s interrupt (submissions are taken inside it), so the budget only bounds how often an

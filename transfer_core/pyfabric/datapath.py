@@ -3,7 +3,7 @@
 `WriteOp` describes n writes (one call for thousands of pages, from int64 index arrays);
 `Worker.submit` hands it to the C worker from any thread; `Worker.progress` (called only
 by the endpoint's progress thread) posts under an in-flight cap (and one per destination),
-handles -FI_EAGAIN by reaping the CQ and posting to other destinations meanwhile (X4),
+handles -FI_EAGAIN by reaping the CQ and posting to other destinations meanwhile (X5c),
 enforces deadlines, and returns finished ops and immediate counts per value; `fail_dest`
 gives up on what is queued for one peer.
 The GIL is released for the whole C call. A thread waiting for its own op runs the same loop
@@ -120,7 +120,7 @@ class Worker:
 
     `max_inflight` writes may be in flight in all, at most `dest_cap` (None: all of them) to
     one destination: a peer that stops reading (frozen) then holds only its share of the slots,
-    and the worker posts to the others meanwhile (X4)."""
+    and the worker posts to the others meanwhile (X5c)."""
 
     def __init__(
         self, endpoint: Endpoint, cq: CompletionQueue, max_inflight: int,
