@@ -45,3 +45,22 @@ def test_deployment_matches_a_single_node_and_moves_its_attentions_bytes(name: s
     pages = sum(-(-(len(p) - 1) // PAGE_SIZE) for p in prefilled)
     assert result["totals"]["kv_bytes"] == (pages * model.num_layers * page_bytes
                                             + len(prefilled) * context_slot_nbytes(model))
+
+
+@pytest.mark.slow  # 1 prefiller + 1 decoder, one of them with a rank process: ~10 s
+@pytest.mark.parametrize(("model", "prefill_tp", "decode_tp"), [
+    ("tiny-mla-moe", 1, 2),  # one latent copy in, every decoder rank's copy filled
+    ("tiny-mla-moe", 2, 1),  # two identical copies out, one sent
+    ("tiny-qwen3-moe", 2, 1),  # GQA heads rebuilt into whole pages (S6b)
+    ("tiny-qwen3-moe", 1, 2),
+])
+def test_mismatched_tp_across_the_split(model: str, prefill_tp: int, decode_tp: int) -> None:
+    """Each architecture across TP degrees that differ: the single node's tokens; with MLA
+    every decoder rank holds the whole latent (its checksum is checked on every copy)."""
+    vocab = ModelConfig.from_name(model).vocab_size
+    prompts = random_prompts([3, 17, 9], vocab_size=vocab, seed=4)
+    config = ClusterConfig.from_options(model=model, num_decoders=1, page_size=PAGE_SIZE,
+                                        chunk_size=7, prefill_tp=prefill_tp,
+                                        decode_tp=decode_tp, kv_layout="HND")
+    ours, _ = disaggregated_tokens(config, prompts, MAX_TOKENS)
+    assert ours == single_node_tokens(model, prompts, MAX_TOKENS)
