@@ -9,7 +9,7 @@ prints what each attention costs on the wire, so both use the same numbers as th
 
 from __future__ import annotations
 
-from disagg.model_config import MLAConfig, MoEConfig, ModelConfig, RopeScaling
+from disagg.model_config import MLAConfig, ModelConfig, MoEConfig, RopeScaling
 
 PUBLISHED: dict[str, ModelConfig] = {
     # deepseek-ai/DeepSeek-R1 config.json (DeepseekV3ForCausalLM).

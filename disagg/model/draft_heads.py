@@ -20,8 +20,8 @@ from torch import nn
 from disagg.config import CacheConfig, ModelConfig
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import KVCache, PagedKVCache
-from disagg.model.tensor_parallel import TPShard
 from disagg.model.norms import RMSNorm
+from disagg.model.tensor_parallel import TPShard
 from disagg.model.transformer import DecoderLayer, Transformer
 
 MTP_INIT_STD = 0.02

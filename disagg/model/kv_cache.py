@@ -3,8 +3,9 @@
 One tensor holds every layer so that a transfer engine can register it as one memory region.
 Per layer it is FlashInfer's single-tensor paged cache: K and V of a page sit next to each other,
 so one RDMA write moves both. An MLA model's cache has one part instead of two: per token, the
-latent row `c_KV` and the shared RoPE key, one "head" wide (`write_latent`, `gather_latent`). This module only stores and locates; attention reads it
-(`attention.py`) and the allocator decides which pages a request owns (`page_allocator.py`).
+latent row `c_KV` and the shared RoPE key, one "head" wide (`write_latent`, `gather_latent`).
+This module only stores and locates; attention reads it (`attention.py`) and the allocator
+decides which pages a request owns (`page_allocator.py`).
 """
 
 from __future__ import annotations

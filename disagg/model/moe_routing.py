@@ -49,7 +49,8 @@ def sigmoid_grouped_top_k(logits: torch.Tensor, bias: torch.Tensor, moe: MoEConf
     best_groups = group_scores.topk(moe.topk_group, dim=-1).indices
     keep = torch.zeros_like(group_scores, dtype=torch.bool).scatter_(1, best_groups, True)
     # Experts outside the surviving groups can never be chosen.
-    biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf")).view(num_tokens, moe.num_experts)
+    biased = grouped.masked_fill(~keep.unsqueeze(-1), float("-inf"))
+    biased = biased.view(num_tokens, moe.num_experts)
     experts = biased.topk(moe.num_experts_per_tok, dim=-1).indices
     weights = scores.gather(1, experts)
     if moe.norm_topk_prob:

@@ -43,7 +43,8 @@ class TPLeader:
 def start_leader(model_spec: str, config: ModelConfig,
                  state_dict: dict[str, torch.Tensor] | None,
                  cache: CacheConfig, sharding: Sharding, *, device: str = "cpu",
-                 dtype: torch.dtype = torch.float32, threads: int | None = None, node_id: str = "node",
+                 dtype: torch.dtype = torch.float32, threads: int | None = None,
+                 node_id: str = "node",
                  layer_counter: LayerCounter | None = None,
                  on_failure: Callable[[BaseException], None] = lambda _: None) -> TPLeader:
     """Start ranks 1..N-1, build rank 0, map every KV shard, join the group. `state_dict`: the

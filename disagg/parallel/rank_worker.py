@@ -24,9 +24,9 @@ import torch
 
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.loading.registry import load_model
+from disagg.model.precision import cast_model
 from disagg.model.sharded_kv_cache import shard_config
 from disagg.model.tensor_parallel import TPShard
-from disagg.model.precision import cast_model
 from disagg.model.transformer import Transformer
 from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec, rank_device

@@ -5,11 +5,11 @@ from __future__ import annotations
 import json
 
 import pytest
+from typer.testing import CliRunner
 
 from disagg.apps.cli import app
 from disagg.apps.models_command import models_report
 from disagg.sim.models import PRESETS as SIM_PRESETS
-from typer.testing import CliRunner
 
 
 def rows() -> dict[str, dict]:

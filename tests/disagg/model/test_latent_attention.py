@@ -16,9 +16,9 @@ import pytest
 import torch
 
 from disagg.config import CacheConfig
+from disagg.model import latent_paged_attention
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import PagedKVCache
-from disagg.model import latent_paged_attention
 from disagg.model.latent_attention import LatentAttention, softmax_scale
 from disagg.model.latent_paged_attention import absorbed_attention, upprojected_attention
 from disagg.model.rope import RotaryEmbedding

@@ -20,8 +20,8 @@ from safetensors.torch import load_file, save_file
 from disagg.config import ModelConfig
 from disagg.errors import ModelLoadError
 from disagg.model.loading.hf import load_hf_checkpoint
-from disagg.model.weight_shards import parameter_shapes
 from disagg.model.loading.tokenizer import Tokenizer
+from disagg.model.weight_shards import parameter_shapes
 
 SHAPES = [(4, 4, False), (4, 4, True), (4, 2, False), (4, 2, True), (4, 1, False), (4, 1, True)]
 SHAPE_IDS = ["mha-untied", "mha-tied", "gqa-untied", "gqa-tied", "mqa-untied", "mqa-tied"]
