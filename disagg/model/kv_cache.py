@@ -115,6 +115,8 @@ class PagedKVCache:
         """
         self._check_parts(2, "write")
         cache = self.buffer[layer_idx]
+        # A cache kept in another precision than the model's (--kv-dtype) rounds on the way in.
+        k, v = k.to(cache.dtype), v.to(cache.dtype)
         if self.kv_layout == "NHD":
             cache[page_ids, 0, page_offsets] = k
             cache[page_ids, 1, page_offsets] = v
@@ -128,6 +130,7 @@ class PagedKVCache:
         """Store new tokens' latent rows (MLA): `latent` is ``[num_tokens, head_dim]``."""
         self._check_parts(1, "write_latent")
         cache = self.buffer[layer_idx]
+        latent = latent.to(cache.dtype)
         if self.kv_layout == "NHD":
             cache[page_ids, 0, page_offsets] = latent[:, None]
         else:
