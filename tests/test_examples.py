@@ -12,7 +12,7 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("[0-9][0-9]_*
 
 # Examples that take several seconds (they run real processes) stay out of the inner loop.
 SLOW = {"05_request_lifecycle", "06_sharding_and_layouts", "08_failure_handling",
-        "11_prefix_caching"}  # 06 starts TP rank processes
+        "11_prefix_caching", "12_latent_attention_and_experts"}  # 06 and 12 start TP ranks
 
 
 @pytest.mark.parametrize("path", [
