@@ -21,7 +21,7 @@ def plan_report(model: ModelConfig, prefill: Sharding, decode: Sharding, kv_layo
     """The plan of one page, per rank pair, plus totals for a prompt in NHD and in HND."""
     pairs: Counter[tuple[int, int]] = Counter()
     nbytes: Counter[tuple[int, int]] = Counter()
-    geometry = PageGeometry(kv_layout, page_size, model.head_dim, element_size)
+    geometry = PageGeometry(kv_layout, page_size, model.head_dim, element_size, model.kv_parts)
     for write in plan_page_writes(prefill, decode, geometry):
         pairs[(write.src_rank, write.dst_rank)] += 1
         nbytes[(write.src_rank, write.dst_rank)] += write.nbytes
@@ -29,7 +29,7 @@ def plan_report(model: ModelConfig, prefill: Sharding, decode: Sharding, kv_layo
     totals = {}
     for layout in ("NHD", "HND"):
         per_page = len(plan_page_writes(prefill, decode, PageGeometry(
-            layout, page_size, model.head_dim, element_size)))
+            layout, page_size, model.head_dim, element_size, model.kv_parts)))
         totals[layout] = {"writes_per_page": per_page,
                           "writes_per_prompt": per_page * pages * model.num_layers}
     return {

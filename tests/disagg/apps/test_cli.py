@@ -113,6 +113,18 @@ def test_plan_json_counts_nhd_and_hnd(capsys: pytest.CaptureFixture[str]) -> Non
     assert [p["dst_rank"] for p in report["pairs"]] == [0, 1, 2, 3]
 
 
+def test_plan_of_an_mla_model_writes_one_latent_row_per_token(
+        capsys: pytest.CaptureFixture[str]) -> None:
+    """MLA's page is one part (the latent row), not K and V: `disagg plan` of `tiny-mla-moe`
+    sends each page whole, 4 tokens x 40 values x 4 bytes, to each decoder rank."""
+    code, out, _ = run_cli(["plan", "--prefill-tp", "2", "--decode-tp", "2", "--model",
+                            "tiny-mla-moe", "--page-size", "4", "--json"], capsys)
+    report = json.loads(out)
+    assert code == 0 and report["prefill"]["replicated"]
+    assert {p["bytes"] for p in report["pairs"]} == {4 * 40 * 4}
+    assert report["layouts"]["HND"]["writes_per_page"] == 2  # one whole page per decoder rank
+
+
 def test_unknown_deployment_exits_2(capsys: pytest.CaptureFixture[str]) -> None:
     """A deployment preset that does not exist is named in the error."""
     code, _, err = run_cli(["demo", "--model", "tiny", "--deployment", "gpt-5"], capsys)
