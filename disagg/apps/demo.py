@@ -18,6 +18,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
+import torch
+
 from disagg.control.messages import RequestEvent, Submit
 from disagg.engine.request import FailureCause, RequestState
 from disagg.errors import ConfigError
@@ -208,6 +210,11 @@ def totals(requests: list[DemoRequest], wall_s: float) -> dict[str, Any]:
             "acceptance_rate": accepted / drafts if drafts else None}
 
 
+def dtype_name(dtype: torch.dtype) -> str:
+    """How the command line spells `dtype`: "bfloat16"."""
+    return str(dtype).removeprefix("torch.")
+
+
 def trace_request(tracer: Tracer, request: DemoRequest, tokens_before: int,
                   clock: float) -> None:
     """Router-side trace of one event: new tokens, KV writes landed so far, the end.
@@ -279,8 +286,10 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
     finally:
         if trace_dir is not None:
             shutil.rmtree(trace_dir, ignore_errors=True)
+    # The KV totals are what the nodes counted, pages in the cache's own dtype.
     result = {"model": node.model, "decoders": cluster_config.num_decoders,
-              "kv_layout": node.cache.kv_layout, "provider": node.provider,
+              "kv_layout": node.cache.kv_layout, "dtype": dtype_name(node.dtype),
+              "kv_dtype": dtype_name(node.cache.dtype), "provider": node.provider,
               "requests": [r.as_json() for r in requests], "totals": totals(requests, wall_s),
               "metrics": metrics, "processes": processes}
     if exit_codes:

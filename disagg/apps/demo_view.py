@@ -35,9 +35,10 @@ def request_table(requests: list[DemoRequest], title: str = "disaggregated servi
 
 
 def totals_table(result: dict[str, Any]) -> Table:
-    """The run's totals: requests, tokens, throughput, TTFT, KV moved."""
+    """The run's totals: requests, tokens, throughput, TTFT, KV moved (pages in the cache's
+    dtype, which the title names)."""
     t = result["totals"]
-    table = Table(title="totals")
+    table = Table(title=f"totals (KV in {result.get('kv_dtype', 'float32')})")
     for column in ("requests", "failed", "tokens", "tok/s", "TTFT p50 ms", "KV writes", "KV MiB"):
         table.add_column(column, justify="right")
     ttft = f"{t['ttft_ms_p50']:.0f}" if t["ttft_ms_p50"] is not None else "-"

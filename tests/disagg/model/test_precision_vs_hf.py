@@ -33,11 +33,14 @@ import torch.nn.functional as F
 from disagg.config import ModelConfig
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import SamplingParams
+from disagg.model.loading.registry import LoadedModel
 from disagg.model.moe_routing import Router
+from tests.disagg.conftest import hf_smollm2_dir
 from tests.disagg.model.test_architectures_vs_hf import make_hf_model
 from tests.disagg.model.test_deepseek_v3_vs_hf import make_hf_deepseek
 from tests.disagg.model.test_precision import engine_config, our_prefill_logits
 from tests.disagg.model.test_qwen3_moe_vs_hf import make_hf_qwen3_moe
+from tests.disagg.model.test_smollm2_vs_hf import PROMPTS as SMOLLM2_PROMPTS
 from tests.disagg.model.test_transformer_vs_hf import random_prompts
 
 transformers = pytest.importorskip("transformers")
@@ -103,12 +106,13 @@ def hf_generate(model: Any, prompt: list[int], num_new_tokens: int = NUM_NEW_TOK
 
 
 def our_generate(config: ModelConfig, state_dict: dict[str, torch.Tensor],
-                 prompts: list[list[int]], dtype: torch.dtype, kv_layout: str
-                 ) -> list[tuple[list[int], dict[int, float]]]:
+                 prompts: list[list[int]], dtype: torch.dtype, kv_layout: str,
+                 num_new_tokens: int = NUM_NEW_TOKENS,
+                 ) -> list[tuple[list[int], list[dict[int, float]]]]:
     """Our greedy tokens of every prompt (served together), each with, per step, the
     logprobs of that step's 5 likeliest tokens."""
     engine = build_engine(engine_config(config, dtype, dtype, kv_layout), state_dict)
-    params = SamplingParams(max_tokens=NUM_NEW_TOKENS, ignore_eos=True, logprobs=5)
+    params = SamplingParams(max_tokens=num_new_tokens, ignore_eos=True, logprobs=5)
     requests = engine.generate(prompts, params)
     engine.allocator.check_invariants(expect_all_free=True)
     return [(r.output_token_ids, [dict(step.top) for step in engine.chooser.logprobs(r)])
@@ -200,3 +204,22 @@ def test_qwen3_moe_routing_tie(checkpoint: Any) -> None:  # noqa: ANN401
     for calls in (ours_calls[step], their_calls[step]):
         kth, next_best = calls[-1].topk(top_k + 1).values[-2:]  # the last (decode) row
         assert kth - next_best <= torch.finfo(torch.bfloat16).eps * float(kth)
+
+
+@pytest.mark.slow  # PyTorch's one-row bf16 matmuls are ~20x float32's on this CPU: ~30 s
+def test_smollm2_bf16_matches_hf(smollm2_model: LoadedModel, smollm2_gguf_path: Path,
+                                 hf_smollm2_tokenizer: Any) -> None:  # noqa: ANN401
+    """SmolLM2-135M at bf16, three reference prompts served together: transformers' bf16
+    tokens, or a tie where they part (the first prompt parts at step 3, where both sides rank
+    two tokens one bf16 unit apart); the first prompt's prefill logits within the tolerance."""
+    reference = hf_model(hf_smollm2_dir(smollm2_gguf_path), torch.bfloat16)
+    prompts = [hf_smollm2_tokenizer.encode(p, add_special_tokens=False)
+               for p in SMOLLM2_PROMPTS[:3]]
+    config, state_dict = smollm2_model.config, smollm2_model.state_dict
+    ours = our_generate(config, state_dict, prompts, torch.bfloat16, "HND", num_new_tokens=8)
+    for prompt, (tokens, top) in zip(prompts, ours, strict=True):
+        theirs, their_logits = hf_generate(reference, prompt, 8)
+        assert_equal_or_tie(tokens, top, theirs, their_logits, torch.bfloat16)
+    logits = our_prefill_logits(config, state_dict, prompts[0], torch.bfloat16, torch.bfloat16)
+    theirs = hf_prefill_logits(reference, prompts[0]).float()
+    assert float((logits.float() - theirs).abs().max()) <= tolerance(torch.bfloat16, theirs)

@@ -5,7 +5,7 @@ The tokens equal a single bf16 node's, and what crossed the wire is half a float
 page write moves bf16 K/V (the context slot keeps shipping the hidden state and logits as
 float32, `context_slot.py`, so it weighs the same). The byte counts are the nodes' own: the
 prefiller's `bytes_total` (what it posted) and the decoder's `kv_bytes_total` (what its
-receipts counted), which the demo's totals add up per request.
+receipts counted), which the demo's totals add up per request and label with the KV dtype.
 """
 
 from __future__ import annotations
@@ -71,6 +71,7 @@ def test_bf16_matches_a_bf16_node_and_moves_half_the_bytes(model: str) -> None:
     pages = sum(-(-(len(p) - 1) // PAGE_SIZE) for p in prefilled) * config.num_layers
     page_bytes = {}
     for dtype, (_, run) in runs.items():
+        assert run["kv_dtype"] == dtype  # what the demo's totals are counted in
         posted, received, total = bytes_moved(run)
         assert posted == received == total
         page_bytes[dtype] = total - context
