@@ -30,8 +30,10 @@ DraftTokensOption = Annotated[int, typer.Option(
     help="Draft tokens proposed per step, verified by one forward (with --speculative)")]
 DraftLayersOption = Annotated[int, typer.Option(
     help="Layers of the early-exit draft (0: all but the last two)")]
-ModelOption = Annotated[str, typer.Option(help="smollm2-135m, a preset (tiny, small) or a "
-                                                "Hugging Face Llama checkpoint directory")]
+ModelOption = Annotated[str, typer.Option(
+    help="smollm2-135m, a random-init preset (tiny, small, tiny-mla-moe, tiny-qwen3-moe), a "
+         "Hugging Face safetensors checkpoint directory or a Hub id (owner/name) of Llama, "
+         "Mistral, Qwen2, Qwen3, Qwen3-MoE or DeepSeek-V3")]
 LayoutOption = Annotated[str, typer.Option(help="KV page layout: NHD or HND")]
 PageSizeOption = Annotated[int, typer.Option(help="Tokens per KV page")]
 NumPagesOption = Annotated[int, typer.Option(help="KV pages in the cache")]

@@ -24,7 +24,7 @@ import torch
 
 from disagg.engine.guide_spec import Guide, GuideKind, grammar_of
 from disagg.errors import ConfigError, GuideError
-from disagg.model.loading.registry import LoadedModel
+from disagg.model.loading.registry import TokenizedModel
 from disagg.model.loading.tokenizer import Tokenizer
 
 __all__ = ["Guide", "GuideCompiler", "GuideKind", "GuideState"]
@@ -161,9 +161,9 @@ class GuideCompiler:
         self._lock = threading.Lock()
 
     @classmethod
-    def for_model(cls, loaded: LoadedModel) -> GuideCompiler | None:
-        """The compiler for a loaded model's tokenizer, or None when it has none (then
-        structured output is refused)."""
+    def for_model(cls, loaded: TokenizedModel) -> GuideCompiler | None:
+        """The compiler for a model's tokenizer (a `LoadedModel`, or the front door's
+        `ModelTokenizer`), or None when it has none (then structured output is refused)."""
         if loaded.tokenizer is None:
             return None
         return cls(loaded.tokenizer, loaded.config.vocab_size, loaded.config.eos_token_ids)

@@ -10,8 +10,11 @@ node of `config.role` needs, handing each its collaborators once:
 - both: the messenger's `wake` rings the node's inbox.
 Nothing is re-attached afterwards. On CUDA the transfer engine asks for FI_HMEM first and falls
 back to host staging (S5, `transfer_core.staging`). With `--tp N` the node is the leader of N
-rank processes (`disagg.parallel.leader`): it holds rank 0's shard, maps every rank's KV into
-the one transfer engine, and a rank that dies fails the node through its inbox.
+rank processes (`disagg.parallel.leader`): it holds rank 0's shard only (this process loads the
+config and tokenizer, the leader reads rank 0's slices, each rank its own), maps every rank's
+KV into the one transfer engine, and a rank that dies fails the node through its inbox. The
+model fingerprint both sides compare at handshake comes from the spec and dtype, never from
+weights in memory (`model_fingerprint`), so it is the same at every TP degree.
 """
 
 from __future__ import annotations
@@ -32,7 +35,7 @@ from disagg.kv_transfer.draft_kv import DraftKVSink, DraftKVSource
 from disagg.kv_transfer.prefill_messenger import PrefillMessenger
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.fingerprint import model_fingerprint
-from disagg.model.loading.registry import LoadedModel, load_model
+from disagg.model.loading.registry import LoadedModel, ModelTokenizer, load_model, load_tokenizer
 from disagg.model.transformer import Transformer
 from disagg.node.base import Inbox
 from disagg.node.decode_node import DecodeNode
@@ -68,6 +71,19 @@ def keep_freed_memory() -> None:
     libc.mallopt(m_trim_threshold, 1 << 30)
 
 
+# What a node process loads: the whole model at TP 1, only its config and tokenizer at TP > 1.
+NodeModel = LoadedModel | ModelTokenizer
+
+
+def node_model(config: NodeConfig) -> NodeModel:
+    """What this process loads of `config.model`: every weight at TP 1; at TP > 1 only the
+    config and tokenizer, since the leader reads rank 0's slices of each split weight itself
+    and each rank its own (a TP node never holds the whole model)."""
+    if config.parallel.tp > 1:
+        return load_tokenizer(config.model)
+    return load_model(config.model)
+
+
 def build_node(config: NodeConfig, tracer: Tracer | None = None,
                placement: NodePlacement | None = None) -> PrefillNode | DecodeNode:
     """Load the model, open the fabric and wire one node of `config.role`; `placement` is
@@ -76,7 +92,7 @@ def build_node(config: NodeConfig, tracer: Tracer | None = None,
     keep_freed_memory()
     if config.threads:
         torch.set_num_threads(config.threads)
-    loaded = load_model(config.model)
+    loaded = node_model(config)
     tracer = tracer or Tracer(trace_path(config.trace, config.node_id), config.node_id)
     placement = placement or node_placement(config)
     transfer = open_transfer(config, placement)
@@ -89,28 +105,37 @@ def build_node(config: NodeConfig, tracer: Tracer | None = None,
         raise
 
 
-def _engine_config(config: NodeConfig, loaded: LoadedModel) -> EngineConfig:
+def node_fingerprint(config: NodeConfig, loaded: NodeModel) -> str:
+    """The model fingerprint this node shows peers at handshake (any TP degree)."""
+    return model_fingerprint(config.model, loaded.config, config.dtype)
+
+
+def _engine_config(config: NodeConfig, loaded: NodeModel) -> EngineConfig:
     return EngineConfig(loaded.config, config.cache, config.scheduler, config.parallel,
                         device=config.device, dtype=config.dtype, cuda_graph=config.cuda_graph)
 
 
-def _model(config: NodeConfig, engine_config: EngineConfig, loaded: LoadedModel, inbox: Inbox,
+def _model(config: NodeConfig, engine_config: EngineConfig, loaded: NodeModel, inbox: Inbox,
            counter: LayerCounter | None = None) -> Transformer | TPLeader:
-    """The node's model: one process at TP 1, else the leader of its rank processes, a rank's
-    death failing the node through its inbox."""
-    return build_model(engine_config, loaded.state_dict, counter, model_spec=config.model,
-                       threads=config.threads, node_id=config.node_id, on_failure=inbox.fail)
+    """The node's model: one process at TP 1, else the leader of its rank processes (given
+    no weights: it reads rank 0's slices), a rank's death failing the node through its inbox."""
+    state_dict = loaded.state_dict if isinstance(loaded, LoadedModel) else None
+    assert state_dict is not None or config.parallel.tp > 1, "TP 1 is given the weights"
+    # None reaches `start_leader`, whose rank 0 then reads its own slices.
+    return build_model(engine_config, state_dict, counter,  # type: ignore[arg-type]
+                       model_spec=config.model, threads=config.threads,
+                       node_id=config.node_id, on_failure=inbox.fail)
 
 
-def _prefill_node(config: NodeConfig, loaded: LoadedModel, transfer: Transport,
+def _prefill_node(config: NodeConfig, loaded: NodeModel, transfer: Transport,
                   tracer: Tracer, placement: NodePlacement) -> PrefillNode:
     inbox = Inbox()
     engine, messenger = build_prefill_side(config, loaded, transfer, inbox, tracer, placement)
-    return PrefillNode(engine, messenger, transfer, inbox, model_fingerprint(loaded),
+    return PrefillNode(engine, messenger, transfer, inbox, node_fingerprint(config, loaded),
                        config.listen, config.node_id, tracer)
 
 
-def build_prefill_side(config: NodeConfig, loaded: LoadedModel, transport: Transport,
+def build_prefill_side(config: NodeConfig, loaded: NodeModel, transport: Transport,
                        inbox: Inbox, tracer: Tracer, placement: NodePlacement | None = None,
                        ) -> tuple[LLMEngine, PrefillMessenger]:
     """A prefiller's engine and messenger over `transport`, wired (the node adds its control
@@ -120,7 +145,7 @@ def build_prefill_side(config: NodeConfig, loaded: LoadedModel, transport: Trans
     return wire_prefill_side(config, parts, counter, transport, inbox, tracer, placement)
 
 
-def prefill_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox,
+def prefill_parts(config: NodeConfig, loaded: NodeModel, inbox: Inbox,
                   ) -> tuple[EngineParts, LayerCounter]:
     """A prefiller's model, KV cache, allocator and scheduler, and the counter its model bumps
     after each layer (S3b)."""
@@ -145,7 +170,7 @@ def wire_prefill_side(config: NodeConfig, parts: EngineParts, counter: LayerCoun
     return LLMEngine(parts, observers=[messenger]), messenger
 
 
-def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: Transport,
+def _decode_node(config: NodeConfig, loaded: NodeModel, transfer: Transport,
                  tracer: Tracer, placement: NodePlacement) -> DecodeNode:
     inbox = Inbox()
     engine, messenger = build_decode_side(config, loaded, transfer, inbox, placement)
@@ -159,7 +184,7 @@ def _decode_node(config: NodeConfig, loaded: LoadedModel, transfer: Transport,
         raise
 
 
-def build_decode_side(config: NodeConfig, loaded: LoadedModel, transport: Transport,
+def build_decode_side(config: NodeConfig, loaded: NodeModel, transport: Transport,
                       inbox: Inbox, placement: NodePlacement | None = None,
                       ) -> tuple[LLMEngine, DecodeMessenger]:
     """A decoder's engine (with its speculator, if asked for) and messenger over `transport`,
@@ -169,7 +194,7 @@ def build_decode_side(config: NodeConfig, loaded: LoadedModel, transport: Transp
                             inbox, placement)
 
 
-def decode_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox) -> EngineParts:
+def decode_parts(config: NodeConfig, loaded: NodeModel, inbox: Inbox) -> EngineParts:
     """A decoder's model, KV cache, allocator and scheduler."""
     engine_config = _engine_config(config, loaded)
     if config.speculative is not None and config.speculative.kind == "mtp":
@@ -182,7 +207,7 @@ def decode_parts(config: NodeConfig, loaded: LoadedModel, inbox: Inbox) -> Engin
                              GuideCompiler.for_model(loaded))
 
 
-def wire_decode_side(config: NodeConfig, loaded: LoadedModel, parts: EngineParts,
+def wire_decode_side(config: NodeConfig, loaded: NodeModel, parts: EngineParts,
                      transport: Transport, inbox: Inbox, placement: NodePlacement | None = None,
                      ) -> tuple[LLMEngine, DecodeMessenger]:
     """The speculator (when asked for), the messenger over `parts`' KV (rank r's written
@@ -191,7 +216,8 @@ def wire_decode_side(config: NodeConfig, loaded: LoadedModel, parts: EngineParts
     sink = None
     if speculator is not None and speculator.kv_cache is not None:  # an MTP head (S4a, S8)
         sink = DraftKVSink(speculator.kv_cache, loaded.config, config.cache.page_size, transport)
-    messenger = DecodeMessenger(parts, transport, config.node_id, model_fingerprint(loaded),
+    messenger = DecodeMessenger(parts, transport, config.node_id,
+                                node_fingerprint(config, loaded),
                                 wake=inbox.wake, draft_sink=sink,
                                 reliability=config.reliability,
                                 rank_domains=None if placement is None else

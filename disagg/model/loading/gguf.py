@@ -99,11 +99,7 @@ def load_gguf_with_chat_template(path: str | Path, name: str = "custom") -> tupl
 
     source = str(path)
     reader = _open(source)
-    metadata = _Metadata(reader.fields, source)
-    tokenizer = _tokenizer(metadata)
-    has_output = any(t.name == "output.weight" for t in reader.tensors)
-    config = _config(metadata, tokenizer, tie_word_embeddings=not has_output, name=name)
-
+    config, tokenizer, chat_template = _describe(reader, source, name)
     state_dict: dict[str, torch.Tensor] = {}
     for tensor in reader.tensors:
         ours = gguf_name_to_ours(tensor.name)
@@ -118,12 +114,30 @@ def load_gguf_with_chat_template(path: str | Path, name: str = "custom") -> tupl
         state_dict[ours] = values.contiguous()
     check_state_dict(state_dict, config, source)
     logger.info("loaded %s: %d tensors dequantized to fp32", source, len(state_dict))
-    return config, state_dict, tokenizer, _chat_template(metadata)
+    return config, state_dict, tokenizer, chat_template
+
+
+def read_gguf_metadata(path: str | Path, name: str = "custom") -> tuple[
+        ModelConfig, Tokenizer, str | None]:
+    """Config, tokenizer and chat template of a GGUF file, without its weights: no tensor is
+    dequantized or read (the tensor table is looked at only for whether `output.weight` is
+    there, i.e. whether the embeddings are tied)."""
+    source = str(path)
+    return _describe(_open(source), source, name)
 
 
 def load_gguf_tokenizer(path: str | Path) -> Tokenizer:
     """Only the tokenizer of a GGUF file (no tensor is dequantized)."""
     return _tokenizer(_Metadata(_open(str(path)).fields, str(path)))
+
+
+def _describe(reader: Any, source: str, name: str) -> tuple[  # noqa: ANN401
+        ModelConfig, Tokenizer, str | None]:
+    metadata = _Metadata(reader.fields, source)
+    tokenizer = _tokenizer(metadata)
+    has_output = any(t.name == "output.weight" for t in reader.tensors)
+    config = _config(metadata, tokenizer, tie_word_embeddings=not has_output, name=name)
+    return config, tokenizer, _chat_template(metadata)
 
 
 def _open(source: str) -> Any:

@@ -14,7 +14,8 @@ half-written entry; the first complete one stays. An entry that cannot be read (
 edited by hand) is logged, rebuilt and replaced; what a load that died left half-written is
 swept by the next write. A cache that cannot be written (read-only
 home, full disk) is logged and the load goes on from the GGUF. `DISAGG_CACHE_DIR` moves it
-(default `$XDG_CACHE_HOME/disagg`, else `~/.cache/disagg`).
+(default `$XDG_CACHE_HOME/disagg`, else `~/.cache/disagg`). The front door wants no weights:
+`load_gguf_metadata_cached` reads an entry's config and tokenizer files only.
 """
 
 from __future__ import annotations
@@ -43,6 +44,7 @@ CACHE_ENV = "DISAGG_CACHE_DIR"
 _WEIGHTS, _TOKENIZER, _META = "weights.safetensors", "tokenizer.json", "meta.json"
 
 Loaded = tuple[ModelConfig, dict[str, torch.Tensor], Tokenizer, str | None]
+Described = tuple[ModelConfig, Tokenizer, str | None]  # a `Loaded` without its weights
 
 
 def cache_root() -> Path:
@@ -88,15 +90,38 @@ def entry_key(path: Path, name: str) -> str:
     return hashlib.sha256(identity.encode()).hexdigest()[:32]
 
 
-def _read(entry: Path) -> Loaded:
+def load_gguf_metadata_cached(path: str | Path, name: str = "custom") -> Described:
+    """The config, tokenizer and chat template of `load_gguf_cached(path, name)`, without the
+    weights: from the cache entry's metadata and tokenizer files when it has one (its weights
+    file is not opened), else from the GGUF's metadata (`gguf.read_gguf_metadata`: no tensor
+    dequantized; no entry is written, since an entry holds the weights)."""
+    try:
+        entry = cache_root() / "gguf" / entry_key(Path(path), name)
+    except OSError:  # no such file: the loader names the problem (ModelLoadError)
+        return gguf.read_gguf_metadata(path, name)
+    if (entry / _META).is_file():
+        try:
+            return _read_description(entry)[0]
+        except (OSError, ValueError, KeyError, TypeError, ModelLoadError) as error:
+            logger.warning("model cache entry %s is unreadable (%s): reading the GGUF's "
+                           "metadata", entry, error)
+    return gguf.read_gguf_metadata(path, name)
+
+
+def _read_description(entry: Path) -> tuple[Described, str]:
+    """The entry's config, tokenizer and chat template, and the GGUF it was made from."""
     meta = json.loads((entry / _META).read_text())
     fields = dict(meta["config"], eos_token_ids=tuple(meta["config"]["eos_token_ids"]))
-    config = ModelConfig(**fields)
     loaded_tokenizer = Tokenizer.from_file(entry / _TOKENIZER, meta["bos_token_id"],
                                            meta["eos_token_ids"])
+    return (ModelConfig(**fields), loaded_tokenizer, meta["chat_template"]), meta["source"]
+
+
+def _read(entry: Path) -> Loaded:
+    (config, loaded_tokenizer, chat_template), source = _read_description(entry)
     state_dict = load_file(entry / _WEIGHTS)
-    logger.info("loaded %s from the model cache (%d tensors)", meta["source"], len(state_dict))
-    return config, state_dict, loaded_tokenizer, meta["chat_template"]
+    logger.info("loaded %s from the model cache (%d tensors)", source, len(state_dict))
+    return config, state_dict, loaded_tokenizer, chat_template
 
 
 def _sweep(directory: Path) -> None:

@@ -4,7 +4,9 @@ slices, in the dtype asked for (S3b, S3c).
 The names and shapes expected are the model's own (`weight_shards.parameter_shapes`): Hugging
 Face's state dict without the leading `model.`. Every name and full shape is checked from the
 files' headers before a tensor is read (`safetensors_files.py`). Refuses anything it cannot run
-exactly with a `ModelLoadError` naming the file and field, rather than loading it approximately.
+exactly with a `ModelLoadError` naming the file and field, rather than loading it approximately;
+passes over what transformers ignores too (DeepSeek-V3's multi-token-prediction layers, one
+info line).
 """
 
 from __future__ import annotations
@@ -19,8 +21,13 @@ import torch
 
 from disagg.config import ModelConfig
 from disagg.errors import ModelLoadError
-from disagg.model.loading.hf_config import config_from_hf
-from disagg.model.loading.safetensors_files import list_tensors, read_tensors, weight_files
+from disagg.model.loading.hf_config import config_from_hf, mtp_layers
+from disagg.model.loading.safetensors_files import (
+    StoredTensor,
+    list_tensors,
+    read_tensors,
+    weight_files,
+)
 from disagg.model.loading.tokenizer import Tokenizer
 from disagg.model.tensor_parallel import Cut
 from disagg.model.weight_shards import parameter_shapes
@@ -54,14 +61,18 @@ def check_shapes(shapes: Mapping[str, tuple[int, ...]], config: ModelConfig, sou
 def read_hf_config(path: str | Path, name: str | None = None) -> ModelConfig:
     """The checkpoint's `ModelConfig` (config.json and generation_config.json), named `name`
     (default: the directory's name); no tensor is read."""
-    directory = Path(path)
+    return _read_config(Path(path), name)[0]
+
+
+def _read_config(directory: Path, name: str | None) -> tuple[ModelConfig, dict[str, Any]]:
+    """The `ModelConfig` and the parsed config.json it came from."""
     if not directory.is_dir():
         raise ModelLoadError(f"checkpoint directory {directory} does not exist")
     config_file = directory / "config.json"
-    raw = _read_json(config_file, required=True)
+    raw = _read_json(config_file, required=True) or {}
     generation = _read_json(directory / "generation_config.json", required=False)
-    return config_from_hf(raw or {}, generation, source=str(config_file),
-                          name=name or directory.name)
+    return config_from_hf(raw, generation, source=str(config_file),
+                          name=name or directory.name), raw
 
 
 def read_hf_tokenizer(path: str | Path, config: ModelConfig) -> Tokenizer | None:
@@ -79,9 +90,10 @@ def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
     (None without `tokenizer.json`). With `cuts` (`weight_shards.rank_cuts`), a weight named
     there is read only as its cut's part: one TP rank's shard, never the full tensor."""
     directory = Path(path)
-    config = read_hf_config(directory, name)
+    config, raw = _read_config(directory, name)
     files, source = weight_files(directory)
     stored = list_tensors(files)
+    _drop_mtp_layers(stored, config, mtp_layers(raw), source)
     if config.tie_word_embeddings:
         # Tied checkpoints may still store the (identical) output matrix; the model reuses
         # embed_tokens, so the copy is never read.
@@ -91,6 +103,21 @@ def load_hf_checkpoint(path: str | Path, *, dtype: torch.dtype = torch.float32,
     logger.info("loaded %s: %d layers, %d tensors%s", directory, config.num_layers,
                 len(state_dict), f" ({len(cuts)} sliced)" if cuts else "")
     return config, state_dict, read_hf_tokenizer(directory, config)
+
+
+def _drop_mtp_layers(stored: dict[str, StoredTensor], config: ModelConfig, count: int,
+                     source: str) -> None:
+    """Pass over DeepSeek-V3's multi-token-prediction layers, stored after the decoder layers
+    (`layers.{num_layers}.*`, ...): transformers does not load them, and our MTP draft head
+    (S8) is a module of its own, so their tensors are never read."""
+    prefixes = tuple(f"layers.{config.num_layers + i}." for i in range(count))
+    skipped = [name for name in stored if name.startswith(prefixes)]
+    for name in skipped:
+        del stored[name]
+    if skipped:
+        logger.info("%s: skipping %d tensors of %d multi-token-prediction layer(s) "
+                    "(layers.%d and after), which transformers does not load either", source,
+                    len(skipped), count, config.num_layers)
 
 
 def read_hf_chat_template(directory: str | Path) -> str | None:

