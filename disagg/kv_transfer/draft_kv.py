@@ -60,7 +60,7 @@ class DraftKVSource:
                  kv_memory_path: str | None = None) -> None:
         model, config = parts.model, parts.config
         self.target = model
-        self.head = build_mtp_head(model.config).to(config.device)
+        self.head = build_mtp_head(model.config, dtype=config.dtype).to(config.device)
         self.kv_cache = mtp_kv_cache(model.config, config.cache, config.device)
         self.transport = transport
         # A source only: no peer may write it (S5).

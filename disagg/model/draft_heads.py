@@ -21,6 +21,7 @@ from disagg.config import CacheConfig, ModelConfig
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.norms import RMSNorm
+from disagg.model.precision import cast_model
 from disagg.model.tensor_parallel import TPShard
 from disagg.model.transformer import DecoderLayer, Transformer
 
@@ -93,10 +94,12 @@ class MTPHead(nn.Module):
         return x, self.norm(x)
 
 
-def build_mtp_head(config: ModelConfig, seed: int = MTP_SEED) -> MTPHead:
+def build_mtp_head(config: ModelConfig, seed: int = MTP_SEED,
+                   dtype: torch.dtype = torch.float32) -> MTPHead:
     """A random-init MTP head, bit-identical for the same `(config, seed)` on every machine
-    (so a prefiller and its decoders agree without shipping weights). Untrained: it shows the
-    mechanism; load trained weights with `load_state_dict` to make it accept tokens."""
+    (so a prefiller and its decoders agree without shipping weights), in the target's `dtype`
+    (drawn in float32, then cast). Untrained: it shows the mechanism; load trained weights
+    with `load_state_dict` to make it accept tokens."""
     head = MTPHead(config)
     generator = torch.Generator().manual_seed(seed)
     with torch.no_grad():
@@ -105,7 +108,7 @@ def build_mtp_head(config: ModelConfig, seed: int = MTP_SEED) -> MTPHead:
                 param.fill_(1.0)
             else:
                 param.copy_(torch.randn(param.shape, generator=generator) * MTP_INIT_STD)
-    return head.eval()
+    return cast_model(head, dtype).eval()
 
 
 def mtp_kv_cache(config: ModelConfig, cache: CacheConfig, device: str | torch.device

@@ -47,7 +47,9 @@ def mtp_catch_up(head: MTPHead, target: Transformer, kv_cache: KVCache, items: l
     last row, the block output ``[num_items, hidden_size]`` and logits ``[num_items, vocab]``."""
     spans = [Span(item.page_ids, item.start, len(item.next_token_ids)) for item in items]
     positions, meta = span_metadata(spans, kv_cache.page_size, kv_cache.device)
-    hidden = torch.cat([item.hidden for item in items]).to(kv_cache.device)
+    # The shipped hidden state is float32 (the context slot's dtype): the head's, here.
+    hidden = torch.cat([item.hidden for item in items]).to(kv_cache.device,
+                                                           head.eh_proj.weight.dtype)
     next_ids = torch.tensor([t for item in items for t in item.next_token_ids],
                             dtype=torch.int64, device=kv_cache.device)
     out, normed = head(target, hidden, next_ids, positions, kv_cache, meta)

@@ -61,7 +61,7 @@ class Speculator:
         model, device = parts.model, parts.config.device
         self.kv_cache: PagedKVCache | None = None  # the draft's own pages, if it has any
         if config.kind == "mtp":
-            head = build_mtp_head(model.config).to(device)
+            head = build_mtp_head(model.config, dtype=parts.config.dtype).to(device)
             self.kv_cache = mtp_kv_cache(model.config, parts.config.cache, device)
             self.proposer: EarlyExitProposer | MTPProposer = MTPProposer(model, head,
                                                                          self.kv_cache)
