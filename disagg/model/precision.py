@@ -1,11 +1,11 @@
-"""The model in its serving precision: float32, bfloat16 or float16 weights and activations.
+"""The model in its serving precision: float32, bfloat16 or float16 weights and activations (S3b).
 
-Every parameter and buffer takes the engine's dtype, except those of a module that sets
-`keep_float32` (DeepSeek-V3's router, whose checkpoints and transformers keep it in float32).
-Activations follow the weights: the embeddings come out in the dtype, norms compute in float32
-and hand back the dtype, RoPE tables are kept in float32 and cast where applied, as
-transformers does. The KV cache has its own dtype (`CacheConfig.dtype`); attention casts what
-it gathers to the queries' dtype.
+Parameters take the engine's dtype, except those of a module that sets `keep_float32`
+(DeepSeek-V3's router, which checkpoints and transformers keep in float32). Buffers are not
+cast: RoPE's tables stay float32 and are cast where applied, as in transformers' half-precision
+loads. Norms compute in float32 and hand back the dtype. The KV cache has its own dtype: K/V are
+rounded to it when written, and cast to the queries' dtype when gathered. Cast after loading:
+a state dict cast to bf16 first would already have rounded the router kept here.
 """
 
 from __future__ import annotations
