@@ -269,15 +269,18 @@ def load_transformer(config: EngineConfig, state_dict: dict[str, torch.Tensor],
     return cast_model(model, config.dtype)
 
 
-def build_model(config: EngineConfig, state_dict: dict[str, torch.Tensor],
+def build_model(config: EngineConfig, state_dict: dict[str, torch.Tensor] | None,
                 layer_counter: LayerCounter | None = None, *, model_spec: str | None = None,
                 threads: int | None = None, node_id: str = "node",
                 on_failure: Callable[[BaseException], None] = lambda _: None,
                 ) -> Transformer | TPLeader:
     """What `EngineParts.build` takes: the model holding `state_dict` at TP 1, else the leader
-    of rank processes that load `model_spec` themselves (`on_failure`: a rank died)."""
+    of rank processes that load `model_spec` themselves (`on_failure`: a rank died). At TP > 1
+    a `state_dict` of None lets rank 0 read its own slices."""
     parallel = config.parallel
     if parallel.tp == 1:
+        if state_dict is None:
+            raise ConfigError("TP 1 builds the model in this process: it needs the weights")
         return load_transformer(config, state_dict, layer_counter)
     if model_spec is None:
         raise ConfigError(f"TP {parallel.tp}: the rank processes load the model themselves, "

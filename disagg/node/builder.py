@@ -120,9 +120,7 @@ def _model(config: NodeConfig, engine_config: EngineConfig, loaded: NodeModel, i
     """The node's model: one process at TP 1, else the leader of its rank processes (given
     no weights: it reads rank 0's slices), a rank's death failing the node through its inbox."""
     state_dict = loaded.state_dict if isinstance(loaded, LoadedModel) else None
-    assert state_dict is not None or config.parallel.tp > 1, "TP 1 is given the weights"
-    # None reaches `start_leader`, whose rank 0 then reads its own slices.
-    return build_model(engine_config, state_dict, counter,  # type: ignore[arg-type]
+    return build_model(engine_config, state_dict, counter,
                        model_spec=config.model, threads=config.threads,
                        node_id=config.node_id, on_failure=inbox.fail)
 
