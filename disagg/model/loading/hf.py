@@ -11,7 +11,6 @@ info line).
 
 from __future__ import annotations
 
-import json
 import logging
 from collections.abc import Mapping
 from pathlib import Path
@@ -25,6 +24,7 @@ from disagg.model.loading.hf_config import config_from_hf, mtp_layers
 from disagg.model.loading.safetensors_files import (
     StoredTensor,
     list_tensors,
+    read_json_object,
     read_tensors,
     weight_files,
 )
@@ -149,13 +149,7 @@ def _read_json(path: Path, required: bool) -> dict[str, Any] | None:
         if required:
             raise ModelLoadError(f"{path} is missing")
         return None
-    try:
-        data = json.loads(path.read_text())
-    except (OSError, json.JSONDecodeError) as error:
-        raise ModelLoadError(f"{path}: cannot parse JSON: {error}") from error
-    if not isinstance(data, dict):
-        raise ModelLoadError(f"{path}: expected a JSON object")
-    return data
+    return read_json_object(path)
 
 
 def _few(names: list[str]) -> str:

@@ -45,7 +45,7 @@ def weight_files(directory: Path) -> tuple[list[Path], str]:
     if not index.is_file():
         raise ModelLoadError(f"{directory}: no weights found (expected {SINGLE_FILE} or "
                              f"{INDEX_FILE}; .bin checkpoints are not supported)")
-    weight_map = _read_index(index).get("weight_map")
+    weight_map = read_json_object(index).get("weight_map")
     if not isinstance(weight_map, dict):
         raise ModelLoadError(f"{index}: no 'weight_map' object")
     files = [directory / shard for shard in sorted(set(weight_map.values()))]
@@ -100,7 +100,8 @@ def _open(file: Path) -> Any:  # noqa: ANN401 - safetensors' handle has no publi
         raise ModelLoadError(f"{file}: cannot read safetensors: {error}") from error
 
 
-def _read_index(path: Path) -> dict[str, Any]:
+def read_json_object(path: Path) -> dict[str, Any]:
+    """The JSON object in `path` (an index, a config), or a ModelLoadError naming the file."""
     try:
         data = json.loads(path.read_text())
     except (OSError, json.JSONDecodeError) as error:
