@@ -53,8 +53,8 @@ def _cpu_jiffies() -> tuple[int, int]:
 
 
 class CpuMeter:
-    """The share of the machine's CPU time that other processes took since `start`: what skewed
-    the timings (this process's own threads are subtracted)."""
+    """The share of the machine's CPU time that other processes took since this meter was made:
+    what skewed the timings (this process's own threads are subtracted)."""
 
     def __init__(self) -> None:
         self._jiffies, self._own = _cpu_jiffies(), self._own_cpu_s()
@@ -73,7 +73,7 @@ class CpuMeter:
 def wait_for_quiet(max_wait_s: float = 30.0, busy_limit: float = 0.15) -> tuple[bool, float]:
     """Wait until the machine is mostly idle (other processes skew CPU timings); returns
     whether it got there and the busy share of the last second measured."""
-    deadline, busy = time.monotonic() + max_wait_s, 1.0
+    deadline = time.monotonic() + max_wait_s
     while True:
         meter = CpuMeter()
         time.sleep(1.0)
@@ -132,11 +132,11 @@ def reference(hf_model: torch.nn.Module, prompt: list[int], batch: int, steps: i
     return prefill, statistics.median(step_times)
 
 
-def measure(directory: Path, dtype: torch.dtype, prompt: list[int], steps: int, reps: int
-            ) -> dict[str, dict[int, list[Sample]]]:
+def measure(directory: Path, loaded: LoadedModel, dtype: torch.dtype, prompt: list[int],
+            steps: int, reps: int) -> dict[str, dict[int, list[Sample]]]:
     """Samples by engine ("ours-NHD", "ours-HND", "transformers") and batch size, the engines
-    taking turns in every rep (in a rotated order, so that none always runs first)."""
-    loaded = load_model(str(directory))  # float32; the engine casts to `dtype`
+    taking turns in every rep (in a rotated order, so that none always runs first). `loaded`
+    is our float32 load of `directory`; each engine casts its own copy to `dtype`."""
     hf_model = load_reference(directory, dtype)
     assert hf_model.dtype == dtype, f"transformers loaded {hf_model.dtype}, not {dtype}"
     runs: dict[str, Callable[[int], Sample]] = {
@@ -201,12 +201,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     for model in args.models:
         with tempfile.TemporaryDirectory(prefix="engine-bench-") as directory:
             write_checkpoint(model, Path(directory))
-            vocab_size = load_model(directory).config.vocab_size
-            prompt = torch.randint(10, vocab_size, (args.prompt_len,),
+            loaded = load_model(directory)  # once per model, float32
+            prompt = torch.randint(10, loaded.config.vocab_size, (args.prompt_len,),
                                    generator=torch.Generator().manual_seed(0)).tolist()
             for dtype in args.dtype:
-                samples = measure(Path(directory), check_dtype(dtype), prompt, args.steps,
-                                  args.reps)
+                samples = measure(Path(directory), loaded, check_dtype(dtype), prompt,
+                                  args.steps, args.reps)
                 rows += rows_of(model, dtype, samples, args.prompt_len)
     import transformers
 
