@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from disagg.apps import front_door_commands  # noqa: F401 - adds serve cluster|router
+from disagg.apps.config_command import register as register_config
 from disagg.apps.figures.commands import register as register_figures
 from disagg.apps.models_command import register as register_models
 from disagg.apps.options import (
@@ -67,6 +68,7 @@ app.add_typer(serve_app, name="serve")
 register_figures(app)
 register_topology(app)
 register_models(app)
+register_config(app)
 console = Console()
 err_console = Console(stderr=True)
 

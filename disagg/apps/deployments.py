@@ -44,7 +44,7 @@ DEMO_PARAMS: dict[str, str] = {"model": "model", "prefill_tp": "prefill_tp",
 # Parameter sources of a value the user left alone, so a preset may replace it. By name:
 # recent typer versions carry their own copy of click, whose ParameterSource enum is not
 # click's, so comparing members would silently treat every default as given.
-_DEFAULT_SOURCES = frozenset({"DEFAULT", "DEFAULT_MAP"})
+_DEFAULT_SOURCES = frozenset({"DEFAULT"})  # a --config file's values count as given
 
 
 def _flag(field: str, value: object) -> str:

@@ -14,7 +14,6 @@ from disagg.apps.options import (
     ROUTING,
     SHARED,
     DecodeTpOption,
-    ModelOption,
     NodeOptions,
     PrefillTpOption,
     RoutingMarginOption,
@@ -141,10 +140,11 @@ def serve_cluster(
 
 
 @serve_app.command("router")
+@with_node_options(("model",), model=DEFAULT_MODEL)
 def serve_router(
+    node_options: NodeOptions,
     decoder: Annotated[list[str], typer.Option(
         help="A decoder's (or mixed node's) host:port (repeatable)")],
-    model: ModelOption = DEFAULT_MODEL,
     host: HostOption = HOST,
     port: PortOption = PORT,
     max_in_flight: MaxInFlightOption = MAX_IN_FLIGHT,
@@ -167,7 +167,7 @@ def serve_router(
     http = HTTPConfig(host, port, max_in_flight, served_model_name, max_body_bytes,
                       max_connections, header_timeout, api_key=api_key)
     routing_config = RoutingConfig.parse(routing, routing_margin, page_size)
-    run(model, decoder, http, routing_config, _metrics_addresses(decoder, decoder_metrics))
+    run(node_options["model"], decoder, http, routing_config, _metrics_addresses(decoder, decoder_metrics))
 
 
 def _metrics_addresses(decoders: list[str], metrics: list[str] | None) -> list[str | None] | None:

@@ -15,6 +15,7 @@ from typing import Annotated, Any
 
 import typer
 
+from disagg.apps.config_file import CONFIG, apply_config_file
 from disagg.config import default_of
 from disagg.node.node_options import OPTION_DEFAULTS
 from disagg.node.prefix_index import RoutingConfig
@@ -88,6 +89,11 @@ PrefixCachingOption = Annotated[bool, typer.Option(
 RoutingOption = Annotated[str, typer.Option(
     help="How the router picks a decoder: prefix (the longest cached prefix, unless past "
          "--routing-margin of the least loaded) or least-loaded")]
+ConfigOption = Annotated[str | None, typer.Option(
+    "--config", is_eager=True, callback=apply_config_file, show_default=False,
+    help="A YAML (.yaml, .yml) or TOML (.toml) file of this command's flags, keyed by flag "
+         "name (page-size: 8); flags given on the command line override it. "
+         "`disagg config show COMMAND` prints one")]
 RoutingMarginOption = Annotated[int, typer.Option(
     help="Requests in flight beyond the least-loaded decoder that a cached prefix may cost")]
 
@@ -123,8 +129,9 @@ def with_node_options(names: tuple[str, ...], **defaults: Any  # noqa: ANN401 - 
                       ) -> Callable[[Callable[..., Any]], Callable[..., Any]]:
     """Give the typer command `command(node_options, **its_own)` the flags of the node options
     `names` besides its own, each with the mapping's default unless `defaults` names another
-    (`REQUIRED`: none). Their values reach it as `node_options`, keyed by the mapping's
-    keywords: its body passes them on whole, so a flag added here reaches every node config."""
+    (`REQUIRED`: none), and `--config FILE` for all of them. Their values reach it as
+    `node_options`, keyed by the mapping's keywords: its body passes them on whole, so a flag
+    added here reaches every node config."""
 
     def decorate(command: Callable[..., Any]) -> Callable[..., Any]:
         own = [p.replace(kind=inspect.Parameter.KEYWORD_ONLY)
@@ -136,10 +143,13 @@ def with_node_options(names: tuple[str, ...], **defaults: Any  # noqa: ANN401 - 
                  for name in names]
 
         def wrapper(**options: Any) -> Any:  # noqa: ANN401 - typer passes each option
+            options.pop(CONFIG)  # read already: its values are the other flags' defaults
             node_options = {name: options.pop(name) for name in names}
             return command(node_options=node_options, **options)
 
-        parameters = [*flags, *own]
+        config = inspect.Parameter(CONFIG, inspect.Parameter.KEYWORD_ONLY,
+                                   annotation=ConfigOption, default=None)
+        parameters = [config, *flags, *own]
         wrapper.__signature__ = inspect.Signature(parameters)  # type: ignore[attr-defined]
         wrapper.__annotations__ = {p.name: p.annotation for p in parameters}
         wrapper.__name__, wrapper.__doc__ = command.__name__, command.__doc__
