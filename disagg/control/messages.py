@@ -67,6 +67,7 @@ class Submit(Message):
     guide_kind: str = ""  # structured output: a `GuideKind` value, "" for none
     guide_spec: str = ""  # ... and its schema, regex, choices or grammar
     guide_strict: bool = True  # json_schema: refuse keywords the grammar cannot enforce
+    traceparent: str = ""  # W3C trace context of the caller's span, "" for none (X7a)
 
 
 @register

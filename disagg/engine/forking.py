@@ -103,7 +103,8 @@ def fork_request(parent: Request, allocator: PageAllocator, page_size: int,
             generator=parent.generator if index == 0 else None,
             kv_attempts=parent.kv_attempts, prefill_context=parent.prefill_context,
             num_cached_tokens=parent.num_cached_tokens, page_digests=list(digests),
-            reuse_prefix=parent.reuse_prefix, parent_id=parent.request_id, index=index))
+            reuse_prefix=parent.reuse_prefix, parent_id=parent.request_id, index=index,
+            traceparent=parent.traceparent))
     parent.page_ids, parent.page_digests = [], []
     parent.forks = forks
     parent.state = RequestState.FINISHED_FORKED

@@ -97,6 +97,8 @@ class Request:
     parent_id: str | None = None
     index: int = 0
     forks: list[Request] = field(default_factory=list)
+    # The W3C context of this node's span of the request (X7a): messages about it carry it.
+    traceparent: str = ""
 
     def __post_init__(self) -> None:
         if not self.prompt_token_ids:

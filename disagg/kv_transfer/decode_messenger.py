@@ -165,7 +165,7 @@ class DecodeMessenger:
         self.transport.expect_imm_count(imm, expected, lambda: self._on_ready(request.request_id))
         message = KVRequest(request.request_id, imm, request.prompt_token_ids, request.page_ids,
                             pending.context_slot, request.num_cached_tokens,
-                            request.kv_attempts, pending.nonce)
+                            request.kv_attempts, pending.nonce, request.traceparent)
         if not self.pool.send(index, message):
             self.recovery.prefiller_gone(index, "unreachable")
 

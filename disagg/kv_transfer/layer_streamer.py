@@ -124,7 +124,8 @@ class LayerStreamer:
                                peer.kv[write.dst_rank], chunk.dst_page_ids, peer.page_nbytes,
                                layer * peer.layer_nbytes + write.dst_offset, write.nbytes,
                                outgoing.imm, write.domains),
-                    on_done=lambda layer=layer: self._layer_done(outgoing, num_pages, layer),
+                    on_done=lambda layer=layer, posted=time.time(): self._layer_done(
+                        outgoing, num_pages, layer, posted),
                     on_error=outgoing.write_done)
             except (TransferError, ValueError) as error:
                 outgoing.write_done(error)
@@ -132,8 +133,9 @@ class LayerStreamer:
             self._stats.add(writes=num_pages, bytes=num_pages * write.nbytes)
         self._stats.add(pages=num_pages)
 
-    def _layer_done(self, outgoing: OutgoingKV, writes: int, layer: int) -> None:
-        self._tracer.instant("layer_writes_done", layer=layer, request_id=outgoing.request_id)
+    def _layer_done(self, outgoing: OutgoingKV, writes: int, layer: int, posted: float) -> None:
+        self._tracer.complete("layer_writes", posted, time.time(), parent=outgoing.traceparent,
+                              layer=layer, pages=writes, request_id=outgoing.request_id)
         outgoing.write_done(None, writes)
 
     def _stage_out(self, chunks: list[ChunkPages], layer: int) -> None:

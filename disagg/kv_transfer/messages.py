@@ -89,6 +89,7 @@ class KVRequest(Message):
     num_cached_tokens: int = 0
     attempt: int = 1  # a retry (2, ...) is computed afresh: the KV sent before was wrong or lost
     nonce: int = 0  # random, 64-bit: packed next to the KV checksum, which the decoder checks
+    traceparent: str = ""  # W3C trace context of the decoder's span of the request (X7a)
 
 
 @register

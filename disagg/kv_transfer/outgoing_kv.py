@@ -48,6 +48,7 @@ class OutgoingKV:
     first_scheduled_at: float = 0.0
     last_layer_at: float = 0.0
     done_at: float = 0.0
+    traceparent: str = ""  # the decoder's span of the request: this side's spans join it
     _in_flight: int = 0
     _all_posted: bool = False
     _ended: bool = False
@@ -117,7 +118,7 @@ class ChunkPages:
 
 def trace_outgoing(tracer: Tracer, t: OutgoingKV) -> None:
     """An ended request's spans: queued, prefilling, then the writes' tail (the TTFT split)."""
-    ids = {"request_id": t.request_id, "decoder": t.peer.peer_id}
+    ids = {"request_id": t.request_id, "decoder": t.peer.peer_id, "parent": t.traceparent}
     scheduled = t.first_scheduled_at or t.done_at
     last_layer = t.last_layer_at or t.done_at
     tracer.complete("queue", t.received_at, scheduled, **ids)

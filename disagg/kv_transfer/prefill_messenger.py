@@ -91,6 +91,7 @@ class PrefillMessenger:
         self._rank_domains = rank_domains  # rank r's writes leave through these (S6a, S9a)
         self._rng = random.Random(0)  # source replica sets and NICs per request (S6c, S9a)
         self._in_flight: dict[str, OutgoingKV] = {}  # by key; the engine thread's alone
+        self._forward_started = 0.0  # wall clock of the forward under way, for its spans
         self._ended: queue.SimpleQueue[OutgoingKV] = queue.SimpleQueue()
         self._ended_writes: OrderedDict[str, int] = OrderedDict()  # for a late Cancel
         self.recent: deque[OutgoingKV] = deque(maxlen=64)  # ended requests, for tools
@@ -165,7 +166,10 @@ class PrefillMessenger:
         self._in_flight[key] = OutgoingKV(
             key, message.request_id, request, peer, message.imm, list(message.dst_page_ids),
             message.context_slot, page_writes, self._on_end, nonce=message.nonce,
-            num_held_pages=held, num_planned_pages=held, received_at=time.time())
+            num_held_pages=held, num_planned_pages=held, received_at=time.time(),
+            traceparent=self.tracer.open(key, "kv_request", parent=message.traceparent,
+                                         request_id=message.request_id, decoder=peer.peer_id,
+                                         attempt=message.attempt))
 
     def cancel(self, peer: DecoderPeer, request_id: str) -> None:
         """The decoder dropped `request_id`: write nothing more. It hears `KVFailed` with the
@@ -226,6 +230,7 @@ class PrefillMessenger:
 
     def on_batch(self, batch: Batch) -> None:
         """Before a forward (S3a): the streamer plans the pages its chunks complete."""
+        self._forward_started = time.time()
         self.streamer.plan_forward(batch, self._in_flight)
 
     def after_forward(self, batch: Batch, output: ForwardOutput) -> None:
@@ -233,6 +238,12 @@ class PrefillMessenger:
         requests whose prefill is complete (S4a); their writes are then all posted."""
         self.context.after_forward(batch, output, self._in_flight)
         self.streamer.wait_posted(self.wait_timeout_s)
+        now = time.time()
+        for chunk in batch.chunks:  # each request's chunk, in its trace (X7a)
+            if (outgoing := self._in_flight.get(chunk.request.request_id)) is not None:
+                self.tracer.complete("prefill_chunk", self._forward_started, now,
+                                     parent=outgoing.traceparent, start=chunk.start,
+                                     tokens=chunk.end - chunk.start)
         for row, chunk_index in enumerate(output.sample_chunk_indices):
             outgoing = self._in_flight.get(batch.chunks[chunk_index].request.request_id)
             if outgoing is None:
@@ -260,6 +271,7 @@ class PrefillMessenger:
             del self._in_flight[outgoing.key]
             self._remember(outgoing)
             trace_outgoing(self.tracer, outgoing)
+            self.tracer.end(outgoing.key, error=outgoing.error)
             if outgoing.error is None:
                 request.state = RequestState.FINISHED_TRANSFERRED
             else:

@@ -48,6 +48,7 @@ from disagg.node.decode_inbox import FromPrefiller, FromRouter, PrefillerGone, R
 from disagg.node.node_metrics import decode_metrics
 from disagg.node.prefiller_link import PrefillerBack, Reconnector
 from disagg.node.request_owners import Claim
+from disagg.node.request_spans import RequestSpans
 from disagg.node.router_reports import RouterReports
 from disagg.node.wire_sampling import logprob_fields, sampling_params
 from disagg.utils.trace import Tracer
@@ -75,7 +76,8 @@ class DecodeNode(NodeBase):
         self._channels: list[Channel] = []
         self._reports = RouterReports(
             lambda request_id: self.messenger.received_writes(request_id)[0],
-            lambda state: self.metrics.inc("requests_total", state=state.value))
+            self._ended)
+        self._spans = RequestSpans(self.tracer)
         self._last_progress = 0.0
         self._prefiller_addresses = list(prefillers)  # the pool's indices, in this order
         for address in prefillers:  # a prefiller that refuses us stops the node here
@@ -207,9 +209,7 @@ class DecodeNode(NodeBase):
             self.metrics.observe("kv_transfer_seconds", receipt.wait_ms / 1e3)
             self.metrics.inc("kv_bytes_total", receipt.nbytes)
             self.metrics.inc("kv_writes_total", receipt.writes)
-            now = time.time()
-            self.tracer.complete("kv_wait", now - receipt.wait_ms / 1e3, now,
-                                 request_id=request.request_id)
+            self._spans.kv_arrived(request, receipt.wait_ms / 1e3)
             self._report(request, state, kv_writes=receipt.writes,
                          kv_bytes=receipt.nbytes, kv_wait_ms=receipt.wait_ms)
             return
@@ -232,6 +232,7 @@ class DecodeNode(NodeBase):
             request = event.request
             # A speculative step yields several tokens; only the last may end the request.
             state = request.state if event.finished else RequestState.RUNNING
+            self._spans.token(request)
             self._report(request, state, [event.token_id], **logprob_fields(event.logprob),
                          num_draft_tokens=request.num_draft_tokens,
                          num_accepted_tokens=request.num_accepted_tokens)
@@ -319,9 +320,11 @@ class DecodeNode(NodeBase):
             params = sampling_params(message)
             request = Request(message.request_id, list(message.prompt_token_ids), params,
                               self.engine.model.config.eos_token_ids)
+            self._spans.admitted(request, message.traceparent)  # before a prefiller is asked
             self.engine.chooser.admit(request)  # its grammar starts compiling before KV moves
             self.messenger.admit(request)
         except RequestError as error:
+            self._spans.refused(message.request_id, str(error))
             self._reports.owners.release(message.request_id)
             self._refuse(channel, message.request_id, str(error))
             return
@@ -342,6 +345,11 @@ class DecodeNode(NodeBase):
             self._abort(request.parent_id or request.request_id,
                         f"choice {request.index} of the request failed: {detail}")
 
+    def _ended(self, request: Request, state: RequestState) -> None:
+        """A request's last choice ended: count it, end its span."""
+        self.metrics.inc("requests_total", state=state.value)
+        self._spans.ended(request, state)
+
     def _report_progress(self) -> None:
         now = time.monotonic()
         if now - self._last_progress < PROGRESS_INTERVAL_S:
@@ -355,4 +363,5 @@ class DecodeNode(NodeBase):
         assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"
         assert self.messenger.idle(), "KV still awaited or pages still quarantined"
         assert not self.transfer.pending_imm_counts(), "immediate counters still armed"
+        assert not self.tracer.num_open, "request spans still open"
         self.engine.allocator.check_invariants(expect_all_free=True)

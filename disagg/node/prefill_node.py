@@ -259,4 +259,5 @@ class PrefillNode(NodeBase):
         """Assert nothing is left behind: no request, transfer, page or armed counter."""
         assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"
         assert not self.messenger.has_work(), "transfers still in flight"
+        assert not self.tracer.num_open, "request spans still open"
         self.engine.allocator.check_invariants(expect_all_free=True)

@@ -27,10 +27,10 @@ class RouterReports:
     """The decoder's side of the router connections: owners, open choices, sending."""
 
     def __init__(self, received_writes: Callable[[str], int],
-                 on_end: Callable[[RequestState], None]) -> None:
+                 on_end: Callable[[Request, RequestState], None]) -> None:
         self.owners = RequestOwners()
         self._received_writes = received_writes  # KV writes landed so far, for progress
-        self._on_end = on_end  # a request ended (its last choice): count it
+        self._on_end = on_end  # a request ended (its last choice): count it, end its span
         self._choices_open: dict[str, int] = {}  # choices of a request whose end is unsent
 
     def opened(self, request_id: str, n: int) -> None:
@@ -61,7 +61,7 @@ class RouterReports:
         if left == 0:  # its last choice ended
             del self._choices_open[request_id]
             self.owners.release(request_id)
-            self._on_end(state)
+            self._on_end(request, state)
         return state is RequestState.FINISHED_FAILED and request.parent_id is not None
 
     def send(self, channel: Channel, message: Any) -> None:  # noqa: ANN401

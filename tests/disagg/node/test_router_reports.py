@@ -22,7 +22,7 @@ class Channel:
 
 
 def reports(ended: list[RequestState]) -> tuple[RouterReports, Channel]:
-    reporter = RouterReports(lambda _: 0, ended.append)
+    reporter = RouterReports(lambda _: 0, lambda _request, state: ended.append(state))
     channel = Channel()
     reporter.owners.claim("r", channel)  # type: ignore[arg-type]
     reporter.opened("r", 3)
