@@ -56,3 +56,8 @@ class PeerClosedError(DisaggError):
 
 class RankError(DisaggError):
     """A tensor-parallel rank process failed to start, sent something wrong, or died."""
+
+
+class PreflightError(DisaggError):
+    """Something a run needs from this machine is not there, found before any model loads: a
+    port already in use, a libfabric provider the machine lacks (`node/preflight.py`)."""

@@ -27,6 +27,7 @@ from disagg.model.loading.registry import load_model
 from disagg.model.loading.tokenizer import StreamDecoder, Tokenizer
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.local_cluster import LocalCluster
+from disagg.node.preflight import check_cluster
 from disagg.node.router import Router
 from disagg.utils.trace import Tracer
 from disagg.utils.trace_merge import merge_trace_dir, record_request
@@ -248,6 +249,7 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
         raise ConfigError(f"--trace {trace}: directory {Path(trace).resolve().parent} does not "
                           "exist")  # checked now: the merged trace is written at the very end
     node = cluster_config.node
+    check_cluster(cluster_config)  # before the model loads: a missing provider is one line
     loaded = load_model(node.model)
     limit = min(node.cache.num_tokens, loaded.config.max_position_embeddings)
     requests = make_requests(specs, loaded.tokenizer, loaded.config.vocab_size, max_tokens,

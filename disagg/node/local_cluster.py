@@ -27,6 +27,7 @@ from disagg.control.messages import Shutdown
 from disagg.errors import DisaggError
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.node_config import NodeConfig, NodeRole
+from disagg.node.preflight import check_cluster
 from disagg.node.ready_line import ReadyLine
 from disagg.node.secret_scope import SecretScope
 from disagg.node.supervisor import Supervisor
@@ -59,6 +60,7 @@ class LocalCluster:
         self._stopping = threading.Event()
 
     def __enter__(self) -> LocalCluster:
+        check_cluster(self.config)  # a missing provider fails here, not in every child
         try:
             self._secret = SecretScope()  # before the first child: each inherits it
             nodes = self.config.nodes()

@@ -21,10 +21,11 @@ import threading
 from typing import Any
 
 from disagg.control.address import format_address, parse_address
-from disagg.errors import ConfigError
+from disagg.errors import ConfigError, DisaggError
 from disagg.node.base import NodeBase
 from disagg.node.builder import build_node
 from disagg.node.node_config import NodeConfig
+from disagg.node.preflight import check_node
 from disagg.node.ready_line import ReadyLine
 from disagg.utils.metrics import serve_metrics
 
@@ -45,9 +46,11 @@ def health_report(config: NodeConfig, state: str, rank_pids: list[int] = (),
 
 
 def run_node(config: NodeConfig) -> None:
-    """Build the node `config` describes and serve until told to stop."""
+    """Check what needs no model (`preflight.check_node`: ports, provider, secret), then build
+    the node `config` describes and serve until told to stop."""
     logging.basicConfig(level=logging.INFO,
                         format=f"{config.node_id} %(levelname)s %(message)s")
+    check_node(config)  # seconds before the model would have loaded, and one line
     node = build_node(config)
     for signum in (signal.SIGTERM, signal.SIGINT):
         signal.signal(signum, lambda *_: node.stop())
@@ -82,8 +85,13 @@ def run_node(config: NodeConfig) -> None:
 
 
 def main() -> None:
-    """Entry point of a child process: its `NodeConfig` arrives as JSON on stdin."""
-    run_node(NodeConfig.from_json(sys.stdin.read()))
+    """Entry point of a child process: its `NodeConfig` arrives as JSON on stdin. An error
+    the user can fix is one line on stderr and exit code 2, as in the CLI."""
+    try:
+        run_node(NodeConfig.from_json(sys.stdin.read()))
+    except DisaggError as error:
+        sys.stderr.write(f"error: {error}\n")
+        raise SystemExit(2) from None
 
 
 if __name__ == "__main__":

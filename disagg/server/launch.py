@@ -19,6 +19,7 @@ from disagg.model.loading.registry import load_tokenizer
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.local_cluster import LocalCluster
 from disagg.node.node_config import NodeRole
+from disagg.node.preflight import check_cluster, check_http, check_model_spec
 from disagg.node.prefix_index import RoutingConfig
 from disagg.node.router import Router
 from disagg.server.app import FrontDoor
@@ -58,7 +59,10 @@ def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig,
                   ray_config: RayConfig | None = None) -> None:
     """Start the cluster's processes (here, supervised: a node that dies is started again,
     X5e; or as Ray actors with `ray_config`, which Ray restarts), then the API in front of
-    its decoders."""
+    its decoders. The API's port and the nodes' provider are checked first: starting the
+    nodes takes as long as loading the model."""
+    check_http(http.host, http.port)
+    check_cluster(cluster_config, local=ray_config is None)
     if ray_config is None:
         with LocalCluster(cluster_config, supervise=True) as cluster:
             _serve_nodes(cluster, http)
@@ -107,6 +111,8 @@ def serve_router(model_spec: str, decoder_addresses: list[str], http: HTTPConfig
     """The API in front of decoders (or mixed nodes) started by hand, maybe on other hosts;
     with each one's metrics address (`metrics_addresses`, in the same order), `/health` also
     reads its own `/health`: its pid and whether it has a live prefiller."""
+    check_model_spec(model_spec)
+    check_http(http.host, http.port)
     router = Router(decoder_addresses, routing)
     serve_http(make_front_door(model_spec, router, router_nodes(
         router, decoder_addresses, metrics_addresses), http), http)
