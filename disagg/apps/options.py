@@ -44,6 +44,9 @@ ProviderOption = Annotated[str, typer.Option(help="libfabric provider: tcp, shm,
 ThreadsOption = Annotated[int, typer.Option(help="torch threads per node (0: torch's default)")]
 TraceOption = Annotated[str | None, typer.Option(
     help="Write a Chrome trace: a file path ({node_id} is filled in) or a directory")]
+OtlpOption = Annotated[str | None, typer.Option(
+    help="Send requests' spans to this OTLP/HTTP collector, e.g. http://127.0.0.1:4318 "
+         "(needs the otel extra)")]
 FabricNodeOption = Annotated[str, typer.Option(
     help="Local fabric address the KV writes use: auto (loopback for tcp/shm, every device for "
          "efa/verbs), or this host's IP for tcp between hosts")]
@@ -105,7 +108,8 @@ NODE_FLAGS: dict[str, object] = {
     "tp": TpOption, "replicated_kv": ReplicatedOption, "provider": ProviderOption,
     "fabric_node": FabricNodeOption, "domains_per_rank": DomainsPerRankOption,
     "device": DeviceOption, "kv_memory_path": MemoryPathOption, "threads": ThreadsOption,
-    "trace": TraceOption, "faults": FaultsOption, "lease": LeaseOption,
+    "trace": TraceOption, "otlp_endpoint": OtlpOption, "faults": FaultsOption,
+    "lease": LeaseOption,
     "metrics_port": MetricsPortOption, "kv_timeout": KVTimeoutOption, "retry": RetryOption,
     "speculative": SpeculativeOption, "num_draft_tokens": DraftTokensOption,
     "draft_layers": DraftLayersOption, "cuda_graph": CudaGraphOption, "dtype": DtypeOption,
@@ -115,7 +119,8 @@ NODE_FLAGS: dict[str, object] = {
 # per node itself, and only decoders keep DECODER's.
 SHARED = ("kv_layout", "page_size", "num_pages", "prefix_caching", "chunk_size",
           "replicated_kv", "provider", "fabric_node", "domains_per_rank", "device",
-          "kv_memory_path", "threads", "trace", "faults", "lease", "dtype", "kv_dtype")
+          "kv_memory_path", "threads", "trace", "otlp_endpoint", "faults", "lease", "dtype",
+          "kv_dtype")
 ONE_NODE = ("node_id", "listen", "tp", "metrics_port")
 DECODER = ("kv_timeout", "retry", "speculative", "num_draft_tokens", "draft_layers",
            "cuda_graph")

@@ -93,7 +93,8 @@ def build_node(config: NodeConfig, tracer: Tracer | None = None,
     if config.threads:
         torch.set_num_threads(config.threads)
     loaded = node_model(config)
-    tracer = tracer or Tracer(trace_path(config.trace, config.node_id), config.node_id)
+    tracer = tracer or Tracer(trace_path(config.trace, config.node_id), config.node_id,
+                              otlp_endpoint=config.otlp_endpoint)
     placement = placement or node_placement(config)
     transfer = open_transfer(config, placement)
     try:

@@ -33,6 +33,7 @@ from disagg.config import (
 from disagg.control.address import parse_address
 from disagg.control.secret import SECRET_ENV, cluster_secret
 from disagg.errors import ConfigError
+from disagg.utils.otlp import traces_url
 from transfer_core.memory_paths import MEMORY_PATHS, MemoryPathRequest
 
 
@@ -122,6 +123,7 @@ class NodeConfig:
     lease_s: float = 300.0  # prefiller: a transfer older than this is stopped
     metrics_port: int | None = None  # serve Prometheus /metrics here (0: any free port)
     trace: str | None = None  # a Chrome trace: a file ({node_id} filled in) or a directory
+    otlp_endpoint: str | None = None  # an OTLP/HTTP collector for requests' spans (X7a)
     speculative: SpeculativeConfig | None = None  # decoder: draft and verify (S8)
     device: str = "cpu"  # where the model and its KV cache live: cpu, cuda, cuda:N
     kv_memory_path: MemoryPathRequest = "auto"  # how the NIC reaches the KV (S5): MEMORY_PATHS
@@ -145,6 +147,8 @@ class NodeConfig:
         if self.role is NodeRole.PREFILL and (self.speculative or self.cuda_graph):
             raise ConfigError("a prefiller never decodes: --speculative and --cuda-graph are "
                               "decoder options")
+        if self.otlp_endpoint is not None:
+            traces_url(self.otlp_endpoint)  # a bad URL stops the node before its model loads
         if self.domains_per_rank < 1:
             raise ConfigError(f"domains_per_rank must be at least 1, got {self.domains_per_rank}")
         if self.speculative and self.parallel.tp > 1:

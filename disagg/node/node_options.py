@@ -65,7 +65,8 @@ def node_config_from_options(
     domains_per_rank: int = default_of(NodeConfig, "domains_per_rank"),
     device: str = default_of(NodeConfig, "device"),
     kv_memory_path: str = default_of(NodeConfig, "kv_memory_path"),
-    threads: int = 0, trace: str | None = None, faults: str | None = None,
+    threads: int = 0, trace: str | None = None, otlp_endpoint: str | None = None,
+    faults: str | None = None,
     lease: float = default_of(NodeConfig, "lease_s"), metrics_port: int | None = None,
     kv_timeout: float = default_of(ReliabilityConfig, "kv_timeout_s"),
     retry: bool = default_of(ReliabilityConfig, "retry_on_prefiller_failure"),
@@ -97,7 +98,7 @@ def node_config_from_options(
         node_id=node_id or node_name(role, 0), listen=listen, prefillers=tuple(prefillers),
         provider=provider, fabric_node=fabric_node, threads=threads or None, faults=faults,
         reliability=ReliabilityConfig(kv_timeout_s=kv_timeout, retry_on_prefiller_failure=retry),
-        lease_s=lease, metrics_port=metrics_port, trace=trace,
+        lease_s=lease, metrics_port=metrics_port, trace=trace, otlp_endpoint=otlp_endpoint,
         speculative=speculative_config(speculative, num_draft_tokens, draft_layers),
         device=device, kv_memory_path=check_memory_path(kv_memory_path), cuda_graph=cuda_graph,
         domains_per_rank=domains_per_rank, dtype=check_dtype(dtype))

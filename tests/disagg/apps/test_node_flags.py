@@ -41,6 +41,8 @@ CASES: dict[str, tuple[list[str], Check]] = {
     "kv_memory_path": (["--kv-memory-path", "staged"], lambda c: c.kv_memory_path == "staged"),
     "threads": (["--threads", "3"], lambda c: c.threads == 3),
     "trace": (["--trace", "/tmp/t-{node_id}.json"], lambda c: c.trace == "/tmp/t-{node_id}.json"),
+    "otlp_endpoint": (["--otlp-endpoint", "http://127.0.0.1:4318"],
+                      lambda c: c.otlp_endpoint == "http://127.0.0.1:4318"),
     "faults": (["--faults", "seed=1,drop_imm=0.01"], lambda c: c.faults == "seed=1,drop_imm=0.01"),
     "lease": (["--lease", "5"], lambda c: c.lease_s == 5.0),
     "metrics_port": (["--metrics-port", "9100"], lambda c: c.metrics_port == 9100),
