@@ -7,6 +7,8 @@ request that its caller stops reading (a client that went away, a stop string) i
 the cluster, so nothing keeps generating for nobody. At most `max_in_flight` requests are in
 the cluster at once; one more is refused (HTTP 429) rather than queued without bound.
 Request ids are random (uuid4), so they are unique across front doors and restarts (X5d).
+Each `Submit` carries the current span's context (the HTTP request's, `tracing.py`), so the
+decoder's spans join its trace (X7a); `route` and `first_token` are recorded in it here.
 """
 
 from __future__ import annotations
@@ -14,6 +16,7 @@ from __future__ import annotations
 import asyncio
 import queue
 import threading
+import time
 import uuid
 from collections.abc import AsyncIterator
 
@@ -23,6 +26,7 @@ from disagg.errors import PeerClosedError
 from disagg.node.router import Router
 from disagg.node.wire_sampling import submit_fields
 from disagg.server.errors import Overloaded, Unavailable
+from disagg.utils.trace import Tracer, traceparent_of
 
 
 class RequestStream:
@@ -35,12 +39,16 @@ class RequestStream:
         self.queue: asyncio.Queue[RequestEvent] = asyncio.Queue()
         self.loop = asyncio.get_running_loop()
         self.received = False  # any event yet: the decoder has taken it
+        self.received_tokens = False
         self.finished = False
 
     async def events(self) -> AsyncIterator[RequestEvent]:
         try:
             while not self.finished:
                 event = await self.queue.get()
+                if event.token_ids and not self.received_tokens:
+                    self.received_tokens = True
+                    self.client.tracer.instant("first_token", request_id=self.request_id)
                 self.received = True
                 if event.state.is_terminal():
                     self.choices_left -= 1
@@ -69,8 +77,10 @@ class RequestStream:
 class ClusterClient:
     """Submit requests to the decoders behind a `Router` and stream their events."""
 
-    def __init__(self, router: Router, max_in_flight: int = 256) -> None:
+    def __init__(self, router: Router, max_in_flight: int = 256,
+                 tracer: Tracer | None = None) -> None:
         self.router = router
+        self.tracer = tracer or Tracer()
         self.max_in_flight = max_in_flight
         self._streams: dict[str, RequestStream] = {}
         self._lock = threading.Lock()
@@ -100,8 +110,13 @@ class ClusterClient:
             if len(self._streams) >= self.max_in_flight:
                 raise Overloaded(f"{self.max_in_flight} requests are in flight; try again later")
             self._streams[request_id] = stream
+        started = time.time()
         try:
-            self.router.route(Submit(request_id, prompt_token_ids, **submit_fields(params)))
+            decoder = self.router.route(Submit(request_id, prompt_token_ids,
+                                               traceparent=traceparent_of(),
+                                               **submit_fields(params)))
+            self.tracer.complete("route", started, time.time(), request_id=request_id,
+                                 decoder=decoder)
         except PeerClosedError as error:
             self.release(request_id)
             raise Unavailable(f"no decoder can take the request: {error}") from None

@@ -130,6 +130,7 @@ class Harness:
     to_prefiller: list[Message] = field(default_factory=list)  # every message, in order
     to_decoder: list[Message] = field(default_factory=list)
     outcomes: list[Outcome] = field(default_factory=list)  # of every decode_messenger.poll()
+    prefill_tracer: Tracer = field(default_factory=Tracer)  # records nothing unless given one
 
     def __post_init__(self) -> None:
         loaded = tiny_model()
@@ -161,7 +162,7 @@ class Harness:
         self.prefill_parts = sharded_stand_in(parts, self.prefill_tp)
         self.prefill_engine, self.prefill = wire_prefill_side(
             prefill_config, self.prefill_parts, counter, self.prefill_transfer, self.inboxes[0],
-            Tracer(), prefill_placement)
+            self.prefill_tracer, prefill_placement)
         self.decode_parts = sharded_stand_in(decode_parts(decode_config, loaded, self.inboxes[1]),
                                              self.decode_tp)
         self.decode_engine, self.decode = wire_decode_side(
@@ -230,10 +231,11 @@ class Harness:
         return peer, ours
 
     def submit(self, prompt: list[int], request_id: str = "r0",
-               max_tokens: int = MAX_TOKENS) -> Request:
-        """A new request at the decoder, as `DecodeNode._submit` makes it."""
+               max_tokens: int = MAX_TOKENS, traceparent: str = "") -> Request:
+        """A new request at the decoder, as `DecodeNode._submit` makes it (`traceparent`: the
+        context of its span there)."""
         request = Request(request_id, list(prompt), SamplingParams(max_tokens=max_tokens),
-                          tiny_model().config.eos_token_ids)
+                          tiny_model().config.eos_token_ids, traceparent=traceparent)
         self.decode.admit(request)
         return request
 
@@ -319,6 +321,7 @@ class Harness:
                 self.decode_parts.allocator.num_free) == self.free_pages
         self.prefill_parts.allocator.check_invariants(expect_all_free=True)
         self.decode_parts.allocator.check_invariants(expect_all_free=True)
+        assert not self.prefill_tracer.num_open, "request spans still open"
 
     def close(self) -> None:
         """Land held writes, then close channels, messengers and engines (as a node does)."""
