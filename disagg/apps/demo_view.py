@@ -14,14 +14,24 @@ STATE_STYLE = {RequestState.WAITING: "dim", RequestState.WAITING_FOR_KV: "yellow
                RequestState.FINISHED_LENGTH: "green", RequestState.FINISHED_FAILED: "red"}
 
 
-def request_table(requests: list[DemoRequest], title: str = "disaggregated serving") -> Table:
-    """A table of every request: state, KV progress, TTFT, tokens/s and text so far."""
-    table = Table(title=title, expand=True)
-    for column, justify in (("request", "left"), ("dec", "right"), ("state", "left"),
-                            ("KV writes", "right"), ("TTFT ms", "right"), ("tok/s", "right"),
-                            ("text", "left")):
+NARROW = 110  # below this many columns, short headers and the text's latest words only
+
+
+def request_table(requests: list[DemoRequest], title: str = "disaggregated serving",
+                  width: int | None = None) -> Table:
+    """A table of every request: state, KV progress, TTFT, tokens/s and text so far. The
+    figures keep their width and the text takes what is left of `width` (80 columns and up
+    stay readable), showing its end: the tokens that just arrived."""
+    narrow = width is not None and width < NARROW
+    table = Table(title=title, expand=True, padding=(0, 1 if not narrow else 0))
+    headers = (("req", "dec", "state", "KV", "TTFT", "tok/s", "text") if narrow else
+               ("request", "dec", "state", "KV writes", "TTFT ms", "tok/s", "text"))
+    for column, justify in zip(headers, ("left", "right", "left", "right", "right", "right",
+                                         "left"), strict=True):
         table.add_column(column, justify=justify, no_wrap=True,  # type: ignore[arg-type]
-                         overflow="ellipsis" if column == "text" else "fold")
+                         overflow="ellipsis", ratio=1 if column == "text" else None,
+                         min_width=8 if column == "text" else None)
+    keep = max(8, width - 45) if narrow and width is not None else 60  # text characters
     for r in requests:
         kv = f"{r.kv_writes}" if r.kv_writes else (
             f"{r.kv_writes_received}…" if r.kv_writes_received else "")
@@ -30,7 +40,7 @@ def request_table(requests: list[DemoRequest], title: str = "disaggregated servi
         text = r.text if r.stream is not None else " ".join(map(str, r.token_ids))
         state = r.state.value.removeprefix("finished_")
         table.add_row(r.request_id, str(r.decoder), f"[{STATE_STYLE.get(r.state, '')}]{state}",
-                      kv, ttft, tps, text[-60:].replace("\n", " "))
+                      kv, ttft, tps, text[-keep:].replace("\n", " "))
     return table
 
 
