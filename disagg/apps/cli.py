@@ -73,6 +73,21 @@ console = Console()
 err_console = Console(stderr=True)
 
 
+def _print_version(value: bool) -> None:
+    if value:
+        from importlib.metadata import version
+
+        sys.stdout.write(f"disagg {version('disagg')}\n")
+        raise typer.Exit
+
+
+@app.callback()
+def _root(_version: Annotated[bool, typer.Option(
+        "--version", is_eager=True, callback=_print_version,
+        help="Print the installed version and exit")] = False) -> None:
+    """Disaggregated LLM prefill and decode: a readable reference."""
+
+
 def parse_token_ids(text: str) -> list[int]:
     """"1,2,3" -> [1, 2, 3], with an error naming the bad item."""
     ids = []
@@ -112,6 +127,7 @@ def generate(
 ) -> None:
     """Generate text for one prompt on a single node (paged KV cache, chunked prefill)."""
     from disagg.apps.generate import generate_one
+    from disagg.apps.progress import StartupProgress
     from disagg.node.node_config import check_device
     from disagg.utils.trace import Tracer
 
@@ -128,12 +144,20 @@ def generate(
         cuda_graph=cuda_graph)
     stream = None if as_json else _print_now
     tracer = Tracer(trace, "generate")
-    result = generate_one(
-        model, config, prompt=prompt,
-        prompt_token_ids=None if prompt_token_ids is None else parse_token_ids(prompt_token_ids),
-        max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k, seed=seed,
-        on_text=stream, tracer=tracer,
-        speculative=speculative_config(speculative, num_draft_tokens, draft_layers))
+    loading = f"loading {model}"
+
+    def loaded() -> None:  # before the first token: the status line must not cut the text
+        progress.end(loading, f"[green]✓[/green] {model} loaded")
+        progress.close()
+
+    with StartupProgress() as progress:
+        progress.begin(loading)
+        result = generate_one(
+            model, config, prompt=prompt, prompt_token_ids=None if prompt_token_ids is None
+            else parse_token_ids(prompt_token_ids),
+            max_tokens=max_tokens, temperature=temperature, top_p=top_p, top_k=top_k,
+            seed=seed, on_text=stream, tracer=tracer, on_loaded=loaded,
+            speculative=speculative_config(speculative, num_draft_tokens, draft_layers))
     tracer.close()
     if as_json:
         sys.stdout.write(json.dumps(result) + "\n")
@@ -174,6 +198,7 @@ def demo(
     from rich.live import Live
 
     from disagg.apps.demo import load_prompts, run_demo
+    from disagg.apps.progress import StartupProgress
     from disagg.apps.demo_view import metrics_table, request_table, totals_table
     from disagg.apps.deployments import apply_deployment, explicit_fields
     from disagg.node.cluster_config import ClusterConfig
@@ -186,16 +211,30 @@ def demo(
     cluster = ClusterConfig.from_options(**options)
     check_node_memory(cluster.node.device, cluster.node.kv_memory_path)  # here, not per node
     specs = load_prompts(prompts_file)
+    names = [name for name, _ in cluster.nodes()]
     if as_json:
-        result = run_demo(cluster, specs, max_tokens, temperature, trace=trace)
+        with StartupProgress(expect=names) as progress:
+            result = run_demo(cluster, specs, max_tokens, temperature, trace=trace,
+                              on_node=progress.on_node)
         sys.stdout.write(json.dumps(result) + "\n")
         _exit_if_failed(result)
         return
     err_console.print(f"starting 1 prefiller and {cluster.num_decoders} decoders "
                       f"({cluster.node.model}, {cluster.node.provider})...")
-    with Live(console=console, refresh_per_second=8) as live:
-        result = run_demo(cluster, specs, max_tokens, temperature, trace=trace,
-                          view=lambda requests: live.update(request_table(requests)))
+    live = Live(console=console, refresh_per_second=8)  # started once the nodes are up
+
+    def view(requests: list) -> None:
+        if not live.is_started:
+            progress.close()
+            live.start()
+        live.update(request_table(requests, width=console.width))
+
+    with StartupProgress(expect=names) as progress:
+        try:
+            result = run_demo(cluster, specs, max_tokens, temperature, trace=trace, view=view,
+                              on_node=progress.on_node)
+        finally:
+            live.stop()
     console.print(totals_table(result))
     console.print(metrics_table(result["metrics"]))
     if result["totals"].get("acceptance_rate") is not None:
@@ -277,9 +316,19 @@ def bench_transfer(
     """Peer workload: N pages written to shuffled slots of another process, plus 4 KiB latency."""
     from transfer_core.bench import run_transfer_benchmark
 
+    from disagg.apps.progress import StartupProgress
+    from disagg.node.preflight import check_provider
+
     providers = ["tcp", "shm"] if provider == "all" else [provider]
-    results = [run_transfer_benchmark(provider=p, num_pages=pages, page_bytes=page_size)
-               for p in providers]
+    for name in providers:
+        check_provider(name)  # before two processes start and register their pages
+    results = []
+    with StartupProgress() as progress:
+        for name in providers:
+            with progress.phase(f"{name}: {pages} pages of {page_size} B, then 4 KiB latency",
+                                done=f"[green]✓[/green] {name} measured"):
+                results.append(run_transfer_benchmark(provider=name, num_pages=pages,
+                                                      page_bytes=page_size))
     if as_json:
         sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results) + "\n")
         return

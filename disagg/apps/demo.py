@@ -14,6 +14,7 @@ import json
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -237,13 +238,15 @@ def trace_request(tracer: Tracer, request: DemoRequest, tokens_before: int,
 
 def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens: int,
              temperature: float = 0.0, view: Any = None, timeout_s: float = 600.0,
-             exit_codes: bool = False, trace: str | None = None) -> dict[str, Any]:
+             exit_codes: bool = False, trace: str | None = None,
+             on_node: Callable[[str, str], None] | None = None) -> dict[str, Any]:
     """Start the cluster, serve every prompt, stop the cluster; returns the JSON result.
 
     `view`, if given, is called with the request list after every event (the live display).
     With `exit_codes`, the result also holds each node's exit code (0: it shut down clean)
     and the tail of its log. With `trace`, every process records a Chrome trace and one
     merged trace (router, prefiller, decoders on one clock) is written to that path.
+    `on_node` hears each node start and become ready (`LocalCluster`).
     """
     if trace is not None and not Path(trace).resolve().parent.is_dir():
         raise ConfigError(f"--trace {trace}: directory {Path(trace).resolve().parent} does not "
@@ -259,7 +262,7 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
     tracer = Tracer(f"{trace_dir}/router.json" if trace_dir else None, "router")
     clock = time.time() - time.monotonic()
     try:
-        with LocalCluster(cluster_config.with_node(trace=trace_dir)) as cluster:
+        with LocalCluster(cluster_config.with_node(trace=trace_dir), on_node=on_node) as cluster:
             router = Router(cluster.decoder_addresses, cluster_config.router_config())
             started = time.monotonic()
             for request in requests:

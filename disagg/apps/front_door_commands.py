@@ -11,13 +11,17 @@ import typer
 from disagg.apps.options import (
     DECODER,
     DEFAULT_MODEL,
+    LOG_LEVEL,
     ROUTING,
     SHARED,
+    AccessLogOption,
     DecodeTpOption,
+    LogLevelOption,
     NodeOptions,
     PrefillTpOption,
     RoutingMarginOption,
     RoutingOption,
+    configure_logging,
     with_node_options,
 )
 from disagg.apps.serve_commands import serve_app
@@ -103,6 +107,8 @@ def serve_cluster(
         help="With --ray: node i listens on this + 2i (control) and + 2i + 1 (metrics), so "
              "a restarted node comes back at the same address",
         rich_help_panel="Ray")] = RAY_BASE_PORT,
+    log_level: LogLevelOption = LOG_LEVEL,
+    access_log: AccessLogOption = True,
 ) -> None:
     """Start a cluster (local processes over libfabric, or Ray actors with --ray) and the
     OpenAI API in front of it."""
@@ -136,7 +142,15 @@ def serve_cluster(
         check_ray_installed()
     elif ray_prefill_resource or ray_decode_resource:
         raise ConfigError("--ray-prefill-resource and --ray-decode-resource need --ray")
-    run(cluster, http, ray_config)
+    configure_logging(log_level, access_log)
+    from disagg.apps.progress import StartupProgress
+
+    what = (f"{num_mixed} mixed" if num_mixed else
+            f"{cluster.num_prefillers} prefill and {cluster.num_decoders} decode")
+    title = (f"starting {what} nodes ({cluster.node.model}, "
+             f"{'on Ray' if ray else cluster.node.provider})")
+    with StartupProgress(expect=[name for name, _ in cluster.nodes()], title=title) as progress:
+        run(cluster, http, ray_config, on_node=progress.on_node)
 
 
 @serve_app.command("router")
@@ -159,6 +173,8 @@ def serve_router(
     decoder_metrics: Annotated[list[str] | None, typer.Option(
         help="A decoder's metrics host:port (repeatable: one per --decoder, in the same "
              "order); /health then shows each decoder's pid and its own state")] = None,
+    log_level: LogLevelOption = LOG_LEVEL,
+    access_log: AccessLogOption = True,
 ) -> None:
     """The OpenAI API in front of decoders started with `disagg serve decode|mixed`."""
     from disagg.node.prefix_index import RoutingConfig
@@ -167,6 +183,7 @@ def serve_router(
     http = HTTPConfig(host, port, max_in_flight, served_model_name, max_body_bytes,
                       max_connections, header_timeout, api_key=api_key)
     routing_config = RoutingConfig.parse(routing, routing_margin, page_size)
+    configure_logging(log_level, access_log)
     run(node_options["model"], decoder, http, routing_config, _metrics_addresses(decoder, decoder_metrics))
 
 

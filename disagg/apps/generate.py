@@ -27,9 +27,11 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
                  top_p: float = 1.0, top_k: int = 0, seed: int | None = None,
                  on_text: Callable[[str], None] | None = None,
                  tracer: Tracer | None = None,
-                 speculative: SpeculativeConfig | None = None) -> dict[str, Any]:
+                 speculative: SpeculativeConfig | None = None,
+                 on_loaded: Callable[[], None] | None = None) -> dict[str, Any]:
     """Generate for one prompt (text or ids); `on_text` receives text as it decodes; `tracer`
-    records each step; `speculative` drafts and verifies (S8)."""
+    records each step; `speculative` drafts and verifies (S8); `on_loaded` is called once the
+    model is loaded and the engine built, before the first step."""
     loaded = load_model(model_spec)
     tokenizer = loaded.tokenizer
     if prompt is not None:
@@ -48,6 +50,8 @@ def generate_one(model_spec: str, config: EngineConfig, *, prompt: str | None,
     engine = (build_engine(config, loaded.state_dict, model_spec=model_spec)
               if speculative is None
               else build_speculative_engine(config, loaded.state_dict, speculative))
+    if on_loaded is not None:
+        on_loaded()
     try:
         return _generate(engine, tokenizer, prompt_token_ids, model_spec,
                          SamplingParams(max_tokens=max_tokens, temperature=temperature,

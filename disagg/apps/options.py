@@ -10,6 +10,8 @@ same flags, with the same help and defaults, and none of them maps a flag by han
 from __future__ import annotations
 
 import inspect
+import logging
+import os
 from collections.abc import Callable
 from typing import Annotated, Any
 
@@ -17,6 +19,7 @@ import typer
 
 from disagg.apps.config_file import CONFIG, apply_config_file
 from disagg.config import default_of
+from disagg.node.log_level import DEFAULT_LOG_LEVEL, LOG_LEVEL_ENV, LOG_LEVELS, check_log_level
 from disagg.node.node_options import OPTION_DEFAULTS
 from disagg.node.prefix_index import RoutingConfig
 
@@ -97,6 +100,12 @@ ConfigOption = Annotated[str | None, typer.Option(
     help="A YAML (.yaml, .yml) or TOML (.toml) file of this command's flags, keyed by flag "
          "name (page-size: 8); flags given on the command line override it. "
          "`disagg config show COMMAND` prints one")]
+LogLevelOption = Annotated[str, typer.Option(
+    help=f"How much this process and every node it starts log to stderr: "
+         f"{', '.join(LOG_LEVELS)}")]
+AccessLogOption = Annotated[bool, typer.Option(
+    "--access-log/--no-access-log",
+    help="One line per HTTP request on stderr: client, method, path, status, milliseconds")]
 RoutingMarginOption = Annotated[int, typer.Option(
     help="Requests in flight beyond the least-loaded decoder that a cached prefix may cost")]
 
@@ -128,6 +137,19 @@ assert set(NODE_FLAGS) == {"model", "prefillers", *SHARED, *ONE_NODE, *DECODER} 
     OPTION_DEFAULTS), "every keyword of the mapping has one flag, in one group"
 
 NodeOptions = dict[str, Any]
+LOG_LEVEL = DEFAULT_LOG_LEVEL
+
+
+def configure_logging(log_level: str, access_log: bool | None = None) -> None:
+    """This process's logging at `log_level`, and the same for every node process it starts
+    (through `LOG_LEVEL_ENV`); with `access_log` set, the front door's access log on or off."""
+    level = check_log_level(log_level)
+    os.environ[LOG_LEVEL_ENV] = log_level.lower()
+    logging.basicConfig(level=level, format="%(name)s %(levelname)s %(message)s")
+    if access_log is not None:
+        from disagg.server.http_server import enable_access_log
+
+        enable_access_log(access_log)
 
 
 def with_node_options(names: tuple[str, ...], **defaults: Any  # noqa: ANN401 - a default

@@ -10,7 +10,17 @@ from __future__ import annotations
 
 import typer
 
-from disagg.apps.options import DECODER, ONE_NODE, REQUIRED, SHARED, NodeOptions, with_node_options
+from disagg.apps.options import (
+    DECODER,
+    LOG_LEVEL,
+    ONE_NODE,
+    REQUIRED,
+    SHARED,
+    LogLevelOption,
+    NodeOptions,
+    configure_logging,
+    with_node_options,
+)
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.node_options import node_config_from_options
 
@@ -29,20 +39,23 @@ def _run(config: NodeConfig) -> None:
 
 @serve_app.command("prefill")
 @with_node_options(NODE)
-def serve_prefill(node_options: NodeOptions) -> None:
+def serve_prefill(node_options: NodeOptions, log_level: LogLevelOption = LOG_LEVEL) -> None:
     """Run a prefiller: prefill requests from decoders and stream their KV back."""
+    configure_logging(log_level)
     _run(node_config_from_options(NodeRole.PREFILL, **node_options))
 
 
 @serve_app.command("decode")
 @with_node_options((*NODE, "prefillers", *DECODER), prefillers=REQUIRED)
-def serve_decode(node_options: NodeOptions) -> None:
+def serve_decode(node_options: NodeOptions, log_level: LogLevelOption = LOG_LEVEL) -> None:
     """Run a decoder: take requests, get their KV from prefillers, decode them."""
+    configure_logging(log_level)
     _run(node_config_from_options(NodeRole.DECODE, **node_options))
 
 
 @serve_app.command("mixed")
 @with_node_options((*NODE, "cuda_graph"))
-def serve_mixed(node_options: NodeOptions) -> None:
+def serve_mixed(node_options: NodeOptions, log_level: LogLevelOption = LOG_LEVEL) -> None:
     """Run a single-node engine (prefill and decode mixed, S1) behind the router protocol."""
+    configure_logging(log_level)
     _run(node_config_from_options(NodeRole.MIXED, **node_options))

@@ -18,6 +18,7 @@ import sys
 import threading
 import time
 import urllib.request
+from collections.abc import Callable
 from dataclasses import replace
 from typing import Any
 
@@ -38,11 +39,14 @@ logger = logging.getLogger(__name__)
 
 class LocalCluster:
     """Context manager: the nodes of a `ClusterConfig` (prefillers and decoders, or mixed
-    nodes) as child processes; with `supervise`, restarted when they die."""
+    nodes) as child processes; with `supervise`, restarted when they die. `on_node(name,
+    event)` hears each node's first start: "starting", then "ready" (a progress display)."""
 
-    def __init__(self, config: ClusterConfig, supervise: bool = False) -> None:
+    def __init__(self, config: ClusterConfig, supervise: bool = False,
+                 on_node: Callable[[str, str], None] | None = None) -> None:
         self.config = config
         self.supervise = supervise
+        self._on_node = on_node or (lambda name, event: None)
         self.processes: list[subprocess.Popen[str]] = []  # each node's current process
         self.prefiller_address = ""
         self.prefiller_addresses: list[str] = []
@@ -66,14 +70,14 @@ class LocalCluster:
             nodes = self.config.nodes()
             prefillers = [(name, self._spawn(self.config.node_config(role, name)))
                           for name, role in nodes if role is NodeRole.PREFILL]
-            self.prefiller_addresses = [self._wait_ready(name, process)
+            self.prefiller_addresses = [self._first_ready(name, process)
                                         for name, process in prefillers]
             self.prefiller_address = next(iter(self.prefiller_addresses), "")
             # Decoders (or mixed nodes) start side by side: each loads the model on its own.
             decoders = [(name, self._spawn(self.config.node_config(
                 role, name, tuple(self.prefiller_addresses))))
                 for name, role in nodes if role is not NodeRole.PREFILL]
-            self.decoder_addresses = [self._wait_ready(name, process)
+            self.decoder_addresses = [self._first_ready(name, process)
                                       for name, process in decoders]
             if self.supervise:
                 self.supervisor = Supervisor(self, list(self.names)).start()
@@ -110,6 +114,7 @@ class LocalCluster:
             process = self._popen(config)
             self.processes.append(process)
             self.names.append(config.node_id)
+        self._on_node(config.node_id, "starting")
         return process
 
     def _popen(self, config: NodeConfig) -> subprocess.Popen[str]:
@@ -140,6 +145,11 @@ class LocalCluster:
         self.logs[name].append(f"--- {name} started again as pid {process.pid} ---")
         self._wait_ready(name, process)
         return True
+
+    def _first_ready(self, name: str, process: subprocess.Popen[str]) -> str:
+        address = self._wait_ready(name, process)
+        self._on_node(name, "ready")
+        return address
 
     def _wait_ready(self, name: str, process: subprocess.Popen[str]) -> str:
         """Read the node's stdout up to its READY line; pins its ports in its config, so a

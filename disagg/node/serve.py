@@ -24,6 +24,7 @@ from disagg.control.address import format_address, parse_address
 from disagg.errors import ConfigError, DisaggError
 from disagg.node.base import NodeBase
 from disagg.node.builder import build_node
+from disagg.node.log_level import node_log_level
 from disagg.node.node_config import NodeConfig
 from disagg.node.preflight import check_node
 from disagg.node.ready_line import ReadyLine
@@ -48,7 +49,7 @@ def health_report(config: NodeConfig, state: str, rank_pids: list[int] = (),
 def run_node(config: NodeConfig) -> None:
     """Check what needs no model (`preflight.check_node`: ports, provider, secret), then build
     the node `config` describes and serve until told to stop."""
-    logging.basicConfig(level=logging.INFO,
+    logging.basicConfig(level=node_log_level(),  # --log-level, through the environment
                         format=f"{config.node_id} %(levelname)s %(message)s")
     check_node(config)  # seconds before the model would have loaded, and one line
     node = build_node(config)

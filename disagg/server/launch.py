@@ -56,15 +56,17 @@ def make_front_door(model_spec: str, router: Router, nodes: list[NodeInfo],
 
 
 def serve_cluster(cluster_config: ClusterConfig, http: HTTPConfig,
-                  ray_config: RayConfig | None = None) -> None:
+                  ray_config: RayConfig | None = None,
+                  on_node: Callable[[str, str], None] | None = None) -> None:
     """Start the cluster's processes (here, supervised: a node that dies is started again,
     X5e; or as Ray actors with `ray_config`, which Ray restarts), then the API in front of
     its decoders. The API's port and the nodes' provider are checked first: starting the
-    nodes takes as long as loading the model."""
+    nodes takes as long as loading the model. `on_node` hears each local node start and
+    become ready (`LocalCluster`)."""
     check_http(http.host, http.port)
     check_cluster(cluster_config, local=ray_config is None)
     if ray_config is None:
-        with LocalCluster(cluster_config, supervise=True) as cluster:
+        with LocalCluster(cluster_config, supervise=True, on_node=on_node) as cluster:
             _serve_nodes(cluster, http)
         return
     from disagg.node.ray_cluster import RayCluster  # only here: Ray is an optional extra

@@ -104,7 +104,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[NodeConfig | ClusterConfig
 
     runs: list[NodeConfig | ClusterConfig] = []
     monkeypatch.setattr(serve_commands, "_run", runs.append)
-    monkeypatch.setattr(launch, "serve_cluster", lambda cluster, *_: runs.append(cluster))
+    monkeypatch.setattr(launch, "serve_cluster", lambda cluster, *_, **__: runs.append(cluster))
     monkeypatch.setattr(demo, "run_demo", lambda cluster, *_, **__: runs.append(cluster) or {
         "requests": [], "totals": {"requests": 0, "failed": 0}})
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)  # --device cuda:1 is checked

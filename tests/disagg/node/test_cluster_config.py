@@ -74,7 +74,7 @@ def captured(monkeypatch: pytest.MonkeyPatch) -> list[ClusterConfig]:
         clusters.append(cluster)
         return {"requests": [], "totals": {"requests": 0, "failed": 0}}
 
-    monkeypatch.setattr(launch, "serve_cluster", lambda cluster, *_: clusters.append(cluster))
+    monkeypatch.setattr(launch, "serve_cluster", lambda cluster, *_, **__: clusters.append(cluster))
     monkeypatch.setattr(demo, "run_demo", fake_demo)
     return clusters
 
