@@ -68,7 +68,8 @@ def _expand(container: dict[str, Any]) -> list[str]:
     values = {}
     for env in container.get("env", []):
         field = env.get("valueFrom", {}).get("fieldRef", {}).get("fieldPath")
-        values[env["name"]] = FIELD_STAND_INS[field] if field else env.get("value", "secret")
+        stand_in = FIELD_STAND_INS.get(field, f"<{field}>")  # another field: no IP, no name
+        values[env["name"]] = stand_in if field else env.get("value", "secret")
 
     def value(match: re.Match[str]) -> str:
         assert match.group(1) in values, f"{container['name']}: $({match.group(1)}) not in env"
@@ -179,17 +180,25 @@ def test_pods_take_the_cluster_secret_the_docs_create() -> None:
         assert re.search(created, docs), f"docs/deploy.md creates no {ref['name']}/{ref['key']}"
 
 
+def test_every_pod_runs_the_image_the_docs_build() -> None:
+    """One image for every container, init containers included, tagged as docs/deploy.md
+    builds it."""
+    images = {c["image"] for w in _of_kind(*WORKLOADS) for key in ("containers", "initContainers")
+              for c in w["spec"]["template"]["spec"].get(key, [])}
+    assert len(images) == 1
+    assert f"docker build -t {images.pop()} ." in (ROOT / "docs" / "deploy.md").read_text()
+
+
 def test_container_args_parse_with_the_disagg_cli() -> None:
     """Each container's args are a `disagg serve` command its parser accepts, and nodes
     listen beyond loopback with their pod IP as fabric address."""
     commands = {}
-    for workload, container in _containers():
-        assert container["image"] == _containers()[0][1]["image"]  # one image for all
+    for _, container in _containers():
         path, options = _parse(_expand(container))
         commands[path] = options
         if path != "disagg serve router":
             assert "$(POD_IP)" in container["args"]
-            assert options["fabric_node"] == FIELD_STAND_INS["status.podIP"], workload
+            assert options["fabric_node"] == FIELD_STAND_INS["status.podIP"], path
             assert parse_address(options["listen"])[0] == "0.0.0.0"
     assert set(commands) == {"disagg serve prefill", "disagg serve decode", "disagg serve router"}
     assert len({options["model"] for options in commands.values()}) == 1
