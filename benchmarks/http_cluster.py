@@ -1,6 +1,6 @@
 """`disagg serve cluster` as a subprocess for `load_http.py` (X5b, X5e): start it with a
-cluster secret of ours, read its `/health` and `/metrics`, stop it with SIGINT, and check that
-no node process it ever had outlives it. Nothing here sends a completion.
+cluster secret of ours, read its `/health` and its nodes' `/metrics`, stop it with SIGINT, and
+check that no node process it ever had outlives it. Nothing here sends a completion.
 """
 
 from __future__ import annotations
@@ -18,12 +18,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from prometheus_client.parser import text_string_to_metric_families
-
 from disagg.control.secret import SECRET_ENV
+from disagg.server.scrape_targets import scrape_cluster
 
 ROOT = Path(__file__).resolve().parent.parent
-PAGES_SERIES = "disagg:kv_pages_in_use"  # each node's pages, re-labelled by the front door
+PAGES_SERIES = "disagg:kv_pages_in_use"  # each node's pages, from its own /metrics
 READY_TIMEOUT_S = 120.0
 
 
@@ -90,11 +89,10 @@ class ServeCluster:
         return None
 
     def pages_in_use(self) -> dict[str, float]:
-        """Node -> KV pages in use, as the front door's `/metrics` relays them."""
-        _, text = self.get("/metrics")
-        return {sample.labels["node"]: sample.value
-                for family in text_string_to_metric_families(text)
-                for sample in family.samples if sample.name == PAGES_SERIES}
+        """Node -> KV pages in use, scraped from each node the front door's
+        `/metrics/targets` lists (as Prometheus would)."""
+        return {sample.labels["node"]: sample.value for sample in scrape_cluster(self.url)
+                if sample.name == PAGES_SERIES}
 
     def stop(self, timeout_s: float = 90.0) -> int | None:
         """SIGINT, as a user's Ctrl-C; its exit code (0: every node exited clean), or None

@@ -22,7 +22,7 @@ from disagg.node.router import SILENCE_S, Router
 FINISHED = ("finished_length", "finished_stopped")
 BACK_MARGIN_S = 0.5  # from a decoder taking the prefiller back to the router hearing it
 SILENCE_MARGIN_S = 0.5  # from the router's silence window ending to it taking effect
-PREFILLED = "disagg_requests_total"  # a prefiller's transfers ended, from its /metrics
+PREFILLED = "disagg:kv_sent_requests_total"  # a prefiller's transfers ended, from its /metrics
 
 
 class Run:

@@ -7,9 +7,10 @@ turn's prompt is the chat so far (the last prompt plus its answer) plus `--user-
 tokens; `--max-tokens` greedy tokens per answer. Turns go one at a time, round-robin over the
 chats (turn 1 of every chat, then turn 2, ...), so the cache must hold several chats at once.
 Per request: TTFT (first streamed token, from the send), `usage.prompt_tokens_details.
-cached_tokens`, and the KV bytes the decoder received for it (the delta of the front door's
-gathered `disagg:kv_transfer_bytes_total`; requests never overlap, so the delta is the
-request's). The two nodes are pinned one per core, as in benchmarks/serving.py.
+cached_tokens`, and the KV bytes the decoder received for it (the delta of the decoders'
+`disagg:kv_bytes_total`, scraped through the front door's `/metrics/targets`; requests never
+overlap, so the delta is the request's). The two nodes are pinned one per core, as in
+benchmarks/serving.py.
 Run: `python benchmarks/prefix.py [--model tiny] [--out prefix.json]` (defaults: ~2 min).
 """
 
@@ -20,7 +21,6 @@ import random
 import sys
 import tempfile
 import time
-import urllib.request
 from pathlib import Path
 from typing import Any
 
@@ -30,19 +30,18 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 from disagg_report import percentile  # noqa: E402
 from pinned_cluster import wait_for_quiet  # noqa: E402
-from prometheus_client.parser import text_string_to_metric_families  # noqa: E402
 from serving import Server, emit, two_cores  # noqa: E402
+
+from disagg.server.scrape_targets import scrape_cluster  # noqa: E402
 
 MODES = {"cache": ["--prefillers", "1", "--decoders", "1"],
          "no cache": ["--prefillers", "1", "--decoders", "1", "--no-prefix-caching"]}
 
 
 def kv_bytes(server: Server) -> float:
-    """KV bytes the decoders have received, as the front door gathers them from the nodes."""
-    with urllib.request.urlopen(server.url + "/metrics", timeout=30) as reply:
-        text = reply.read().decode()
-    return sum(s.value for f in text_string_to_metric_families(text) for s in f.samples
-               if s.name == "disagg:kv_transfer_bytes_total")
+    """KV bytes the decoders have received, scraped from each node the front door lists."""
+    return sum(s.value for s in scrape_cluster(server.url, timeout_s=30)
+               if s.name == "disagg:kv_bytes_total")
 
 
 def one_turn(client: openai.OpenAI, prompt: list[int], max_tokens: int) -> dict[str, Any]:

@@ -67,10 +67,11 @@ def metrics_table(metrics: dict[str, dict[str, float]]) -> Table:
     for node, values in sorted(metrics.items()):
         def total(prefix: str, values: dict[str, float] = values) -> float:
             return sum(v for k, v in values.items() if k.startswith(prefix))
-        writes = total("disagg_kv_writes_total") or total("disagg_writes_total")
-        nbytes = total("disagg_kv_bytes_total") or total("disagg_bytes_total")
-        failures = total("disagg_failures_total") + total("disagg_failed_total")
+        # A decoder counts what it received, a prefiller what it sent: one of each is 0.
+        writes = total("disagg:kv_writes_total") or total("disagg:kv_sent_writes_total")
+        nbytes = total("disagg:kv_bytes_total") or total("disagg:kv_sent_bytes_total")
+        failures = total("disagg:failures_total") + total("disagg:kv_send_failures_total")
         table.add_row(node, f"{writes:.0f}", f"{nbytes / 2**20:.2f}", f"{failures:.0f}",
-                      f"{total('disagg_expired_leases_total'):.0f}",
-                      f"{total('disagg_pages_in_use'):.0f}")
+                      f"{total('disagg:kv_expired_leases_total'):.0f}",
+                      f"{total('disagg:kv_pages_in_use'):.0f}")
     return table

@@ -55,6 +55,7 @@ from disagg.server.tool_prompt import (
     render_tool_messages,
     shown_tools,
 )
+from disagg.server.tracing import TracingMiddleware
 from disagg.server.utility_routes import install_utility_routes
 
 if TYPE_CHECKING:
@@ -185,6 +186,8 @@ def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
     app = FastAPI(title="disagg", docs_url=None, redoc_url=None, openapi_url="/openapi.json")
     install_openapi(app, [CompletionRequest, ChatCompletionRequest, *UTILITY_REQUESTS])
     install_api_key(app, http.api_key)
+    # Outermost: a request's span covers the API key check and a streamed answer's last byte.
+    app.add_middleware(TracingMiddleware, tracer=door.client.tracer)
 
     @app.exception_handler(APIError)
     async def api_error(_: Request, error: APIError) -> JSONResponse:
@@ -238,6 +241,11 @@ def build_app(door: FrontDoor, http: HTTPConfig | None = None) -> FastAPI:
     async def metrics() -> Response:
         text = await asyncio.to_thread(generate_latest, door.metrics.registry)
         return Response(text, media_type=CONTENT_TYPE_LATEST)
+
+    @app.get("/metrics/targets")
+    async def metrics_targets() -> JSONResponse:
+        # Prometheus' http_sd_configs reads this list and scrapes each node itself.
+        return JSONResponse(door.metrics.targets())
 
     install_utility_routes(app, door, max_body_bytes)  # /tokenize, /detokenize, /version
     return app

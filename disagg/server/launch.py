@@ -47,8 +47,7 @@ def make_front_door(model_spec: str, router: Router, nodes: list[NodeInfo],
         template = ChatTemplate.for_tokenizer(loaded.chat_template, loaded.tokenizer)
     client = ClusterClient(router, http.max_in_flight)
     name = http.model_name or model_spec
-    metrics_nodes = {n.name: n.metrics_address for n in nodes if n.metrics_address}
-    metrics = ServerMetrics(name, lambda: metrics_nodes, lambda: client.num_waiting)
+    metrics = ServerMetrics(name, lambda: nodes, lambda: client.num_waiting)
     # Its own compiler refuses a grammar that cannot compile before it is submitted.
     return FrontDoor(name, loaded.config, loaded.tokenizer, template, client, metrics,
                      lambda: check_nodes(nodes), max_request_tokens,

@@ -1,111 +1,83 @@
-"""The front door's Prometheus metrics, named as serving dashboards expect.
+"""The front door's own Prometheus metrics, named as serving dashboards expect (X4).
 
 Request-level series come from the HTTP layer (`disagg:time_to_first_token_seconds`,
 `disagg:inter_token_latency_seconds`, `disagg:e2e_request_latency_seconds`,
 `disagg:request_queue_time_seconds`, running and waiting gauges, prompt and generation token
-counters, cached prompt tokens, `disagg:request_success_total` by finish reason); KV-transfer,
-page and prefix-cache series are gathered from each node's own `/metrics` at scrape time and
-re-labelled with the node's name.
-Every series carries `model_name`.
+counters, cached prompt tokens, `disagg:request_success_total` by finish reason). Every series
+carries `model_name`, none has a `_created` twin. The nodes' series (KV transfers, pages,
+prefix cache, fabric bytes) are not relayed here: Prometheus scrapes each node itself, found
+through `targets()` (`/metrics/targets`, `scrape_targets.py`).
 """
 
 from __future__ import annotations
 
-import logging
-import urllib.request
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
+from typing import Any
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.core import GaugeMetricFamily, Metric
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client.registry import Collector
 
 from disagg.server.generation import Timings
-
-logger = logging.getLogger(__name__)
+from disagg.server.health import NodeInfo
+from disagg.server.scrape_targets import scrape_targets
+from disagg.utils.metrics import ValuesOnly
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 2.5,
                    5.0, 10.0, 20.0, 40.0, 80.0)
-# Node series worth a dashboard, as the nodes name them -> ours.
-NODE_SERIES = {
-    "disagg_pages_in_use": "disagg:kv_pages_in_use",
-    "disagg_kv_bytes_total": "disagg:kv_transfer_bytes_total",
-    "disagg_kv_transfer_seconds_sum": "disagg:kv_transfer_seconds_sum",
-    "disagg_kv_transfer_seconds_count": "disagg:kv_transfer_seconds_count",
-    "disagg_transfers_in_flight": "disagg:kv_transfers_in_flight",
-    "disagg_prefix_cache_queries_total": "disagg:prefix_cache_queries_total",
-    "disagg_prefix_cache_hits_total": "disagg:prefix_cache_hits_total",
-    "disagg_prefix_cache_pages": "disagg:prefix_cache_pages",
-}
-
-
-class NodeCollector(Collector):
-    """Reads each node's `/metrics` when Prometheus scrapes us; a node that does not answer
-    is left out of this scrape (and logged), never a failed scrape."""
-
-    def __init__(self, model_name: str, nodes: Callable[[], dict[str, str]]) -> None:
-        self.model_name = model_name
-        self.nodes = nodes  # node name -> host:port of its /metrics
-
-    def collect(self) -> Iterator[Metric]:
-        families = {ours: GaugeMetricFamily(ours, f"{theirs} of each node, as it reports it",
-                                            labels=["model_name", "node"])
-                    for theirs, ours in NODE_SERIES.items()}
-        for node, address in self.nodes().items():
-            try:
-                with urllib.request.urlopen(f"http://{address}/metrics", timeout=2) as reply:
-                    text = reply.read().decode()
-            except OSError as error:
-                logger.warning("node %s: no metrics from %s: %s", node, address, error)
-                continue
-            for family in text_string_to_metric_families(text):
-                for sample in family.samples:
-                    ours = NODE_SERIES.get(sample.name)
-                    if ours is not None and not sample.labels:
-                        families[ours].add_metric([self.model_name, node], sample.value)
-        yield from families.values()
+FINISH_REASONS = ("stop", "length", "abort", "error")  # what `record` is told
 
 
 class ServerMetrics:
-    """The registry `/metrics` serves, and what the HTTP layer records into it."""
+    """The registry `/metrics` serves, what the HTTP layer records into it, and the nodes
+    Prometheus should scrape besides (`targets`)."""
 
-    def __init__(self, model_name: str, nodes: Callable[[], dict[str, str]] | None = None,
+    def __init__(self, model_name: str, nodes: Callable[[], list[NodeInfo]] | None = None,
                  waiting: Callable[[], int] | None = None) -> None:
         self.registry = CollectorRegistry()
-        labels = ["model_name"]
         self.model_name = model_name
+        self._nodes = nodes
+        labels = ["model_name"]
+        # registry=None: `ValuesOnly` below yields them, without their `_created` series.
 
         def histogram(name: str, text: str) -> Histogram:
-            return Histogram(name, text, labels, buckets=LATENCY_BUCKETS,
-                             registry=self.registry).labels(model_name)
+            return Histogram(name, text, labels, buckets=LATENCY_BUCKETS, registry=None)
 
-        self.ttft = histogram("disagg:time_to_first_token_seconds",
-                              "From the request's arrival to its first token")
-        self.itl = histogram("disagg:inter_token_latency_seconds",
-                             "Between two tokens of one request")
-        self.e2e = histogram("disagg:e2e_request_latency_seconds",
-                             "From the request's arrival to its last token")
-        self.queue = histogram("disagg:request_queue_time_seconds",
-                               "From the request's arrival to the decoder's first event")
-        self.running = Gauge("disagg:num_requests_running", "Requests in the cluster", labels,
-                             registry=self.registry).labels(model_name)
+        def counter(name: str, text: str, extra: tuple[str, ...] = ()) -> Counter:
+            return Counter(name, text, [*labels, *extra], registry=None)
+
+        ttft = histogram("disagg:time_to_first_token_seconds",
+                         "From the request's arrival to its first token")
+        itl = histogram("disagg:inter_token_latency_seconds", "Between two tokens of one request")
+        e2e = histogram("disagg:e2e_request_latency_seconds",
+                        "From the request's arrival to its last token")
+        queue = histogram("disagg:request_queue_time_seconds",
+                          "From the request's arrival to the decoder's first event")
+        running = Gauge("disagg:num_requests_running", "Requests in the cluster", labels,
+                        registry=None)
         waiting_gauge = Gauge("disagg:num_requests_waiting",
                               "Requests admitted but without a first event yet", labels,
-                              registry=self.registry).labels(model_name)
+                              registry=None)
+        prompt = counter("disagg:prompt_tokens_total", "Prompt tokens of finished requests")
+        cached = counter("disagg:prompt_tokens_cached_total", "Prompt tokens found in a "
+                         "decoder's prefix cache (neither computed nor moved)")
+        generation = counter("disagg:generation_tokens_total", "Tokens generated")
+        self.finished = counter("disagg:request_success_total", "Requests finished, by finish "
+                                f"reason ({', '.join(FINISH_REASONS)})", ("finished_reason",))
+        self.registry.register(ValuesOnly(ttft, itl, e2e, queue, running, waiting_gauge,
+                                          prompt, cached, generation, self.finished))
+        self.ttft, self.itl, self.e2e, self.queue = (h.labels(model_name)
+                                                     for h in (ttft, itl, e2e, queue))
+        self.running = running.labels(model_name)
+        self.prompt_tokens, self.cached_tokens, self.generation_tokens = (
+            c.labels(model_name) for c in (prompt, cached, generation))
+        for reason in FINISH_REASONS:  # each at 0, so its rate is 0 before the first, not absent
+            self.finished.labels(model_name, reason)
+        waiting_child = waiting_gauge.labels(model_name)
         if waiting is not None:
-            waiting_gauge.set_function(waiting)
-        self.prompt_tokens = Counter("disagg:prompt_tokens", "Prompt tokens of admitted "
-                                     "requests", labels, registry=self.registry).labels(model_name)
-        self.cached_tokens = Counter("disagg:prompt_tokens_cached", "Prompt tokens found in a "
-                                     "decoder's prefix cache (neither computed nor moved)",
-                                     labels, registry=self.registry).labels(model_name)
-        self.generation_tokens = Counter("disagg:generation_tokens", "Tokens generated", labels,
-                                         registry=self.registry).labels(model_name)
-        self.finished = Counter("disagg:request_success", "Requests finished, by finish reason "
-                                "(stop, length, abort, error)", [*labels, "finished_reason"],
-                                registry=self.registry)
-        if nodes is not None:
-            self.registry.register(NodeCollector(model_name, nodes))
+            waiting_child.set_function(waiting)
+
+    def targets(self) -> list[dict[str, Any]]:
+        """Prometheus HTTP service discovery: every node whose metrics address is known."""
+        return [] if self._nodes is None else scrape_targets(self._nodes(), self.model_name)
 
     def record(self, timings: Timings, prompt_tokens: int, reason: str,
                cached_tokens: int = 0) -> None:

@@ -4,9 +4,12 @@
 Each node owns a `Metrics`: a small layer over its own `prometheus_client.CollectorRegistry`,
 never the process-wide default one (several nodes share one test process). Counters and
 histograms are prometheus_client's, made on first use; gauges and counters kept elsewhere (a
-messenger's stats) are callbacks read at scrape time. Every name gets the `disagg_` prefix.
-A node's own collector yields them all, leaving out the `_created` timestamps prometheus_client
-adds to counters and histograms, so a scrape holds values only (sums over keys stay sums).
+messenger's stats) are callbacks read at scrape time. One naming rule holds for every series the
+project exports, nodes and front door alike (as vLLM's `vllm:`): the `disagg:` prefix, the unit
+in the name (`_seconds`, `_bytes`, `_tokens`, `_pages`), counters and only counters ending in
+`_total`. A node's own collector yields them all, leaving out the `_created` timestamps
+prometheus_client adds to counters and histograms, so a scrape holds values only (sums over
+keys stay sums); `ValuesOnly` does the same for the front door's metrics.
 
 `serve_metrics` answers `GET /metrics` and `GET /health` on the node's metrics port;
 `parse_metrics` reads a scrape back into a dict through prometheus_client's parser.
@@ -26,6 +29,7 @@ from prometheus_client import (
     CONTENT_TYPE_PLAIN_0_0_4,
     CollectorRegistry,
     Counter,
+    Gauge,
     Histogram,
     generate_latest,
 )
@@ -33,14 +37,17 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metri
 from prometheus_client.parser import text_string_to_metric_families
 from prometheus_client.registry import Collector
 
+PREFIX = "disagg:"
 DEFAULT_BUCKETS = (0.001, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0)
+COUNTER_KINDS = ("counter", "counter_from", "counters_from")
 
 
 class Metrics:
     """One node's registry: `inc("name", labels)`, `observe("name", seconds)`,
-    `gauge("name", fn)`, `counter_from("name", fn)`; `registry` is what a scrape collects."""
+    `gauge("name", fn)`, `counter_from("name", fn)`; `registry` is what a scrape collects.
+    Names are given without the prefix; a counter's must end in `_total`, and no other's may."""
 
-    def __init__(self, prefix: str = "disagg") -> None:
+    def __init__(self, prefix: str = PREFIX) -> None:
         self.prefix = prefix
         self.registry = CollectorRegistry()
         self._lock = threading.Lock()
@@ -57,7 +64,7 @@ class Metrics:
 
     def inc(self, name: str, amount: float = 1.0, **labels: str) -> None:
         """Add `amount` to a counter, one series per label set; the label names are fixed by
-        the first call. A name without `_total` is exposed with it (Prometheus' rule)."""
+        the first call."""
         counter = self._metric(name, "counter", tuple(sorted(labels)))
         (counter.labels(**labels) if labels else counter).inc(amount)
 
@@ -101,7 +108,7 @@ class Metrics:
         for family in self.registry.collect():
             for sample in family.samples:
                 if sample.name != f"{family.name}_bucket":
-                    name = sample.name.removeprefix(f"{self.prefix}_")
+                    name = sample.name.removeprefix(self.prefix)
                     out[sample_key(name, sample.labels)] = sample.value
         return out
 
@@ -115,10 +122,7 @@ class Metrics:
             owned, reads = list(self._owned.values()), list(self._reads.items())
             families = list(self._families.items())
         for metric in owned:
-            for family in metric.collect():
-                created = f"{family.name}_created"
-                family.samples = [s for s in family.samples if s.name != created]
-                yield family
+            yield from values_only(metric)
         for name, read in reads:
             kind = CounterMetricFamily if self._kinds[name] == "counter_from" else GaugeMetricFamily
             yield kind(self._full(name), self._help.get(name, name), value=float(read()))
@@ -148,12 +152,16 @@ class Metrics:
             self._claim_locked(name, kind)
 
     def _claim_locked(self, name: str, kind: str) -> None:
+        # The naming rule is checked where a name is first used, so no series can break it.
+        if (kind in COUNTER_KINDS) != name.endswith("_total"):
+            raise ValueError(f"metric {name!r}: a {kind}'s name "
+                             f"{'must' if kind in COUNTER_KINDS else 'must not'} end in _total")
         known = self._kinds.setdefault(name, kind)
         if known != kind:
             raise ValueError(f"metric {name!r} is a {known}, not a {kind}")
 
     def _full(self, name: str) -> str:
-        return f"{self.prefix}_{name}"
+        return f"{self.prefix}{name}"
 
 
 class _Collector(Collector):
@@ -164,6 +172,26 @@ class _Collector(Collector):
 
     def collect(self) -> Iterator[Metric]:
         return self.metrics.collect()
+
+
+class ValuesOnly(Collector):
+    """prometheus_client metrics made with `registry=None`, yielded without their `_created`
+    series (the front door's registry holds one of these)."""
+
+    def __init__(self, *metrics: Counter | Gauge | Histogram) -> None:
+        self.metrics = metrics
+
+    def collect(self) -> Iterator[Metric]:
+        for metric in self.metrics:
+            yield from values_only(metric)
+
+
+def values_only(metric: Counter | Gauge | Histogram) -> Iterator[Metric]:
+    """`metric`'s families without the `_created` timestamp samples."""
+    for family in metric.collect():
+        created = f"{family.name}_created"
+        family.samples = [s for s in family.samples if s.name != created]
+        yield family
 
 
 def sample_key(name: str, labels: dict[str, str]) -> str:

@@ -47,8 +47,8 @@ def bytes_moved(result: dict[str, Any]) -> tuple[float, float, int]:
     def total(node: str, name: str) -> float:
         return sum(v for k, v in metrics[node].items() if k.startswith(name))
 
-    return (total("prefill-0", "disagg_bytes_total"), total("decode-0", "disagg_kv_bytes_total"),
-            result["totals"]["kv_bytes"])
+    return (total("prefill-0", "disagg:kv_sent_bytes_total"),
+            total("decode-0", "disagg:kv_bytes_total"), result["totals"]["kv_bytes"])
 
 
 @pytest.mark.slow  # two clusters of 2 processes and a single node: about 10 s

@@ -29,5 +29,5 @@ def test_each_node_reports_its_health_and_metrics() -> None:
             assert report == {"node_id": name, "role": name.split("-")[0], "state": "ok",
                               "pid": process.pid, "ranks": [process.pid], **seen}
             with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as reply:
-                assert "disagg_pages_in_use" in parse_metrics(reply.read().decode())
+                assert "disagg:kv_pages_in_use" in parse_metrics(reply.read().decode())
     assert cluster.exit_codes() == [0, 0]

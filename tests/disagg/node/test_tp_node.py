@@ -55,8 +55,8 @@ def test_a_replicated_prefillers_request_leaves_through_one_ranks_domain() -> No
                                         prefill_tp=2, decode_tp=1, replicated_kv=True)
     result = run_demo(config, [PromptSpec(token_ids=list(range(3, 60)))], max_tokens=2)
     metrics = result["metrics"]["prefill-0"]
-    per_domain = [metrics[f'disagg_fabric_bytes_written_total{{domain="{d}"}}'] for d in (0, 1)]
-    assert sum(per_domain) >= metrics["disagg_bytes_total"] > 0
+    per_domain = [metrics[f'disagg:fabric_bytes_written_total{{domain="{d}"}}'] for d in (0, 1)]
+    assert sum(per_domain) >= metrics["disagg:kv_sent_bytes_total"] > 0
     assert min(per_domain) < 0.25 * sum(per_domain), per_domain
 
 
@@ -86,5 +86,5 @@ def test_matched_tp_with_two_stand_in_domains_per_rank_uses_all_four() -> None:
     assert [r["state"] for r in result["requests"]] == ["finished_length"]
     metrics = result["metrics"]["prefill-0"]
     per_domain = {k: v for k, v in metrics.items()
-                  if k.startswith("disagg_fabric_bytes_written_total{")}
+                  if k.startswith("disagg:fabric_bytes_written_total{")}
     assert len(per_domain) == 4 and min(per_domain.values()) > 1000, per_domain

@@ -23,9 +23,8 @@ MAX_TOKENS = 6
 
 
 def kv_bytes(server: Server) -> float:
-    """KV bytes the decoders received so far, from the front door's gathered node series."""
-    return sum(v for k, v in server.metrics().items()
-               if k.startswith("disagg:kv_transfer_bytes_total"))
+    """KV bytes the decoders received so far, from their own series."""
+    return sum(v for k, v in server.metrics().items() if k.startswith("disagg:kv_bytes_total"))
 
 
 def converse(server: Server) -> list[tuple[list[int], list[int], int, float]]:
@@ -67,7 +66,7 @@ def test_each_turn_finds_the_conversation_so_far_and_moves_only_its_new_pages() 
         else:
             assert cached == 0
         assert moved == moved_bytes(len(prompt), cached), index
-    hits = [v for k, v in metrics.items() if k.startswith("disagg:prefix_cache_hits_total")]
+    hits = [v for k, v in metrics.items() if k.startswith("disagg:prefix_cache_hit_tokens_total")]
     assert sum(hits) >= turns[1][2] + turns[2][2]  # decoders' hits (and the prefiller's)
     assert metrics['disagg:prompt_tokens_cached_total{"model_name": "tiny"}'] == (
         turns[1][2] + turns[2][2])

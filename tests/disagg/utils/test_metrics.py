@@ -28,18 +28,18 @@ def test_counters_histograms_and_gauges_render_as_prometheus_text() -> None:
         metrics.observe("kv_transfer_seconds", seconds)
     metrics.gauge("pages_in_use", lambda: 12)
     text = metrics.render()
-    assert "# TYPE disagg_failures_total counter" in text
-    assert "# HELP disagg_failures_total KV transfers that failed, by cause" in text
+    assert "# TYPE disagg:failures_total counter" in text
+    assert "# HELP disagg:failures_total KV transfers that failed, by cause" in text
     assert "_created" not in text  # values only: a sum over keys stays a sum
     values = parse_metrics(text)
-    assert values['disagg_failures_total{cause="checksum"}'] == 2
-    assert values['disagg_failures_total{cause="deadline"}'] == 1
-    assert values['disagg_kv_transfer_seconds_bucket{le="0.005"}'] == 1
-    assert values['disagg_kv_transfer_seconds_bucket{le="0.25"}'] == 2
-    assert values['disagg_kv_transfer_seconds_bucket{le="+Inf"}'] == 3
-    assert values["disagg_kv_transfer_seconds_count"] == 3
-    assert values["disagg_kv_transfer_seconds_sum"] == pytest.approx(7.203)
-    assert values["disagg_pages_in_use"] == 12
+    assert values['disagg:failures_total{cause="checksum"}'] == 2
+    assert values['disagg:failures_total{cause="deadline"}'] == 1
+    assert values['disagg:kv_transfer_seconds_bucket{le="0.005"}'] == 1
+    assert values['disagg:kv_transfer_seconds_bucket{le="0.25"}'] == 2
+    assert values['disagg:kv_transfer_seconds_bucket{le="+Inf"}'] == 3
+    assert values["disagg:kv_transfer_seconds_count"] == 3
+    assert values["disagg:kv_transfer_seconds_sum"] == pytest.approx(7.203)
+    assert values["disagg:pages_in_use"] == 12
 
 
 def test_exposition_parses_into_typed_families() -> None:
@@ -50,10 +50,10 @@ def test_exposition_parses_into_typed_families() -> None:
     metrics.gauge("transfers_in_flight", lambda: 3)
     metrics.counter_from("staged_bytes_total", lambda: 7)
     parsed = families(metrics)
-    assert parsed["disagg_kv_bytes"] == ("counter", {"disagg_kv_bytes_total[]": 4096})
-    assert parsed["disagg_kv_transfer_seconds"][0] == "histogram"
-    assert parsed["disagg_transfers_in_flight"] == ("gauge", {"disagg_transfers_in_flight[]": 3})
-    assert parsed["disagg_staged_bytes"] == ("counter", {"disagg_staged_bytes_total[]": 7})
+    assert parsed["disagg:kv_bytes"] == ("counter", {"disagg:kv_bytes_total[]": 4096})
+    assert parsed["disagg:kv_transfer_seconds"][0] == "histogram"
+    assert parsed["disagg:transfers_in_flight"] == ("gauge", {"disagg:transfers_in_flight[]": 3})
+    assert parsed["disagg:staged_bytes"] == ("counter", {"disagg:staged_bytes_total[]": 7})
 
 
 def test_histogram_buckets_are_cumulative() -> None:
@@ -76,10 +76,10 @@ def test_callbacks_are_read_at_scrape_time() -> None:
     metrics = Metrics()
     metrics.counter_from("writes_total", lambda: stats["writes"])
     metrics.gauge("pages_in_use", lambda: stats["pages"])
-    assert parse_metrics(metrics.render())["disagg_writes_total"] == 1
+    assert parse_metrics(metrics.render())["disagg:writes_total"] == 1
     stats.update(writes=9, pages=0)
     values = parse_metrics(metrics.render())
-    assert (values["disagg_writes_total"], values["disagg_pages_in_use"]) == (9, 0)
+    assert (values["disagg:writes_total"], values["disagg:pages_in_use"]) == (9, 0)
     assert (metrics.value("writes_total"), metrics.value("pages_in_use")) == (9, 0)
 
 
@@ -106,10 +106,10 @@ def test_two_nodes_in_one_process_do_not_collide() -> None:
     prefill.inc("kv_bytes_total", 10)
     decode.inc("kv_bytes_total", 20)
     decode.observe("kv_transfer_seconds", 0.1)
-    assert parse_metrics(prefill.render()) == {"disagg_kv_bytes_total": 10,
-                                               "disagg_pages_in_use": 1}
-    assert parse_metrics(decode.render())["disagg_kv_bytes_total"] == 20
-    assert parse_metrics(decode.render())["disagg_pages_in_use"] == 2
+    assert parse_metrics(prefill.render()) == {"disagg:kv_bytes_total": 10,
+                                               "disagg:pages_in_use": 1}
+    assert parse_metrics(decode.render())["disagg:kv_bytes_total"] == 20
+    assert parse_metrics(decode.render())["disagg:pages_in_use"] == 2
 
 
 def test_one_name_is_one_kind() -> None:

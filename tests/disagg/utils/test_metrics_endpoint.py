@@ -49,7 +49,7 @@ def test_endpoint_serves_the_current_values(endpoint: tuple[Metrics, str]) -> No
     metrics.inc("requests_total", state="finished_length")
     status, content_type, body = get(url + "/metrics")
     assert (status, content_type) == (200, CONTENT_TYPE_PLAIN_0_0_4)
-    assert parse_metrics(body)['disagg_requests_total{state="finished_length"}'] == 1
+    assert parse_metrics(body)['disagg:requests_total{state="finished_length"}'] == 1
 
 
 def test_health_answers_200_with_the_nodes_report(endpoint: tuple[Metrics, str]) -> None:
@@ -120,7 +120,7 @@ def test_endpoint_serves_on_an_ipv6_host(node_health: dict[str, Any]) -> None:
     try:
         url = f"http://[::1]:{server.server_address[1]}"
         values = parse_metrics(get(url + "/metrics")[2])
-        assert values['disagg_requests_total{state="finished_stopped"}'] == 1
+        assert values['disagg:requests_total{state="finished_stopped"}'] == 1
         assert get(url + "/health")[0] == 200
     finally:
         server.shutdown()
