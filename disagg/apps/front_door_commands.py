@@ -154,7 +154,7 @@ def serve_cluster(
 
 
 @serve_app.command("router")
-@with_node_options(("model",), model=DEFAULT_MODEL)
+@with_node_options(("model", "trace", "otlp_endpoint"), model=DEFAULT_MODEL)
 def serve_router(
     node_options: NodeOptions,
     decoder: Annotated[list[str], typer.Option(
@@ -184,7 +184,9 @@ def serve_router(
                       max_connections, header_timeout, api_key=api_key)
     routing_config = RoutingConfig.parse(routing, routing_margin, page_size)
     configure_logging(log_level, access_log)
-    run(node_options["model"], decoder, http, routing_config, _metrics_addresses(decoder, decoder_metrics))
+    run(node_options["model"], decoder, http, routing_config,
+        _metrics_addresses(decoder, decoder_metrics), trace=node_options["trace"],
+        otlp_endpoint=node_options["otlp_endpoint"])
 
 
 def _metrics_addresses(decoders: list[str], metrics: list[str] | None) -> list[str | None] | None:

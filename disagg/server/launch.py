@@ -29,23 +29,26 @@ from disagg.server.health import NodeInfo, check_nodes
 from disagg.server.http_config import HTTPConfig
 from disagg.server.http_server import serve_http
 from disagg.server.metrics import ServerMetrics
+from disagg.utils.trace import Tracer, trace_path
 
 if TYPE_CHECKING:
     from disagg.node.ray_cluster import RayCluster
     from disagg.node.ray_placement import RayConfig
 
 logger = logging.getLogger(__name__)
+FRONT_DOOR = "front-door"  # the front door's name in traces (its nodes have theirs)
 
 
 def make_front_door(model_spec: str, router: Router, nodes: list[NodeInfo],
-                    http: HTTPConfig, max_request_tokens: int | None = None) -> FrontDoor:
+                    http: HTTPConfig, max_request_tokens: int | None = None,
+                    tracer: Tracer | None = None) -> FrontDoor:
     """The API's state: the model's tokenizer and chat template, the client, the metrics. It
     never reads the weights (the nodes do): for a Hub id it fetches only the tokenizer files."""
     loaded = load_tokenizer(model_spec)
     template = None
     if loaded.chat_template and loaded.tokenizer is not None:
         template = ChatTemplate.for_tokenizer(loaded.chat_template, loaded.tokenizer)
-    client = ClusterClient(router, http.max_in_flight)
+    client = ClusterClient(router, http.max_in_flight, tracer)
     name = http.model_name or model_spec
     metrics = ServerMetrics(name, lambda: nodes, lambda: client.num_waiting)
     # Its own compiler refuses a grammar that cannot compile before it is submitted.
@@ -78,8 +81,18 @@ def _serve_nodes(cluster: LocalCluster | RayCluster, http: HTTPConfig) -> None:
     """A router in front of the cluster's decoders, and the API in front of it."""
     config = cluster.config
     router = Router(cluster.decoder_addresses, config.router_config())
-    serve_http(make_front_door(config.node.model, router, cluster_nodes(cluster, router), http,
-                               config.node.cache.num_tokens), http)
+    tracer = front_door_tracer(config.node.trace, config.node.otlp_endpoint)
+    try:
+        serve_http(make_front_door(config.node.model, router, cluster_nodes(cluster, router),
+                                   http, config.node.cache.num_tokens, tracer), http)
+    finally:
+        tracer.close()
+
+
+def front_door_tracer(trace: str | None, otlp_endpoint: str | None) -> Tracer:
+    """The front door's spans (X7a): where its requests' traces start; to the same
+    destinations as its nodes' (`--trace`, `--otlp-endpoint`)."""
+    return Tracer(trace_path(trace, FRONT_DOOR), FRONT_DOOR, otlp_endpoint=otlp_endpoint)
 
 
 def cluster_nodes(cluster: LocalCluster | RayCluster, router: Router) -> list[NodeInfo]:
@@ -108,15 +121,21 @@ def cluster_nodes(cluster: LocalCluster | RayCluster, router: Router) -> list[No
 
 def serve_router(model_spec: str, decoder_addresses: list[str], http: HTTPConfig,
                  routing: RoutingConfig | None = None,
-                 metrics_addresses: list[str | None] | None = None) -> None:
+                 metrics_addresses: list[str | None] | None = None, trace: str | None = None,
+                 otlp_endpoint: str | None = None) -> None:
     """The API in front of decoders (or mixed nodes) started by hand, maybe on other hosts;
     with each one's metrics address (`metrics_addresses`, in the same order), `/health` also
-    reads its own `/health`: its pid and whether it has a live prefiller."""
+    reads its own `/health`: its pid and whether it has a live prefiller. `trace` and
+    `otlp_endpoint` are where the front door's spans go."""
     check_model_spec(model_spec)
     check_http(http.host, http.port)
+    tracer = front_door_tracer(trace, otlp_endpoint)  # a bad endpoint stops it here
     router = Router(decoder_addresses, routing)
-    serve_http(make_front_door(model_spec, router, router_nodes(
-        router, decoder_addresses, metrics_addresses), http), http)
+    try:
+        serve_http(make_front_door(model_spec, router, router_nodes(
+            router, decoder_addresses, metrics_addresses), http, tracer=tracer), http)
+    finally:
+        tracer.close()
 
 
 def router_nodes(router: Router, decoder_addresses: list[str],

@@ -17,7 +17,7 @@ def routed(monkeypatch: pytest.MonkeyPatch) -> list[tuple[list[str], object]]:
 
     calls: list[tuple[list[str], object]] = []
     monkeypatch.setattr(launch, "serve_router",
-                        lambda model, decoders, http, routing, metrics=None:
+                        lambda model, decoders, http, routing, metrics=None, **_:
                         calls.append((decoders, metrics)))
     return calls
 

@@ -165,7 +165,7 @@ def test_serve_router_takes_the_key_from_the_flag_or_disagg_api_key(
 
     configs: list[HTTPConfig] = []
     monkeypatch.setattr(launch, "serve_router",
-                        lambda model, decoders, http, *rest: configs.append(http))
+                        lambda model, decoders, http, *rest, **_: configs.append(http))
     monkeypatch.delenv("DISAGG_API_KEY", raising=False)
     argv = ["serve", "router", "--model", "tiny", "--decoder", "127.0.0.1:7001"]
     if how == "flag":
