@@ -231,9 +231,8 @@ def trace_request(tracer: Tracer, request: DemoRequest, tokens_before: int,
     if request.done:
         end = time.monotonic() + clock
         record_request(tracer, rid, "done", end, state=request.state.value)
-        tracer.complete("request", request.submitted_at + clock, end, track=rid,
-                        request_id=rid, decoder=request.decoder, ttft_ms=request.ttft_ms,
-                        tpot_ms=request.tpot_ms, tokens=len(request.token_ids))
+        tracer.end(rid, end_s=end, decoder=request.decoder, ttft_ms=request.ttft_ms,
+                   tpot_ms=request.tpot_ms, tokens=len(request.token_ids))
 
 
 def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens: int,
@@ -259,7 +258,8 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
                              limit)
     by_id = {r.request_id: r for r in requests}
     trace_dir = tempfile.mkdtemp(prefix="disagg-trace-") if trace else None
-    tracer = Tracer(f"{trace_dir}/router.json" if trace_dir else None, "router")
+    tracer = Tracer(f"{trace_dir}/router.json" if trace_dir else None, "router",
+                    otlp_endpoint=node.otlp_endpoint)
     clock = time.time() - time.monotonic()
     try:
         with LocalCluster(cluster_config.with_node(trace=trace_dir), on_node=on_node) as cluster:
@@ -267,9 +267,13 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
             started = time.monotonic()
             for request in requests:
                 request.submitted_at = time.monotonic()
+                # The request's span, where its trace starts (X7a): the decoder's joins it.
+                context = tracer.open(request.request_id, "request",
+                                      start_s=request.submitted_at + clock,
+                                      track=request.request_id, request_id=request.request_id)
                 request.decoder = router.route(Submit(
                     request.request_id, request.prompt_token_ids, request.max_tokens,
-                    temperature))
+                    temperature, traceparent=context))
                 record_request(tracer, request.request_id, "submit",
                                request.submitted_at + clock, decoder=request.decoder)
             while not all(r.done for r in requests):
@@ -284,8 +288,8 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
             router.close()
             metrics = cluster.scrape_metrics()
             processes = cluster.process_table()
+        tracer.close()
         if trace_dir is not None and trace is not None:
-            tracer.close()
             merge_trace_dir(trace_dir, trace,
                             expected=[name for name, _ in cluster_config.nodes()])
     finally:
