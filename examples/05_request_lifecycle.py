@@ -41,8 +41,8 @@ def describe_trace(node: str, event: dict) -> str | None:
     name = event["name"]
     if name == "layer":  # the poller saw the counter bump; this layer's writes go out now
         return f"forward {args['forward']}: layer {args['layer']} done, its page writes posted"
-    if name == "layer_writes_done":
-        return f"layer {args['layer']}'s writes completed"
+    if name == "layer_writes":  # a span from posting to completion: shown at its end
+        return f"layer {args['layer']}'s writes completed ({event['dur'] / 1e3:.2f} ms)"
     if name == "step":
         kind = "prefill chunk" if node.startswith("prefill") else "decode step"
         return f"{kind} starts: {args['num_tokens']} tokens, {args['num_seqs']} request(s)"
@@ -83,8 +83,11 @@ def main() -> None:
         for path in sorted(Path(trace_dir).glob("*.json")):
             for event in json.loads(path.read_text())["traceEvents"]:
                 line = describe_trace(path.stem, event) if event["ph"] in "Xi" else None
-                if line and event["ts"] / 1e6 >= start:
-                    timeline.append((event["ts"] / 1e6, path.stem, line))
+                if line is None:
+                    continue
+                at = (event["ts"] + (event["dur"] if event["name"] == "layer_writes" else 0)) / 1e6
+                if at >= start:
+                    timeline.append((at, path.stem, line))
 
     print(f"one request through a prefiller and a decoder ({config.node.model}, page size "
           f"{config.node.cache.page_size}, chunk size {config.node.scheduler.chunk_size}):")

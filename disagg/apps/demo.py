@@ -288,11 +288,12 @@ def run_demo(cluster_config: ClusterConfig, specs: list[PromptSpec], max_tokens:
             router.close()
             metrics = cluster.scrape_metrics()
             processes = cluster.process_table()
-        tracer.close()
+        tracer.close()  # before the merge reads its file
         if trace_dir is not None and trace is not None:
             merge_trace_dir(trace_dir, trace,
                             expected=[name for name, _ in cluster_config.nodes()])
     finally:
+        tracer.close()  # a no-op once closed; on failure it flushes what was recorded
         if trace_dir is not None:
             shutil.rmtree(trace_dir, ignore_errors=True)
     # The KV totals are what the nodes counted, pages in the cache's own dtype.

@@ -243,7 +243,8 @@ class PrefillMessenger:
             if (outgoing := self._in_flight.get(chunk.request.request_id)) is not None:
                 self.tracer.complete("prefill_chunk", self._forward_started, now,
                                      parent=outgoing.traceparent, start=chunk.start,
-                                     tokens=chunk.end - chunk.start)
+                                     tokens=chunk.end - chunk.start,
+                                     request_id=outgoing.request_id)
         for row, chunk_index in enumerate(output.sample_chunk_indices):
             outgoing = self._in_flight.get(batch.chunks[chunk_index].request.request_id)
             if outgoing is None:
@@ -271,7 +272,8 @@ class PrefillMessenger:
             del self._in_flight[outgoing.key]
             self._remember(outgoing)
             trace_outgoing(self.tracer, outgoing)
-            self.tracer.end(outgoing.key, error=outgoing.error)
+            self.tracer.end(outgoing.key, error=outgoing.error,
+                            failed=outgoing.error is not None)
             if outgoing.error is None:
                 request.state = RequestState.FINISHED_TRANSFERRED
             else:

@@ -33,7 +33,7 @@ from disagg.config import (
 from disagg.control.address import parse_address
 from disagg.control.secret import SECRET_ENV, cluster_secret
 from disagg.errors import ConfigError
-from disagg.utils.otlp import traces_url
+from disagg.utils.otlp import check_otlp_endpoint
 from transfer_core.memory_paths import MEMORY_PATHS, MemoryPathRequest
 
 
@@ -148,7 +148,7 @@ class NodeConfig:
             raise ConfigError("a prefiller never decodes: --speculative and --cuda-graph are "
                               "decoder options")
         if self.otlp_endpoint is not None:
-            traces_url(self.otlp_endpoint)  # a bad URL stops the node before its model loads
+            check_otlp_endpoint(self.otlp_endpoint)  # before the model loads, not after
         if self.domains_per_rank < 1:
             raise ConfigError(f"domains_per_rank must be at least 1, got {self.domains_per_rank}")
         if self.speculative and self.parallel.tp > 1:

@@ -3,7 +3,7 @@
 A request's span opens at admission, as a child of the `traceparent` its `Submit` carried,
 and its own context goes to the prefiller in the `KVRequest`, so the prefiller's spans hang
 under it. Beneath it: `admission` (until a prefiller was asked), `kv_wait` (until the KV
-counter fired, S2c), `first_token` and `decode` (from the first token to the end). It ends
+counter fired, S2c), `first_token_sent` and `decode` (from the first token to the end). It ends
 when the request's last choice has (`RouterReports`), with the state it ended in; a fork's
 spans are its parent's (forks inherit the context, `forking.py`).
 """
@@ -45,17 +45,20 @@ class RequestSpans:
             return
         now = time.time()
         asked = max(marks.admitted_at, now - wait_s)
-        self._tracer.complete("admission", marks.admitted_at, asked, parent=request.traceparent)
-        self._tracer.complete("kv_wait", asked, now, parent=request.traceparent,
-                              attempt=request.kv_attempts)
+        ids = {"parent": request.traceparent, "request_id": request.request_id}
+        self._tracer.complete("admission", marks.admitted_at, asked, **ids)
+        self._tracer.complete("kv_wait", asked, now, attempt=request.kv_attempts, **ids)
 
     def token(self, request: Request) -> None:
         """A token of `request` (or of one of its choices) was reported."""
-        marks = self._marks.get(request.parent_id or request.request_id)
+        request_id = request.parent_id or request.request_id
+        marks = self._marks.get(request_id)
         if marks is not None and not marks.first_token_at:
             marks.first_token_at = time.time()
-            self._tracer.instant("first_token", at_s=marks.first_token_at,
-                                 parent=request.traceparent)
+            # Not "first_token": a merged Perfetto view reads that milestone from the
+            # router's events (`figures`); this is when the decoder sent it.
+            self._tracer.instant("first_token_sent", at_s=marks.first_token_at,
+                                 parent=request.traceparent, request_id=request_id)
 
     def ended(self, request: Request, state: RequestState) -> None:
         """Its last choice ended in `state`: `decode` is recorded and its span ends."""
@@ -63,10 +66,12 @@ class RequestSpans:
         marks = self._marks.pop(request_id, None)
         if marks is not None and marks.first_token_at:
             self._tracer.complete("decode", marks.first_token_at, time.time(),
-                                  parent=request.traceparent)
-        self._tracer.end(request_id, state=state.value)
+                                  parent=request.traceparent, request_id=request_id)
+        self._tracer.end(request_id, state=state.value,
+                         failed=state is RequestState.FINISHED_FAILED)
 
     def refused(self, request_id: str, detail: str) -> None:
         """Admission failed after the span opened: it ends as refused."""
         self._marks.pop(request_id, None)
-        self._tracer.end(request_id, state=RequestState.FINISHED_FAILED.value, detail=detail)
+        self._tracer.end(request_id, state=RequestState.FINISHED_FAILED.value, detail=detail,
+                         failed=True)

@@ -7,6 +7,7 @@ dropped spans and a log line, never a request. The exporter is the `otel` extra.
 
 from __future__ import annotations
 
+import importlib.util
 from urllib.parse import urlsplit
 
 from opentelemetry.context import Context
@@ -17,6 +18,8 @@ from disagg.errors import ConfigError
 from disagg.utils.perfetto import PROCESS_SCOPE, SCOPE
 
 TRACES_PATH = "/v1/traces"  # OTLP/HTTP's path for spans
+EXPORTER_PACKAGE = "opentelemetry.exporter.otlp.proto.http"
+MISSING_EXPORTER = "--otlp-endpoint needs the OTLP exporter: pip install 'disagg[otel]'"
 
 
 def traces_url(endpoint: str) -> str:
@@ -47,12 +50,23 @@ class RequestSpansOnly(SpanProcessor):
         return self._inner.force_flush(timeout_millis)
 
 
+def check_otlp_endpoint(endpoint: str) -> None:
+    """`ConfigError` unless spans can go to `endpoint`: a URL, and the exporter installed
+    (checked without importing it, before a node loads its model)."""
+    traces_url(endpoint)
+    try:
+        found = importlib.util.find_spec(EXPORTER_PACKAGE) is not None
+    except ModuleNotFoundError:  # a parent package is missing: find_spec imports parents
+        found = False
+    if not found:
+        raise ConfigError(MISSING_EXPORTER)
+
+
 def otlp_processor(endpoint: str) -> SpanProcessor:
     """A batching processor exporting requests' spans to `endpoint` over OTLP/HTTP."""
     url = traces_url(endpoint)
     try:
         from opentelemetry.exporter.otlp.proto.http.trace_exporter import OTLPSpanExporter
     except ImportError:
-        raise ConfigError("--otlp-endpoint needs the OTLP exporter: pip install "
-                          "'disagg[otel]'") from None
+        raise ConfigError(MISSING_EXPORTER) from None
     return RequestSpansOnly(BatchSpanProcessor(OTLPSpanExporter(endpoint=url, timeout=5)))

@@ -97,8 +97,11 @@ class Tracer:
         self._otel: trace.Tracer | None = None
         if path is None and otlp_endpoint is None and not exporters and not processors:
             return
+        # Closed by its owner (`close`), not at exit: by then a Perfetto file's directory may
+        # be gone (the demo's temporary one).
         self._provider = TracerProvider(resource=Resource.create({
-            SERVICE_NAME: "disagg", SERVICE_INSTANCE_ID: process_name, "process.pid": self.pid}))
+            SERVICE_NAME: "disagg", SERVICE_INSTANCE_ID: process_name, "process.pid": self.pid}),
+            shutdown_on_exit=False)
         if path is not None:
             self._perfetto = PerfettoFile(path, process_name, self.pid)
             self._provider.add_span_processor(SimpleSpanProcessor(self._perfetto))
@@ -127,16 +130,16 @@ class Tracer:
                  parent: str | None = None, **args: Any) -> None:
         """A span from `start_s` to `end_s` (`time.time()` seconds), in the trace of
         `parent` (a traceparent) if given, else of the current context, if any."""
-        if self._otel is not None:
-            span = self._start(name, start_s, track, parent, args)
+        if (otel := self._otel) is not None:  # read once: `close` may run on another thread
+            span = self._start(otel, name, start_s, track, parent, args)
             span.end(end_time=_ns(max(start_s, end_s)))
 
     def instant(self, name: str, *, at_s: float | None = None, track: str | None = None,
                 parent: str | None = None, **args: Any) -> None:
         """A point in time: `at_s` (`time.time()` seconds), or now."""
-        if self._otel is not None:
+        if (otel := self._otel) is not None:
             at = time.time() if at_s is None else at_s
-            span = self._start(name, at, track, parent, {**args, INSTANT: True})
+            span = self._start(otel, name, at, track, parent, {**args, INSTANT: True})
             span.end(end_time=_ns(at))
 
     def counter(self, name: str, *, at_s: float | None = None, **values: float) -> None:
@@ -151,10 +154,10 @@ class Tracer:
         """Start a span held under `key` until `end(key)`, in `parent`'s trace (a new one
         without); returns its traceparent, for the messages and spans that follow from it.
         Disabled: returns `parent` (if well-formed), so the trace goes on past this process."""
-        if self._otel is None:
-            return parent if context_of(parent) is not None else ""
-        span = self._start(name, time.time() if start_s is None else start_s, track, parent,
-                           args, scoped=True)
+        if (otel := self._otel) is None:  # handed on as the propagator writes it: well-formed
+            return traceparent_of(ctx) if (ctx := context_of(parent)) is not None else ""
+        span = self._start(otel, name, time.time() if start_s is None else start_s, track,
+                           parent, args, scoped=True)
         with self._lock:
             replaced = self._open.pop(key, None)
             self._open[key] = span
@@ -163,12 +166,16 @@ class Tracer:
             replaced.end()
         return traceparent_of(trace.set_span_in_context(span))
 
-    def end(self, key: str, *, end_s: float | None = None, **args: Any) -> None:
-        """End the span opened under `key` (nothing if there is none), with `args` added."""
+    def end(self, key: str, *, end_s: float | None = None, failed: bool = False,
+            **args: Any) -> None:
+        """End the span opened under `key` (nothing if there is none), with `args` added;
+        `failed` gives it the error status a tracing backend shows."""
         with self._lock:
             span = self._open.pop(key, None)
         if span is not None:
             span.set_attributes(_attributes(args))
+            if failed:
+                span.set_status(trace.StatusCode.ERROR)
             span.end(end_time=_ns(time.time() if end_s is None else end_s))
 
     @contextlib.contextmanager
@@ -176,10 +183,10 @@ class Tracer:
                     **args: Any) -> Iterator[trace.Span | None]:
         """A span around serving one call (an HTTP request), current while it runs so that
         what it starts joins it; continues the caller's trace if it sent a traceparent."""
-        if self._otel is None:
+        if (otel := self._otel) is None:
             yield None
             return
-        span = self._start(name, time.time(), None, traceparent, args, scoped=True,
+        span = self._start(otel, name, time.time(), None, traceparent, args, scoped=True,
                            kind=trace.SpanKind.SERVER)
         token = otel_context.attach(trace.set_span_in_context(span))
         try:
@@ -188,10 +195,10 @@ class Tracer:
             otel_context.detach(token)
             span.end()
 
-    def _start(self, name: str, start_s: float, track: str | None, parent: str | None,
-               args: dict[str, Any], scoped: bool = False,
+    @staticmethod
+    def _start(otel: trace.Tracer, name: str, start_s: float, track: str | None,
+               parent: str | None, args: dict[str, Any], scoped: bool = False,
                kind: trace.SpanKind = trace.SpanKind.INTERNAL) -> trace.Span:
-        assert self._otel is not None
         ctx = context_of(parent) if parent else None
         in_request = scoped or ctx is not None or (
             parent is None and trace.get_current_span().get_span_context().is_valid)
@@ -204,19 +211,20 @@ class Tracer:
             attributes[SCOPE] = PROCESS_SCOPE
         if ctx is None and parent is not None:
             ctx = otel_context.Context()  # a traceparent that names nothing: a new trace
-        return self._otel.start_span(name, context=ctx, kind=kind, attributes=attributes,
+        return otel.start_span(name, context=ctx, kind=kind, attributes=attributes,
                                      start_time=_ns(start_s))
 
     def close(self) -> None:
         """End what is still open (marked unfinished), flush every destination, write the
-        Perfetto file (if enabled)."""
+        Perfetto file (if enabled). Once: the tracer records nothing after."""
         with self._lock:
             left, self._open = list(self._open.values()), {}
+            provider, self._provider, self._otel = self._provider, None, None
         for span in left:
             span.set_attribute("disagg.unfinished", True)
             span.end()
-        if self._provider is not None:
-            self._provider.shutdown()
+        if provider is not None:
+            provider.shutdown()
 
 
 def trace_path(template: str | None, node_id: str) -> str | None:

@@ -1,5 +1,5 @@
 """A decoder's spans of a request (X7a): under the router's span, the request's own, and
-under it admission, kv_wait, first_token and decode; a fork's join its parent's; the span
+under it admission, kv_wait, first_token_sent and decode; a fork's join its parent's; the span
 ends once, with the state the request ended in."""
 
 from __future__ import annotations
@@ -32,7 +32,7 @@ def test_a_request_life_is_one_span_with_its_steps_under_it() -> None:
     spans.ended(fork, RequestState.FINISHED_LENGTH)
     assert tracer.num_open == 0
     finished = {s.name: s for s in exporter.get_finished_spans()}
-    assert sorted(finished) == ["admission", "decode", "first_token", "kv_wait", "request"]
+    assert sorted(finished) == ["admission", "decode", "first_token_sent", "kv_wait", "request"]
     root = finished.pop("request")
     assert f"{root.parent.span_id:016x}" == "b7ad6b7169203331"
     assert root.attributes["state"] == "finished_length"

@@ -34,7 +34,8 @@ def spans() -> Iterator[list[ReceivedSpan]]:
     process = subprocess.Popen(
         [sys.executable, "-m", "disagg.apps.cli", "serve", "cluster", "--model", "tiny",
          "--port", "0", "--page-size", "4", "--num-pages", "64", "--chunk-size", "8",
-         "--prefillers", "1", "--decoders", "1", "--otlp-endpoint", receiver.endpoint],
+         "--prefillers", "1", "--decoders", "1", "--otlp-endpoint", receiver.endpoint,
+         "--no-access-log"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env)
     try:
         assert process.stdout is not None
@@ -95,7 +96,7 @@ def test_each_step_of_the_request_is_a_child_of_its_process_span(
     children = {(s.process, s.name, s.parent_id) for s in spans}
     for name in ("route", "first_token"):
         assert ("front-door", name, http_span.span_id) in children
-    for name in ("admission", "kv_wait", "first_token", "decode"):
+    for name in ("admission", "kv_wait", "first_token_sent", "decode"):
         assert ("decode-0", name, request.span_id) in children
     for name in ("queue", "prefill", "transfer_tail"):
         assert ("prefill-0", name, kv_request.span_id) in children

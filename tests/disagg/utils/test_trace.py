@@ -109,3 +109,14 @@ def test_otlp_endpoints_are_checked() -> None:
     assert traces_url("https://tempo:4318/otlp/v1/traces") == "https://tempo:4318/otlp/v1/traces"
     with pytest.raises(ConfigError, match="--otlp-endpoint"):
         traces_url("127.0.0.1:4318")
+
+
+def test_a_missing_exporter_is_refused_before_anything_loads(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Without the otel extra, --otlp-endpoint is one clear error (a node checks it in its
+    config, before its model loads)."""
+    import disagg.utils.otlp as otlp
+
+    monkeypatch.setattr(otlp, "EXPORTER_PACKAGE", "opentelemetry.no_such.exporter")
+    with pytest.raises(ConfigError, match=r"disagg\[otel\]"):
+        otlp.check_otlp_endpoint("http://127.0.0.1:4318")
