@@ -109,6 +109,17 @@ def test_forks_are_named_and_seeded_by_their_index() -> None:
     assert engine.scheduler.forks_of("p") == []
 
 
+def test_forks_carry_the_parents_trace_context() -> None:
+    """A fork's spans join its request's trace (X7a): it inherits the span context."""
+    engine = make_engine()
+    parent = engine.add_request(prompt(13), replace(SEEDED, n=2), request_id="p")
+    parent.traceparent = "00-0af7651916cd43dd8448eb211c80319c-b7ad6b7169203331-01"
+    for _ in range(3):
+        engine.step()
+    assert {f.traceparent for f in engine.scheduler.forks_of("p")} == {parent.traceparent}
+    run(engine, parent)
+
+
 def test_the_prompt_is_computed_once() -> None:
     """13 prompt tokens, n=3, 10 tokens each: 12 prompt tokens once, then every fork runs the
     last prompt token and 9 decodes (3 x 13 + 3 x 9 = 66 unforked)."""

@@ -14,6 +14,7 @@ from collections.abc import Callable, Iterator
 from dataclasses import dataclass, replace
 
 import pytest
+from opentelemetry.sdk.trace.export.in_memory_span_exporter import InMemorySpanExporter
 
 from disagg.config import CacheConfig, SchedulerConfig
 from disagg.control.channel import Channel
@@ -28,6 +29,7 @@ from disagg.node.decode_node import DecodeNode
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.prefill_node import PrefillNode
 from disagg.node.router import Router
+from disagg.utils.trace import Tracer
 from tests.disagg.node.running_nodes import running
 
 pytestmark = pytest.mark.fabric
@@ -48,11 +50,17 @@ def start(node: PrefillNode | DecodeNode) -> threading.Thread:
     return thread
 
 
+def recording_tracer(node_id: str) -> Tracer:
+    """A tracer that records every span (in memory), so that `check_clean` sees a request
+    span left open on any path these tests drive (X7a)."""
+    return Tracer(process_name=node_id, exporters=[InMemorySpanExporter()])
+
+
 def make_prefill(model: str = "tiny", cache: CacheConfig = CACHE,
                  chunk_size: int = 8) -> PrefillNode:
     node = build_node(NodeConfig(model, cache, SchedulerConfig(
         chunk_size=chunk_size, max_num_batched_tokens=chunk_size, mode="prefill_only"),
-        role=NodeRole.PREFILL))
+        role=NodeRole.PREFILL), recording_tracer("prefill-0"))
     assert isinstance(node, PrefillNode)
     return node
 
@@ -62,7 +70,7 @@ def make_decode(prefill: PrefillNode, model: str = "tiny", cache: CacheConfig = 
     node = build_node(NodeConfig(model, cache, SchedulerConfig(chunk_size=8,
                                                                max_num_batched_tokens=8),
                                  role=NodeRole.DECODE, node_id=node_id,
-                                 prefillers=(prefill.address,)))
+                                 prefillers=(prefill.address,)), recording_tracer(node_id))
     assert isinstance(node, DecodeNode)
     return node
 
