@@ -1,6 +1,6 @@
 """`disagg config show COMMAND... [FLAGS]`: the effective options of a command as the YAML
 file `--config` reads back (`config_file.py`). Nothing runs: the command line is only parsed,
-its `--config` file merged under its flags (S2, X1)."""
+its `--config` file merged under its flags (S2, X1, X7c)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,5 @@
-"""`--config FILE`: a command's flags read from a YAML or TOML file, and `disagg config show`.
+"""`--config FILE`: a command's flags read from a YAML or TOML file, and `disagg config show`
+(X7c).
 
 A config file is one mapping whose keys are the command's flag names (`page-size` or
 `page_size`; `prefix-caching: false` for `--no-prefix-caching`) and whose values have the

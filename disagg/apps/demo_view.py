@@ -1,4 +1,5 @@
-"""The live view of `disagg demo`: one row per request, updated as events arrive (rich)."""
+"""The live view of `disagg demo`: one row per request, updated as events arrive (rich), down
+to 80 columns (S1, S2, X7c)."""
 
 from __future__ import annotations
 

@@ -145,12 +145,14 @@ def serve_cluster(
     configure_logging(log_level, access_log)
     from disagg.apps.progress import StartupProgress
 
+    if ray_config is not None:  # Ray places the nodes: no node events to show, no spinner
+        run(cluster, http, ray_config)
+        return
     what = (f"{num_mixed} mixed" if num_mixed else
             f"{cluster.num_prefillers} prefill and {cluster.num_decoders} decode")
-    title = (f"starting {what} nodes ({cluster.node.model}, "
-             f"{'on Ray' if ray else cluster.node.provider})")
+    title = f"starting {what} nodes ({cluster.node.model}, {cluster.node.provider})"
     with StartupProgress(expect=[name for name, _ in cluster.nodes()], title=title) as progress:
-        run(cluster, http, ray_config, on_node=progress.on_node)
+        run(cluster, http, on_node=progress.on_node)
 
 
 @serve_app.command("router")

@@ -1,8 +1,8 @@
 """What each node exports to Prometheus: its KV pages (in use, and how many it has, so a
 dashboard shows utilisation) and prefix cache, the bytes each fabric domain wrote (S6a), and
 its side's transfers (S2b on a prefiller; S2a, S4c and X4 on a decoder). Read at scrape time
-from the objects that own the numbers. Names follow `disagg.utils.metrics`' rule: the unit in
-the name, counters and only counters end in `_total`."""
+from the objects that own the numbers. Names follow `disagg.utils.metrics`' rule (X7b): the
+unit in the name, counters and only counters end in `_total`."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Checks a run needs no model for, made before any model loads (S2, S5, X1, X5d).
+"""Checks a run needs no model for, made before any model loads (S2, S5, X1, X5d, X7c).
 
 Loading weights and starting nodes takes seconds to minutes; a port another server holds, a
 libfabric provider this machine lacks, a node listening off loopback without the cluster

@@ -49,7 +49,9 @@ def health_report(config: NodeConfig, state: str, rank_pids: list[int] = (),
 def run_node(config: NodeConfig) -> None:
     """Check what needs no model (`preflight.check_node`: ports, provider, secret), then build
     the node `config` describes and serve until told to stop."""
-    logging.basicConfig(level=node_log_level(),  # --log-level, through the environment
+    # --log-level, through the environment; force: the command line may have configured
+    # logging already, and a node's lines must carry its id.
+    logging.basicConfig(level=node_log_level(), force=True,
                         format=f"{config.node_id} %(levelname)s %(message)s")
     check_node(config)  # seconds before the model would have loaded, and one line
     node = build_node(config)

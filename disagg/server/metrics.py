@@ -1,4 +1,4 @@
-"""The front door's own Prometheus metrics, named as serving dashboards expect (X4).
+"""The front door's own Prometheus metrics, named as serving dashboards expect (X4, X7b).
 
 Request-level series come from the HTTP layer (`disagg:time_to_first_token_seconds`,
 `disagg:inter_token_latency_seconds`, `disagg:e2e_request_latency_seconds`,

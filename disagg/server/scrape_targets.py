@@ -1,6 +1,6 @@
 """Where Prometheus finds the nodes: the front door's `/metrics/targets`, in the format of
 Prometheus' HTTP service discovery (`http_sd_configs`), and a reader that scrapes a cluster
-through it as Prometheus would (X4).
+through it as Prometheus would (X4, X7b).
 
 The front door does not relay the nodes' series: one slow node would slow every scrape of the
 front door, and a relayed counter or histogram loses its type. Instead each node with a known

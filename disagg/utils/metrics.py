@@ -1,5 +1,5 @@
 """A node's counters, histograms and gauges in Prometheus' text format, and its `/health`
-(X4).
+(X4, X7b).
 
 Each node owns a `Metrics`: a small layer over its own `prometheus_client.CollectorRegistry`,
 never the process-wide default one (several nodes share one test process). Counters and

@@ -219,7 +219,7 @@ def test_a_busy_metrics_port_is_one_line_and_exit_2() -> None:
                                "--model", "tiny", "--metrics-port", str(port)],
                               capture_output=True, text=True, timeout=120)
     assert done.returncode == 2
-    assert f"--metrics-port {port}: cannot listen on 127.0.0.1" in done.stderr
+    assert f"--metrics-port 127.0.0.1:{port}: cannot listen there" in done.stderr
     assert "Traceback" not in done.stderr
 
 

@@ -28,7 +28,7 @@ def test_log_level_reaches_the_nodes_environment(
     import disagg.apps.serve_commands as serve_commands
     import disagg.server.launch as launch
 
-    monkeypatch.delenv(LOG_LEVEL_ENV, raising=False)
+    monkeypatch.setenv(LOG_LEVEL_ENV, "warning")  # so that the command's change is undone
     seen: list[int] = []
     monkeypatch.setattr(serve_commands, "_run", lambda *_: seen.append(node_log_level()))
     for name in ("serve_cluster", "serve_router"):

@@ -68,7 +68,8 @@ class Server:
 def start_server(*args: str) -> Server:
     process = subprocess.Popen(
         [sys.executable, "-m", "disagg.apps.cli", "serve", "cluster", "--model", MODEL,
-         "--port", "0", "--page-size", "4", "--num-pages", "128", "--chunk-size", "8", *args],
+         "--port", "0", "--page-size", "4", "--num-pages", "128", "--chunk-size", "8",
+         "--no-access-log", *args],  # stderr is read only on failure: keep it small
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     assert process.stdout is not None
     line = process.stdout.readline()
