@@ -10,7 +10,8 @@ no-ops unless the path is "staged". The trade-off: a full-size shadow keeps ever
 identical, so transfer plans and descriptors do not change at all, but it costs host memory
 equal to the KV cache. The production refinement is a bounded ring of bounce slots (pages
 copied into a free slot, written from there, the slot reused once the write completed); it is
-named here, not built.
+named here, not built. torch (the torch extra) is imported by the calls that copy or allocate,
+so the module imports without it.
 """
 
 from __future__ import annotations
@@ -18,15 +19,18 @@ from __future__ import annotations
 import logging
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
-from typing import TypeVar
+from typing import TYPE_CHECKING, TypeVar
 
 import numpy as np
-import torch
 
 from transfer_core.errors import BoundsError, FabricError, ProviderNotFoundError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.memory_paths import MEMORY_PATHS, MemoryPathKind
+from transfer_core.optional import require_torch
 from transfer_core.transport import Transport
+
+if TYPE_CHECKING:  # torch is the torch extra: imported where a tensor is copied
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -165,6 +169,7 @@ class RegisteredKV:
                 for start, end in runs:
                     dst[start:end].copy_(src[start:end])
         else:
+            torch = require_torch("transfer_core.staging")
             if wait_for_compute:
                 self._stream.wait_stream(torch.cuda.current_stream(self.tensor.device))
             with torch.cuda.stream(self._stream):
@@ -211,6 +216,7 @@ def _register(engine: Transport, tensor: torch.Tensor, name: str,
               path: MemoryPath, remote_write: bool) -> RegisteredKV:
     shadow, stream = None, None
     if path.kind == "staged":
+        torch = require_torch("transfer_core.staging")
         pin = torch.cuda.is_available()
         shadow = torch.zeros(tensor.shape, dtype=tensor.dtype, pin_memory=pin)
         if tensor.device.type == "cuda":

@@ -17,9 +17,7 @@ import socket
 import struct
 import weakref
 from dataclasses import dataclass, field
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from transfer_core.cuda.driver import (
     check_cu,
@@ -29,6 +27,10 @@ from transfer_core.cuda.driver import (
     free_on_gc,
 )
 from transfer_core.errors import CudaError
+from transfer_core.optional import require_torch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -66,7 +68,7 @@ class CuMemAllocation:
 
     def as_tensor(
         self,
-        dtype: torch.dtype = torch.uint8,
+        dtype: torch.dtype | None = None,
         shape: tuple[int, ...] | None = None,
         offset: int = 0,
     ) -> torch.Tensor:
@@ -74,10 +76,12 @@ class CuMemAllocation:
 
         For a paged KV cache in HND layout, e.g. ``as_tensor(torch.bfloat16, shape)`` with
         shape ``[num_pages, 2, num_kv_heads, page_size, head_dim]``. The tensor keeps this
-        allocation alive but not mapped: do not use it after `close()`.
+        allocation alive but not mapped: do not use it after `close()`. `dtype` None is uint8.
         """
         if self.closed:
             raise ValueError("CuMemAllocation is closed")
+        torch = require_torch("transfer_core.cuda.cumem")
+        dtype = torch.uint8 if dtype is None else dtype
         itemsize = torch.empty(0, dtype=dtype).element_size()
         if shape is None:
             shape = ((self.size - offset) // itemsize,)

@@ -2,8 +2,9 @@
 
 Loading cuda-python, `check_cu`, making the device's primary context current, device
 attributes, device views of raw pointers and freeing on garbage collection. Importing this
-module needs neither a GPU nor cuda-python; using it without them raises `CudaError` naming
-the CUresult (CUDA_ERROR_NO_DEVICE when there is no driver at all).
+module needs neither a GPU, cuda-python nor torch (`device_view` imports it); using it without
+them raises `CudaError` naming the CUresult (CUDA_ERROR_NO_DEVICE when there is no driver at
+all), or naming the `cuda` extra when cuda-python is missing.
 """
 
 from __future__ import annotations
@@ -12,11 +13,13 @@ import logging
 import threading
 import weakref
 from types import ModuleType
-from typing import Any
-
-import torch
+from typing import TYPE_CHECKING, Any
 
 from transfer_core.errors import CudaError
+from transfer_core.optional import require_torch
+
+if TYPE_CHECKING:
+    import torch
 
 logger = logging.getLogger(__name__)
 
@@ -32,7 +35,8 @@ def load_driver() -> ModuleType:
         try:
             from cuda import cuda as driver
         except ImportError as exc:
-            raise CudaError("import cuda.bindings", "cuda-python is not installed") from exc
+            raise CudaError("import cuda.bindings", "cuda-python is not installed "
+                            "(pip install './transfer_core[cuda]')") from exc
     return driver
 
 
@@ -115,6 +119,7 @@ def device_view(
 
     Built as bytes and re-viewed, since the array interface has no bfloat16.
     """
+    torch = require_torch("transfer_core.cuda")
     raw = torch.as_tensor(_CudaArray(ptr, nbytes, owner), device=torch.device("cuda", device))
     return raw.view(dtype)
 

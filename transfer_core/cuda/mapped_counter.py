@@ -3,17 +3,16 @@
 `MappedCounter` is one int64 word that a captured CUDA graph bumps through its device alias
 (`device_tensor.add_(1)`) and the `CounterPoller` reads through its host address, so graph
 replays drive transfers with no Python in the forward. Importing this module needs neither a
-GPU nor cuda-python.
+GPU, cuda-python nor torch.
 """
 
 from __future__ import annotations
 
 import ctypes
 
-import torch
-
 from transfer_core.cuda.driver import check_cu, device_view, ensure_context, free_on_gc
 from transfer_core.errors import CudaError
+from transfer_core.optional import require_torch
 
 
 class MappedCounter:
@@ -27,6 +26,7 @@ class MappedCounter:
     """
 
     def __init__(self, device: int = 0) -> None:
+        torch = require_torch("transfer_core.cuda.mapped_counter")
         driver = ensure_context(device)
         flags = driver.CU_MEMHOSTALLOC_DEVICEMAP | driver.CU_MEMHOSTALLOC_PORTABLE
         host = int(check_cu("cuMemHostAlloc", driver.cuMemHostAlloc(8, flags)))
