@@ -81,17 +81,17 @@ class CuMemAllocation:
         if self.closed:
             raise ValueError("CuMemAllocation is closed")
         torch = require_torch("transfer_core.cuda.cumem")
-        dtype = torch.uint8 if dtype is None else dtype
-        itemsize = torch.empty(0, dtype=dtype).element_size()
+        kind = torch.uint8 if dtype is None else dtype
+        itemsize = torch.empty(0, dtype=kind).element_size()
         if shape is None:
             shape = ((self.size - offset) // itemsize,)
         nbytes = itemsize * _numel(shape)
         if offset < 0 or offset % itemsize or offset + nbytes > self.size:
             raise ValueError(
                 f"view of {nbytes} bytes at offset {offset} does not fit {self.size} bytes "
-                f"with {dtype} alignment"
+                f"with {kind} alignment"
             )
-        return device_view(self.ptr + offset, nbytes, self.device, dtype, self).view(shape)
+        return device_view(self.ptr + offset, nbytes, self.device, kind, self).view(shape)
 
     def export_fd(self) -> int:
         """A new POSIX file descriptor for this allocation; the caller closes it."""

@@ -16,6 +16,7 @@ import multiprocessing as mp
 import threading
 import time
 from multiprocessing.connection import Connection
+from multiprocessing.process import BaseProcess
 from typing import Any
 
 import numpy as np
@@ -76,7 +77,7 @@ def send(provider: str, descriptor: MemoryRegionDescriptor) -> float:
         return (time.perf_counter() - start) * 1e3
 
 
-def receive(conn: Connection, proc: mp.process.BaseProcess, what: str) -> Any:  # noqa: ANN401
+def receive(conn: Connection, proc: BaseProcess, what: str) -> Any:  # noqa: ANN401
     """The receiver's next message, or an error as soon as it died or after 60 s."""
     deadline = time.monotonic() + 60
     while not conn.poll(0.1):
@@ -86,7 +87,7 @@ def receive(conn: Connection, proc: mp.process.BaseProcess, what: str) -> Any:  
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(description="move pages between two processes, count them")
     parser.add_argument("--provider", default="tcp", help="libfabric provider: tcp or shm")
     provider = parser.parse_args().provider
     ctx = mp.get_context("spawn")  # a fresh interpreter: no engine thread is forked
