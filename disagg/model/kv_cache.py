@@ -17,6 +17,7 @@ import torch
 
 from disagg.config import CacheConfig, ModelConfig
 from disagg.errors import ConfigError
+from disagg.model.gather_scratch import GatherScratch
 from disagg.model.page_geometry import PageGeometry, Segment
 from disagg.model.sharding import Sharding
 
@@ -74,6 +75,7 @@ class PagedKVCache:
             raise ConfigError(f"KV buffer {tuple(buffer.shape)} {buffer.dtype} is not the "
                               f"cache's {shape} {cache.dtype}")
         self.buffer = buffer
+        self._scratch = GatherScratch(buffer[0])  # where gathers land (`gather_scratch.py`)
 
     @staticmethod
     def buffer_shape(model: ModelConfig, cache: CacheConfig) -> tuple[int, ...]:
@@ -154,7 +156,7 @@ class PagedKVCache:
         each a view of one gathered copy.
         """
         self._check_parts(2, "gather")
-        k, v = (self._gather_half(layer_idx, half, page_ids) for half in (0, 1))
+        k, v = self._gather(layer_idx, page_ids)
         return k[0, :, :num_tokens], v[0, :, :num_tokens]
 
     def gather_parts(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
@@ -162,47 +164,52 @@ class PagedKVCache:
         """Every part the cache stores of the first `num_tokens` tokens of `page_ids`, each
         ``[num_kv_heads, num_tokens, head_dim]``: K and V, or the latent rows as one "head".
         What a reader of bytes needs (the KV checksum), whatever the attention."""
-        return [self._gather_half(layer_idx, part, page_ids)[0, :, :num_tokens]
-                for part in range(self.kv_parts)]
+        return [part[0, :, :num_tokens] for part in self._gather(layer_idx, page_ids)]
 
     def gather_latent(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
                       ) -> torch.Tensor:
         """The first `num_tokens` latent rows held by `page_ids` (MLA): ``[num_tokens, dim]``."""
         self._check_parts(1, "gather_latent")
-        return self._gather_half(layer_idx, 0, page_ids)[0, 0, :num_tokens]
+        return self._gather(layer_idx, page_ids)[0][0, 0, :num_tokens]
 
     def gather_latent_batch(self, layer_idx: int, page_table: torch.Tensor) -> torch.Tensor:
         """Every request's latent rows: ``[num_seqs, max_pages * page_size, dim]`` (MLA)."""
         self._check_parts(1, "gather_latent_batch")
-        return self._gather_half(layer_idx, 0, page_table)[:, 0]
+        return self._gather(layer_idx, page_table)[0][:, 0]
 
     def gather_batch(self, layer_idx: int, page_table: torch.Tensor
                      ) -> tuple[torch.Tensor, torch.Tensor]:
         """Every request's pages at once: `page_table` is ``[num_seqs, max_pages]``; returns K
         and V, each ``[num_seqs, num_kv_heads, max_pages * page_size, head_dim]``."""
         self._check_parts(2, "gather_batch")
-        return (self._gather_half(layer_idx, 0, page_table),
-                self._gather_half(layer_idx, 1, page_table))
+        k, v = self._gather(layer_idx, page_table)
+        return k, v
 
-    def _gather_half(self, layer_idx: int, half: int, page_table: torch.Tensor) -> torch.Tensor:
-        """K (`half` 0) or V (1) of the pages in `page_table` (``[max_pages]`` is one request,
-        ``[num_seqs, max_pages]`` several): ``[num_seqs, heads, max_pages * page_size, dim]``.
+    def _gather(self, layer_idx: int, page_table: torch.Tensor) -> list[torch.Tensor]:
+        """Every part (K and V, or the latent rows) of the pages in `page_table` (``[max_pages]``
+        is one request, ``[num_seqs, max_pages]`` several), each
+        ``[num_seqs, heads, max_pages * page_size, dim]``.
 
-        Whole pages are copied with one `index_select` per half. In NHD a request's pages are
-        then already its tokens in order, each token's heads together, and moving heads forward
-        is a view. In HND a page holds each head's tokens in turn, so putting a head's tokens of
-        every page side by side takes a second copy. (Selecting along the page axis of a
-        heads-first view would do it in one, but strided index_select ran 4x slower here.)
+        Whole pages are copied with one `index_select` per part into the cache's gather buffers:
+        the result is valid until the next gather (`gather_scratch.py`). In NHD
+        a request's pages are then already its tokens in order, each token's heads together,
+        and moving heads forward is a view. In HND a page holds each head's tokens in turn, so
+        putting a head's tokens of every page side by side takes a second copy.
         """
         num_seqs, max_pages = (1, page_table.numel()) if page_table.dim() == 1 else page_table.shape
         heads, dim = self.num_kv_heads, self.head_dim
-        pages = self.buffer[layer_idx][:, half].index_select(0, page_table.reshape(-1))
-        tokens = max_pages * self.page_size
-        if self.kv_layout == "NHD":  # [pages, page_size, heads, dim]
-            return pages.view(num_seqs, tokens, heads, dim).transpose(1, 2)
-        # HND: [pages, heads, page_size, dim]
-        pages = pages.view(num_seqs, max_pages, heads, self.page_size, dim).transpose(1, 2)
-        return pages.reshape(num_seqs, heads, tokens, dim)
+        ids, tokens = page_table.reshape(-1), max_pages * self.page_size
+        layer = self.buffer[layer_idx]
+        parts = []
+        for part in range(self.kv_parts):
+            pages = self._scratch.select(layer, part, ids)
+            if self.kv_layout == "NHD":  # [pages, page_size, heads, dim]
+                parts.append(pages.view(num_seqs, tokens, heads, dim).transpose(1, 2))
+                continue
+            # HND: [pages, heads, page_size, dim]
+            pages = pages.view(num_seqs, max_pages, heads, self.page_size, dim).transpose(1, 2)
+            parts.append(self._scratch.reordered(part, pages).view(num_seqs, heads, tokens, dim))
+        return parts
 
     @property
     def shards(self) -> list[PagedKVCache]:

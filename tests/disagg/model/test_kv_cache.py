@@ -141,3 +141,25 @@ def test_copy_page_refuses_a_bad_page() -> None:
         cache.copy_page(1, 6)
     with pytest.raises(ValueError, match="onto itself"):
         cache.copy_page(1, 1)
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_gathers_reuse_the_caches_buffers(kv_layout: str) -> None:
+    """Every layer's gather lands in the same memory (no fresh, page-faulting allocation per
+    layer and step), and still holds exactly the pages asked for; a padded batch with more
+    pages than the cache has gets its own tensor, as right."""
+    cache = make_cache(kv_layout)
+    cache.buffer.copy_(torch.randn_like(cache.buffer))
+    table = torch.tensor([[3, 1], [0, 5]])
+    k0, _ = cache.gather_batch(0, table)
+    pointer = k0.data_ptr()
+    k1, v1 = cache.gather_batch(1, table)
+    assert k1.data_ptr() == pointer  # layer 0's result is gone: it was used already
+    expected = cache.layer(1)[table.reshape(-1)]  # [4 pages, 2, ...page dims]
+    for part, got in enumerate((k1, v1)):
+        pages = expected[:, part]
+        tokens = pages if kv_layout == "NHD" else pages.transpose(1, 2)  # [p, slots, heads, d]
+        assert torch.equal(got, tokens.reshape(2, -1, *tokens.shape[2:]).transpose(1, 2))
+    padded = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0]])  # 8 entries > 6 pages
+    k, _ = cache.gather_batch(0, padded)
+    assert torch.equal(k[1, :, :4], cache.gather_batch(0, padded[1:, :1])[0][0])
