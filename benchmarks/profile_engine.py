@@ -33,8 +33,8 @@ from disagg.model.loading.registry import LoadedModel, load_model
 # Op kinds, by the first pattern found in an op's name (aten's names, lower case).
 KINDS = (("gemm", ("addmm", "aten::mm", "aten::bmm", "matmul", "linear")),
          ("attention", ("scaled_dot_product", "attention", "softmax")),
+         ("kv_append", ("index_put", "copy_", "scatter")),  # before kv_gather's "index"
          ("kv_gather", ("index_select", "gather", "index", "take")),
-         ("kv_append", ("index_put", "copy_", "scatter")),
          ("rope", ("cat", "neg", "slice")),
          ("norm", ("rsqrt", "pow", "mean", "rms")),
          ("sampling", ("argmax", "topk", "sort", "multinomial", "log_softmax")),
