@@ -2,33 +2,23 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
 
 from disagg.engine.request import RequestState
+from tests.benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 SCRIPT = ROOT / "benchmarks" / "disagg.py"
 
 
-def _load_report() -> ModuleType:
-    # By path, not via sys.path: benchmarks/disagg.py would shadow the `disagg` package.
-    spec = importlib.util.spec_from_file_location("disagg_report",
-                                                  ROOT / "benchmarks" / "disagg_report.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-report = _load_report()
+report = load_benchmark("disagg_report")
 
 
 def _span(name: str, ts_ms: float, dur_ms: float, **args: object) -> dict:

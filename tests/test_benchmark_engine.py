@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
 from pathlib import Path
-from types import ModuleType
 
 import pytest
+
+from tests.benchmark_modules import load_benchmark
 
 pytest.importorskip("transformers")
 pytestmark = pytest.mark.slow  # two models, two dtypes, three engines: tens of seconds
@@ -18,22 +17,11 @@ MODELS = ["tiny", "qwen3-moe-tiny"]  # a Llama preset saved by us, a Qwen3-MoE b
 DTYPES = ["float32", "bfloat16"]
 
 
-def _load(name: str) -> ModuleType:
-    # By path, not via sys.path: benchmarks/disagg.py would shadow the `disagg` package.
-    spec = importlib.util.spec_from_file_location(name, ROOT / "benchmarks" / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module  # engine.py imports engine_models by name
-    spec.loader.exec_module(module)
-    return module
-
-
 @pytest.fixture(scope="module")
 def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
-    _load("engine_models")
+    load_benchmark("engine_models")
     out = tmp_path_factory.mktemp("engine") / "engine.json"
-    _load("engine").main(["--models", *MODELS, "--dtype", *DTYPES, "--prompt-len", "16",
+    load_benchmark("engine").main(["--models", *MODELS, "--dtype", *DTYPES, "--prompt-len", "16",
                           "--steps", "2", "--reps", "1", "--quiet-wait-s", "0", "--json",
                           "--out", str(out)])
     return json.loads(out.read_text())

@@ -3,38 +3,26 @@ run against both `serve cluster` modes end to end."""
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import os
 import subprocess
 import sys
 from argparse import Namespace
 from pathlib import Path
-from types import ModuleType, SimpleNamespace
+from types import SimpleNamespace
 
 import pytest
+
+from tests.benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 
-def _load(name: str) -> ModuleType:
-    # By path, not via sys.path: benchmarks/disagg.py would shadow the `disagg` package.
-    if name in sys.modules:
-        return sys.modules[name]
-    spec = importlib.util.spec_from_file_location(name, BENCH / f"{name}.py")
-    assert spec is not None
-    assert spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    sys.modules[name] = module
-    spec.loader.exec_module(module)
-    return module
-
-
 for _dependency in ("disagg_report", "pinned_cluster"):
-    _load(_dependency)
-report = _load("serving_report")
-serving = _load("serving")
+    load_benchmark(_dependency)
+report = load_benchmark("serving_report")
+serving = load_benchmark("serving")
 
 
 def _observed(kind: str, sent: float, token_times: list[float], max_tokens: int,

@@ -198,9 +198,9 @@ def demo(
     from rich.live import Live
 
     from disagg.apps.demo import load_prompts, run_demo
-    from disagg.apps.progress import StartupProgress
     from disagg.apps.demo_view import metrics_table, request_table, totals_table
     from disagg.apps.deployments import apply_deployment, explicit_fields
+    from disagg.apps.progress import StartupProgress
     from disagg.node.cluster_config import ClusterConfig
     from disagg.node.node_config import check_node_memory
 
@@ -314,10 +314,9 @@ def bench_transfer(
     as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
 ) -> None:
     """Peer workload: N pages written to shuffled slots of another process, plus 4 KiB latency."""
-    from transfer_core.bench import run_transfer_benchmark
-
     from disagg.apps.progress import StartupProgress
     from disagg.node.preflight import check_provider
+    from transfer_core.bench import run_transfer_benchmark
 
     providers = ["tcp", "shm"] if provider == "all" else [provider]
     for name in providers:

@@ -31,8 +31,7 @@ from disagg.utils.trace import Tracer
 from transfer_core.errors import TransferError
 from transfer_core.poller import CounterPoller
 from transfer_core.staging import RegisteredKV
-from transfer_core.transport import Transport
-from transfer_core.transport import PagedWrite
+from transfer_core.transport import PagedWrite, Transport
 
 
 class LayerStreamer:
@@ -117,6 +116,7 @@ class LayerStreamer:
         for write in outgoing.page_writes:
             if not outgoing.begin_write():
                 return  # stopped or failed: nothing more is posted for it
+            posted = time.time()  # the layer_writes span runs from here to completion
             try:
                 self._transport.post_paged_writes(
                     PagedWrite(self._kv[write.src_rank].region, chunk.src_page_ids,
@@ -124,7 +124,7 @@ class LayerStreamer:
                                peer.kv[write.dst_rank], chunk.dst_page_ids, peer.page_nbytes,
                                layer * peer.layer_nbytes + write.dst_offset, write.nbytes,
                                outgoing.imm, write.domains),
-                    on_done=lambda layer=layer, posted=time.time(): self._layer_done(
+                    on_done=lambda layer=layer, posted=posted: self._layer_done(
                         outgoing, num_pages, layer, posted),
                     on_error=outgoing.write_done)
             except (TransferError, ValueError) as error:

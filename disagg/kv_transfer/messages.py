@@ -14,7 +14,6 @@ from typing import ClassVar
 from disagg.control.framing import NATURAL, POSITIVE, U32, U64, Bounds, Message, register
 from disagg.engine.request import FailureCause
 
-
 # Handshake (decoder -> prefiller, prefiller -> decoder).
 
 @register

@@ -47,9 +47,9 @@ from disagg.server.protocol import (
     SamplingFields,
     parse_body,
 )
-from disagg.server.tokenize_protocol import REQUEST_MODELS as UTILITY_REQUESTS
 from disagg.server.request_params import Budget, guide_param, sampling_params
 from disagg.server.serving import serve
+from disagg.server.tokenize_protocol import REQUEST_MODELS as UTILITY_REQUESTS
 from disagg.server.tool_prompt import (
     call_guide_spec,
     render_tool_messages,

@@ -19,8 +19,8 @@ from disagg.model.loading.registry import load_tokenizer
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.local_cluster import LocalCluster
 from disagg.node.node_config import NodeRole
-from disagg.node.preflight import check_cluster, check_http, check_model_spec
 from disagg.node.prefix_index import RoutingConfig
+from disagg.node.preflight import check_cluster, check_http, check_model_spec
 from disagg.node.router import Router
 from disagg.server.app import FrontDoor
 from disagg.server.chat_template import ChatTemplate

@@ -18,6 +18,7 @@ from dataclasses import dataclass
 import openai
 import pytest
 import torch
+
 from disagg import CacheConfig, EngineConfig, SamplingParams, build_engine, load_model
 from disagg.server.scrape_targets import scrape_cluster
 

@@ -2,31 +2,20 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 from pathlib import Path
-from types import ModuleType
 from typing import Any
 
 import pytest
 
 from disagg.sim.hardware import Hardware
 from disagg.sim.validate import compare_runs
+from tests.benchmark_modules import load_benchmark
 
 ROOT = Path(__file__).resolve().parents[3]
 
 
-def _load_converter() -> ModuleType:
-    # By path, not via sys.path: benchmarks/disagg.py would shadow the `disagg` package.
-    spec = importlib.util.spec_from_file_location(
-        "disagg_sim_runs", ROOT / "benchmarks" / "disagg_sim_runs.py")
-    assert spec is not None and spec.loader is not None
-    module = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(module)
-    return module
-
-
-convert = _load_converter()
+convert = load_benchmark("disagg_sim_runs")
 
 
 def _row(request_id: str, prompt_tokens: int, output_tokens: int) -> dict[str, Any]:
