@@ -163,3 +163,18 @@ def test_gathers_reuse_the_caches_buffers(kv_layout: str) -> None:
     padded = torch.tensor([[0, 1, 2, 3], [4, 5, 0, 0]])  # 8 entries > 6 pages
     k, _ = cache.gather_batch(0, padded)
     assert torch.equal(k[1, :, :4], cache.gather_batch(0, padded[1:, :1])[0][0])
+
+
+def test_each_thread_gathers_into_buffers_of_its_own() -> None:
+    """A second thread's gather (a checker beside the engine) never overwrites what the
+    engine thread gathered."""
+    import threading
+
+    cache = make_cache("NHD")
+    cache.buffer.copy_(torch.randn_like(cache.buffer))
+    mine, _ = cache.gather_batch(0, torch.tensor([[1, 2]]))
+    before = mine.clone()
+    other = threading.Thread(target=lambda: cache.gather_batch(1, torch.tensor([[4, 5]])))
+    other.start()
+    other.join()
+    assert torch.equal(mine, before)

@@ -182,8 +182,10 @@ def router_logits(model: torch.nn.Module, kind: type) -> list[torch.Tensor]:
 
 def test_qwen3_moe_routing_tie(checkpoint: Any) -> None:  # noqa: ANN401
     """A bf16 prompt whose tokens part where no logits tie: at that very step the router
-    ranks the 2nd and 3rd experts one bf16 unit apart, and the two sides keep different ones
-    (so the token differs by more than a tie). Everything before it routes alike."""
+    ranks the 2nd and 3rd experts at most two bf16 units apart, and the two sides keep
+    different ones (so the token differs by more than a tie). Everything before it routes
+    alike. (Two units, not one: our attention runs SDPA's fused kernel, which accumulates in
+    float32, where transformers' eager attention rounds its scores to bf16.)"""
     path, config, state_dict = checkpoint("qwen3_moe")
     prompt = random_prompts([20, 7, 13, 30, 3, 11], seed=5)[4]
     engine = build_engine(engine_config(config, torch.bfloat16, torch.bfloat16), state_dict)
@@ -203,7 +205,7 @@ def test_qwen3_moe_routing_tie(checkpoint: Any) -> None:  # noqa: ANN401
     assert chosen[0][step] != chosen[1][step]
     for calls in (ours_calls[step], their_calls[step]):
         kth, next_best = calls[-1].topk(top_k + 1).values[-2:]  # the last (decode) row
-        assert kth - next_best <= torch.finfo(torch.bfloat16).eps * float(kth)
+        assert kth - next_best <= 2 * torch.finfo(torch.bfloat16).eps * float(kth)
 
 
 @pytest.mark.slow  # PyTorch's one-row bf16 matmuls are ~20x float32's on this CPU: ~30 s
