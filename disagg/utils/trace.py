@@ -110,7 +110,7 @@ class Tracer:
         for processor in processors:
             self._provider.add_span_processor(processor)
         if otlp_endpoint is not None:
-            from disagg.utils.otlp import otlp_processor  # needs the otel extra
+            from disagg.utils.otlp import otlp_processor  # its exporter is the otel extra
 
             self._provider.add_span_processor(otlp_processor(otlp_endpoint))
         self._otel = self._provider.get_tracer("disagg")
