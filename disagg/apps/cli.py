@@ -15,6 +15,7 @@ from rich.console import Console
 from rich.markup import escape
 
 from disagg.apps import front_door_commands  # noqa: F401 - adds serve cluster|router
+from disagg.apps.bench_commands import register as register_bench
 from disagg.apps.config_command import register as register_config
 from disagg.apps.figures.commands import register as register_figures
 from disagg.apps.models_command import register as register_models
@@ -61,8 +62,7 @@ from disagg.sim.commands import register as register_sim_commands
 
 app = typer.Typer(help="Disaggregated LLM prefill and decode: a readable reference.",
                   no_args_is_help=True, add_completion=False, pretty_exceptions_enable=False)
-bench_app = typer.Typer(help="Benchmarks (JSON with --json, else a table).", no_args_is_help=True)
-app.add_typer(bench_app, name="bench")
+register_bench(app)
 register_sim_commands(app)
 app.add_typer(serve_app, name="serve")
 register_figures(app)
@@ -304,43 +304,6 @@ def plan(
 def _print_now(text: str) -> None:
     console.print(text, end="", markup=False, highlight=False)
     console.file.flush()  # stream token by token even when stdout is a pipe
-
-
-@bench_app.command("transfer")
-def bench_transfer(
-    provider: Annotated[str, typer.Option(help="libfabric provider: tcp, shm, or all")] = "tcp",
-    pages: Annotated[int, typer.Option(help="Pages in the batch")] = 2048,
-    page_size: Annotated[int, typer.Option(help="Bytes per page")] = 65536,
-    as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
-) -> None:
-    """Peer workload: N pages written to shuffled slots of another process, plus 4 KiB latency."""
-    from disagg.apps.progress import StartupProgress
-    from disagg.node.preflight import check_provider
-    from transfer_core.bench import run_transfer_benchmark
-
-    providers = ["tcp", "shm"] if provider == "all" else [provider]
-    for name in providers:
-        check_provider(name)  # before two processes start and register their pages
-    results = []
-    with StartupProgress() as progress:
-        for name in providers:
-            with progress.phase(f"{name}: {pages} pages of {page_size} B, then 4 KiB latency",
-                                done=f"[green]✓[/green] {name} measured"):
-                results.append(run_transfer_benchmark(provider=name, num_pages=pages,
-                                                      page_bytes=page_size))
-    if as_json:
-        sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results) + "\n")
-        return
-    from rich.table import Table
-
-    table = Table(title=f"transfer: {pages} pages x {page_size} B")
-    for column in ("provider", "GB/s", "µs/page", "4 KiB p50 µs", "4 KiB p99 µs", "verified"):
-        table.add_column(column)
-    for r in results:
-        table.add_row(r["provider"], f"{r['gbps']:.2f}", f"{r['us_per_page']:.2f}",
-                      f"{r['latency_us_p50']:.1f}", f"{r['latency_us_p99']:.1f}",
-                      str(r["verified"]))
-    console.print(table)
 
 
 def main(argv: list[str] | None = None) -> None:
