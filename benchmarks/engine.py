@@ -28,11 +28,11 @@ from engine_models import (
     ATTENTION_IMPLEMENTATION,
     EXPERTS_IMPLEMENTATION,
     load_reference,
+    our_engine,
     write_checkpoint,
 )
 
-from disagg.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_dtype
-from disagg.engine.llm_engine import build_engine
+from disagg.config import DTYPES, check_dtype
 from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import LoadedModel, load_model
 
@@ -86,14 +86,7 @@ def ours(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype, prompt: list[i
          batch: int, steps: int) -> Sample:
     """Our paged engine in `dtype` (weights, activations and KV): one prompt's prefill, then
     the median decode step with `batch` requests running."""
-    num_pages = (len(prompt) + steps + 32) // 16 * batch + 64
-    config = EngineConfig(loaded.config,
-                          CacheConfig(page_size=16, num_pages=num_pages, kv_layout=kv_layout,
-                                      dtype=dtype),
-                          SchedulerConfig(chunk_size=len(prompt),
-                                          max_num_batched_tokens=len(prompt), max_num_seqs=batch),
-                          dtype=dtype)
-    engine = build_engine(config, loaded.state_dict)
+    engine = our_engine(loaded, kv_layout, dtype, len(prompt), batch, steps)
     assert engine.model.embed_tokens.weight.dtype == dtype, "our engine runs in another dtype"
     params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     start = time.perf_counter()

@@ -4,7 +4,8 @@ Both sides read the same directory: our engine through `load_model(path)` (S1, S
 transformers through `from_pretrained(path, dtype=...)`, which is how transformers serves a
 model in half precision (not `model.to(dtype)`). A Llama-family spec such as `smollm2-135m` or
 the `tiny` preset is loaded by us first and saved as a `LlamaForCausalLM`; a Qwen3-MoE model is
-a random `Qwen3MoeForCausalLM` that transformers builds and saves itself. Nothing here times.
+a random `Qwen3MoeForCausalLM` that transformers builds and saves itself. `our_engine` is how
+both engine benchmarks (`engine.py`, `profile_engine.py`) build ours. Nothing here times.
 """
 
 from __future__ import annotations
@@ -14,7 +15,9 @@ from typing import Any
 
 import torch
 
-from disagg.model.loading.registry import load_model
+from disagg.config import CacheConfig, EngineConfig, SchedulerConfig, default_of
+from disagg.engine.llm_engine import LLMEngine, build_engine
+from disagg.model.loading.registry import LoadedModel, load_model
 
 # Random Qwen3-MoE models by name: all layers sparse, softmax routing over normalised top-k
 # (Qwen3-30B-A3B's choices). "small" is sized to be measurable on two cores: 74M parameters,
@@ -90,3 +93,17 @@ def load_reference(directory: Path, dtype: torch.dtype) -> Any:  # noqa: ANN401
     return transformers.AutoModelForCausalLM.from_pretrained(
         directory, dtype=dtype, attn_implementation=ATTENTION_IMPLEMENTATION,
         experts_implementation=EXPERTS_IMPLEMENTATION).eval()
+
+
+def our_engine(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype, prompt_len: int,
+               batch: int, steps: int,
+               prefix_caching: bool = default_of(CacheConfig, "prefix_caching")) -> LLMEngine:
+    """Our paged engine in `dtype` (weights, activations and KV), sized for `batch` prompts of
+    `prompt_len` tokens and `steps` decodes each, a prompt prefilled in one chunk."""
+    num_pages = (prompt_len + steps + 32) // 16 * batch + 64
+    config = EngineConfig(loaded.config,
+                          CacheConfig(page_size=16, num_pages=num_pages, kv_layout=kv_layout,
+                                      dtype=dtype, prefix_caching=prefix_caching),
+                          SchedulerConfig(chunk_size=prompt_len, max_num_batched_tokens=prompt_len,
+                                          max_num_seqs=batch), dtype=dtype)
+    return build_engine(config, loaded.state_dict)

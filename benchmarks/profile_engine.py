@@ -22,11 +22,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from engine_models import write_checkpoint
+from engine_models import our_engine, write_checkpoint
 from torch.profiler import ProfilerActivity, profile
 
-from disagg.config import DTYPES, CacheConfig, EngineConfig, SchedulerConfig, check_dtype
-from disagg.engine.llm_engine import LLMEngine, build_engine
+from disagg.config import DTYPES, check_dtype
+from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import LoadedModel, load_model
 
@@ -55,14 +55,8 @@ def kind_of(op: str) -> str:
 
 def engine_for(loaded: LoadedModel, layout: str, dtype: torch.dtype, prompt_len: int,
                batch: int, steps: int) -> LLMEngine:
-    num_pages = (prompt_len + steps + 32) // 16 * batch + 64
-    config = EngineConfig(loaded.config,
-                          # No prefix cache: each profiled prefill computes its whole prompt.
-                          CacheConfig(page_size=16, num_pages=num_pages, kv_layout=layout,
-                                      dtype=dtype, prefix_caching=False),
-                          SchedulerConfig(chunk_size=prompt_len, max_num_batched_tokens=prompt_len,
-                                          max_num_seqs=batch), dtype=dtype)
-    return build_engine(config, loaded.state_dict)
+    # No prefix cache: each profiled prefill computes its whole prompt.
+    return our_engine(loaded, layout, dtype, prompt_len, batch, steps, prefix_caching=False)
 
 
 def profiled(step: Any, repeats: int) -> dict[str, Any]:  # noqa: ANN401 - a callable
