@@ -238,13 +238,8 @@ class PrefillMessenger:
         requests whose prefill is complete (S4a); their writes are then all posted."""
         self.context.after_forward(batch, output, self._in_flight)
         self.streamer.wait_posted(self.wait_timeout_s)
-        now = time.time()
-        for chunk in batch.chunks:  # each request's chunk, in its trace (X7a)
-            if (outgoing := self._in_flight.get(chunk.request.request_id)) is not None:
-                self.tracer.complete("prefill_chunk", self._forward_started, now,
-                                     parent=outgoing.traceparent, start=chunk.start,
-                                     tokens=chunk.end - chunk.start,
-                                     request_id=outgoing.request_id)
+        if self.tracer.enabled:  # each request's chunk, in its trace (X7a)
+            self._trace_chunks(batch, time.time())
         for row, chunk_index in enumerate(output.sample_chunk_indices):
             outgoing = self._in_flight.get(batch.chunks[chunk_index].request.request_id)
             if outgoing is None:
@@ -252,6 +247,14 @@ class PrefillMessenger:
             outgoing.last_layer_at = time.time()
             self.context.post(outgoing, output.hidden_states[row], output.logits[row])
             outgoing.all_posted()
+
+    def _trace_chunks(self, batch: Batch, now: float) -> None:
+        for chunk in batch.chunks:
+            if (outgoing := self._in_flight.get(chunk.request.request_id)) is not None:
+                self.tracer.complete("prefill_chunk", self._forward_started, now,
+                                     parent=outgoing.traceparent, start=chunk.start,
+                                     tokens=chunk.end - chunk.start,
+                                     request_id=outgoing.request_id)
 
     def _on_end(self, outgoing: OutgoingKV) -> None:
         """Any thread: nothing of `outgoing` is in flight; the engine thread frees it."""

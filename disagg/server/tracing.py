@@ -13,10 +13,9 @@ from __future__ import annotations
 from collections.abc import Awaitable, Callable, MutableMapping
 from typing import Any
 
-from opentelemetry import context as otel_context
 from opentelemetry import trace
 
-from disagg.utils.trace import Tracer, context_of
+from disagg.utils.trace import Tracer
 
 Scope = MutableMapping[str, Any]
 Message = MutableMapping[str, Any]
@@ -39,14 +38,12 @@ class TracingMiddleware:
         if scope["type"] != "http" or not path.startswith(TRACED_PREFIX):
             await self.app(scope, receive, send)
             return
-        traceparent = _traceparent(scope)
-        if not self.tracer.enabled:
-            await self._pass_context_on(traceparent, scope, receive, send)
-            return
         method = scope.get("method", "")
-        with self.tracer.server_span(method, traceparent, **{
+        with self.tracer.server_span(method, _traceparent(scope), **{
                 "http.request.method": method}) as span:
-            assert span is not None  # the tracer is enabled
+            if span is None:  # tracing off: the client's context is current all the same
+                await self.app(scope, receive, send)
+                return
 
             async def send_recording(message: Message) -> None:
                 if message["type"] == "http.response.start":
@@ -62,18 +59,6 @@ class TracingMiddleware:
                 if route is not None:
                     span.update_name(f"{method} {route}")
                     span.set_attribute("http.route", route)
-
-    async def _pass_context_on(self, traceparent: str | None, scope: Scope, receive: Receive,
-                               send: Send) -> None:
-        ctx = context_of(traceparent)
-        if ctx is None:
-            await self.app(scope, receive, send)
-            return
-        token = otel_context.attach(ctx)
-        try:
-            await self.app(scope, receive, send)
-        finally:
-            otel_context.detach(token)
 
 
 def _traceparent(scope: Scope) -> str | None:

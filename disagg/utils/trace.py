@@ -182,18 +182,23 @@ class Tracer:
     def server_span(self, name: str, traceparent: str | None = None,
                     **args: Any) -> Iterator[trace.Span | None]:
         """A span around serving one call (an HTTP request), current while it runs so that
-        what it starts joins it; continues the caller's trace if it sent a traceparent."""
+        what it starts joins it; continues the caller's trace if it sent a traceparent.
+        Disabled: no span (None), but the caller's context is current all the same, so the
+        trace goes on past this process."""
         if (otel := self._otel) is None:
-            yield None
-            return
-        span = self._start(otel, name, time.time(), None, traceparent, args, scoped=True,
-                           kind=trace.SpanKind.SERVER)
-        token = otel_context.attach(trace.set_span_in_context(span))
+            span, ctx = None, context_of(traceparent)
+        else:
+            span = self._start(otel, name, time.time(), None, traceparent, args, scoped=True,
+                               kind=trace.SpanKind.SERVER)
+            ctx = trace.set_span_in_context(span)
+        token = None if ctx is None else otel_context.attach(ctx)
         try:
             yield span
         finally:
-            otel_context.detach(token)
-            span.end()
+            if token is not None:
+                otel_context.detach(token)
+            if span is not None:
+                span.end()
 
     @staticmethod
     def _start(otel: trace.Tracer, name: str, start_s: float, track: str | None,
