@@ -24,5 +24,6 @@ setup(
     cffi_modules=[
         "transfer_core/pyfabric/_build.py:ffibuilder",
         "transfer_core/_poller_build.py:ffibuilder",
+        "disagg/model/_small_linear_build.py:ffibuilder",
     ],
 )

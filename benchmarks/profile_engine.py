@@ -31,7 +31,7 @@ from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import LoadedModel, load_model
 
 # Op kinds, by the first pattern found in an op's name (aten's names, lower case).
-KINDS = (("gemm", ("addmm", "aten::mm", "aten::bmm", "matmul", "linear")),
+KINDS = (("gemm", ("addmm", "aten::mm", "aten::bmm", "matmul", "linear")),  # small_linear too
          ("attention", ("scaled_dot_product", "attention", "softmax")),
          ("kv_append", ("index_put", "copy_", "scatter")),  # before kv_gather's "index"
          ("kv_gather", ("index_select", "gather", "index", "take")),

@@ -20,6 +20,7 @@ from torch import nn
 from disagg.config import CacheConfig, ModelConfig
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import KVCache, PagedKVCache
+from disagg.model.linear import Linear
 from disagg.model.norms import RMSNorm
 from disagg.model.precision import cast_model
 from disagg.model.tensor_parallel import TPShard
@@ -74,7 +75,7 @@ class MTPHead(nn.Module):
         super().__init__()
         self.enorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.hnorm = RMSNorm(config.hidden_size, config.rms_norm_eps)
-        self.eh_proj = nn.Linear(2 * config.hidden_size, config.hidden_size, bias=False)
+        self.eh_proj = Linear(2 * config.hidden_size, config.hidden_size, bias=False)
         self.block = DecoderLayer(config, TPShard.single(config.num_kv_heads))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
 

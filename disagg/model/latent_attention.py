@@ -20,12 +20,12 @@ from __future__ import annotations
 import math
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kv_cache import KVCache
 from disagg.model.latent_paged_attention import latent_paged_attention
+from disagg.model.linear import Linear, linear
 from disagg.model.norms import RMSNorm
 from disagg.model.rope import RotaryEmbedding
 from disagg.model.tensor_parallel import Cut, TPShard
@@ -77,16 +77,16 @@ class LatentAttention(nn.Module):
         bias = config.attention_bias
         q_size = self.num_heads * mla.qk_head_dim
         if mla.q_lora_rank is None:
-            self.q_proj = nn.Linear(hidden, q_size, bias=False)
+            self.q_proj = Linear(hidden, q_size, bias=False)
         else:
-            self.q_a_proj = nn.Linear(hidden, mla.q_lora_rank, bias=bias)
+            self.q_a_proj = Linear(hidden, mla.q_lora_rank, bias=bias)
             self.q_a_layernorm = RMSNorm(mla.q_lora_rank, LATENT_NORM_EPS)
-            self.q_b_proj = nn.Linear(mla.q_lora_rank, q_size, bias=False)
-        self.kv_a_proj_with_mqa = nn.Linear(hidden, mla.latent_dim, bias=bias)
+            self.q_b_proj = Linear(mla.q_lora_rank, q_size, bias=False)
+        self.kv_a_proj_with_mqa = Linear(hidden, mla.latent_dim, bias=bias)
         self.kv_a_layernorm = RMSNorm(rank, LATENT_NORM_EPS)
-        self.kv_b_proj = nn.Linear(rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
+        self.kv_b_proj = Linear(rank, self.num_heads * (mla.qk_nope_head_dim + mla.v_head_dim),
                                    bias=False)
-        self.o_proj = nn.Linear(self.num_heads * mla.v_head_dim, hidden, bias=config.o_proj_bias)
+        self.o_proj = Linear(self.num_heads * mla.v_head_dim, hidden, bias=config.o_proj_bias)
 
     def tp_cuts(self) -> dict[str, Cut]:
         """Which slice of each full weight this rank holds (names relative to this module):
@@ -125,7 +125,7 @@ class LatentAttention(nn.Module):
                                    self.scale)  # [num_tokens, num_heads, v_head_dim]
         # Row-parallel: each rank's partial sum. Once the all-reduce returns every rank has
         # written its latent rows above (S3c: the leader's layer bump follows).
-        out = self.shard.all_reduce(F.linear(o.reshape(num_tokens, -1), self.o_proj.weight))
+        out = self.shard.all_reduce(linear(o.reshape(num_tokens, -1), self.o_proj.weight))
         # The bias joins the sum once, not once per rank.
         return out if self.o_proj.bias is None else out + self.o_proj.bias
 

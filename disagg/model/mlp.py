@@ -6,6 +6,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from disagg.model.linear import Linear
 from disagg.model.tensor_parallel import Cut, TPShard
 
 
@@ -21,9 +22,9 @@ class MLP(nn.Module):
         super().__init__()
         self.inner = shard.split(intermediate_size, "intermediate size")
         width = self.inner.stop - self.inner.start
-        self.gate_proj = nn.Linear(hidden_size, width, bias=False)
-        self.up_proj = nn.Linear(hidden_size, width, bias=False)
-        self.down_proj = nn.Linear(width, hidden_size, bias=False)
+        self.gate_proj = Linear(hidden_size, width, bias=False)
+        self.up_proj = Linear(hidden_size, width, bias=False)
+        self.down_proj = Linear(width, hidden_size, bias=False)
         self.shard = shard
         self.reduces = all_reduce
 

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.errors import ConfigError
+from disagg.model.linear import linear
 from disagg.model_config import MoEConfig
 
 
@@ -87,7 +88,7 @@ class Router(nn.Module):
     def forward(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """``[num_tokens, hidden_size]`` -> (weights, experts), each ``[num_tokens, top_k]``."""
         if self.e_score_correction_bias is None:
-            return softmax_top_k(F.linear(x, self.weight), self.moe.num_experts_per_tok,
+            return softmax_top_k(linear(x, self.weight), self.moe.num_experts_per_tok,
                                  self.moe.norm_topk_prob)
         logits = F.linear(x.float(), self.weight.float())
         return sigmoid_grouped_top_k(logits, self.e_score_correction_bias.float(), self.moe)

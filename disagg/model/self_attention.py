@@ -10,11 +10,11 @@ over each query and key head before RoPE (`qk_norm`).
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disagg.model.attention import AttentionMetadata, paged_attention
 from disagg.model.kv_cache import KVCache
+from disagg.model.linear import Linear, linear
 from disagg.model.norms import RMSNorm
 from disagg.model.rope import RotaryEmbedding
 from disagg.model.tensor_parallel import Cut, TPShard
@@ -37,10 +37,10 @@ class Attention(nn.Module):
         self.scale = config.head_dim ** -0.5
         q_size, kv_size = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
         bias = config.attention_bias
-        self.q_proj = nn.Linear(config.hidden_size, q_size, bias=bias)
-        self.k_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.v_proj = nn.Linear(config.hidden_size, kv_size, bias=bias)
-        self.o_proj = nn.Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
+        self.q_proj = Linear(config.hidden_size, q_size, bias=bias)
+        self.k_proj = Linear(config.hidden_size, kv_size, bias=bias)
+        self.v_proj = Linear(config.hidden_size, kv_size, bias=bias)
+        self.o_proj = Linear(q_size, config.hidden_size, bias=config.o_proj_bias)
         # Qwen3: one weight over head_dim, shared by every head, whole on every rank.
         self.q_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
         self.k_norm = RMSNorm(config.head_dim, config.rms_norm_eps) if config.qk_norm else None
@@ -72,6 +72,6 @@ class Attention(nn.Module):
         o = paged_attention(q, kv_cache, layer_idx, meta, self.scale, self.kv_heads)
         # Row-parallel: each rank's partial sum. Once the all-reduce returns, every rank has
         # entered it, so every rank's KV append above is done (S3c, the leader's bump follows).
-        out = self.shard.all_reduce(F.linear(o.reshape(num_tokens, -1), self.o_proj.weight))
+        out = self.shard.all_reduce(linear(o.reshape(num_tokens, -1), self.o_proj.weight))
         # The bias joins the sum once, not once per rank.
         return out if self.o_proj.bias is None else out + self.o_proj.bias

@@ -18,12 +18,12 @@ Only the leader is built with a real counter, and it bumps after the o_proj all-
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kv_cache import KVCache
 from disagg.model.layer_counter import LayerCounter, NullLayerCounter
+from disagg.model.linear import Linear, linear
 from disagg.model.mlp import MLP
 from disagg.model.norms import RMSNorm
 from disagg.model.rope import RotaryEmbedding
@@ -73,7 +73,7 @@ class Transformer(nn.Module):
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
         self.lm_head = (None if config.tie_word_embeddings
-                        else nn.Linear(config.hidden_size, config.vocab_size, bias=False))
+                        else Linear(config.hidden_size, config.vocab_size, bias=False))
         self.rope = RotaryEmbedding.for_model(config)
         # Bumped after each layer's attention (S3b): a prefiller's builder passes the counter
         # its poller watches; everyone else bumps nothing.
@@ -98,7 +98,7 @@ class Transformer(nn.Module):
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """``[num_rows, hidden_size]`` -> ``[num_rows, vocab_size]``."""
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
-        return F.linear(hidden, weight)
+        return linear(hidden, weight)
 
     def tp_cuts(self) -> dict[str, Cut]:
         """Full parameter name -> the slice this rank holds, for every weight TP splits (the

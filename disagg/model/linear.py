@@ -1,0 +1,88 @@
+"""The model's projections, with a small C kernel for the few rows of a decode step (X8a).
+
+A decode step multiplies one row per sequence by every weight once: its time is the time to
+stream the weights. PyTorch's CPU matrix-vector products read them at a third to a half of the
+rate `torch.sum` reaches on the same buffer (`benchmarks/profile_engine.py`, measured on this
+machine), so for up to `MAX_ROWS` rows of float32 or bfloat16 on a CPU with AVX-512 (BF16 for
+bfloat16) the product runs in `small_linear.c`, which streams each weight row once into the
+rows' accumulators. Everything else, prefill chunks, other dtypes and devices, autograd, runs
+`F.linear`, which is also the reference the kernel is tested against.
+Set `DISAGG_SMALL_LINEAR=0` before import to run the reference everywhere (for comparison).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.profiler import record_function
+
+MAX_ROWS = 8
+# How the kernel's calls appear in torch.profiler's tables (`benchmarks/profile_engine.py`).
+PROFILER_NAME = "disagg::small_linear"
+_profiling = torch._C._autograd._profiler_enabled  # a C call: ~0.1 us per projection
+
+try:
+    from disagg.model._small_linear import lib
+except ImportError:  # not built (a source checkout without `pip install -e .`)
+    lib = None
+
+_WANTED = os.environ.get("DISAGG_SMALL_LINEAR", "1") != "0"
+# dtype -> the C side's code for it (small_linear.c's enum), for the ISA this CPU has.
+_KERNELS: dict[torch.dtype, int] = {}
+if lib is not None and _WANTED:
+    if lib.sl_has_avx512():
+        _KERNELS[torch.float32] = 0
+    if lib.sl_has_avx512_bf16():
+        _KERNELS[torch.bfloat16] = 1
+
+
+def kernel_dtypes() -> tuple[torch.dtype, ...]:
+    """The dtypes this process runs through the kernel (none without the module or the ISA)."""
+    return tuple(_KERNELS)
+
+
+def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
+    """Whether `linear(x, weight, bias)` runs in C: a CPU tensor of at most `MAX_ROWS` rows in
+    the weight's dtype, a plain contiguous 2-D weight, and no gradient to record."""
+    return (weight.dtype in _KERNELS and x.dtype == weight.dtype
+            and x.device.type == "cpu" and weight.device.type == "cpu"
+            and weight.dim() == 2 and weight.is_contiguous()
+            and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
+            and 0 < x.numel() // weight.shape[1] <= MAX_ROWS
+            and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()
+                                  and bias.device.type == "cpu"))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
+            and not torch.compiler.is_compiling())
+
+
+def linear(x: torch.Tensor, weight: torch.Tensor,
+           bias: torch.Tensor | None = None) -> torch.Tensor:
+    """``x @ weight.T + bias`` over `x`'s last axis, like `F.linear`."""
+    if not takes_kernel(x, weight, bias):
+        return F.linear(x, weight, bias)
+    if _profiling():  # the C call is no torch op: name it for the profiler's tables
+        with record_function(PROFILER_NAME):
+            return _kernel(x, weight, bias)
+    return _kernel(x, weight, bias)
+
+
+def _kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+    n, k = weight.shape
+    rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
+    out = torch.empty((rows.shape[0], n), dtype=x.dtype)
+    status = lib.sl_linear(_KERNELS[weight.dtype], rows.data_ptr(), weight.data_ptr(),
+                           0 if bias is None else bias.data_ptr(), out.data_ptr(),
+                           rows.shape[0], n, k, torch.get_num_threads())
+    if status != 0:  # the checks above rule every refusal out; a refusal is a bug here
+        raise RuntimeError(f"small_linear refused {tuple(rows.shape)} x {tuple(weight.shape)}")
+    return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
+
+
+class Linear(nn.Linear):
+    """`nn.Linear` (same parameters, same state-dict names) whose forward is `linear`."""
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)

@@ -1,0 +1,137 @@
+"""The decode projections' C kernel against `F.linear`, and the model actually running it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from disagg.config import CacheConfig, ModelConfig
+from disagg.model import linear as linear_module
+from disagg.model.attention import AttentionMetadata, SequenceSlice
+from disagg.model.kv_cache import PagedKVCache
+from disagg.model.linear import MAX_ROWS, kernel_dtypes, linear, takes_kernel
+from disagg.model.transformer import Transformer
+
+needs_f32 = pytest.mark.skipif(torch.float32 not in kernel_dtypes(),
+                               reason="no AVX-512 (or the kernel is not built)")
+needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in kernel_dtypes(),
+                                reason="no AVX-512 BF16 (or the kernel is not built)")
+
+# (out features, in features): in features with a tail after every 16 and 32 elements, a
+# single element, and one shape big enough for the kernel to split it over threads.
+SHAPES = [(1, 1), (17, 15), (33, 16), (5, 17), (64, 31), (40, 33), (300, 576), (4096, 72)]
+
+
+def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int = 0):
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(rows, k, generator=g).to(dtype)
+    w = torch.randn(n, k, generator=g).to(dtype)
+    b = torch.randn(n, generator=g).to(dtype) if bias else None
+    return x, w, b
+
+
+@needs_f32
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+def test_float32_equals_f_linear(rows: int, n: int, k: int) -> None:
+    x, w, b = _inputs(rows, n, k, torch.float32, bias=rows % 2 == 0)
+    assert takes_kernel(x, w, b)
+    # Only the summation order differs: the error is that of k float32 additions.
+    torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b), rtol=1e-5,
+                               atol=1e-5 * k ** 0.5)
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_bfloat16_is_the_rounded_float32_product(rows: int, n: int, k: int) -> None:
+    x, w, b = _inputs(rows, n, k, torch.bfloat16, bias=True)
+    exact = F.linear(x.double(), w.double(), b.double())
+    ours = linear(x, w, b)
+    assert ours.dtype == torch.bfloat16
+    # One rounding of a float32 sum: at most one bf16 step from the exact value's rounding.
+    step = exact.abs().clamp_min(1e-30).to(torch.bfloat16).double() * 2.0 ** -7
+    assert ((ours.double() - exact).abs() <= step + 1e-3).all()
+    torch.testing.assert_close(ours, F.linear(x, w, b), rtol=2 ** -7, atol=2 ** -7 * k ** 0.5)
+
+
+@needs_f32
+def test_leading_axes_are_kept() -> None:
+    x, w, _ = _inputs(6, 24, 20, torch.float32, bias=False)
+    out = linear(x.view(2, 3, 20), w)
+    assert out.shape == (2, 3, 24)
+    torch.testing.assert_close(out.view(6, 24), F.linear(x, w))
+
+
+@needs_f32
+def test_non_finite_values_propagate_like_the_reference() -> None:
+    x, w, _ = _inputs(2, 8, 40, torch.float32, bias=False)
+    x[0, 3], x[1, 5] = float("inf"), float("nan")
+    assert torch.equal(linear(x, w).isnan(), F.linear(x, w).isnan())
+
+
+@needs_f32
+@pytest.mark.parametrize("case", ["too many rows", "transposed weight", "float16", "grad",
+                                  "dtype mismatch"])
+def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
+    x, w, _ = _inputs(2, 8, 16, torch.float32, bias=False)
+    if case == "too many rows":
+        x = torch.randn(MAX_ROWS + 1, 16)
+    elif case == "transposed weight":
+        w = torch.randn(16, 8).t()
+    elif case == "float16":
+        x, w = x.half(), w.half()
+    elif case == "grad":
+        w.requires_grad_(True)
+    else:
+        x = x.double()
+        w = w.double()
+        w = w.float()
+    assert not takes_kernel(x, w, None)
+    if case != "dtype mismatch":
+        torch.testing.assert_close(linear(x, w), F.linear(x, w))
+
+
+class _CountingLib:
+    """`linear.py`'s cffi library, counting the calls that reach C."""
+
+    def __init__(self, lib) -> None:
+        self._lib, self.calls = lib, []
+
+    def sl_linear(self, *args):
+        self.calls.append(args[5:8])  # (rows, out features, in features)
+        return self._lib.sl_linear(*args)
+
+
+@needs_f32
+def test_a_decode_step_runs_every_projection_through_the_kernel(monkeypatch) -> None:
+    config = ModelConfig.from_name("tiny")
+    torch.manual_seed(0)
+    model = Transformer(config).eval()
+    cache = PagedKVCache(config, CacheConfig(page_size=4, num_pages=8))
+    counting = _CountingLib(linear_module.lib)
+    monkeypatch.setattr(linear_module, "lib", counting)
+    # One decode: the token at position 2 of a request on page 0.
+    meta = AttentionMetadata(torch.tensor([0]), torch.tensor([2]),
+                             [SequenceSlice(0, 1, 2, torch.tensor([0]))])
+    with torch.inference_mode():
+        model.compute_logits(model(torch.tensor([5]), torch.tensor([2]), cache, meta))
+    h, q, kv = config.hidden_size, config.num_heads * config.head_dim, \
+        config.num_kv_heads * config.head_dim
+    inner = config.intermediate_size
+    per_layer = [(1, q, h), (1, kv, h), (1, kv, h), (1, h, q),  # q, k, v, o
+                 (1, inner, h), (1, inner, h), (1, h, inner)]  # gate, up, down
+    assert counting.calls == per_layer * config.num_layers + [(1, config.vocab_size, h)]
+
+
+@needs_f32
+def test_the_profiler_sees_the_kernel_as_an_op() -> None:
+    from torch.profiler import ProfilerActivity, profile
+
+    from disagg.model.linear import PROFILER_NAME
+
+    x, w, _ = _inputs(1, 32, 16, torch.float32, bias=False)
+    with profile(activities=[ProfilerActivity.CPU]) as prof:
+        linear(x, w)
+    assert [e.count for e in prof.key_averages() if e.key == PROFILER_NAME] == [1]
