@@ -13,6 +13,11 @@ whose goal is read in its steady window (a decode batch of about constant size).
 "disagg-json" is "disagg" with every request under a JSON schema (`guided_json`, an array of
 integers that can run to `max_tokens`): the decoder masks every token (S8), so its tokens/s
 beside "disagg" is the cost of the mask.
+Each cluster also runs with `--trace`, so that the result holds the decoding nodes' own engine
+step times (`step_times.py`: the decoder's, or both mixed nodes'), from the stream's start on:
+per batch size the pure-decode steps' count and p50 / p90 ms, and apart from them the steps that
+carried a prefill chunk. Beside the client's gaps by batch, they show how much of an inter-token
+gap is the engine's step. Tracing costs a span per step (about 20 µs here) and a few per request.
 Run: `python benchmarks/serving.py [--model tiny] [--out serving.json]` (defaults: ~3.5 min).
 """
 
@@ -42,6 +47,7 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 from pinned_cluster import CpuMeter, pin_process, process_cores, wait_for_quiet  # noqa: E402
 from serving_report import print_table, summarize  # noqa: E402
+from step_times import read_events, step_summary  # noqa: E402
 
 # Same allocator settings as benchmarks/disagg.py (see MALLOC_TUNING there), for comparability.
 MALLOC_TUNING = {"MALLOC_MMAP_THRESHOLD_": str(32 << 20), "MALLOC_TRIM_THRESHOLD_": str(1 << 30)}
@@ -111,21 +117,29 @@ def make_stream(args: argparse.Namespace, vocab_size: int) -> list[Arrival]:
 
 class Server:
     """`disagg serve cluster` with `flags` (see `MODE_FLAGS`), its nodes pinned one per core
-    (`args.cores`, which must list one core per node)."""
+    (`args.cores`, which must list one core per node), every process tracing to `trace_dir`
+    (`<node name>.json` each, written as it exits)."""
 
-    def __init__(self, args: argparse.Namespace, flags: list[str], log: Path) -> None:
+    def __init__(self, args: argparse.Namespace, flags: list[str], log: Path,
+                 trace_dir: Path) -> None:
+        # `--trace` takes a path that is not an existing directory as one file for every
+        # process: the directory must be there first.
+        trace_dir.mkdir(parents=True, exist_ok=True)
         command = [sys.executable, "-m", "disagg.apps.cli", "serve", "cluster",
                    "--model", args.model, "--port", "0", "--served-model-name", "bench",
                    "--page-size", str(args.page_size), "--num-pages", str(args.num_pages),
-                   "--chunk-size", str(args.chunk_size), *flags]
+                   "--chunk-size", str(args.chunk_size), "--trace", str(trace_dir), *flags]
         env = dict(os.environ, **({} if args.malloc_defaults else MALLOC_TUNING))
         self.log = log
+        self.trace_dir = trace_dir
         with log.open("w") as stderr:
             self.process = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=stderr,
                                             text=True, env=env, cwd=ROOT)
         try:
             self.url = self._wait_ready(180.0)
-            self.nodes = [(n["name"], n["pid"]) for n in self.health()["nodes"]]
+            listed = self.health()["nodes"]
+            self.nodes = [(n["name"], n["pid"]) for n in listed]
+            self.decoding = [n["name"] for n in listed if n["role"] != "prefill"]
             for (_, pid), core in zip(self.nodes, args.cores, strict=True):
                 pin_process(pid, core)
         except BaseException:
@@ -147,6 +161,12 @@ class Server:
 
     def affinity(self) -> dict[str, list[int]]:
         return {name: process_cores(pid) for name, pid in self.nodes}
+
+    def step_times(self, since_s: float) -> dict[str, Any]:
+        """The decoding nodes' engine steps from `since_s` (epoch s) on (`step_summary`), and
+        which of their trace files are missing. Read after `stop`: nodes write them at exit."""
+        events, missing = read_events(self.trace_dir / f"{name}.json" for name in self.decoding)
+        return step_summary(events, since_us=since_s * 1e6) | {"step_traces_missing": missing}
 
     def stop(self) -> int:
         """SIGINT, as a user's Ctrl-C; the exit code (0: every node stopped clean)."""
@@ -185,30 +205,34 @@ async def send(client: openai.AsyncOpenAI, arrival: Arrival, start: float,
 
 
 async def replay(url: str, stream: list[Arrival], warmup: int, timeout_s: float,
-                 extra_body: dict[str, Any] | None = None) -> tuple[list[Observed], float]:
-    """A few warm-up requests at once (not counted), then the stream; (requests, wall s)."""
+                 extra_body: dict[str, Any] | None = None
+                 ) -> tuple[list[Observed], float, float]:
+    """A few warm-up requests at once (not counted), then the stream; (requests, wall s, the
+    stream's start in epoch s: where the nodes' traces begin to count)."""
     async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0,
                                   timeout=timeout_s) as client:
         short = next((a for a in stream if a.kind == "short"), stream[0])
         await asyncio.gather(*[send(client, Arrival(0.0, "warmup", short.prompt, 4),
                                     time.perf_counter(), extra_body) for _ in range(warmup)])
-        start = time.perf_counter()
+        start, started_at = time.perf_counter(), time.time()
         seen = await asyncio.wait_for(
             asyncio.gather(*[send(client, a, start, extra_body) for a in stream]), timeout_s)
-        return list(seen), time.perf_counter() - start
+        return list(seen), time.perf_counter() - start, started_at
 
 
 def run_mode(args: argparse.Namespace, mode: str, stream: list[Arrival]) -> dict[str, Any]:
-    """Start the server, wait for a quiet machine, replay the stream, stop it."""
+    """Start the server, wait for a quiet machine, replay the stream, stop it, read its
+    decoding nodes' step times."""
     with tempfile.TemporaryDirectory(prefix=f"serving-{mode}-") as scratch:
-        server = Server(args, MODE_FLAGS[mode], Path(scratch) / "server.log")
+        server = Server(args, MODE_FLAGS[mode], Path(scratch) / "server.log",
+                        Path(scratch) / "trace")
         try:
             pids = {**dict(server.nodes), "front door": server.process.pid, "client": os.getpid()}
             quiet = wait_for_quiet(list(pids.values()), args.quiet_wait_s)
             meters = {name: CpuMeter([pid]) for name, pid in pids.items()}
             machine = CpuMeter(list(pids.values()))
-            observed, wall = asyncio.run(replay(server.url, stream, args.warmup, args.timeout_s,
-                                                MODE_BODY.get(mode)))
+            observed, wall, started_at = asyncio.run(replay(
+                server.url, stream, args.warmup, args.timeout_s, MODE_BODY.get(mode)))
             ncpu = os.cpu_count() or 1
             cpu = {name: meter.read()["ours"] * ncpu for name, meter in meters.items()}
             cpu["others"] = machine.read()["others"] * ncpu
@@ -216,9 +240,10 @@ def run_mode(args: argparse.Namespace, mode: str, stream: list[Arrival]) -> dict
         finally:
             code = server.stop()
         log_tail = server.log.read_text()[-2000:] if code else ""
+        steps = server.step_times(started_at)
     return {"mode": mode, "observed": observed, "wall_s": wall, "quiet": quiet,
             "cpu_cores": cpu, "affinity": affinity, "server_exit_code": code,
-            "server_log_tail": log_tail}
+            "server_log_tail": log_tail, "engine_steps": steps}
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

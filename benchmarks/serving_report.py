@@ -1,5 +1,6 @@
 """Numbers and the table for `benchmarks/serving.py`: TTFT, inter-token latency, requests/s and
-tokens/s per serving mode, from what the HTTP client saw (pure functions, no processes).
+tokens/s per serving mode, from what the HTTP client saw, and the decoding nodes' own step
+times as `step_times.py` read them from their traces (pure functions, no processes).
 
 Percentiles are nearest-rank (`disagg_report.percentile`): a p99 is a latency that happened.
 Times are the client's: a token's time is when the stream chunk carrying it arrived, so tokens
@@ -10,9 +11,13 @@ from __future__ import annotations
 
 import argparse
 import os
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from disagg_report import ITL_GOAL, _ratio, percentile, spread, steady_window
+from step_times import step_summary
+
+if TYPE_CHECKING:
+    from rich.table import Table
 
 
 def request_row(o: Any) -> dict[str, Any]:  # noqa: ANN401 - a serving.Observed
@@ -85,11 +90,17 @@ def mode_summary(run: dict[str, Any]) -> dict[str, Any]:
                                                                   strict=True) if r["ok"]]),
         "send_lag_ms_max": max((r["send_lag_ms"] for r in rows), default=None),
         "quiet_machine": quiet.quiet, "others_busy_before": quiet.others,
+        **engine_steps(run),
         "cpu_cores": run["cpu_cores"], "affinity": run["affinity"],
         "server_exit_code": run["server_exit_code"], "server_log_tail": run["server_log_tail"],
         "errors": sorted({r["error"] for r in rows if r["error"]})[:5],
         "per_request": [{k: v for k, v in r.items() if k != "itl_ms"}
                         | {"itl_ms_max": max(r["itl_ms"], default=None)} for r in rows]}
+
+
+def engine_steps(run: dict[str, Any]) -> dict[str, Any]:
+    """The run's step times (`step_times.step_summary`); none for a run that read no traces."""
+    return run.get("engine_steps") or step_summary([]) | {"step_traces_missing": []}
 
 
 def summarize(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict[str, Any]:
@@ -116,6 +127,28 @@ def summarize(args: argparse.Namespace, runs: dict[str, dict[str, Any]]) -> dict
 
 def _n(value: float | None, digits: int = 0) -> str:
     return "-" if value is None else f"{value:.{digits}f}"
+
+
+def step_table(modes: dict[str, dict[str, Any]]) -> Table:
+    """The decoding nodes' engine step times: a row per decode batch size, then the steps that
+    carried a prefill chunk; each cell "steps, p50 / p90" ms."""
+    from rich.table import Table
+
+    def cell(stats: dict[str, Any] | None) -> str:
+        if not stats or not stats["steps"]:
+            return "-"
+        return f"{stats['steps']}, {_n(stats['p50'], 1)} / {_n(stats['p90'], 1)}"
+
+    table = Table(title="Engine step ms per batch: steps, p50 / p90")
+    table.add_column("batch")
+    for mode in modes:
+        table.add_column(mode, justify="right")
+    batches = {int(n) for m in modes.values() for n in m.get("decode_step_ms_by_batch", {})}
+    for n in sorted(batches):
+        table.add_row(str(n), *[cell(m.get("decode_step_ms_by_batch", {}).get(str(n)))
+                                for m in modes.values()])
+    table.add_row("with a prefill chunk", *[cell(m.get("mixed_step_ms")) for m in modes.values()])
+    return table
 
 
 def print_table(result: dict[str, Any]) -> None:
@@ -176,6 +209,7 @@ def print_table(result: dict[str, Any]) -> None:
             cells.append("-" if stats is None else f"{stats['gaps']}, {pair(stats, 1)}")
         by_batch.add_row(str(n), *cells)
     console.print(by_batch)
+    console.print(step_table(modes))
     goal = result.get("goal")
     if goal:
         verdict = "met" if goal["met"] else "NOT met"

@@ -1,5 +1,6 @@
-"""benchmarks/serving.py: the stream, the numbers from synthetic observations, and one toy-sized
-run against both `serve cluster` modes end to end."""
+"""benchmarks/serving.py: the stream, the numbers from synthetic observations, the engine step
+times from hand-made trace events, and one toy-sized run against both `serve cluster` modes end
+to end."""
 
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ BENCH = ROOT / "benchmarks"
 
 for _dependency in ("disagg_report", "pinned_cluster"):
     load_benchmark(_dependency)
+step_times = load_benchmark("step_times")
 report = load_benchmark("serving_report")
 serving = load_benchmark("serving")
 
@@ -106,6 +108,62 @@ def test_table_prints_every_mode(capsys: pytest.CaptureFixture[str]) -> None:
         assert word in out
 
 
+def _step(dur_us: float, num_tokens: int, num_seqs: int, ts: float = 1e15) -> dict:
+    """A `step` span as the nodes' Perfetto files hold it."""
+    return {"name": "step", "ph": "X", "ts": ts, "dur": dur_us, "pid": 1, "tid": 1,
+            "args": {"num_tokens": num_tokens, "num_seqs": num_seqs}}
+
+
+def test_decode_steps_are_grouped_by_batch_with_nearest_rank_percentiles() -> None:
+    events = [_step(ms * 1e3, 1, 1) for ms in range(1, 11)] + [_step(30e3, 4, 4),
+                                                               _step(20e3, 4, 4)]
+    by_batch = step_times.step_summary(events)["decode_step_ms_by_batch"]
+    assert list(by_batch) == ["1", "4"]
+    assert by_batch["1"] == {"steps": 10, "p50": pytest.approx(5.0), "p90": pytest.approx(9.0)}
+    assert by_batch["4"] == {"steps": 2, "p50": pytest.approx(20.0), "p90": pytest.approx(30.0)}
+
+
+def test_steps_that_carried_a_prefill_chunk_are_kept_apart() -> None:
+    """More tokens than sequences: a prefill chunk rode along (a mixed node's step)."""
+    summary = step_times.step_summary([_step(2e3, 2, 2), _step(50e3, 34, 3), _step(40e3, 32, 1)])
+    assert summary["decode_step_ms_by_batch"] == {"2": {"steps": 1, "p50": 2.0, "p90": 2.0}}
+    assert summary["mixed_step_ms"] == {"steps": 2, "p50": pytest.approx(40.0),
+                                        "p90": pytest.approx(50.0)}
+
+
+def test_events_other_than_step_spans_are_ignored() -> None:
+    """Metadata, counters, instants named `step` and other spans count for nothing."""
+    events = [{"name": "process_name", "ph": "M", "pid": 1, "tid": 0, "args": {"name": "d"}},
+              {"name": "kv_wait", "ph": "X", "ts": 1e15, "dur": 9e3, "args": {}},
+              {"name": "step", "ph": "i", "s": "t", "ts": 1e15, "args": {}},
+              {"name": "kv_writes_landed", "ph": "C", "ts": 1e15, "args": {"r": 1}},
+              _step(3e3, 1, 1)]
+    summary = step_times.step_summary(events)
+    assert summary["decode_step_ms_by_batch"] == {"1": {"steps": 1, "p50": 3.0, "p90": 3.0}}
+    assert summary["mixed_step_ms"] == {"steps": 0, "p50": None, "p90": None}
+
+
+def test_steps_before_the_stream_started_are_left_out() -> None:
+    """The warm-up's steps ran before `since_us`: they are not the stream's."""
+    events = [_step(90e3, 1, 1, ts=1_000.0), _step(5e3, 1, 1, ts=2_000.0)]
+    by_batch = step_times.step_summary(events, since_us=1_500.0)["decode_step_ms_by_batch"]
+    assert by_batch == {"1": {"steps": 1, "p50": 5.0, "p90": 5.0}}
+
+
+def test_table_prints_the_step_times_per_batch(capsys: pytest.CaptureFixture[str]) -> None:
+    run = {"observed": [_observed("short", 0.0, [0.1, 0.2], 2)],
+           "quiet": SimpleNamespace(quiet=True, others=0.0),
+           "cpu_cores": {"front door": 0.1, "client": 0.1, "others": 0.0}, "affinity": {},
+           "server_exit_code": 0, "server_log_tail": "",
+           "engine_steps": step_times.step_summary([_step(12.5e3, 7, 7)])}
+    args = Namespace(model="tiny", stream="poisson", num_requests=1, rate=1.0, long_fraction=0.2,
+                     long_len=[256, 512], max_tokens=2, out=None, json=False, modes=[])
+    report.print_table(json.loads(json.dumps(report.summarize(args, {"mixed": run}))))
+    out = capsys.readouterr().out
+    assert "Engine step ms per batch" in out
+    assert "1, 12.5 / 12.5" in out
+
+
 @pytest.mark.slow
 @pytest.mark.fabric
 def test_benchmark_runs_both_modes_and_reports_every_key(tmp_path: Path) -> None:
@@ -136,6 +194,9 @@ def test_benchmark_runs_both_modes_and_reports_every_key(tmp_path: Path) -> None
         assert {"front door", "client", "others"} <= set(mode["cpu_cores"])
     assert result["modes"]["disagg"]["affinity"] == {"prefill-0": [0], "decode-0": [1]}
     assert result["modes"]["mixed"]["affinity"] == {"mixed-0": [0], "mixed-1": [1]}
+    for name, mode in result["modes"].items():  # the decoding nodes' own traces were read
+        assert mode["step_traces_missing"] == [], name
+        assert mode["decode_step_ms_by_batch"], name
     assert set(result["goal"]) >= {"disagg_itl_p99_over_p50", "target", "met"}
 
 
