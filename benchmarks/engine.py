@@ -1,12 +1,19 @@
-"""Single-node engine speed against Hugging Face transformers, side by side in one run (S1, S9b).
+"""Single-node engine speed against Hugging Face transformers, side by side (S1, S9b, X8).
 
 For each model (SmolLM2-135M and a random Qwen3-MoE by default) and each dtype (float32 and
 bfloat16), both sides load the same Hugging Face checkpoint (`engine_models.py`) and run in that
-dtype on the same threads: prefill tokens/s of one prompt, and the time of one decode step at
-batch 1 and 8, for our paged engine in both KV layouts and for transformers' own KV-cached
-forward. The three engines take turns within every rep (median of `--reps`), so a busy spell on
-the machine hits all of them. Every row pairs ours with transformers: `ratio` is
-transformers / ours, `ours_speedup` says how many times faster ours is whatever the unit.
+dtype on the same threads: prefill tokens/s of one prompt at each `--prompt-lens` length (ours in
+one chunk), and the time of one decode step at each `--batches` size after prompts of the first
+length, for our paged engine in both KV layouts and for transformers' own KV-cached forward. The
+three engines take turns within every rep (median of `--reps`), so a busy spell on the machine
+hits all of them. Every row pairs ours with transformers: `ratio` is transformers / ours,
+`ours_speedup` says how many times faster ours is whatever the unit.
+
+The machine's speed (X8): the run measures the memory's read bandwidth (`read_bandwidth_gbs`),
+and a decode step at batch 1 is set against its roofline, the time to read the weights it uses
+(`decode_weight_bytes`) and its prompt's KV at that bandwidth: `roofline_fraction_batch1` is
+roofline / measured, 1 being the machine's speed. glibc's malloc runs with the serving nodes'
+settings (`keep_freed_memory`) unless `--malloc-defaults`, for both engines alike.
 Run: `python benchmarks/engine.py [--models smollm2-135m qwen3-moe-small] [--dtype bfloat16]`.
 """
 
@@ -15,11 +22,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import re
 import statistics
 import sys
 import tempfile
 import time
 from collections.abc import Callable
+from fractions import Fraction
 from pathlib import Path
 from typing import Any
 
@@ -35,14 +44,27 @@ from engine_models import (
 from disagg.config import DTYPES, check_dtype
 from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import LoadedModel, load_model
+from disagg.model.transformer import Transformer
+from disagg.model_config import ModelConfig
+from disagg.node.builder import keep_freed_memory
 
-BATCHES = (1, 8)
 LAYOUTS = ("NHD", "HND")
-# Each metric, whether a higher value is the faster engine, and its table heading.
-METRICS = {"prefill_tokens_per_s": (True, "prefill tok/s"),
-           "decode_step_ms_batch1": (False, "decode ms, batch 1"),
-           "decode_step_ms_batch8": (False, "decode ms, batch 8")}
-Sample = tuple[float, float]  # (prefill seconds of one prompt, seconds per decode step)
+ROOFLINE = "roofline_fraction_batch1"
+# A routed expert's weights, by our parameter names ("layers.3.mlp.experts.12.up_proj.weight");
+# shared experts ("shared_experts.") and dense MLPs do not match.
+ROUTED_EXPERT = re.compile(r"\.experts\.\d+\.")
+BANDWIDTH_BUFFER_BYTES = 1 << 30  # far above any last-level cache, so reads come from memory
+Case = tuple[str, int]  # ("prefill", prompt length) or ("decode", batch)
+Metrics = dict[str, tuple[bool, str]]
+
+
+def metrics_of(prompt_lens: list[int], batches: list[int]) -> Metrics:
+    """Each metric, whether a higher value is the faster engine, and its table heading."""
+    metrics = {f"prefill_tokens_per_s_{n}": (True, f"prefill tok/s, {n}") for n in prompt_lens}
+    metrics |= {f"decode_step_ms_batch{b}": (False, f"decode ms, batch {b}") for b in batches}
+    if 1 in batches:
+        metrics[ROOFLINE] = (True, "roofline share, b1")
+    return metrics
 
 
 def _cpu_jiffies() -> tuple[int, int]:
@@ -82,18 +104,89 @@ def wait_for_quiet(max_wait_s: float = 30.0, busy_limit: float = 0.15) -> tuple[
             return busy < busy_limit, busy
 
 
-def ours(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype, prompt: list[int],
-         batch: int, steps: int) -> Sample:
-    """Our paged engine in `dtype` (weights, activations and KV): one prompt's prefill, then
-    the median decode step with `batch` requests running."""
-    engine = our_engine(loaded, kv_layout, dtype, len(prompt), batch, steps)
+def read_bandwidth_gbs(size_bytes: int = BANDWIDTH_BUFFER_BYTES,
+                       repeats: int = 5) -> tuple[float, str]:
+    """The memory's read bandwidth in GB/s on torch's current threads, and the reader that
+    reached it: the best of `repeats` passes of `torch.sum` over a float32 buffer of
+    `size_bytes` and of `torch.dot` of its two halves (each reads the buffer once). Two
+    readers, because either may be the one whose kernel falls short of the memory's speed."""
+    numel = max(2, size_bytes // 4 // 2 * 2)
+    # Written, not torch.empty: an untouched page reads as the kernel's one zero page, in cache.
+    buffer = torch.ones(numel)
+    first, second = buffer[: numel // 2], buffer[numel // 2:]
+    readers: dict[str, Callable[[], torch.Tensor]] = {
+        "torch.sum": lambda: torch.sum(buffer), "torch.dot": lambda: torch.dot(first, second)}
+    for read in readers.values():
+        read()  # wakes the threads: not timed
+    best = dict.fromkeys(readers, float("inf"))
+    for _ in range(repeats):
+        for name, read in readers.items():
+            start = time.perf_counter()
+            read()
+            best[name] = min(best[name], time.perf_counter() - start)
+    reader = min(best, key=best.__getitem__)
+    return numel * 4 / best[reader] / 1e9, reader
+
+
+def decode_weight_bytes(model: Transformer) -> int:
+    """Bytes of weights one token's decode step reads in our `model`, in its dtype.
+
+    A token passes every layer once, so every parameter counts once, with two exceptions. The
+    embedding lookup reads one row of its table, which is left out; the LM head reads its whole
+    [vocab, hidden] matrix, counted once whether it is the embedding's (tied) or its own. In an
+    MoE layer the token visits `num_experts_per_tok` of the `num_experts` routed experts, all
+    the same size, so each routed expert counts for that share of its bytes; the router, the
+    attention, shared experts and dense layers count whole. Which experts a token picks does
+    not matter here, but at batch > 1 the tokens' experts overlap by chance, which is why this
+    is a batch-1 figure.
+    """
+    embedding = model.embed_tokens.weight
+    moe = model.config.moe
+    routed = Fraction(1) if moe is None else Fraction(moe.num_experts_per_tok, moe.num_experts)
+    total = Fraction(0)
+    for name, param in model.named_parameters():  # a tied head is listed once, as the embedding
+        if param is not embedding:
+            share = routed if ROUTED_EXPERT.search(name) else 1
+            total += share * param.numel() * param.element_size()
+    if model.lm_head is None:  # tied: the head is the embedding, read whole
+        total += embedding.numel() * embedding.element_size()
+    return round(total)
+
+
+def kv_bytes(config: ModelConfig, context: int, dtype: torch.dtype) -> int:
+    """Bytes of K and V that attention reads for one token after `context` tokens."""
+    return context * config.num_layers * 2 * config.num_kv_heads * config.head_dim * dtype.itemsize
+
+
+def roofline_ms(weight_bytes: int, kv: int, bandwidth_gbs: float) -> float:
+    """The time to read a step's weights and KV once at the measured bandwidth."""
+    return (weight_bytes + kv) / (bandwidth_gbs * 1e9) * 1e3
+
+
+def ours_prefill(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype,
+                 prompt: list[int]) -> float:
+    """Seconds our paged engine in `dtype` (weights, activations and KV) takes to prefill
+    `prompt` on a fresh engine: the whole prompt in one chunk, its first token sampled."""
+    engine = our_engine(loaded, kv_layout, dtype, len(prompt), 1, 1)
     assert engine.model.embed_tokens.weight.dtype == dtype, "our engine runs in another dtype"
-    params = SamplingParams(max_tokens=steps + 1, ignore_eos=True)
     start = time.perf_counter()
-    engine.add_request(prompt, params)
-    engine.step()  # the whole prompt in one chunk, first token sampled
-    prefill = time.perf_counter() - start
-    for _ in range(batch - 1):
+    request = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
+    engine.step()
+    seconds = time.perf_counter() - start
+    # A token is sampled only once the whole prompt is in: one step, so one chunk.
+    assert len(request.output_token_ids) == 1, "the prompt took more than one chunk"
+    return seconds
+
+
+def ours_decode(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype, prompt: list[int],
+                batch: int, steps: int) -> float:
+    """The median seconds of our decode step with `batch` requests of `prompt` running."""
+    # Each request decodes while the later ones are added (one a step), then `steps` timed:
+    # none may finish before the timing ends, or the batch would shrink under it.
+    decodes = steps + batch
+    engine = our_engine(loaded, kv_layout, dtype, len(prompt), batch, decodes)
+    params = SamplingParams(max_tokens=decodes + 1, ignore_eos=True)
+    for _ in range(batch):
         engine.add_request(prompt, params)
         engine.step()
     step_times = []
@@ -101,20 +194,31 @@ def ours(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype, prompt: list[i
         start = time.perf_counter()
         engine.step()
         step_times.append(time.perf_counter() - start)
-    return prefill, statistics.median(step_times)
+    return statistics.median(step_times)
 
 
-def reference(hf_model: torch.nn.Module, prompt: list[int], batch: int, steps: int) -> Sample:
-    """The same measurement with transformers' forward and DynamicCache. The prefill computes
-    the last position's logits only (`logits_to_keep=1`, as its `generate` does, and ours)."""
+def reference_prefill(hf_model: torch.nn.Module, prompt: list[int]) -> float:
+    """Seconds transformers' forward takes over `prompt`, computing the last position's logits
+    only (`logits_to_keep=1`, as its `generate` does, and ours)."""
     ids = torch.tensor([prompt])
     with torch.inference_mode():
         start = time.perf_counter()
         out = hf_model(ids, use_cache=True, logits_to_keep=1)
         out.logits[:, -1].argmax(-1)
-        prefill = time.perf_counter() - start
-        out = hf_model(ids.repeat(batch, 1), use_cache=True, logits_to_keep=1)
+        return time.perf_counter() - start
+
+
+def reference_decode(hf_model: torch.nn.Module, prompt: list[int], batch: int,
+                     steps: int) -> float:
+    """The median seconds of transformers' decode step with DynamicCache, `batch` rows of
+    `prompt`."""
+    with torch.inference_mode():
+        out = hf_model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
         cache, next_ids = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        # Copies of one prompt's KV: what a batched prefill of the same rows would store,
+        # without its cost, which grows with the batch.
+        cache.batch_repeat_interleave(batch)
+        next_ids = next_ids.repeat(batch, 1)
         step_times = []
         for _ in range(steps):
             start = time.perf_counter()
@@ -122,51 +226,95 @@ def reference(hf_model: torch.nn.Module, prompt: list[int], batch: int, steps: i
             next_ids = out.logits[:, -1:].argmax(-1)
             step_times.append(time.perf_counter() - start)
             cache = out.past_key_values
-    return prefill, statistics.median(step_times)
+    return statistics.median(step_times)
 
 
-def measure(directory: Path, loaded: LoadedModel, dtype: torch.dtype, prompt: list[int],
-            steps: int, reps: int) -> dict[str, dict[int, list[Sample]]]:
-    """Samples by engine ("ours-NHD", "ours-HND", "transformers") and batch size, the engines
-    taking turns in every rep (in a rotated order, so that none always runs first). `loaded`
-    is our float32 load of `directory`; each engine casts its own copy to `dtype`."""
+def cases_of(prompt_lens: list[int], batches: list[int]) -> list[Case]:
+    return [("prefill", n) for n in prompt_lens] + [("decode", b) for b in batches]
+
+
+def measure(directory: Path, loaded: LoadedModel, dtype: torch.dtype,
+            prompts: dict[int, list[int]], batches: list[int], steps: int,
+            reps: int) -> dict[str, dict[Case, list[float]]]:
+    """Seconds by engine ("ours-NHD", "ours-HND", "transformers") and case: a prefill by prompt
+    length, a decode step by batch (after the first prompt), the engines taking turns in every
+    rep (in a rotated order, so that none always runs first). `loaded` is our float32 load of
+    `directory`; each engine casts its own copy to `dtype`."""
     hf_model = load_reference(directory, dtype)
     assert hf_model.dtype == dtype, f"transformers loaded {hf_model.dtype}, not {dtype}"
-    runs: dict[str, Callable[[int], Sample]] = {
-        **{f"ours-{layout}": (lambda b, layout=layout: ours(loaded, layout, dtype, prompt, b,
-                                                            steps)) for layout in LAYOUTS},
-        "transformers": lambda b: reference(hf_model, prompt, b, steps)}
-    samples: dict[str, dict[int, list[Sample]]] = {name: {b: [] for b in BATCHES} for name in runs}
-    names = list(runs)
+    decode_prompt = next(iter(prompts.values()))  # the first length's
+
+    def run(name: str, case: Case) -> float:
+        kind, size = case
+        if name == "transformers":
+            return (reference_prefill(hf_model, prompts[size]) if kind == "prefill"
+                    else reference_decode(hf_model, decode_prompt, size, steps))
+        layout = name.removeprefix("ours-")
+        return (ours_prefill(loaded, layout, dtype, prompts[size]) if kind == "prefill"
+                else ours_decode(loaded, layout, dtype, decode_prompt, size, steps))
+
+    names = [*(f"ours-{layout}" for layout in LAYOUTS), "transformers"]
+    cases = cases_of(list(prompts), batches)
+    samples: dict[str, dict[Case, list[float]]] = {name: {c: [] for c in cases} for name in names}
     for rep in range(reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
-        for batch in BATCHES:
+        for case in cases:
             for name in order:
-                samples[name][batch].append(runs[name](batch))
+                samples[name][case].append(run(name, case))
     return samples
 
 
-def summarize(samples: dict[int, list[Sample]], prompt_len: int) -> dict[str, float]:
-    """One engine's metrics: medians over reps (the prefill over both batch sizes' runs)."""
-    prefill = statistics.median(s[0] for b in BATCHES for s in samples[b])
-    return {"prefill_tokens_per_s": prompt_len / prefill,
-            **{f"decode_step_ms_batch{b}": statistics.median(s[1] for s in samples[b]) * 1e3
-               for b in BATCHES}}
+def summarize(samples: dict[Case, list[float]]) -> dict[str, float]:
+    """One engine's metrics: medians over reps."""
+    out = {}
+    for (kind, size), seconds in samples.items():
+        median = statistics.median(seconds)
+        if kind == "prefill":
+            out[f"prefill_tokens_per_s_{size}"] = size / median
+        else:
+            out[f"decode_step_ms_batch{size}"] = median * 1e3
+    return out
 
 
-def rows_of(model: str, dtype: str, samples: dict[str, dict[int, list[Sample]]],
-            prompt_len: int) -> list[dict[str, Any]]:
-    """One row per (layout, metric): ours beside transformers, measured in the same reps."""
-    theirs = summarize(samples["transformers"], prompt_len)
+def with_roofline(metrics: dict[str, float], roofline: float | None) -> dict[str, float]:
+    """`metrics` and, given the batch-1 roofline in ms, the share of it the step reaches."""
+    if roofline is None:
+        return metrics
+    return {**metrics, ROOFLINE: roofline / metrics["decode_step_ms_batch1"]}
+
+
+def rows_of(model: str, dtype: str, samples: dict[str, dict[Case, list[float]]],
+            metrics: Metrics, roofline: dict[str, float] | None) -> list[dict[str, Any]]:
+    """One row per (layout, metric): ours beside transformers, measured in the same reps. A
+    roofline row also holds the roofline's ms and the bytes it reads (`roofline`)."""
+    ms = None if roofline is None else roofline["roofline_ms_batch1"]
+    theirs = with_roofline(summarize(samples["transformers"]), ms)
     rows = []
     for layout in LAYOUTS:
-        mine = summarize(samples[f"ours-{layout}"], prompt_len)
-        for metric, (higher_is_faster, _) in METRICS.items():
+        mine = with_roofline(summarize(samples[f"ours-{layout}"]), ms)
+        for metric, (higher_is_faster, _) in metrics.items():
             ratio = theirs[metric] / mine[metric]
             rows.append({"model": model, "dtype": dtype, "layout": layout, "metric": metric,
                          "ours": mine[metric], "transformers": theirs[metric], "ratio": ratio,
-                         "ours_speedup": 1 / ratio if higher_is_faster else ratio})
+                         "ours_speedup": 1 / ratio if higher_is_faster else ratio,
+                         **(roofline if metric == ROOFLINE and roofline else {})})
     return rows
+
+
+def roofline_of(loaded: LoadedModel, dtype: torch.dtype, context: int,
+                bandwidth_gbs: float) -> dict[str, float]:
+    """The batch-1 decode step's roofline for our model in `dtype` after `context` tokens."""
+    weights = decode_weight_bytes(our_engine(loaded, LAYOUTS[0], dtype, 1, 1, 1).model)
+    kv = kv_bytes(loaded.config, context, dtype)
+    return {"roofline_ms_batch1": roofline_ms(weights, kv, bandwidth_gbs),
+            "weight_bytes": weights, "kv_bytes": kv}
+
+
+def positive_int(text: str) -> int:
+    value = int(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
 
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
@@ -175,39 +323,68 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         help="smollm2-135m, a Llama preset, qwen3-moe-small or qwen3-moe-tiny")
     parser.add_argument("--dtype", nargs="+", default=["float32", "bfloat16"],
                         choices=list(DTYPES))
-    parser.add_argument("--prompt-len", type=int, default=512)
-    parser.add_argument("--steps", type=int, default=16)
-    parser.add_argument("--threads", type=int, default=torch.get_num_threads())
-    parser.add_argument("--reps", type=int, default=3)
+    parser.add_argument("--prompt-lens", "--prompt-len", dest="prompt_lens", nargs="+",
+                        type=positive_int, default=[512, 2048],
+                        help="prefill lengths; decode steps follow prompts of the first")
+    parser.add_argument("--batches", nargs="+", type=positive_int, default=[1, 8, 32],
+                        help="decode batch sizes; the roofline needs 1")
+    parser.add_argument("--steps", type=positive_int, default=16)
+    parser.add_argument("--threads", type=positive_int, default=torch.get_num_threads())
+    parser.add_argument("--reps", type=positive_int, default=3)
     parser.add_argument("--quiet-wait-s", type=float, default=30.0)
+    parser.add_argument("--bandwidth-mib", type=positive_int,
+                        default=BANDWIDTH_BUFFER_BYTES >> 20,
+                        help="the read-bandwidth buffer (keep it far above the caches)")
+    parser.add_argument("--malloc-defaults", action="store_true",
+                        help="leave glibc malloc's thresholds as they are (the nodes raise them)")
     parser.add_argument("--json", action="store_true", help="print the JSON, not the table")
     parser.add_argument("--out", type=Path, help="also write the JSON here")
-    return parser.parse_args(argv)
+    args = parser.parse_args(argv)
+    for option, values in (("--prompt-lens", args.prompt_lens), ("--batches", args.batches)):
+        if len(set(values)) != len(values):
+            parser.error(f"{option} repeats a value: {values}")
+    return args
+
+
+def prompts_of(vocab_size: int, lengths: list[int]) -> dict[int, list[int]]:
+    """A random prompt per length, each the start of the longest (the same tokens for all)."""
+    tokens = torch.randint(10, vocab_size, (max(lengths),),
+                           generator=torch.Generator().manual_seed(0)).tolist()
+    return {n: tokens[:n] for n in lengths}
 
 
 def main(argv: list[str] | None = None) -> dict[str, Any]:
     args = parse_args(argv)
+    if not args.malloc_defaults:
+        keep_freed_memory()  # as every serving node does; process-wide, so both engines alike
     torch.set_num_threads(args.threads)
     started, rows = time.monotonic(), []
     quiet, busy_before = wait_for_quiet(args.quiet_wait_s)
     meter = CpuMeter()
+    bandwidth, reader = read_bandwidth_gbs(args.bandwidth_mib << 20)
+    metrics = metrics_of(args.prompt_lens, args.batches)
     for model in args.models:
         with tempfile.TemporaryDirectory(prefix="engine-bench-") as directory:
             write_checkpoint(model, Path(directory))
             loaded = load_model(directory)  # once per model, float32
-            prompt = torch.randint(10, loaded.config.vocab_size, (args.prompt_len,),
-                                   generator=torch.Generator().manual_seed(0)).tolist()
+            prompts = prompts_of(loaded.config.vocab_size, args.prompt_lens)
             for dtype in args.dtype:
-                samples = measure(Path(directory), loaded, check_dtype(dtype), prompt,
-                                  args.steps, args.reps)
-                rows += rows_of(model, dtype, samples, args.prompt_len)
+                samples = measure(Path(directory), loaded, check_dtype(dtype), prompts,
+                                  args.batches, args.steps, args.reps)
+                roofline = (roofline_of(loaded, check_dtype(dtype), args.prompt_lens[0],
+                                        bandwidth) if 1 in args.batches else None)
+                rows += rows_of(model, dtype, samples, metrics, roofline)
     import transformers
 
-    result = {"prompt_len": args.prompt_len, "steps": args.steps, "reps": args.reps,
+    result = {"prompt_lens": args.prompt_lens, "decode_prompt_len": args.prompt_lens[0],
+              "batches": args.batches, "steps": args.steps, "reps": args.reps,
               "threads": args.threads, "torch": torch.__version__,
               "transformers": transformers.__version__,
               "transformers_kernels": {"attention": ATTENTION_IMPLEMENTATION,
                                        "experts": EXPERTS_IMPLEMENTATION},
+              "malloc": "glibc defaults" if args.malloc_defaults else "node settings",
+              "read_bandwidth": {"gbs": bandwidth, "reader": reader,
+                                 "buffer_mib": args.bandwidth_mib},
               "quiet_machine": quiet, "others_cpu_share_before": busy_before,
               "others_cpu_share_during": meter.others_share(),
               "wall_s": time.monotonic() - started, "rows": rows}
@@ -220,21 +397,30 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     return result
 
 
+def number(value: float) -> str:
+    """Three significant digits, but whole numbers from 100 up (2,516 tok/s, not 2.52e+03)."""
+    return f"{value:,.0f}" if value >= 100 else f"{value:.3g}"
+
+
 def print_table(result: dict[str, Any]) -> None:
     from rich.console import Console
     from rich.table import Table
 
-    busy = result["others_cpu_share_during"]
-    table = Table(title=f"ours vs transformers {result['transformers']}, prompt "
-                        f"{result['prompt_len']}, {result['threads']} threads, median of "
-                        f"{result['reps']}; other processes took {busy:.0%} of the CPU")
-    for column in ("model", "dtype", "layout", "metric", "ours", "transformers",
-                   "transformers/ours", "ours faster x"):
+    metrics = metrics_of(result["prompt_lens"], result["batches"])
+    busy, read = result["others_cpu_share_during"], result["read_bandwidth"]
+    rooflines = [f"{r['model']} {r['dtype']} {r['roofline_ms_batch1']:.3g} ms"
+                 for r in result["rows"] if r["metric"] == ROOFLINE and r["layout"] == LAYOUTS[0]]
+    table = Table(title=f"ours vs transformers {result['transformers']}, {result['threads']} "
+                        f"threads, median of {result['reps']}, decodes after "
+                        f"{result['decode_prompt_len']} tokens, malloc {result['malloc']}; "
+                        f"other processes took {busy:.0%} of the CPU",
+                  caption=(f"roofline: weights and KV read at {read['gbs']:.1f} GB/s "
+                           f"({read['reader']}): " + "; ".join(rooflines)) if rooflines else None)
+    for column in ("model", "dtype", "layout", "metric", "ours", "transformers", "ours x"):
         table.add_column(column)
     for r in result["rows"]:
-        table.add_row(r["model"], r["dtype"], r["layout"], METRICS[r["metric"]][1],
-                      f"{r['ours']:.2f}", f"{r['transformers']:.2f}", f"{r['ratio']:.2f}",
-                      f"{r['ours_speedup']:.2f}")
+        table.add_row(r["model"], r["dtype"], r["layout"], metrics[r["metric"]][1],
+                      number(r["ours"]), number(r["transformers"]), f"{r['ours_speedup']:.2f}")
     Console().print(table)
 
 

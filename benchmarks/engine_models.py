@@ -101,9 +101,12 @@ def our_engine(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype, prompt_l
     """Our paged engine in `dtype` (weights, activations and KV), sized for `batch` prompts of
     `prompt_len` tokens and `steps` decodes each, a prompt prefilled in one chunk."""
     num_pages = (prompt_len + steps + 32) // 16 * batch + 64
+    # A step's budget holds a whole prompt beside the batch's other decodes: a batch filled one
+    # prompt a step prefills each in one chunk, and all `batch` decode in every step.
+    scheduler = SchedulerConfig(chunk_size=prompt_len, max_num_batched_tokens=prompt_len + batch,
+                                max_num_seqs=batch)
     config = EngineConfig(loaded.config,
                           CacheConfig(page_size=16, num_pages=num_pages, kv_layout=kv_layout,
                                       dtype=dtype, prefix_caching=prefix_caching),
-                          SchedulerConfig(chunk_size=prompt_len, max_num_batched_tokens=prompt_len,
-                                          max_num_seqs=batch), dtype=dtype)
+                          scheduler, dtype=dtype)
     return build_engine(config, loaded.state_dict)

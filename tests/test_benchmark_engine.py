@@ -1,40 +1,62 @@
-"""benchmarks/engine.py: a toy-sized run of both model kinds in both dtypes, and its JSON."""
+"""benchmarks/engine.py: a toy-sized run of both model kinds in both dtypes, its JSON, and the
+roofline's parts (the read bandwidth, the bytes a decode step reads)."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
-from pathlib import Path
+from types import ModuleType
 
 import pytest
+import torch
 
+from disagg.model.loading.registry import load_model
+from disagg.model.transformer import Transformer
+from disagg.model_config import MoEConfig
 from tests.benchmark_modules import load_benchmark
 
 pytest.importorskip("transformers")
-pytestmark = pytest.mark.slow  # two models, two dtypes, three engines: tens of seconds
 
-ROOT = Path(__file__).resolve().parent.parent
 MODELS = ["tiny", "qwen3-moe-tiny"]  # a Llama preset saved by us, a Qwen3-MoE by transformers
 DTYPES = ["float32", "bfloat16"]
+PROMPT_LENS = [16, 32]
+BATCHES = [1, 2]
 
 
 @pytest.fixture(scope="module")
-def result(tmp_path_factory: pytest.TempPathFactory) -> dict:
+def engine_bench() -> ModuleType:
     load_benchmark("engine_models")
+    return load_benchmark("engine")
+
+
+@pytest.fixture(scope="module")
+def result(engine_bench: ModuleType, tmp_path_factory: pytest.TempPathFactory) -> dict:
     out = tmp_path_factory.mktemp("engine") / "engine.json"
-    load_benchmark("engine").main(["--models", *MODELS, "--dtype", *DTYPES, "--prompt-len", "16",
-                          "--steps", "2", "--reps", "1", "--quiet-wait-s", "0", "--json",
-                          "--out", str(out)])
+    engine_bench.main(["--models", *MODELS, "--dtype", *DTYPES,
+                       "--prompt-lens", *map(str, PROMPT_LENS), "--batches", *map(str, BATCHES),
+                       "--steps", "2", "--reps", "1", "--quiet-wait-s", "0",
+                       "--bandwidth-mib", "8", "--json", "--out", str(out)])
     return json.loads(out.read_text())
 
 
+def by_key(result: dict) -> dict[tuple[str, str, str, str], dict]:
+    return {(r["model"], r["dtype"], r["layout"], r["metric"]): r for r in result["rows"]}
+
+
+@pytest.mark.slow  # two models, two dtypes, three engines: seconds
 def test_a_row_per_model_dtype_layout_and_metric(result: dict) -> None:
-    """Every (model, dtype, layout, metric) has exactly one row, nothing else has one."""
+    """Every (model, dtype, layout, metric) has exactly one row, nothing else has one: a prefill
+    per prompt length, a decode step per batch, the batch-1 roofline."""
     keys = [(r["model"], r["dtype"], r["layout"], r["metric"]) for r in result["rows"]]
-    metrics = ["prefill_tokens_per_s", "decode_step_ms_batch1", "decode_step_ms_batch8"]
+    metrics = ["prefill_tokens_per_s_16", "prefill_tokens_per_s_32", "decode_step_ms_batch1",
+               "decode_step_ms_batch2", "roofline_fraction_batch1"]
     assert sorted(keys) == sorted((m, d, layout, metric) for m in MODELS for d in DTYPES
                                   for layout in ("NHD", "HND") for metric in metrics)
+    assert (result["prompt_lens"], result["decode_prompt_len"]) == (PROMPT_LENS, 16)
+    assert result["batches"] == BATCHES
 
 
+@pytest.mark.slow
 def test_rows_pair_positive_numbers_and_their_ratio(result: dict) -> None:
     """Both sides measured, the ratio is transformers / ours, the speedup reads the same way
     for times and throughputs."""
@@ -46,3 +68,66 @@ def test_rows_pair_positive_numbers_and_their_ratio(result: dict) -> None:
         assert r["ours_speedup"] == pytest.approx(faster)
     assert result["transformers_kernels"] == {"attention": "sdpa", "experts": "eager"}
     assert 0 <= result["others_cpu_share_during"] <= 1
+    assert result["malloc"] == "node settings"
+
+
+@pytest.mark.slow
+def test_the_roofline_share_is_roofline_over_the_measured_step(result: dict) -> None:
+    """Each engine's share is the roofline's ms over its own batch-1 step, the roofline being
+    positive bytes read at the run's measured bandwidth."""
+    rows = by_key(result)
+    gbs = result["read_bandwidth"]["gbs"]
+    for (model, dtype, layout, metric), r in rows.items():
+        if metric != "roofline_fraction_batch1":
+            continue
+        assert r["weight_bytes"] > 0
+        assert r["kv_bytes"] > 0
+        assert r["roofline_ms_batch1"] == pytest.approx(
+            (r["weight_bytes"] + r["kv_bytes"]) / (gbs * 1e9) * 1e3)
+        step = rows[(model, dtype, layout, "decode_step_ms_batch1")]
+        assert r["ours"] == pytest.approx(r["roofline_ms_batch1"] / step["ours"])
+        assert r["transformers"] == pytest.approx(r["roofline_ms_batch1"] / step["transformers"])
+
+
+def test_read_bandwidth_is_positive(engine_bench: ModuleType) -> None:
+    """A small buffer (in cache: only the sign is checked), and the reader that won."""
+    gbs, reader = engine_bench.read_bandwidth_gbs(1 << 20, repeats=2)
+    assert gbs > 0
+    assert reader in ("torch.sum", "torch.dot")
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_a_dense_step_reads_every_weight_but_the_embedding_and_the_head_once(
+        engine_bench: ModuleType, tied: bool) -> None:
+    """A tied head is the embedding: counted once as the head; an untied one beside it."""
+    config = dataclasses.replace(load_model("tiny").config, tie_word_embeddings=tied)
+    model = Transformer(config).to(torch.bfloat16)
+    everything = sum(p.numel() * 2 for p in model.parameters())  # a tied matrix is listed once
+    embedding = config.vocab_size * config.hidden_size * 2
+    head = embedding if tied else 0  # an untied head is already among the parameters
+    assert engine_bench.decode_weight_bytes(model) == everything - embedding + head
+
+
+def test_an_moe_step_reads_the_experts_a_token_picks(engine_bench: ModuleType) -> None:
+    """Of each MoE layer's routed experts, a token reads `num_experts_per_tok`; the router and
+    the attention whole."""
+    moe = MoEConfig(num_experts=8, num_experts_per_tok=2, moe_intermediate_size=32)
+    config = dataclasses.replace(load_model("tiny").config, moe=moe)
+    model = Transformer(config)
+    rest = sum(p.numel() * 4 for n, p in model.named_parameters() if ".experts." not in n)
+    picked = config.num_layers * 2 * 3 * config.hidden_size * 32 * 4  # gate, up, down
+    embedding = config.vocab_size * config.hidden_size * 4
+    assert engine_bench.decode_weight_bytes(model) == rest - embedding + picked
+
+
+def test_bad_sizes_are_refused(engine_bench: ModuleType) -> None:
+    """A batch below 1 and a repeated prompt length are argparse errors."""
+    with pytest.raises(SystemExit):
+        engine_bench.parse_args(["--batches", "0"])
+    with pytest.raises(SystemExit):
+        engine_bench.parse_args(["--prompt-lens", "16", "16"])
+
+
+def test_the_old_prompt_len_option_still_works(engine_bench: ModuleType) -> None:
+    """`--prompt-len` is `--prompt-lens` by another name."""
+    assert engine_bench.parse_args(["--prompt-len", "16"]).prompt_lens == [16]
