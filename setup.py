@@ -24,6 +24,6 @@ setup(
     cffi_modules=[
         "transfer_core/pyfabric/_build.py:ffibuilder",
         "transfer_core/_poller_build.py:ffibuilder",
-        "disagg/model/_small_linear_build.py:ffibuilder",
+        "disagg/model/_cpu_kernels_build.py:ffibuilder",
     ],
 )

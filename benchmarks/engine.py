@@ -184,7 +184,10 @@ def ours_decode(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype, prompt:
     # Each request decodes while the later ones are added (one a step), then `steps` timed:
     # none may finish before the timing ends, or the batch would shrink under it.
     decodes = steps + batch
-    engine = our_engine(loaded, kv_layout, dtype, len(prompt), batch, decodes)
+    # No prefix cache: every request holds its own copy of the prompt's KV, as transformers'
+    # batch does; shared pages would let our attention read one copy `batch` times.
+    engine = our_engine(loaded, kv_layout, dtype, len(prompt), batch, decodes,
+                        prefix_caching=False)
     params = SamplingParams(max_tokens=decodes + 1, ignore_eos=True)
     for _ in range(batch):
         engine.add_request(prompt, params)

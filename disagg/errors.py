@@ -61,3 +61,9 @@ class RankError(DisaggError):
 class PreflightError(DisaggError):
     """Something a run needs from this machine is not there, found before any model loads: a
     port already in use, a libfabric provider the machine lacks (`node/preflight.py`)."""
+
+
+class KernelError(DisaggError, RuntimeError):
+    """A CPU kernel of the model (`model/cpu_kernels.py`) refused its inputs: a page id outside
+    the cache, a length beyond its page table. The engine's own pages never do; if they did,
+    the step's requests would fail (X5a), as the PyTorch path's IndexError fails them."""

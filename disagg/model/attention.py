@@ -1,8 +1,10 @@
 """Pure-PyTorch paged attention for prefill chunks and decodes, both layouts (S3a, S7).
 
 A prefill chunk attends causally over the request's cached prefix plus the chunk itself; a decode
-is a chunk of one token. `reference_attention` is the dense oracle the tests compare against. No
-custom kernels: the cache is gathered page by page and handed to `scaled_dot_product_attention`.
+is a chunk of one token. `reference_attention` is the dense oracle the tests compare against.
+The cache is gathered page by page and handed to `scaled_dot_product_attention`; on a CPU that
+`decode_attention.takes_kernel` accepts, decodes instead run the C kernel that reads the pages
+where they lie (X8b), for which the gather-and-SDPA path is the reference.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+from disagg.model.decode_attention import decode_attention, takes_kernel
 from disagg.model.kv_cache import KVCache
 
 
@@ -57,11 +60,22 @@ def paged_attention(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
     `q` is ``[num_tokens, num_heads, head_dim]``; returns the same shape. `kv_heads`: only
     these of the cache's heads serve `q` (a TP rank's share of a replicated cache).
     """
+    in_c = takes_kernel(q, kv_cache)  # decodes read their pages in place (X8b)
     if meta.decode_page_table is not None:
+        if in_c:
+            return decode_attention(q, kv_cache, layer_idx, meta.decode_page_table,
+                                    meta.decode_kv_lens, scale, kv_heads)
         return _batched_decode(q, kv_cache, layer_idx, meta, scale, kv_heads)
     out = torch.empty_like(q)
     for seq in meta.sequences:
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
+        if seq.query_len == 1 and in_c:
+            o = decode_attention(q[rows], kv_cache, layer_idx, seq.page_ids[None],
+                                 torch.tensor([seq.kv_len]), scale, kv_heads)
+            if len(meta.sequences) == 1:
+                return o
+            out[rows] = o
+            continue
         k, v = kv_cache.gather(layer_idx, seq.page_ids, seq.kv_len)  # [kv_heads, kv_len, dim]
         if kv_heads is not None:
             k, v = k[kv_heads], v[kv_heads]

@@ -7,36 +7,27 @@ machine), so for up to `MAX_ROWS` rows of float32 or bfloat16 on a CPU with AVX-
 bfloat16) the product runs in `small_linear.c`, which streams each weight row once into the
 rows' accumulators. Everything else, prefill chunks, other dtypes and devices, autograd, runs
 `F.linear`, which is also the reference the kernel is tested against.
-Set `DISAGG_SMALL_LINEAR=0` before import to run the reference everywhere (for comparison).
+Set `DISAGG_CPU_KERNELS=0` before import to run the reference everywhere (for comparison).
 """
 
 from __future__ import annotations
-
-import os
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from disagg.model.cpu_kernels import AVX512, AVX512_BF16, DTYPE_CODES, lib
+
 MAX_ROWS = 8
 # How the kernel's calls appear in torch.profiler's tables (`benchmarks/profile_engine.py`).
 PROFILER_NAME = "disagg::small_linear"
 _profiling = torch._C._autograd._profiler_enabled  # a C call: ~0.1 us per projection
 
-try:
-    from disagg.model._small_linear import lib
-except ImportError:  # not built (a source checkout without `pip install -e .`)
-    lib = None
-
-_WANTED = os.environ.get("DISAGG_SMALL_LINEAR", "1") != "0"
-# dtype -> the C side's code for it (small_linear.c's enum), for the ISA this CPU has.
-_KERNELS: dict[torch.dtype, int] = {}
-if lib is not None and _WANTED:
-    if lib.sl_has_avx512():
-        _KERNELS[torch.float32] = 0
-    if lib.sl_has_avx512_bf16():
-        _KERNELS[torch.bfloat16] = 1
+# dtype -> the C side's code for it, for the ISA this CPU has.
+_KERNELS: dict[torch.dtype, int] = {
+    dtype: code for dtype, code in DTYPE_CODES.items()
+    if (AVX512 if dtype == torch.float32 else AVX512_BF16)}
 
 
 def kernel_dtypes() -> tuple[torch.dtype, ...]:

@@ -12,7 +12,8 @@
    x86-64): the caller then runs the pure-PyTorch reference (`linear.py`). */
 
 #include <stdint.h>
-#include <string.h>
+
+#include "bf16.h"
 
 #define SL_MAX_ROWS 8
 /* Below this many weight elements one thread streams the matrix faster than a team starts. */
@@ -27,26 +28,12 @@ enum { SL_FLOAT32 = 0, SL_BFLOAT16 = 1 };
 #include <omp.h>
 
 int sl_has_avx512(void) {
-    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw");
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl");
 }
 
 int sl_has_avx512_bf16(void) {
     return sl_has_avx512() && __builtin_cpu_supports("avx512bf16");
-}
-
-static inline uint16_t sl_round_bf16(float f) {
-    uint32_t u;
-    memcpy(&u, &f, sizeof u);
-    if ((u & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((u >> 16) | 0x40u); /* quiet NaN */
-    u += 0x7fffu + ((u >> 16) & 1u);
-    return (uint16_t)(u >> 16);
-}
-
-static inline float sl_bf16_to_f32(uint16_t h) {
-    uint32_t u = (uint32_t)h << 16;
-    float f;
-    memcpy(&f, &u, sizeof f);
-    return f;
 }
 
 /* One weight row j against m token rows; m is a literal at every call site, so the

@@ -1,4 +1,6 @@
-"""Paged attention equals dense reference attention, in both layouts (S3a, S7)."""
+"""Paged attention equals dense reference attention, in both layouts (S3a, S7), on both paths
+of a decode: the C kernel that reads pages in place (X8b, where the CPU has it) and the PyTorch
+gather-and-SDPA path (every other device, and the kernel's reference)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,7 @@ import pytest
 import torch
 
 from disagg.config import CacheConfig, ModelConfig
+from disagg.model import attention as attention_module
 from disagg.model.attention import (
     AttentionMetadata,
     SequenceSlice,
@@ -16,6 +19,13 @@ from disagg.model.kv_cache import PagedKVCache
 
 MODEL = ModelConfig.from_name("tiny")  # 8 query heads, 4 kv heads, head_dim 8
 SCALE = MODEL.head_dim ** -0.5
+
+
+@pytest.fixture(autouse=True, params=["kernel where available", "pytorch"])
+def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    if request.param == "pytorch":
+        monkeypatch.setattr(attention_module, "takes_kernel", lambda *_: False)
+    return request.param
 
 
 def fill_request(cache: PagedKVCache, page_ids: list[int], k: torch.Tensor,

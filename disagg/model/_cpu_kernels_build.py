@@ -1,0 +1,45 @@
+"""cffi out-of-line API-mode builder for `disagg.model._cpu_kernels`, the model's two CPU
+kernels (X8): the decode projections (`small_linear.c`, used by `linear.py`) and paged decode
+attention (`decode_attention.c`, used by `decode_attention.py`).
+
+cffi releases the GIL around each call, and each kernel splits its work over OpenMP threads.
+Built by setuptools through setup.py's `cffi_modules`, or in place with
+`python disagg/model/_cpu_kernels_build.py` from the repository root.
+"""
+
+from __future__ import annotations
+
+import pathlib
+
+import cffi
+
+CDEF = """
+int sl_has_avx512(void);
+int sl_has_avx512_bf16(void);
+int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
+              int64_t n, int64_t k, int threads);
+int da_decode_attention(int bf16, int layout, uintptr_t q, uintptr_t layer, uintptr_t table,
+                        uintptr_t kv_lens, uintptr_t out, int64_t batch, int64_t max_pages,
+                        int64_t num_pages, int64_t page_size, int64_t cache_heads,
+                        int64_t head_dim, int64_t head_start, int64_t num_kv_heads,
+                        int64_t group, float scale, int threads);
+"""
+
+_HERE = pathlib.Path(__file__).resolve().parent
+SOURCES = ("small_linear.c", "decode_attention.c")
+
+ffibuilder = cffi.FFI()
+ffibuilder.cdef(CDEF)
+ffibuilder.set_source(
+    "disagg.model._cpu_kernels",
+    # One translation unit: the kernels share bf16.h's helpers and the ISA checks.
+    "\n".join((_HERE / name).read_text() for name in SOURCES),
+    include_dirs=[str(_HERE)],
+    # -fopenmp links libgomp.so.1, the soname of the runtime torch loads first, so the kernels
+    # and torch's own operators share one thread pool. -fno-math-errno lets expf inline.
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-fno-math-errno"],
+    extra_link_args=["-fopenmp"],
+)
+
+if __name__ == "__main__":
+    ffibuilder.compile(tmpdir=str(_HERE.parent.parent), verbose=False)

@@ -1,0 +1,27 @@
+"""The model's compiled CPU kernels, and which of them this process may run (X8).
+
+`_cpu_kernels` is built from `small_linear.c` and `decode_attention.c` when the project is
+installed (`_cpu_kernels_build.py`). Each kernel has a PyTorch reference beside it that runs
+whenever the kernel cannot: the module was not built, the CPU lacks the instructions, or
+`DISAGG_CPU_KERNELS=0` was set before import (to compare the two paths).
+"""
+
+from __future__ import annotations
+
+import os
+
+import torch
+
+try:
+    from disagg.model._cpu_kernels import lib
+except ImportError:  # not built (a source checkout without `pip install -e .`)
+    lib = None
+
+ENABLED = lib is not None and os.environ.get("DISAGG_CPU_KERNELS", "1") != "0"
+# What the CPU offers the kernels: AVX-512 (F, BW, VL) for every kernel's float32 and for
+# bfloat16 storage; AVX-512 BF16's dot products for bfloat16 projections.
+AVX512 = bool(ENABLED and lib.sl_has_avx512())
+AVX512_BF16 = bool(ENABLED and lib.sl_has_avx512_bf16())
+
+# torch dtype -> the C side's flag for it (0 float32, 1 bfloat16).
+DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

@@ -1,0 +1,199 @@
+/* Attention of one new token per sequence over its pages, read where they lie (X8b).
+
+   A decode's attention is small arithmetic over a few hundred keys, but done with PyTorch it
+   first copies every page of the request out of the cache (one gather per K and V, per layer)
+   and then calls SDPA: the copies, the calls and their thread hand-offs cost more than the
+   math. Here each (sequence, KV head) pair is one task: its `group` query heads (the heads
+   sharing that KV head, as in `attention.grouped_queries`) are scored against every key of the
+   sequence, read in place from the page table's pages, softmax in float32, then the values
+   are summed with those weights. NHD and HND differ only in where a token's head row sits.
+
+   Inputs in float32 or bfloat16 (queries and cache alike); sums, softmax and the output's
+   accumulation in float32, rounded once to the output's dtype. Returns 0, or a negative code
+   (no AVX-512, a page id outside the cache, a length beyond the table, a group too large)
+   and writes nothing the caller reads: `attention.py` then runs its PyTorch path. */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+
+#include "bf16.h"
+
+#define DA_MAX_HEAD_DIM 512
+
+enum { DA_NHD = 0, DA_HND = 1 };
+enum { DA_OK = 0, DA_NO_ISA = -1, DA_BAD_PAGE = -2, DA_BAD_LENGTH = -3, DA_BAD_SHAPE = -4,
+       DA_NO_MEMORY = -5 };
+
+typedef struct {
+    const void *q;          /* [batch, num_heads, head_dim] */
+    const void *layer;      /* one layer: [num_pages, 2, ...page dims], K before V */
+    const int64_t *table;   /* [batch, max_pages] */
+    const int64_t *kv_lens; /* [batch] */
+    void *out;              /* [batch, num_heads, head_dim] */
+    int64_t batch, max_pages, num_pages, page_size, cache_heads, head_dim;
+    int64_t head_start, num_kv_heads, group; /* the cache heads these queries use */
+    int layout, bf16;
+    float scale;
+} da_args;
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+#include <omp.h>
+
+int sl_has_avx512(void); /* small_linear.c: AVX-512 F, BW and VL */
+
+/* 16 elements (fewer under `mask`) as float32, from float32 or bfloat16. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline __m512 da_load(const void *p, int64_t i, int bf16, __mmask16 mask) {
+    if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)p + i);
+    __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* Where token `slot` of `page`'s part (0 K, 1 V) for cache head `head` starts, in elements,
+   and how far apart consecutive slots' rows are. */
+static inline int64_t da_row(const da_args *a, int64_t page, int part, int64_t head) {
+    if (a->layout == DA_NHD)
+        return ((page * 2 + part) * a->page_size * a->cache_heads + head) * a->head_dim;
+    return ((page * 2 + part) * a->cache_heads + head) * a->page_size * a->head_dim;
+}
+
+static inline int64_t da_slot_stride(const da_args *a) {
+    return a->layout == DA_NHD ? a->cache_heads * a->head_dim : a->head_dim;
+}
+
+static inline const void *da_at(const da_args *a, const void *base, int64_t elements) {
+    return (const char *)base + elements * (a->bf16 ? 2 : 4);
+}
+
+/* Dot products of one key row with the group's query rows (float32, in `qf`). */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void da_scores(const da_args *a, const float *qf, const void *k, float *s,
+                             int64_t stride) {
+    int64_t d = a->head_dim;
+    for (int64_t g = 0; g < a->group; g++) {
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t i = 0; i < d; i += 16) {
+            __mmask16 m = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
+            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qf + g * d + i),
+                                  da_load(k, i, a->bf16, m), acc);
+        }
+        s[g * stride] = _mm512_reduce_add_ps(acc) * a->scale;
+    }
+}
+
+/* acc[g] += w[g] * v for the group's rows. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void da_accumulate(const da_args *a, const float *w, int64_t stride,
+                                 const void *v, float *acc) {
+    int64_t d = a->head_dim;
+    for (int64_t i = 0; i < d; i += 16) {
+        __mmask16 m = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
+        __m512 vv = da_load(v, i, a->bf16, m);
+        for (int64_t g = 0; g < a->group; g++) {
+            float *row = acc + g * d + i;
+            __m512 r = _mm512_maskz_loadu_ps(m, row);
+            _mm512_mask_storeu_ps(row, m, _mm512_fmadd_ps(_mm512_set1_ps(w[g * stride]), vv, r));
+        }
+    }
+}
+
+/* One (sequence, KV head) task; `s` holds group * kv_len scores, `qf` and `acc` group rows. */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static int da_task(const da_args *a, int64_t b, int64_t kvh, float *qf, float *s, float *acc) {
+    int64_t d = a->head_dim, kv_len = a->kv_lens[b], n = a->page_size;
+    int64_t stride = da_slot_stride(a);
+    const int64_t *pages = a->table + b * a->max_pages;
+    int64_t head = a->head_start + kvh, first_q = (b * a->num_kv_heads + kvh) * a->group * d;
+    for (int64_t i = 0; i < a->group * d; i++)
+        qf[i] = a->bf16 ? sl_bf16_to_f32(((const uint16_t *)a->q)[first_q + i])
+                        : ((const float *)a->q)[first_q + i];
+    /* Pages in order, slots within each: no division per token. */
+    for (int64_t p = 0, t = 0; t < kv_len; p++) {
+        if (pages[p] < 0 || pages[p] >= a->num_pages) return DA_BAD_PAGE;
+        int64_t row = da_row(a, pages[p], 0, head);
+        for (int64_t slot = 0; slot < n && t < kv_len; slot++, t++, row += stride)
+            da_scores(a, qf, da_at(a, a->layer, row), s + t, kv_len);
+    }
+    for (int64_t g = 0; g < a->group; g++) { /* softmax of row g, in place */
+        float *row = s + g * kv_len, top = -INFINITY, sum = 0.0f;
+        for (int64_t t = 0; t < kv_len; t++) top = row[t] > top ? row[t] : top;
+        for (int64_t t = 0; t < kv_len; t++) sum += (row[t] = expf(row[t] - top));
+        for (int64_t t = 0; t < kv_len; t++) row[t] /= sum;
+    }
+    for (int64_t i = 0; i < a->group * d; i++) acc[i] = 0.0f;
+    for (int64_t p = 0, t = 0; t < kv_len; p++) {
+        int64_t row = da_row(a, pages[p], 1, head);
+        for (int64_t slot = 0; slot < n && t < kv_len; slot++, t++, row += stride)
+            da_accumulate(a, s + t, kv_len, da_at(a, a->layer, row), acc);
+    }
+    for (int64_t i = 0; i < a->group * d; i++) {
+        if (a->bf16) ((uint16_t *)a->out)[first_q + i] = sl_round_bf16(acc[i]);
+        else ((float *)a->out)[first_q + i] = acc[i];
+    }
+    return DA_OK;
+}
+
+static int da_check(const da_args *a) {
+    if (a->head_dim < 1 || a->head_dim > DA_MAX_HEAD_DIM || a->group < 1 || a->page_size < 1
+        || a->num_kv_heads < 1 || a->head_start < 0
+        || a->head_start + a->num_kv_heads > a->cache_heads)
+        return DA_BAD_SHAPE;
+    for (int64_t b = 0; b < a->batch; b++)
+        if (a->kv_lens[b] < 1 || a->kv_lens[b] > a->max_pages * a->page_size)
+            return DA_BAD_LENGTH;
+    return DA_OK;
+}
+
+static int da_run(const da_args *a, int threads) {
+    if (!sl_has_avx512()) return DA_NO_ISA;
+    int status = da_check(a);
+    if (status != DA_OK) return status;
+    int64_t tasks = a->batch * a->num_kv_heads, longest = 0;
+    for (int64_t b = 0; b < a->batch; b++)
+        longest = a->kv_lens[b] > longest ? a->kv_lens[b] : longest;
+    int team = threads < 1 ? 1 : (tasks < threads ? (int)tasks : threads);
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        int64_t rows = a->group * a->head_dim;
+        float *scratch = malloc(sizeof(float) * (2 * rows + a->group * longest));
+        int mine = scratch ? DA_OK : DA_NO_MEMORY;
+#pragma omp for schedule(static)
+        for (int64_t task = 0; task < tasks; task++) {
+            if (mine != DA_OK) continue;
+            mine = da_task(a, task / a->num_kv_heads, task % a->num_kv_heads, scratch,
+                           scratch + 2 * rows, scratch + rows);
+        }
+        free(scratch);
+        if (mine != DA_OK) {
+#pragma omp atomic write
+            status = mine;
+        }
+    }
+    return status;
+}
+
+#else
+
+int sl_has_avx512(void);
+
+static int da_run(const da_args *a, int threads) {
+    (void)a; (void)threads;
+    return DA_NO_ISA;
+}
+
+#endif
+
+/* The entry point: addresses as integers, as `sl_linear` takes them. */
+int da_decode_attention(int bf16, int layout, uintptr_t q, uintptr_t layer, uintptr_t table,
+                        uintptr_t kv_lens, uintptr_t out, int64_t batch, int64_t max_pages,
+                        int64_t num_pages, int64_t page_size, int64_t cache_heads,
+                        int64_t head_dim, int64_t head_start, int64_t num_kv_heads,
+                        int64_t group, float scale, int threads) {
+    da_args a = {(const void *)q, (const void *)layer, (const int64_t *)table,
+                 (const int64_t *)kv_lens, (void *)out, batch, max_pages, num_pages, page_size,
+                 cache_heads, head_dim, head_start, num_kv_heads, group, layout, bf16 != 0,
+                 scale};
+    return da_run(&a, threads);
+}

@@ -1,0 +1,142 @@
+"""The paged decode-attention kernel against dense attention over the same keys (X8b, S7)."""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+import torch
+
+from disagg.config import CacheConfig, ModelConfig
+from disagg.errors import KernelError
+from disagg.model import attention as attention_module
+from disagg.model.attention import (
+    AttentionMetadata,
+    SequenceSlice,
+    paged_attention,
+    reference_attention,
+)
+from disagg.model.cpu_kernels import AVX512
+from disagg.model.decode_attention import decode_attention, takes_kernel
+from disagg.model.kv_cache import PagedKVCache
+
+pytestmark = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernels are not built)")
+
+TINY = ModelConfig.from_name("tiny")
+
+
+def model(kv_heads: int, group: int, head_dim: int) -> ModelConfig:
+    return dataclasses.replace(TINY, num_kv_heads=kv_heads, num_heads=kv_heads * group,
+                               head_dim=head_dim, hidden_size=kv_heads * group * head_dim)
+
+
+def random_cache(config: ModelConfig, layout: str, page_size: int, dtype: torch.dtype,
+                 num_pages: int = 24) -> PagedKVCache:
+    cache = PagedKVCache(config, CacheConfig(page_size=page_size, num_pages=num_pages,
+                                             kv_layout=layout, dtype=dtype))
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=torch.Generator()
+                                   .manual_seed(7)).to(dtype))
+    return cache
+
+
+def dense(q: torch.Tensor, cache: PagedKVCache, layer: int, pages: list[int], kv_len: int,
+          scale: float) -> torch.Tensor:
+    """Dense attention of one token over what the cache holds for `pages`, in float64."""
+    k, v = cache.gather(layer, torch.tensor(pages), kv_len)  # [heads, kv_len, dim]
+    out = reference_attention(q.double()[None], k.transpose(0, 1).double(),
+                              v.transpose(0, 1).double(), kv_len - 1, scale)
+    return out[0]
+
+
+CASES = [  # (kv heads, group, head_dim, page size)
+    (3, 3, 64, 16),  # SmolLM2's attention
+    (4, 2, 8, 4),  # tiny
+    (1, 8, 40, 1),  # MQA, a head_dim with a tail, one token a page
+    (2, 1, 128, 5),  # MHA
+]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("kv_heads", "group", "head_dim", "page_size"), CASES)
+def test_each_sequence_gets_dense_attention_over_its_pages(
+        layout: str, dtype: torch.dtype, kv_heads: int, group: int, head_dim: int,
+        page_size: int) -> None:
+    config = model(kv_heads, group, head_dim)
+    cache = random_cache(config, layout, page_size, dtype)
+    # Scattered pages, lengths ending mid-page, a one-token sequence, a padded row.
+    pages = [[17, 2, 9], [4], [11, 0, 23, 5]]
+    kv_lens = [2 * page_size + 1, 1, 4 * page_size]
+    table = torch.tensor([p + [0] * (4 - len(p)) for p in pages])
+    g = torch.Generator().manual_seed(3)
+    q = torch.randn(3, kv_heads * group, head_dim, generator=g).to(dtype)
+    scale = head_dim ** -0.5
+    got = decode_attention(q, cache, 1, table, torch.tensor(kv_lens), scale)
+    assert got.dtype == dtype and got.shape == q.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    for b in range(3):
+        torch.testing.assert_close(got[b].double(), dense(q[b], cache, 1, pages[b], kv_lens[b],
+                                                          scale), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_a_tp_rank_uses_only_its_heads_of_a_replicated_cache(layout: str) -> None:
+    config = model(4, 2, 16)
+    cache = random_cache(config, layout, 4, torch.float32)
+    q = torch.randn(1, 4, 16)  # 2 KV heads' worth of queries: cache heads 2 and 3
+    got = decode_attention(q, cache, 0, torch.tensor([[3, 8]]), torch.tensor([6]), 0.25,
+                           kv_heads=slice(2, 4))
+    k, v = cache.gather(0, torch.tensor([3, 8]), 6)  # [all 4 heads, 6, 16]
+    want = reference_attention(q[0].double()[None], k[2:4].transpose(0, 1).double(),
+                               v[2:4].transpose(0, 1).double(), 5, 0.25)[0]
+    torch.testing.assert_close(got[0].double(), want, rtol=1e-5, atol=1e-5)
+
+
+def test_a_page_id_outside_the_cache_is_refused_not_read() -> None:
+    cache = random_cache(TINY, "NHD", 4, torch.float32)
+    q = torch.randn(1, TINY.num_heads, TINY.head_dim)
+    with pytest.raises(KernelError, match="page id outside the cache"):
+        decode_attention(q, cache, 0, torch.tensor([[1, cache.num_pages]]), torch.tensor([6]),
+                         0.5)
+    with pytest.raises(KernelError, match="page id outside the cache"):
+        decode_attention(q, cache, 0, torch.tensor([[-1]]), torch.tensor([2]), 0.5)
+
+
+def test_a_length_beyond_the_page_table_is_refused() -> None:
+    cache = random_cache(TINY, "HND", 4, torch.float32)
+    q = torch.randn(1, TINY.num_heads, TINY.head_dim)
+    with pytest.raises(KernelError, match="length outside its page table"):
+        decode_attention(q, cache, 0, torch.tensor([[1, 2]]), torch.tensor([9]), 0.5)
+
+
+@pytest.mark.parametrize(("q_dtype", "kv_dtype"), [(torch.float16, torch.float16),
+                                                   (torch.float32, torch.bfloat16)])
+def test_other_dtypes_take_the_pytorch_path(q_dtype: torch.dtype, kv_dtype: torch.dtype) -> None:
+    cache = random_cache(TINY, "NHD", 4, kv_dtype)
+    assert not takes_kernel(torch.randn(1, 8, 8).to(q_dtype), cache)
+
+
+def test_every_decode_of_a_step_runs_in_the_kernel(monkeypatch) -> None:
+    """Batched decodes, a lone decode, and the decodes riding with a prefill chunk."""
+    calls = []
+
+    def counting(q, *args, **kwargs):
+        calls.append(q.shape[0])
+        return decode_attention(q, *args, **kwargs)
+
+    monkeypatch.setattr(attention_module, "decode_attention", counting)
+    cache = random_cache(TINY, "NHD", 4, torch.float32)
+    q = torch.randn(5, 8, 8)
+    batched = AttentionMetadata(torch.empty(0), torch.empty(0), [],
+                                decode_page_table=torch.tensor([[1, 2], [3, 0]]),
+                                decode_kv_lens=torch.tensor([6, 2]))
+    paged_attention(q[:2], cache, 0, batched, 0.5)
+    lone = AttentionMetadata(torch.empty(0), torch.empty(0),
+                             [SequenceSlice(0, 1, 4, torch.tensor([5, 6]))])
+    paged_attention(q[:1], cache, 0, lone, 0.5)
+    mixed = AttentionMetadata(torch.empty(0), torch.empty(0),
+                              [SequenceSlice(0, 3, 0, torch.tensor([7])),
+                               SequenceSlice(3, 1, 2, torch.tensor([8])),
+                               SequenceSlice(4, 1, 5, torch.tensor([9, 10]))])
+    paged_attention(q, cache, 0, mixed, 0.5)
+    assert calls == [2, 1, 1, 1]
