@@ -13,7 +13,7 @@
    (no AVX-512, a page id outside the cache, a length beyond the table, a group too large)
    and writes nothing the caller reads: `attention.py` then runs its PyTorch path. */
 
-#include <math.h>
+#include <math.h> /* INFINITY */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -63,74 +63,119 @@ static inline int64_t da_slot_stride(const da_args *a) {
     return a->layout == DA_NHD ? a->cache_heads * a->head_dim : a->head_dim;
 }
 
-static inline const void *da_at(const da_args *a, const void *base, int64_t elements) {
-    return (const char *)base + elements * (a->bf16 ? 2 : 4);
+/* e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r with |r| <= ln2/2,
+   e^r by Cephes' degree-6 polynomial for expf (about 1 ulp), then scaled by 2^n. A call to
+   libm's expf per score cost more than the rest of the attention. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline __m512 da_exp(__m512 x) {
+    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* e^-87 is below every weight that counts */
+    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, n);
 }
 
-/* Dot products of one key row with the group's query rows (float32, in `qf`). */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void da_scores(const da_args *a, const float *qf, const void *k, float *s,
-                             int64_t stride) {
-    int64_t d = a->head_dim;
-    for (int64_t g = 0; g < a->group; g++) {
-        __m512 acc = _mm512_setzero_ps();
-        for (int64_t i = 0; i < d; i += 16) {
-            __mmask16 m = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
-            acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, qf + g * d + i),
-                                  da_load(k, i, a->bf16, m), acc);
-        }
-        s[g * stride] = _mm512_reduce_add_ps(acc) * a->scale;
+/* row[0..len) <- softmax(row), in float32. */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void da_softmax(float *row, int64_t len) {
+    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 m = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1u);
+        top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, row + t));
+    }
+    __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 m = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1u);
+        __m512 e = da_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t), peak));
+        _mm512_mask_storeu_ps(row + t, m, e);
+        sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
+    for (int64_t t = 0; t < len; t += 16) {
+        __mmask16 m = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1u);
+        _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t),
+                                                        inverse));
     }
 }
 
-/* acc[g] += w[g] * v for the group's rows. */
+/* The dot product of a query row (float32) with a key row, times the scale. */
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void da_accumulate(const da_args *a, const float *w, int64_t stride,
-                                 const void *v, float *acc) {
-    int64_t d = a->head_dim;
+static inline float da_dot(const float *q, const void *k, int64_t d, int bf16, float scale) {
+    __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
         __mmask16 m = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
-        __m512 vv = da_load(v, i, a->bf16, m);
-        for (int64_t g = 0; g < a->group; g++) {
-            float *row = acc + g * d + i;
-            __m512 r = _mm512_maskz_loadu_ps(m, row);
-            _mm512_mask_storeu_ps(row, m, _mm512_fmadd_ps(_mm512_set1_ps(w[g * stride]), vv, r));
-        }
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), da_load(k, i, bf16, m), acc);
     }
+    return _mm512_reduce_add_ps(acc) * scale;
 }
 
-/* One (sequence, KV head) task; `s` holds group * kv_len scores, `qf` and `acc` group rows. */
+/* One (sequence, KV head) task. Each pass runs over one query head at a time, so that its
+   sums stay in registers: written back to memory and read again per token, they stalled
+   on store-to-load forwarding. `s` holds group * kv_len scores, `qf` the group's rows. */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static int da_task(const da_args *a, int64_t b, int64_t kvh, float *qf, float *s, float *acc) {
-    int64_t d = a->head_dim, kv_len = a->kv_lens[b], n = a->page_size;
-    int64_t stride = da_slot_stride(a);
+static int da_task(const da_args *a, int64_t b, int64_t kvh, float *qf, float *s) {
+    const int64_t d = a->head_dim, kv_len = a->kv_lens[b], n = a->page_size;
+    const int64_t group = a->group, stride = da_slot_stride(a), itemsize = a->bf16 ? 2 : 4;
+    const int bf16 = a->bf16;
+    const float scale = a->scale;
     const int64_t *pages = a->table + b * a->max_pages;
-    int64_t head = a->head_start + kvh, first_q = (b * a->num_kv_heads + kvh) * a->group * d;
-    for (int64_t i = 0; i < a->group * d; i++)
-        qf[i] = a->bf16 ? sl_bf16_to_f32(((const uint16_t *)a->q)[first_q + i])
-                        : ((const float *)a->q)[first_q + i];
-    /* Pages in order, slots within each: no division per token. */
-    for (int64_t p = 0, t = 0; t < kv_len; p++) {
+    const int64_t head = a->head_start + kvh, first_q = (b * a->num_kv_heads + kvh) * group * d;
+    const int64_t num_pages = (kv_len + n - 1) / n;
+    for (int64_t p = 0; p < num_pages; p++)
         if (pages[p] < 0 || pages[p] >= a->num_pages) return DA_BAD_PAGE;
-        int64_t row = da_row(a, pages[p], 0, head);
-        for (int64_t slot = 0; slot < n && t < kv_len; slot++, t++, row += stride)
-            da_scores(a, qf, da_at(a, a->layer, row), s + t, kv_len);
+    for (int64_t i = 0; i < group * d; i++)
+        qf[i] = bf16 ? sl_bf16_to_f32(((const uint16_t *)a->q)[first_q + i])
+                     : ((const float *)a->q)[first_q + i];
+    const char *layer = (const char *)a->layer;
+    for (int64_t g = 0; g < group; g++) { /* scores, pages in order, slots within each */
+        float *row = s + g * kv_len;
+        for (int64_t p = 0, t = 0; p < num_pages; p++) {
+            const char *k = layer + da_row(a, pages[p], 0, head) * itemsize;
+            for (int64_t slot = 0; slot < n && t < kv_len; slot++, t++)
+                row[t] = da_dot(qf + g * d, k + slot * stride * itemsize, d, bf16, scale);
+        }
+        da_softmax(row, kv_len);
     }
-    for (int64_t g = 0; g < a->group; g++) { /* softmax of row g, in place */
-        float *row = s + g * kv_len, top = -INFINITY, sum = 0.0f;
-        for (int64_t t = 0; t < kv_len; t++) top = row[t] > top ? row[t] : top;
-        for (int64_t t = 0; t < kv_len; t++) sum += (row[t] = expf(row[t] - top));
-        for (int64_t t = 0; t < kv_len; t++) row[t] /= sum;
-    }
-    for (int64_t i = 0; i < a->group * d; i++) acc[i] = 0.0f;
-    for (int64_t p = 0, t = 0; t < kv_len; p++) {
-        int64_t row = da_row(a, pages[p], 1, head);
-        for (int64_t slot = 0; slot < n && t < kv_len; slot++, t++, row += stride)
-            da_accumulate(a, s + t, kv_len, da_at(a, a->layer, row), acc);
-    }
-    for (int64_t i = 0; i < a->group * d; i++) {
-        if (a->bf16) ((uint16_t *)a->out)[first_q + i] = sl_round_bf16(acc[i]);
-        else ((float *)a->out)[first_q + i] = acc[i];
+    for (int64_t g = 0; g < group; g++) { /* values: 16 columns at a time, two sums */
+        const float *w = s + g * kv_len;
+        for (int64_t i = 0; i < d; i += 16) {
+            __mmask16 m = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
+            __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
+            for (int64_t p = 0, t = 0; p < num_pages; p++) {
+                const char *v = layer + da_row(a, pages[p], 1, head) * itemsize;
+                int64_t slot = 0;
+                for (; slot + 1 < n && t + 1 < kv_len; slot += 2, t += 2) {
+                    even = _mm512_fmadd_ps(_mm512_set1_ps(w[t]),
+                                           da_load(v + slot * stride * itemsize, i, bf16, m),
+                                           even);
+                    odd = _mm512_fmadd_ps(_mm512_set1_ps(w[t + 1]),
+                                          da_load(v + (slot + 1) * stride * itemsize, i, bf16,
+                                                  m), odd);
+                }
+                for (; slot < n && t < kv_len; slot++, t++)
+                    even = _mm512_fmadd_ps(_mm512_set1_ps(w[t]),
+                                           da_load(v + slot * stride * itemsize, i, bf16, m),
+                                           even);
+            }
+            __m512 sum = _mm512_add_ps(even, odd);
+            int64_t at = first_q + g * d + i;
+            if (bf16) {
+                float lanes[16];
+                _mm512_storeu_ps(lanes, sum);
+                for (int64_t j = 0; j < 16 && i + j < d; j++)
+                    ((uint16_t *)a->out)[at + j] = sl_round_bf16(lanes[j]);
+            } else {
+                _mm512_mask_storeu_ps((float *)a->out + at, m, sum);
+            }
+        }
     }
     return DA_OK;
 }
@@ -157,13 +202,13 @@ static int da_run(const da_args *a, int threads) {
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         int64_t rows = a->group * a->head_dim;
-        float *scratch = malloc(sizeof(float) * (2 * rows + a->group * longest));
+        float *scratch = malloc(sizeof(float) * (rows + a->group * longest));
         int mine = scratch ? DA_OK : DA_NO_MEMORY;
 #pragma omp for schedule(static)
         for (int64_t task = 0; task < tasks; task++) {
             if (mine != DA_OK) continue;
             mine = da_task(a, task / a->num_kv_heads, task % a->num_kv_heads, scratch,
-                           scratch + 2 * rows, scratch + rows);
+                           scratch + rows);
         }
         free(scratch);
         if (mine != DA_OK) {
