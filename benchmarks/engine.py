@@ -42,6 +42,7 @@ from engine_models import (
 )
 
 from disagg.config import DTYPES, check_dtype
+from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import LoadedModel, load_model
 from disagg.model.transformer import Transformer
@@ -163,12 +164,22 @@ def roofline_ms(weight_bytes: int, kv: int, bandwidth_gbs: float) -> float:
     return (weight_bytes + kv) / (bandwidth_gbs * 1e9) * 1e3
 
 
-def ours_prefill(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype,
-                 prompt: list[int]) -> float:
-    """Seconds our paged engine in `dtype` (weights, activations and KV) takes to prefill
-    `prompt` on a fresh engine: the whole prompt in one chunk, its first token sampled."""
-    engine = our_engine(loaded, kv_layout, dtype, len(prompt), 1, 1)
+def warm_prefill_engine(loaded: LoadedModel, kv_layout: str, dtype: torch.dtype,
+                        prompt: list[int]) -> LLMEngine:
+    """Our paged engine in `dtype` (weights, activations and KV) for prefills of `prompt`'s
+    length, warmed by one untimed prefill of it: a serving engine lives long, its cache and scratch
+    buffers already touched (a fresh one pays a page fault per 4 KiB of them on its first
+    prefill), as transformers' model is loaded once. No prefix cache, so every prefill
+    computes its whole prompt."""
+    engine = our_engine(loaded, kv_layout, dtype, len(prompt), 1, 1, prefix_caching=False)
     assert engine.model.embed_tokens.weight.dtype == dtype, "our engine runs in another dtype"
+    ours_prefill(engine, prompt)
+    return engine
+
+
+def ours_prefill(engine: LLMEngine, prompt: list[int]) -> float:
+    """Seconds `engine` takes to prefill `prompt`: the whole prompt in one chunk, its first
+    token sampled (the request then ends and frees its pages)."""
     start = time.perf_counter()
     request = engine.add_request(prompt, SamplingParams(max_tokens=1, ignore_eos=True))
     engine.step()
@@ -246,6 +257,10 @@ def measure(directory: Path, loaded: LoadedModel, dtype: torch.dtype,
     hf_model = load_reference(directory, dtype)
     assert hf_model.dtype == dtype, f"transformers loaded {hf_model.dtype}, not {dtype}"
     decode_prompt = next(iter(prompts.values()))  # the first length's
+    for prompt in prompts.values():  # both sides warm before any timing
+        reference_prefill(hf_model, prompt)
+    prefill_engines = {(layout, size): warm_prefill_engine(loaded, layout, dtype, prompt)
+                       for layout in LAYOUTS for size, prompt in prompts.items()}
 
     def run(name: str, case: Case) -> float:
         kind, size = case
@@ -253,7 +268,7 @@ def measure(directory: Path, loaded: LoadedModel, dtype: torch.dtype,
             return (reference_prefill(hf_model, prompts[size]) if kind == "prefill"
                     else reference_decode(hf_model, decode_prompt, size, steps))
         layout = name.removeprefix("ours-")
-        return (ours_prefill(loaded, layout, dtype, prompts[size]) if kind == "prefill"
+        return (ours_prefill(prefill_engines[layout, size], prompts[size]) if kind == "prefill"
                 else ours_decode(loaded, layout, dtype, decode_prompt, size, steps))
 
     names = [*(f"ours-{layout}" for layout in LAYOUTS), "transformers"]

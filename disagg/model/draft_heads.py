@@ -89,8 +89,8 @@ class MTPHead(nn.Module):
         x = torch.cat([self.enorm(target.embed_tokens(next_token_ids)), self.hnorm(hidden)], -1)
         x = self.eh_proj(x)
         block = self.block
-        x = x + block.self_attn(block.input_layernorm(x), positions, target.rope, kv_cache, 0,
-                                meta)
+        angles = target.rope.angles(positions, meta, x.dtype)
+        x = x + block.self_attn(block.input_layernorm(x), angles, kv_cache, 0, meta)
         x = x + block.mlp(block.post_attention_layernorm(x))
         return x, self.norm(x)
 

@@ -27,7 +27,7 @@ from disagg.model.kv_cache import KVCache
 from disagg.model.latent_paged_attention import latent_paged_attention
 from disagg.model.linear import Linear, linear
 from disagg.model.norms import RMSNorm
-from disagg.model.rope import RotaryEmbedding
+from disagg.model.rope import RotaryAngles, RotaryEmbedding
 from disagg.model.tensor_parallel import Cut, TPShard
 from disagg.model_config import ModelConfig, RopeScaling
 
@@ -105,8 +105,8 @@ class LatentAttention(nn.Module):
         k_rope = self._rotate(k_rope[:, None], cos, sin)[:, 0]  # [num_tokens, qk_rope_head_dim]
         return torch.cat((self.kv_a_layernorm(c_kv), k_rope), dim=-1)
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: KVCache, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache, layer_idx: int,
+                meta: AttentionMetadata) -> torch.Tensor:
         num_tokens, mla = x.shape[0], self.mla
         if mla.q_lora_rank is None:
             q = self.q_proj(x)
@@ -114,7 +114,7 @@ class LatentAttention(nn.Module):
             q = self.q_b_proj(self.q_a_layernorm(self.q_a_proj(x)))
         q = q.view(num_tokens, self.num_heads, mla.qk_head_dim)
         q_nope, q_rope = q.split([mla.qk_nope_head_dim, mla.qk_rope_head_dim], dim=-1)
-        cos, sin = rope.cos_sin(positions, meta)  # [num_tokens, qk_rope_head_dim] each
+        cos, sin = angles.cos, angles.sin  # [num_tokens, qk_rope_head_dim] each
         q_rope = self._rotate(q_rope, cos, sin)
         kv_cache.write_latent(layer_idx, self.latent_rows(x, cos, sin), meta.slot_page_ids,
                               meta.slot_offsets)

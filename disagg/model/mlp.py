@@ -34,5 +34,10 @@ class MLP(nn.Module):
         return {"gate_proj.weight": rows, "up_proj.weight": rows, "down_proj.weight": rows.along(1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        out = self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = self.gate_proj(x), self.up_proj(x)
+        if torch.is_grad_enabled():
+            hidden = F.silu(gate) * up
+        else:  # in place: no two more [tokens, inner] tensors, a prefill's largest, per layer
+            hidden = F.silu(gate, inplace=True).mul_(up)
+        out = self.down_proj(hidden)
         return self.shard.all_reduce(out) if self.reduces else out

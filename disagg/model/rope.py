@@ -11,6 +11,7 @@ Partial rotary factors and `longrope` are not here; the loader refuses them.
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
 import torch
 from torch import nn
@@ -170,17 +171,50 @@ class RotaryEmbedding(nn.Module):
         # context; past the table, indexing fails (an IndexError on CPU, an assert on a GPU).
         return self.cos[positions], self.sin[positions]
 
+    def angles(self, positions: torch.Tensor, meta: AttentionMetadata | None,
+               dtype: torch.dtype) -> RotaryAngles:
+        """One forward's cos and sin, for every layer to apply in `dtype` (see `cos_sin`)."""
+        return RotaryAngles.of(*self.cos_sin(positions, meta), dtype)
+
     @staticmethod
     def rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
         """Rotate `x` ``[num_tokens, num_heads, rope_dim]`` by `cos`, `sin`
         ``[num_tokens, rope_dim]``."""
-        cos, sin = cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype)
-        half = x.shape[-1] // 2
-        rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
-        return x * cos + rotated * sin
+        return _rotate_half(x, cos.unsqueeze(1).to(x.dtype), sin.unsqueeze(1).to(x.dtype))
 
     def forward(self, x: torch.Tensor, positions: torch.Tensor,
                 meta: AttentionMetadata | None = None) -> torch.Tensor:
         """Rotate `x` ``[num_tokens, num_heads, rope_dim]`` by each token's position (`meta`:
         which tokens are whose, for dynamic NTK; without it they are one request)."""
         return self.rotate(x, *self.cos_sin(positions, meta))
+
+
+def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """`x` rotated by `cos`, `sin` already in its dtype and ``[num_tokens, 1, rope_dim]``."""
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+@dataclass(frozen=True, slots=True)
+class RotaryAngles:
+    """cos and sin of every token of one forward (S3b), looked up once for all its layers: per
+    layer, the table lookups and casts cost a decode step more than the rotation itself.
+    `cos`, `sin` are float32 ``[num_tokens, rope_dim]``; `rotate` applies them in `dtype`."""
+
+    cos: torch.Tensor
+    sin: torch.Tensor
+    dtype: torch.dtype
+    cast_cos: torch.Tensor  # [num_tokens, 1, rope_dim] in `dtype`
+    cast_sin: torch.Tensor
+
+    @staticmethod
+    def of(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
+        return RotaryAngles(cos, sin, dtype, cos.unsqueeze(1).to(dtype),
+                            sin.unsqueeze(1).to(dtype))
+
+    def rotate(self, x: torch.Tensor) -> torch.Tensor:
+        """`x` ``[num_tokens, num_heads, rope_dim]`` rotated by each token's position."""
+        if x.dtype != self.dtype:
+            return RotaryEmbedding.rotate(x, self.cos, self.sin)
+        return _rotate_half(x, self.cast_cos, self.cast_sin)

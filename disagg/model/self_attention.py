@@ -16,7 +16,7 @@ from disagg.model.attention import AttentionMetadata, paged_attention
 from disagg.model.kv_cache import KVCache
 from disagg.model.linear import Linear, linear
 from disagg.model.norms import RMSNorm
-from disagg.model.rope import RotaryEmbedding
+from disagg.model.rope import RotaryAngles
 from disagg.model.tensor_parallel import Cut, TPShard
 from disagg.model_config import ModelConfig
 
@@ -58,16 +58,15 @@ class Attention(nn.Module):
             cuts |= {"q_proj.bias": q_rows, "k_proj.bias": kv_rows, "v_proj.bias": kv_rows}
         return cuts
 
-    def forward(self, x: torch.Tensor, positions: torch.Tensor, rope: RotaryEmbedding,
-                kv_cache: KVCache, layer_idx: int, meta: AttentionMetadata) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache, layer_idx: int,
+                meta: AttentionMetadata) -> torch.Tensor:
         num_tokens = x.shape[0]
         q = self.q_proj(x).view(num_tokens, self.num_heads, self.head_dim)
         k = self.k_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         v = self.v_proj(x).view(num_tokens, self.num_kv_heads, self.head_dim)
         if self.q_norm is not None and self.k_norm is not None:
             q, k = self.q_norm(q), self.k_norm(k)
-        cos, sin = rope.cos_sin(positions, meta)  # [num_tokens, head_dim] each
-        q, k = rope.rotate(q, cos, sin), rope.rotate(k, cos, sin)
+        q, k = angles.rotate(q), angles.rotate(k)
         kv_cache.write(layer_idx, k, v, meta.slot_page_ids, meta.slot_offsets)
         o = paged_attention(q, kv_cache, layer_idx, meta, self.scale, self.kv_heads)
         # Row-parallel: each rank's partial sum. Once the all-reduce returns, every rank has

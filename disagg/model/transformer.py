@@ -86,9 +86,10 @@ class Transformer(nn.Module):
         states ``[num_tokens, hidden_size]`` and leaves each layer's K/V in `kv_cache`. With
         `num_layers`, only the first ones run: an early-exit draft (decoders only, S8)."""
         h = self.embed_tokens(input_ids)
+        angles = self.rope.angles(positions, meta, h.dtype)
         for layer_idx, layer in enumerate(self.layers[:num_layers]):
-            attn_out = layer.self_attn(layer.input_layernorm(h), positions, self.rope,
-                                       kv_cache, layer_idx, meta)
+            attn_out = layer.self_attn(layer.input_layernorm(h), angles, kv_cache, layer_idx,
+                                       meta)
             # This layer's K/V are in the cache now: let the messenger ship them (S3b).
             self.layer_counter.bump()
             h = h + attn_out

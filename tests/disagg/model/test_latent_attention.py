@@ -116,7 +116,8 @@ def run_chunk(ours: LatentAttention, config: ModelConfig, cache: PagedKVCache,
     meta = chunk_meta(page_ids, cache.page_size, context_len, x.shape[0])
     positions = torch.arange(context_len, context_len + x.shape[0])
     with torch.no_grad():
-        return ours(x, positions, RotaryEmbedding.for_model(config), cache, 0, meta)
+        angles = RotaryEmbedding.for_model(config).angles(positions, meta, x.dtype)
+        return ours(x, angles, cache, 0, meta)
 
 
 def prefill_then_decode(ours: LatentAttention, config: ModelConfig, cache: PagedKVCache,
@@ -195,8 +196,9 @@ def test_batched_decode_matches_hf(kv_layout: str, monkeypatch: pytest.MonkeyPat
         torch.stack([p[n // page_size] for p, n in zip(pages, lengths, strict=True)]),
         positions % page_size, [], decode_page_table=table, decode_kv_lens=positions + 1)
     with torch.no_grad():
-        got = ours(torch.stack([x[-1] for x in xs]), positions,
-                   RotaryEmbedding.for_model(config), cache, 0, meta)
+        x = torch.stack([x[-1] for x in xs])
+        got = ours(x, RotaryEmbedding.for_model(config).angles(positions, meta, x.dtype), cache,
+                   0, meta)
     expected = torch.stack([hf_forward(hf, x)[0][-1] for x in xs])
     torch.testing.assert_close(got, expected, atol=ATOL, rtol=0)
 
