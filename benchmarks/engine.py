@@ -249,11 +249,14 @@ def cases_of(prompt_lens: list[int], batches: list[int]) -> list[Case]:
 
 def measure(directory: Path, loaded: LoadedModel, dtype: torch.dtype,
             prompts: dict[int, list[int]], batches: list[int], steps: int,
-            reps: int) -> dict[str, dict[Case, list[float]]]:
+            reps: int, bandwidth: Callable[[], float] | None = None
+            ) -> tuple[dict[str, dict[Case, list[float]]], list[float]]:
     """Seconds by engine ("ours-NHD", "ours-HND", "transformers") and case: a prefill by prompt
     length, a decode step by batch (after the first prompt), the engines taking turns in every
     rep (in a rotated order, so that none always runs first). `loaded` is our float32 load of
-    `directory`; each engine casts its own copy to `dtype`."""
+    `directory`; each engine casts its own copy to `dtype`. Also the read bandwidth,
+    sampled with `bandwidth` just before each rep's batch-1 decodes: on a shared host it
+    drifts by half between minutes, so a roofline from another moment would mislead."""
     hf_model = load_reference(directory, dtype)
     assert hf_model.dtype == dtype, f"transformers loaded {hf_model.dtype}, not {dtype}"
     decode_prompt = next(iter(prompts.values()))  # the first length's
@@ -274,12 +277,15 @@ def measure(directory: Path, loaded: LoadedModel, dtype: torch.dtype,
     names = [*(f"ours-{layout}" for layout in LAYOUTS), "transformers"]
     cases = cases_of(list(prompts), batches)
     samples: dict[str, dict[Case, list[float]]] = {name: {c: [] for c in cases} for name in names}
+    bandwidths: list[float] = []
     for rep in range(reps):
         order = names[rep % len(names):] + names[:rep % len(names)]
         for case in cases:
+            if case == ("decode", 1) and bandwidth is not None:
+                bandwidths.append(bandwidth())
             for name in order:
                 samples[name][case].append(run(name, case))
-    return samples
+    return samples, bandwidths
 
 
 def summarize(samples: dict[Case, list[float]]) -> dict[str, float]:
@@ -379,7 +385,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started, rows = time.monotonic(), []
     quiet, busy_before = wait_for_quiet(args.quiet_wait_s)
     meter = CpuMeter()
-    bandwidth, reader = read_bandwidth_gbs(args.bandwidth_mib << 20)
+    _, reader = read_bandwidth_gbs(args.bandwidth_mib << 20)  # which reader; warms the pages
+
+    def bandwidth() -> float:
+        return read_bandwidth_gbs(args.bandwidth_mib << 20, repeats=3)[0]
+
+    bandwidths: dict[str, list[float]] = {}
     metrics = metrics_of(args.prompt_lens, args.batches)
     for model in args.models:
         with tempfile.TemporaryDirectory(prefix="engine-bench-") as directory:
@@ -387,10 +398,11 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             loaded = load_model(directory)  # once per model, float32
             prompts = prompts_of(loaded.config.vocab_size, args.prompt_lens)
             for dtype in args.dtype:
-                samples = measure(Path(directory), loaded, check_dtype(dtype), prompts,
-                                  args.batches, args.steps, args.reps)
+                samples, gbs = measure(Path(directory), loaded, check_dtype(dtype), prompts,
+                                       args.batches, args.steps, args.reps, bandwidth)
+                bandwidths[f"{model} {dtype}"] = gbs
                 roofline = (roofline_of(loaded, check_dtype(dtype), args.prompt_lens[0],
-                                        bandwidth) if 1 in args.batches else None)
+                                        statistics.median(gbs)) if gbs else None)
                 rows += rows_of(model, dtype, samples, metrics, roofline)
     import transformers
 
@@ -401,7 +413,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "transformers_kernels": {"attention": ATTENTION_IMPLEMENTATION,
                                        "experts": EXPERTS_IMPLEMENTATION},
               "malloc": "glibc defaults" if args.malloc_defaults else "node settings",
-              "read_bandwidth": {"gbs": bandwidth, "reader": reader,
+              "read_bandwidth": {"gbs": statistics.median(g for v in bandwidths.values()
+                                                          for g in v) if bandwidths
+                                 and any(bandwidths.values()) else None,
+                                 "gbs_by_run": bandwidths, "reader": reader,
                                  "buffer_mib": args.bandwidth_mib},
               "quiet_machine": quiet, "others_cpu_share_before": busy_before,
               "others_cpu_share_during": meter.others_share(),
@@ -426,14 +441,16 @@ def print_table(result: dict[str, Any]) -> None:
 
     metrics = metrics_of(result["prompt_lens"], result["batches"])
     busy, read = result["others_cpu_share_during"], result["read_bandwidth"]
-    rooflines = [f"{r['model']} {r['dtype']} {r['roofline_ms_batch1']:.3g} ms"
+    rooflines = [f"{r['model']} {r['dtype']} {r['roofline_ms_batch1']:.3g} ms at "
+                 f"{statistics.median(read['gbs_by_run'][r['model'] + ' ' + r['dtype']]):.1f}"
                  for r in result["rows"] if r["metric"] == ROOFLINE and r["layout"] == LAYOUTS[0]]
     table = Table(title=f"ours vs transformers {result['transformers']}, {result['threads']} "
                         f"threads, median of {result['reps']}, decodes after "
                         f"{result['decode_prompt_len']} tokens, malloc {result['malloc']}; "
                         f"other processes took {busy:.0%} of the CPU",
-                  caption=(f"roofline: weights and KV read at {read['gbs']:.1f} GB/s "
-                           f"({read['reader']}): " + "; ".join(rooflines)) if rooflines else None)
+                  caption=(f"roofline: weights and KV read at the GB/s ({read['reader']}) "
+                           "sampled before each rep's batch-1 decodes, median: "
+                           + "; ".join(rooflines)) if rooflines else None)
     for column in ("model", "dtype", "layout", "metric", "ours", "transformers", "ours x"):
         table.add_column(column)
     for r in result["rows"]:
