@@ -4,7 +4,7 @@ PY := $(VENV)/bin/python
 PIP := $(VENV)/bin/pip
 STAMP := $(VENV)/.installed
 # constraints.txt: a changed pin must reinstall, like a changed dependency range.
-BUILD_INPUTS := pyproject.toml constraints.txt setup.py $(wildcard transfer_core/pyfabric/*.h transfer_core/pyfabric/*.c.in transfer_core/pyfabric/_build.py transfer_core/_poller_build.py disagg/model/_cpu_kernels_build.py $(wildcard disagg/model/*.c disagg/model/*.h))
+BUILD_INPUTS := pyproject.toml constraints.txt setup.py $(wildcard transfer_core/pyfabric/*.h transfer_core/pyfabric/*.c.in transfer_core/pyfabric/_build.py transfer_core/_poller_build.py disagg/model/_cpu_kernels_build.py disagg/model/*.c disagg/model/*.h)
 
 .PHONY: install demo serve test test-fast bench clean
 

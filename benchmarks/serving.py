@@ -117,18 +117,21 @@ def make_stream(args: argparse.Namespace, vocab_size: int) -> list[Arrival]:
 
 class Server:
     """`disagg serve cluster` with `flags` (see `MODE_FLAGS`), its nodes pinned one per core
-    (`args.cores`, which must list one core per node), every process tracing to `trace_dir`
-    (`<node name>.json` each, written as it exits)."""
+    (`args.cores`, which must list one core per node); given `trace_dir`, every process traces
+    there (`<node name>.json` each, written as it exits)."""
 
     def __init__(self, args: argparse.Namespace, flags: list[str], log: Path,
-                 trace_dir: Path) -> None:
-        # `--trace` takes a path that is not an existing directory as one file for every
-        # process: the directory must be there first.
-        trace_dir.mkdir(parents=True, exist_ok=True)
+                 trace_dir: Path | None = None) -> None:
+        tracing: list[str] = []
+        if trace_dir is not None:
+            # `--trace` takes a path that is not an existing directory as one file for every
+            # process: the directory must be there first.
+            trace_dir.mkdir(parents=True, exist_ok=True)
+            tracing = ["--trace", str(trace_dir)]
         command = [sys.executable, "-m", "disagg.apps.cli", "serve", "cluster",
                    "--model", args.model, "--port", "0", "--served-model-name", "bench",
                    "--page-size", str(args.page_size), "--num-pages", str(args.num_pages),
-                   "--chunk-size", str(args.chunk_size), "--trace", str(trace_dir), *flags]
+                   "--chunk-size", str(args.chunk_size), *tracing, *flags]
         env = dict(os.environ, **({} if args.malloc_defaults else MALLOC_TUNING))
         self.log = log
         self.trace_dir = trace_dir
@@ -165,6 +168,8 @@ class Server:
     def step_times(self, since_s: float) -> dict[str, Any]:
         """The decoding nodes' engine steps from `since_s` (epoch s) on (`step_summary`), and
         which of their trace files are missing. Read after `stop`: nodes write them at exit."""
+        if self.trace_dir is None:
+            raise ValueError("this server was started without a trace directory")
         events, missing = read_events(self.trace_dir / f"{name}.json" for name in self.decoding)
         return step_summary(events, since_us=since_s * 1e6) | {"step_traces_missing": missing}
 

@@ -36,8 +36,8 @@ ffibuilder.set_source(
     "\n".join((_HERE / name).read_text() for name in SOURCES),
     include_dirs=[str(_HERE)],
     # -fopenmp links libgomp.so.1, the soname of the runtime torch loads first, so the kernels
-    # and torch's own operators share one thread pool. -fno-math-errno lets expf inline.
-    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-fno-math-errno"],
+    # and torch's own operators share one thread pool.
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fopenmp"],
     extra_link_args=["-fopenmp"],
 )
 

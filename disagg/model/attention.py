@@ -71,7 +71,7 @@ def paged_attention(q: torch.Tensor, kv_cache: KVCache, layer_idx: int,
         rows = slice(seq.query_start, seq.query_start + seq.query_len)
         if seq.query_len == 1 and in_c:
             o = decode_attention(q[rows], kv_cache, layer_idx, seq.page_ids[None],
-                                 torch.tensor([seq.kv_len]), scale, kv_heads)
+                                 torch.tensor([seq.kv_len], device=q.device), scale, kv_heads)
             if len(meta.sequences) == 1:
                 return o
             out[rows] = o

@@ -9,17 +9,20 @@
    are summed with those weights. NHD and HND differ only in where a token's head row sits.
 
    Inputs in float32 or bfloat16 (queries and cache alike); sums, softmax and the output's
-   accumulation in float32, rounded once to the output's dtype. Returns 0, or a negative code
-   (no AVX-512, a page id outside the cache, a length beyond the table, a group too large)
-   and writes nothing the caller reads: `attention.py` then runs its PyTorch path. */
+   accumulation in float32, rounded once to the output's dtype; a NaN score makes its row's
+   weights NaN, as PyTorch's softmax does. Returns 0, or a negative code (no AVX-512, a page id
+   outside the cache, a length beyond the table, a shape it cannot take): `decode_attention.py`
+   raises it as a KernelError, and what the kernel wrote is not read. */
 
-#include <math.h> /* INFINITY */
+#include <math.h> /* INFINITY, NAN */
 #include <stdint.h>
 #include <stdlib.h>
 
 #include "bf16.h"
 
-#define DA_MAX_HEAD_DIM 512
+/* Below this much work a team of threads costs more to start than it saves (and a node of a
+   tiny model would wake its pool for nothing at every layer). */
+#define DA_PARALLEL_MIN (1 << 15)
 
 enum { DA_NHD = 0, DA_HND = 1 };
 enum { DA_OK = 0, DA_NO_ISA = -1, DA_BAD_PAGE = -2, DA_BAD_LENGTH = -3, DA_BAD_SHAPE = -4,
@@ -68,7 +71,9 @@ static inline int64_t da_slot_stride(const da_args *a) {
    libm's expf per score cost more than the rest of the attention. */
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
 static inline __m512 da_exp(__m512 x) {
-    x = _mm512_max_ps(x, _mm512_set1_ps(-87.0f)); /* e^-87 is below every weight that counts */
+    /* e^-87 is below every weight that counts. The constant goes first: max returns its second
+       operand when either is NaN, so a NaN stays one. */
+    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
     __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
                                     _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
     __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
@@ -87,11 +92,14 @@ static inline __m512 da_exp(__m512 x) {
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void da_softmax(float *row, int64_t len) {
     __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
+    __mmask16 nan = 0; /* max drops NaNs: they are tracked apart and poison the peak */
     for (int64_t t = 0; t < len; t += 16) {
         __mmask16 m = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1u);
-        top = _mm512_mask_max_ps(top, m, top, _mm512_maskz_loadu_ps(m, row + t));
+        __m512 x = _mm512_maskz_loadu_ps(m, row + t);
+        nan |= _mm512_mask_cmp_ps_mask(m, x, x, _CMP_UNORD_Q);
+        top = _mm512_mask_max_ps(top, m, top, x);
     }
-    __m512 peak = _mm512_set1_ps(_mm512_reduce_max_ps(top));
+    __m512 peak = _mm512_set1_ps(nan ? NAN : _mm512_reduce_max_ps(top));
     for (int64_t t = 0; t < len; t += 16) {
         __mmask16 m = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1u);
         __m512 e = da_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t), peak));
@@ -181,7 +189,7 @@ static int da_task(const da_args *a, int64_t b, int64_t kvh, float *qf, float *s
 }
 
 static int da_check(const da_args *a) {
-    if (a->head_dim < 1 || a->head_dim > DA_MAX_HEAD_DIM || a->group < 1 || a->page_size < 1
+    if (a->head_dim < 1 || a->group < 1 || a->page_size < 1
         || a->num_kv_heads < 1 || a->head_start < 0
         || a->head_start + a->num_kv_heads > a->cache_heads)
         return DA_BAD_SHAPE;
@@ -198,7 +206,12 @@ static int da_run(const da_args *a, int threads) {
     int64_t tasks = a->batch * a->num_kv_heads, longest = 0;
     for (int64_t b = 0; b < a->batch; b++)
         longest = a->kv_lens[b] > longest ? a->kv_lens[b] : longest;
-    int team = threads < 1 ? 1 : (tasks < threads ? (int)tasks : threads);
+    if (tasks == 0) return DA_OK;
+    int64_t work = 0; /* multiply-adds, about: below DA_PARALLEL_MIN one thread is faster */
+    for (int64_t b = 0; b < a->batch; b++) work += a->kv_lens[b];
+    work *= a->num_kv_heads * a->group * a->head_dim * 2;
+    int team = threads < 1 || work < DA_PARALLEL_MIN ? 1
+               : (tasks < threads ? (int)tasks : threads);
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         int64_t rows = a->group * a->head_dim;

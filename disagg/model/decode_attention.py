@@ -23,7 +23,7 @@ PROFILER_NAME = "disagg::decode_attention"
 _LAYOUTS = {"NHD": 0, "HND": 1}
 # decode_attention.c's refusals, by code (a refusal here is a caller's bug: nothing falls back).
 _REFUSALS = {-1: "this CPU has no AVX-512", -2: "a page id outside the cache",
-             -3: "a length outside its page table", -4: "heads or head_dim it cannot take",
+             -3: "a length outside its page table", -4: "heads it cannot take",
              -5: "no memory for its scratch"}
 _profiling = torch._C._autograd._profiler_enabled
 
@@ -35,7 +35,7 @@ def takes_kernel(q: torch.Tensor, kv_cache: KVCache) -> bool:
             and kv_cache.buffer.is_contiguous()
             and q.device.type == "cpu" and kv_cache.device.type == "cpu"
             and not (torch.is_grad_enabled() and q.requires_grad)
-            and not torch.compiler.is_compiling())
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
 
 
 def decode_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int,
@@ -56,10 +56,11 @@ def _run(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int, page_table: to
     batch, num_heads, head_dim = q.shape
     start, stop = (0, kv_cache.num_kv_heads) if kv_heads is None else (kv_heads.start,
                                                                        kv_heads.stop)
-    if num_heads % (stop - start) or page_table.shape[0] != batch or kv_lens.numel() != batch:
-        raise KernelError(f"{num_heads} query heads over KV heads [{start}, {stop}), "
-                                   f"a page table for {page_table.shape[0]} and lengths for "
-                                   f"{kv_lens.numel()} sequences: not one batch of {batch}")
+    if (num_heads % (stop - start) or head_dim != kv_cache.head_dim
+            or page_table.shape[0] != batch or kv_lens.numel() != batch):
+        raise KernelError(f"{num_heads} query heads of {head_dim} over KV heads [{start}, {stop}) "
+                          f"of {kv_cache.head_dim}, a page table for {page_table.shape[0]} and "
+                          f"lengths for {kv_lens.numel()} sequences: not one batch of {batch}")
     q = q.contiguous()
     table = page_table.to(torch.int64).contiguous()
     lens = kv_lens.to(torch.int64).contiguous()

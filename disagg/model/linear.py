@@ -17,6 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 from torch.profiler import record_function
 
+from disagg.errors import KernelError
 from disagg.model.cpu_kernels import AVX512, AVX512_BF16, DTYPE_CODES, lib
 
 MAX_ROWS = 8
@@ -44,9 +45,11 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
             and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
             and 0 < x.numel() // weight.shape[1] <= MAX_ROWS
             and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()
-                                  and bias.device.type == "cpu"))
-            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and not torch.compiler.is_compiling())
+                                  and bias.device.type == "cpu"
+                                  and bias.shape == weight.shape[:1]))
+            and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
+                                                  or (bias is not None and bias.requires_grad)))
+            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,
@@ -63,12 +66,12 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
 def _kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
     n, k = weight.shape
     rows = x if x.dim() == 2 and x.is_contiguous() else x.reshape(-1, k).contiguous()
-    out = torch.empty((rows.shape[0], n), dtype=x.dtype)
+    out = x.new_empty((rows.shape[0], n))
     status = lib.sl_linear(_KERNELS[weight.dtype], rows.data_ptr(), weight.data_ptr(),
                            0 if bias is None else bias.data_ptr(), out.data_ptr(),
                            rows.shape[0], n, k, torch.get_num_threads())
     if status != 0:  # the checks above rule every refusal out; a refusal is a bug here
-        raise RuntimeError(f"small_linear refused {tuple(rows.shape)} x {tuple(weight.shape)}")
+        raise KernelError(f"small_linear refused {tuple(rows.shape)} x {tuple(weight.shape)}")
     return out if x.dim() == 2 else out.view(*x.shape[:-1], n)
 
 

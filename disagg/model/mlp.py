@@ -1,4 +1,4 @@
-"""The dense SwiGLU feed-forward, column- then row-parallel under TP (S3c)."""
+"""The dense SwiGLU feed-forward, column- then row-parallel under TP (S3c; in place, X8c)."""
 
 from __future__ import annotations
 

@@ -1,5 +1,7 @@
 """Rotary position embeddings with transformers' frequency scalings, by absolute position (S3b, S9).
 
+A forward looks its positions' cos/sin up once, for every layer (`RotaryAngles`, X8c).
+
 Rotate-half convention: dimension i pairs with i + dim/2. The scalings are those of
 transformers' `rope_parameters` (`RopeScaling`): `linear`, `llama3` and `yarn` change the
 inverse frequencies once, so their cos/sin are tables of `max_positions` rows (yarn's

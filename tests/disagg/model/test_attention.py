@@ -72,3 +72,28 @@ def test_batched_decode_matches_dense_per_request(kv_layout: str) -> None:
     for i, (n, (k, v)) in enumerate(zip(kv_lens, keys, strict=True)):
         expected = reference_attention(q[i:i + 1], k, v, n - 1, SCALE)
         torch.testing.assert_close(got[i:i + 1], expected)
+
+
+def test_a_mixed_batch_gives_each_request_its_own_dense_result() -> None:
+    """A prefill chunk over a cached prefix beside two decodes, one call: every row as dense
+    attention over its own request (the decodes' rows land where their queries were)."""
+    torch.manual_seed(4)
+    cache = PagedKVCache(MODEL, CacheConfig(page_size=4, num_pages=16))
+    requests = [([9, 2], 6, 3), ([14], 3, 1), ([0, 7, 11], 10, 1)]  # pages, kv_len, query_len
+    keys = []
+    for page_ids, kv_len, _ in requests:
+        k, v = torch.randn(kv_len, 4, 8), torch.randn(kv_len, 4, 8)
+        fill_request(cache, page_ids, k, v)
+        keys.append((k, v))
+    q = torch.randn(sum(n for *_, n in requests), 8, 8)
+    sequences, start = [], 0
+    for page_ids, kv_len, query_len in requests:
+        sequences.append(SequenceSlice(start, query_len, kv_len - query_len,
+                                       torch.tensor(page_ids)))
+        start += query_len
+    got = paged_attention(q, cache, 0, AttentionMetadata(torch.empty(0), torch.empty(0),
+                                                         sequences), SCALE)
+    for seq, (k, v) in zip(sequences, keys, strict=True):
+        rows = slice(seq.query_start, seq.query_start + seq.query_len)
+        torch.testing.assert_close(got[rows], reference_attention(q[rows], k, v,
+                                                                  seq.context_len, SCALE))

@@ -140,3 +140,31 @@ def test_every_decode_of_a_step_runs_in_the_kernel(monkeypatch) -> None:
                                SequenceSlice(4, 1, 5, torch.tensor([9, 10]))])
     paged_attention(q, cache, 0, mixed, 0.5)
     assert calls == [2, 1, 1, 1]
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+def test_nan_poisons_what_it_touches_as_in_dense_attention(layout: str) -> None:
+    """A NaN key poisons every query head of its KV head, a NaN query its own head; the rest
+    stays finite (AVX-512's max drops NaNs: the kernel must not)."""
+    cache = random_cache(TINY, layout, 4, torch.float32)
+    pages, kv_lens = [[3, 5], [7, 1]], [6, 7]
+    k_page = cache.buffer[0, 5, 0]  # page 5 of sequence 0: tokens 4..7, its K half
+    if layout == "NHD":
+        k_page[1, 2] = float("nan")  # token 5, KV head 2
+    else:
+        k_page[2, 1] = float("nan")
+    q = torch.randn(2, TINY.num_heads, TINY.head_dim)
+    q[1, 3, 0] = float("nan")
+    got = decode_attention(q, cache, 0, torch.tensor(pages), torch.tensor(kv_lens), 0.5)
+    for b in range(2):
+        want = dense(q[b], cache, 0, pages[b], kv_lens[b], 0.5)
+        assert torch.equal(got[b].isnan(), want.isnan())
+    assert got[0, 4:6].isnan().all() and got[1, 3].isnan().all()  # the poisoned heads
+    assert got[0, :4].isfinite().all()
+
+
+def test_a_query_of_another_head_dim_is_refused() -> None:
+    cache = random_cache(TINY, "NHD", 4, torch.float32)
+    with pytest.raises(KernelError, match="query heads of 16"):
+        decode_attention(torch.randn(1, TINY.num_heads, 16), cache, 0, torch.tensor([[1]]),
+                         torch.tensor([2]), 0.5)

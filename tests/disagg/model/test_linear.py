@@ -73,24 +73,29 @@ def test_non_finite_values_propagate_like_the_reference() -> None:
 
 @needs_f32
 @pytest.mark.parametrize("case", ["too many rows", "transposed weight", "float16", "grad",
-                                  "dtype mismatch"])
+                                  "bias grad", "short bias", "dtype mismatch"])
 def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
-    x, w, _ = _inputs(2, 8, 16, torch.float32, bias=False)
+    x, w, b = _inputs(2, 8, 16, torch.float32, bias=True)
     if case == "too many rows":
         x = torch.randn(MAX_ROWS + 1, 16)
     elif case == "transposed weight":
         w = torch.randn(16, 8).t()
     elif case == "float16":
-        x, w = x.half(), w.half()
+        x, w, b = x.half(), w.half(), b.half()
     elif case == "grad":
         w.requires_grad_(True)
+    elif case == "bias grad":  # a frozen weight, a trained bias: its gradient must be recorded
+        b.requires_grad_(True)
+    elif case == "short bias":  # C would read past it; F.linear names the mismatch
+        b = b[:4]
     else:
         x = x.double()
-        w = w.double()
-        w = w.float()
-    assert not takes_kernel(x, w, None)
-    if case != "dtype mismatch":
-        torch.testing.assert_close(linear(x, w), F.linear(x, w))
+    assert not takes_kernel(x, w, b)
+    if case == "short bias":
+        with pytest.raises(RuntimeError):
+            linear(x, w, b)
+    elif case != "dtype mismatch":
+        torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
 
 
 class _CountingLib:
