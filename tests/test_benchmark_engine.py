@@ -27,6 +27,7 @@ BATCHES = [1, 2]
 @pytest.fixture(scope="module")
 def engine_bench() -> ModuleType:
     load_benchmark("engine_models")
+    load_benchmark("roofline")
     return load_benchmark("engine")
 
 
