@@ -3,7 +3,8 @@
 NOTE on what is isolated. The engine thread runs each request's share of a step (sampling,
 stop checks, speculative verification and acceptance, draft choice) inside
 `RequestIsolation.guard`: an exception there fails that request alone (`FINISHED_FAILED`, cause
-`ENGINE_ERROR`, the exception named in the detail, its pages freed) and the step goes on with
+`ENGINE_ERROR`, or `INVALID_REQUEST` for a `RequestError` such as a grammar that cannot go on;
+the exception named in the detail, its pages freed) and the step goes on with
 the others. What cannot be pinned on one request (the batched forward and the observers around
 it, the draft model's batched runs) fails every request it ran for, and the engine goes on with
 the rest. Two things still propagate, because they say the node itself is broken, not a
@@ -23,6 +24,7 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 
 from disagg.engine.request import FailureCause, Request
+from disagg.errors import RequestError
 from disagg.engine.scheduler import Scheduler
 
 logger = logging.getLogger(__name__)
@@ -65,9 +67,13 @@ class RequestIsolation:
                      ", ".join(r.request_id for r in failing[:8]),
                      "it" if len(failing) == 1 else f"those {len(failing)}", exc_info=error)
         detail = f"{what} failed: {type(error).__name__}: {error}"[:MAX_DETAIL_CHARS]
+        # The request's own input that cannot be served (a grammar no token can go on with) is
+        # the client's to fix, a 400 at the front door; anything else is the engine's.
+        cause = (FailureCause.INVALID_REQUEST if isinstance(error, RequestError)
+                 else FailureCause.ENGINE_ERROR)
         for request in failing:
             self._scheduler.fail_request(request)
-            self._failures.append(EngineFailure(request, FailureCause.ENGINE_ERROR, detail))
+            self._failures.append(EngineFailure(request, cause, detail))
 
     def take_failures(self) -> list[EngineFailure]:
         """The requests failed since the last call, oldest first."""

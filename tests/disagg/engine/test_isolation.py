@@ -15,7 +15,7 @@ from disagg.engine.isolation import MAX_FORWARD_FAILURES
 from disagg.engine.llm_engine import LLMEngine, build_engine
 from disagg.engine.request import FailureCause, Request, RequestState, SamplingParams
 from disagg.engine.sampling import sample_token
-from disagg.errors import RankError
+from disagg.errors import GuideError, RankError
 from disagg.model.loading.registry import init_random_weights
 
 CONFIG = ModelConfig.from_name("tiny")
@@ -85,6 +85,28 @@ def test_a_sampling_error_fails_that_request_alone(reference: list[list[int]],
     good.append(engine.add_request(GOOD[2], PARAMS))
     check_failed_alone(engine, good, bad, reference, "sampling")
     assert len(bad.output_token_ids) == 2  # what it had before the failure
+
+
+def test_a_request_error_while_sampling_is_the_requests_own(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """A RequestError (a grammar no token can follow, say) fails the request as invalid: its
+    client gets a 400, not a server error; the other requests go on."""
+    engine = make_engine()
+    bad_params = SamplingParams(max_tokens=8, ignore_eos=True)
+
+    def refusing(*args: Any) -> Any:
+        if any(arg is bad_params for arg in args):
+            raise GuideError("json: no token can follow")
+        return sample_token(*args)
+
+    monkeypatch.setattr(token_chooser, "sample_token", refusing)
+    good = engine.add_request(GOOD[0], PARAMS)
+    bad = engine.add_request(BAD, bad_params)
+    run_to_end(engine)
+    [failure] = engine.take_failures()
+    assert failure.request is bad and failure.cause is FailureCause.INVALID_REQUEST
+    assert "GuideError: json: no token can follow" in failure.detail
+    assert good.state is not RequestState.FINISHED_FAILED
 
 
 def test_a_stop_check_error_fails_that_request_alone(reference: list[list[int]],
