@@ -203,13 +203,14 @@ static int da_run(const da_args *a, int threads) {
     if (!sl_has_avx512()) return DA_NO_ISA;
     int status = da_check(a);
     if (status != DA_OK) return status;
-    int64_t tasks = a->batch * a->num_kv_heads, longest = 0;
-    for (int64_t b = 0; b < a->batch; b++)
-        longest = a->kv_lens[b] > longest ? a->kv_lens[b] : longest;
+    int64_t tasks = a->batch * a->num_kv_heads, longest = 0, keys = 0;
     if (tasks == 0) return DA_OK;
-    int64_t work = 0; /* multiply-adds, about: below DA_PARALLEL_MIN one thread is faster */
-    for (int64_t b = 0; b < a->batch; b++) work += a->kv_lens[b];
-    work *= a->num_kv_heads * a->group * a->head_dim * 2;
+    for (int64_t b = 0; b < a->batch; b++) {
+        longest = a->kv_lens[b] > longest ? a->kv_lens[b] : longest;
+        keys += a->kv_lens[b];
+    }
+    /* Multiply-adds, about: below DA_PARALLEL_MIN one thread is faster. */
+    int64_t work = keys * a->num_kv_heads * a->group * a->head_dim * 2;
     int team = threads < 1 || work < DA_PARALLEL_MIN ? 1
                : (tasks < threads ? (int)tasks : threads);
 #pragma omp parallel num_threads(team) if (team > 1)
@@ -233,8 +234,6 @@ static int da_run(const da_args *a, int threads) {
 }
 
 #else
-
-int sl_has_avx512(void);
 
 static int da_run(const da_args *a, int threads) {
     (void)a; (void)threads;

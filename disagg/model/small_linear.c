@@ -80,11 +80,17 @@ static inline void sl_bf16_row(const uint16_t *x, const uint16_t *wr, float *out
 }
 
 /* Output rows [j0, j1) for a literal M. */
+/* Every block function takes its arrays untyped, so that one table and one dispatch
+   (`sl_linear`) serve both dtypes. */
+typedef void (*sl_block_fn)(const void *, const void *, const void *, void *, int64_t, int64_t,
+                            int64_t, int64_t);
+
 #define SL_F32_BLOCK(M)                                                                     \
     __attribute__((target("avx512f,avx512bw")))                                             \
-    static void sl_f32_block_##M(const float *x, const float *w, const float *bias, float *y, \
+    static void sl_f32_block_##M(const void *xv, const void *wv, const void *bv, void *yv,   \
                                  int64_t n, int64_t k, int64_t j0, int64_t j1) {              \
-        float out[SL_MAX_ROWS];                                                              \
+        const float *x = xv, *w = wv, *bias = bv;                                            \
+        float *y = yv, out[SL_MAX_ROWS];                                                     \
         for (int64_t j = j0; j < j1; j++) {                                                  \
             sl_f32_row(x, w + j * k, out, M, k, k);                                          \
             float b = bias ? bias[j] : 0.0f;                                                 \
@@ -94,8 +100,10 @@ static inline void sl_bf16_row(const uint16_t *x, const uint16_t *wr, float *out
 
 #define SL_BF16_BLOCK(M)                                                                    \
     __attribute__((target("avx512f,avx512bw,avx512bf16")))                                  \
-    static void sl_bf16_block_##M(const uint16_t *x, const uint16_t *w, const uint16_t *bias, \
-                                  uint16_t *y, int64_t n, int64_t k, int64_t j0, int64_t j1) { \
+    static void sl_bf16_block_##M(const void *xv, const void *wv, const void *bv, void *yv,  \
+                                  int64_t n, int64_t k, int64_t j0, int64_t j1) {             \
+        const uint16_t *x = xv, *w = wv, *bias = bv;                                         \
+        uint16_t *y = yv;                                                                    \
         float out[SL_MAX_ROWS];                                                              \
         for (int64_t j = j0; j < j1; j++) {                                                  \
             sl_bf16_row(x, w + j * k, out, M, k, k);                                         \
@@ -109,17 +117,12 @@ SL_F32_BLOCK(5) SL_F32_BLOCK(6) SL_F32_BLOCK(7) SL_F32_BLOCK(8)
 SL_BF16_BLOCK(1) SL_BF16_BLOCK(2) SL_BF16_BLOCK(3) SL_BF16_BLOCK(4)
 SL_BF16_BLOCK(5) SL_BF16_BLOCK(6) SL_BF16_BLOCK(7) SL_BF16_BLOCK(8)
 
-typedef void (*sl_f32_fn)(const float *, const float *, const float *, float *, int64_t,
-                          int64_t, int64_t, int64_t);
-typedef void (*sl_bf16_fn)(const uint16_t *, const uint16_t *, const uint16_t *, uint16_t *,
-                           int64_t, int64_t, int64_t, int64_t);
-
-static const sl_f32_fn SL_F32[SL_MAX_ROWS + 1] = {
-    0, sl_f32_block_1, sl_f32_block_2, sl_f32_block_3, sl_f32_block_4,
-    sl_f32_block_5, sl_f32_block_6, sl_f32_block_7, sl_f32_block_8};
-static const sl_bf16_fn SL_BF16[SL_MAX_ROWS + 1] = {
-    0, sl_bf16_block_1, sl_bf16_block_2, sl_bf16_block_3, sl_bf16_block_4,
-    sl_bf16_block_5, sl_bf16_block_6, sl_bf16_block_7, sl_bf16_block_8};
+/* Blocks by dtype (`SL_FLOAT32`, `SL_BFLOAT16`) and number of rows. */
+static const sl_block_fn SL_BLOCKS[2][SL_MAX_ROWS + 1] = {
+    {0, sl_f32_block_1, sl_f32_block_2, sl_f32_block_3, sl_f32_block_4,
+     sl_f32_block_5, sl_f32_block_6, sl_f32_block_7, sl_f32_block_8},
+    {0, sl_bf16_block_1, sl_bf16_block_2, sl_bf16_block_3, sl_bf16_block_4,
+     sl_bf16_block_5, sl_bf16_block_6, sl_bf16_block_7, sl_bf16_block_8}};
 
 static int sl_team(int64_t n, int64_t k, int threads) {
     if (threads < 1 || n * k < SL_PARALLEL_MIN) return 1;
@@ -135,48 +138,22 @@ static void sl_share(int64_t n, int t, int team, int64_t *j0, int64_t *j1) {
     *j1 = b1 * SL_ROW_BLOCK < n ? b1 * SL_ROW_BLOCK : n;
 }
 
-static int sl_linear_f32(const float *x, const float *w, const float *bias, float *y, int64_t m,
-                         int64_t n, int64_t k, int threads) {
-    if (m < 1 || m > SL_MAX_ROWS || n < 1 || k < 1 || !sl_has_avx512()) return -1;
-    sl_f32_fn block = SL_F32[m];
-    int team = sl_team(n, k, threads);
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        int64_t j0, j1;
-        sl_share(n, omp_get_thread_num(), omp_get_num_threads(), &j0, &j1);
-        block(x, w, bias, y, n, k, j0, j1);
-    }
-    return 0;
-}
-
-static int sl_linear_bf16(const uint16_t *x, const uint16_t *w, const uint16_t *bias,
-                          uint16_t *y, int64_t m, int64_t n, int64_t k, int threads) {
-    if (m < 1 || m > SL_MAX_ROWS || n < 1 || k < 1 || !sl_has_avx512_bf16()) return -1;
-    sl_bf16_fn block = SL_BF16[m];
-    int team = sl_team(n, k, threads);
-#pragma omp parallel num_threads(team) if (team > 1)
-    {
-        int64_t j0, j1;
-        sl_share(n, omp_get_thread_num(), omp_get_num_threads(), &j0, &j1);
-        block(x, w, bias, y, n, k, j0, j1);
-    }
-    return 0;
-}
-
 /* The entry point: addresses as integers, so that Python hands over `data_ptr()` values as
    they are (no pointer objects to build per call). */
 int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
               int64_t n, int64_t k, int threads) {
-    switch (dtype) {
-    case SL_FLOAT32:
-        return sl_linear_f32((const float *)x, (const float *)w, (const float *)bias,
-                             (float *)y, m, n, k, threads);
-    case SL_BFLOAT16:
-        return sl_linear_bf16((const uint16_t *)x, (const uint16_t *)w,
-                              (const uint16_t *)bias, (uint16_t *)y, m, n, k, threads);
-    default:
-        return -1;
+    int isa = dtype == SL_FLOAT32 ? sl_has_avx512()
+              : dtype == SL_BFLOAT16 ? sl_has_avx512_bf16() : 0;
+    if (!isa || m < 1 || m > SL_MAX_ROWS || n < 1 || k < 1) return -1;
+    sl_block_fn block = SL_BLOCKS[dtype][m];
+    int team = sl_team(n, k, threads);
+#pragma omp parallel num_threads(team) if (team > 1)
+    {
+        int64_t j0, j1;
+        sl_share(n, omp_get_thread_num(), omp_get_num_threads(), &j0, &j1);
+        block((const void *)x, (const void *)w, (const void *)bias, (void *)y, n, k, j0, j1);
     }
+    return 0;
 }
 
 #else /* not x86-64: the caller runs the reference */
