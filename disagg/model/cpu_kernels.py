@@ -9,8 +9,11 @@ whenever the kernel cannot: the module was not built, the CPU lacks the instruct
 from __future__ import annotations
 
 import os
+from collections.abc import Callable
+from typing import TypeVar
 
 import torch
+from torch.profiler import record_function
 
 try:
     from disagg.model._cpu_kernels import lib
@@ -25,3 +28,15 @@ AVX512_BF16 = bool(ENABLED and lib.sl_has_avx512_bf16())
 
 # torch dtype -> the C side's flag for it (0 float32, 1 bfloat16).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}
+
+_profiling = torch._C._autograd._profiler_enabled  # a C call: ~0.1 us per kernel call
+T = TypeVar("T")
+
+
+def named_call(name: str, kernel: Callable[..., T], *args: object) -> T:
+    """`kernel(*args)`; while torch.profiler records, as a span called `name`: a cffi call is
+    no torch op, and would otherwise vanish into the profile's time outside ops."""
+    if _profiling():
+        with record_function(name):
+            return kernel(*args)
+    return kernel(*args)

@@ -13,10 +13,9 @@ AVX-512); everything else, and the tests' reference, is the gather-and-SDPA path
 from __future__ import annotations
 
 import torch
-from torch.profiler import record_function
 
 from disagg.errors import KernelError
-from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib
+from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call
 from disagg.model.kv_cache import KVCache, PagedKVCache
 
 PROFILER_NAME = "disagg::decode_attention"
@@ -25,7 +24,6 @@ _LAYOUTS = {"NHD": 0, "HND": 1}
 _REFUSALS = {-1: "this CPU has no AVX-512", -2: "a page id outside the cache",
              -3: "a length outside its page table", -4: "heads it cannot take",
              -5: "no memory for its scratch"}
-_profiling = torch._C._autograd._profiler_enabled
 
 
 def takes_kernel(q: torch.Tensor, kv_cache: KVCache) -> bool:
@@ -45,10 +43,8 @@ def decode_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int,
     `kv_lens[b]` tokens of the pages in row b of `page_table` ``[batch, max_pages]``; returns
     ``[batch, num_heads, head_dim]``. `kv_heads`: the cache heads these queries use (a TP
     rank's share of a replicated cache), all of them by default."""
-    if _profiling():
-        with record_function(PROFILER_NAME):
-            return _run(q, kv_cache, layer_idx, page_table, kv_lens, scale, kv_heads)
-    return _run(q, kv_cache, layer_idx, page_table, kv_lens, scale, kv_heads)
+    return named_call(PROFILER_NAME, _run, q, kv_cache, layer_idx, page_table, kv_lens, scale,
+                      kv_heads)
 
 
 def _run(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int, page_table: torch.Tensor,
@@ -73,5 +69,5 @@ def _run(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int, page_table: to
         stop - start, num_heads // (stop - start), scale, torch.get_num_threads())
     if status != 0:
         raise KernelError(f"decode attention refused layer {layer_idx}: "
-                                   f"{_REFUSALS.get(status, f'code {status}')}")
+                          f"{_REFUSALS.get(status, f'code {status}')}")
     return out

@@ -15,15 +15,13 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.profiler import record_function
 
 from disagg.errors import KernelError
-from disagg.model.cpu_kernels import AVX512, AVX512_BF16, DTYPE_CODES, lib
+from disagg.model.cpu_kernels import AVX512, AVX512_BF16, DTYPE_CODES, lib, named_call
 
 MAX_ROWS = 8
 # How the kernel's calls appear in torch.profiler's tables (`benchmarks/profile_engine.py`).
 PROFILER_NAME = "disagg::small_linear"
-_profiling = torch._C._autograd._profiler_enabled  # a C call: ~0.1 us per projection
 
 # dtype -> the C side's code for it, for the ISA this CPU has.
 _KERNELS: dict[torch.dtype, int] = {
@@ -57,10 +55,7 @@ def linear(x: torch.Tensor, weight: torch.Tensor,
     """``x @ weight.T + bias`` over `x`'s last axis, like `F.linear`."""
     if not takes_kernel(x, weight, bias):
         return F.linear(x, weight, bias)
-    if _profiling():  # the C call is no torch op: name it for the profiler's tables
-        with record_function(PROFILER_NAME):
-            return _kernel(x, weight, bias)
-    return _kernel(x, weight, bias)
+    return named_call(PROFILER_NAME, _kernel, x, weight, bias)
 
 
 def _kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:

@@ -202,21 +202,20 @@ def _rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch
 class RotaryAngles:
     """cos and sin of every token of one forward (S3b), looked up once for all its layers: per
     layer, the table lookups and casts cost a decode step more than the rotation itself.
-    `cos`, `sin` are float32 ``[num_tokens, rope_dim]``; `rotate` applies them in `dtype`."""
+    `cos`, `sin` are float32 ``[num_tokens, rope_dim]``; `rotate` applies them in the dtype
+    `of` cast them to."""
 
     cos: torch.Tensor
     sin: torch.Tensor
-    dtype: torch.dtype
-    cast_cos: torch.Tensor  # [num_tokens, 1, rope_dim] in `dtype`
+    cast_cos: torch.Tensor  # [num_tokens, 1, rope_dim], in the forward's dtype
     cast_sin: torch.Tensor
 
     @staticmethod
     def of(cos: torch.Tensor, sin: torch.Tensor, dtype: torch.dtype) -> RotaryAngles:
-        return RotaryAngles(cos, sin, dtype, cos.unsqueeze(1).to(dtype),
-                            sin.unsqueeze(1).to(dtype))
+        return RotaryAngles(cos, sin, cos.unsqueeze(1).to(dtype), sin.unsqueeze(1).to(dtype))
 
     def rotate(self, x: torch.Tensor) -> torch.Tensor:
         """`x` ``[num_tokens, num_heads, rope_dim]`` rotated by each token's position."""
-        if x.dtype != self.dtype:
+        if x.dtype != self.cast_cos.dtype:
             return RotaryEmbedding.rotate(x, self.cos, self.sin)
         return _rotate_half(x, self.cast_cos, self.cast_sin)
