@@ -325,10 +325,12 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     started, rows = time.monotonic(), []
     quiet, busy_before = wait_for_quiet(args.quiet_wait_s)
     meter = CpuMeter()
-    _, reader = read_bandwidth_gbs(args.bandwidth_mib << 20)  # which reader; warms the pages
+    readers: list[str] = []  # which reader reached each sample
 
     def bandwidth() -> float:
-        return read_bandwidth_gbs(args.bandwidth_mib << 20, repeats=3)[0]
+        gbs, reader = read_bandwidth_gbs(args.bandwidth_mib << 20, repeats=3)
+        readers.append(reader)
+        return gbs
 
     bandwidths: dict[str, list[float]] = {}
     metrics = metrics_of(args.prompt_lens, args.batches)
@@ -346,6 +348,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 rows += rows_of(model, dtype, samples, metrics, roofline)
     import transformers
 
+    samples = [gbs for run in bandwidths.values() for gbs in run]
     result = {"prompt_lens": args.prompt_lens, "decode_prompt_len": args.prompt_lens[0],
               "batches": args.batches, "steps": args.steps, "reps": args.reps,
               "threads": args.threads, "torch": torch.__version__,
@@ -353,10 +356,10 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "transformers_kernels": {"attention": ATTENTION_IMPLEMENTATION,
                                        "experts": EXPERTS_IMPLEMENTATION},
               "malloc": "glibc defaults" if args.malloc_defaults else "node settings",
-              "read_bandwidth": {"gbs": statistics.median(g for v in bandwidths.values()
-                                                          for g in v) if bandwidths
-                                 and any(bandwidths.values()) else None,
-                                 "gbs_by_run": bandwidths, "reader": reader,
+              "read_bandwidth": {"gbs": statistics.median(samples) if samples else None,
+                                 "gbs_by_run": bandwidths,
+                                 "reader": max(set(readers), key=readers.count)
+                                 if readers else None,
                                  "buffer_mib": args.bandwidth_mib},
               "quiet_machine": quiet, "others_cpu_share_before": busy_before,
               "others_cpu_share_during": meter.others_share(),

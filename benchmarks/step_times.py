@@ -12,12 +12,13 @@ of a single token is indistinguishable from a decode here and counts as one.
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
 from disagg_report import percentile
+
+from disagg.utils.trace_merge import load_trace
 
 STEP = "step"  # the span's name in `NodeBase._traced_step`
 
@@ -58,7 +59,7 @@ def read_events(paths: Iterable[Path]) -> tuple[list[dict[str, Any]], list[str]]
     missing: list[str] = []
     for path in paths:
         try:
-            events += json.loads(path.read_text())["traceEvents"]
+            events += load_trace(path)
         except FileNotFoundError:
             missing.append(path.name)
     return events, missing
