@@ -146,7 +146,8 @@ def test_a_router_that_stops_reading_is_cut_off_and_others_are_served(
     it (the good router's request is served), the connection is cut off at its send deadline
     and its requests are aborted."""
     small_kernel_buffers(monkeypatch)  # else the kernel takes megabytes before a send stalls
-    monkeypatch.setattr(outbox, "SEND_DEADLINE_S", 0.3)  # well within the requests' decoding
+    monkeypatch.setattr(outbox, "SEND_DEADLINE_S", 0.3)
+    pace_steps(pair, monkeypatch, 0.002)  # 480 tokens then take > 0.9 s: past the deadline
     mute = socket.socket(socket.AF_INET, socket.SOCK_STREAM)
     mute.setsockopt(socket.SOL_SOCKET, socket.SO_RCVBUF, 4096)
     host, port = pair.decode.address.rsplit(":", 1)
@@ -162,6 +163,21 @@ def test_a_router_that_stops_reading_is_cut_off_and_others_are_served(
     while mute.recv(1 << 16):
         pass  # what the kernel had taken, then the end: the decoder closed it
     stalled.close()
+
+
+def pace_steps(pair: Pair, monkeypatch: pytest.MonkeyPatch, seconds: float) -> None:
+    """Make each of the decoder's engine steps last at least `seconds`: the tiny model decodes
+    hundreds of tokens faster than a send deadline runs out, and a request that has finished
+    before its connection is cut off has nothing left to abort."""
+    step = pair.decode.engine.step
+
+    def paced() -> list:
+        started = time.monotonic()
+        events = step()
+        time.sleep(max(0.0, seconds - (time.monotonic() - started)))
+        return events
+
+    monkeypatch.setattr(pair.decode.engine, "step", paced)
 
 
 def small_kernel_buffers(monkeypatch: pytest.MonkeyPatch) -> None:
