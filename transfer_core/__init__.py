@@ -3,7 +3,8 @@
 Public surface: the `Transport` protocol and its `PagedWrite`; `TransferEngine`, the libfabric
 implementation (register memory, submit writes, count immediates); `FaultyTransport` and
 `FaultPlan` (fault injection over any transport); `MemoryRegion` / `MemoryRegionDescriptor`
-(local handle / bytes for peers), `EngineAddress`, `ImmCounterMap`; `CounterPoller` (S3b);
+(local handle / bytes for peers), `EngineAddress`, `ImmCounterMap`; `PhaseLog` (where a
+transfer's time goes); `CounterPoller` (S3b);
 `detect_topology` (S5b); the exceptions; and `run_transfer_benchmark`. Needs numpy and cffi
 only (`staging`, `cuda` import torch and cuda-python where used); `testing` holds the loopback
 test double. Never imports `disagg`; `docs/transfer-core.md` is the reference page.
@@ -26,6 +27,7 @@ from transfer_core.errors import (
 from transfer_core.faults import FaultPlan, FaultyTransport
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor
+from transfer_core.phases import PhaseLog
 from transfer_core.poller import CounterPoller, PollerConfig
 from transfer_core.topology import Topology, detect_topology
 from transfer_core.transport import PagedWrite, Transport
@@ -44,6 +46,7 @@ __all__ = [
     "MemoryRegionDescriptor",
     "PagedWrite",
     "PeerError",
+    "PhaseLog",
     "PollerConfig",
     "ProviderNotFoundError",
     "Topology",

@@ -28,9 +28,12 @@ import numpy as np
 
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+from transfer_core.phases import ImmRecord, OpRecord, PhaseLog
 from transfer_core.pyfabric import (
+    Event,
     FabricError,
     FabricStack,
+    ImmArrival,
     Info,
     MemoryRegistration,
     Stats,
@@ -141,8 +144,10 @@ class DomainWorker:
         run_callback: Callable[..., None],
         cpus: tuple[int, ...] | None = None,
         max_inflight: int | None = None,
+        phases: PhaseLog | None = None,
     ) -> None:
         self.index = index
+        self._phases = phases
         self.info = info
         self._on_imms = on_imms
         self._run_callback = run_callback
@@ -151,7 +156,8 @@ class DomainWorker:
         self.address = self.stack.endpoint.name
         cap = max_inflight or min(DEFAULT_MAX_INFLIGHT, max(1, info.tx_size // 2))
         slots = max(cap, min(PEER_SHARES * cap, info.tx_size // 2))
-        self._worker = Worker(self.stack.endpoint, self.stack.cq, slots, dest_cap=cap)
+        self._worker = Worker(self.stack.endpoint, self.stack.cq, slots, dest_cap=cap,
+                              timed=phases is not None)
         self._ids = itertools.count(1)
         self._ops: dict[int, OnFinish] = {}
         self._peers: dict[bytes, int] = {}
@@ -309,13 +315,10 @@ class DomainWorker:
                 events, imms, rc = self._worker.progress(_BUDGET_NS)
                 if rc < 0:
                     raise fabric_error("fi_cq_read", rc)
-                for event in events:
-                    on_finish = self._ops.pop(event.op_id, None)
-                    if on_finish is not None:
-                        error = error_for(event.err, "rma write") if event.err else None
-                        self._run_callback(on_finish, error)
-                if imms:
-                    self._run_callback(self._on_imms, imms)
+                if self._phases is not None:
+                    self._hand_on_timed(events, imms)
+                else:
+                    self._hand_on(events, imms)
                 while self._deferred:
                     self._run_callback(self._deferred.popleft())
         except BaseException as exc:
@@ -324,6 +327,34 @@ class DomainWorker:
                 self.failure = exc
             self._worker.close_waits()  # waiters in C leave with the failure
             self._fail_all(TransferError(f"domain {self.index} progress failed: {exc}"))
+
+    def _hand_on(self, events: list[Event], imms: list[tuple[int, int]]) -> None:
+        """Run the callbacks of the ops a progress call reported, then count its immediates."""
+        for event in events:
+            on_finish = self._ops.pop(event.op_id, None)
+            if on_finish is not None:
+                error = error_for(event.err, "rma write") if event.err else None
+                self._run_callback(on_finish, error)
+        if imms:
+            self._run_callback(self._on_imms, imms)
+
+    def _hand_on_timed(self, events: list[Event], arrivals: list[ImmArrival]) -> None:
+        """`_hand_on`, stamping each step into the phase log."""
+        assert self._phases is not None
+        returned = time.monotonic_ns()
+        for event in events:
+            on_finish = self._ops.pop(event.op_id, None)
+            if on_finish is not None and event.times is not None:
+                error = error_for(event.err, "rma write") if event.err else None
+                started = time.monotonic_ns()
+                self._run_callback(on_finish, error)
+                self._phases.add_op(OpRecord(self.index, event.op_id, event.err, event.times,
+                                             returned, started, time.monotonic_ns()))
+        if arrivals:
+            self._run_callback(self._on_imms, [(a.imm, a.count) for a in arrivals])
+            counted = time.monotonic_ns()
+            for arrival in arrivals:
+                self._phases.add_imms(ImmRecord(self.index, arrival, returned, counted))
 
     def _fail_all(self, error: TransferError) -> None:
         while self._ops:

@@ -27,6 +27,7 @@ from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
 from transfer_core.memory_paths import MEMORY_PATHS
 from transfer_core.owner_errors import OwnerErrors
+from transfer_core.phases import PhaseLog
 from transfer_core.placement import plan_domains
 from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, find_infos
 from transfer_core.registration import register_on
@@ -48,10 +49,13 @@ class TransferEngine(ImmCounting):
     cores of each domain's thread (domain_cpus[d], e.g. its NIC's NUMA node). nics: the
     libfabric domain name each domain opens on (verbs `mlx5_0`; efa `rdmap16s27`, matching
     `rdmap16s27-rdm`), None for the default pick (see `placement.py`). hmem: ask for FI_HMEM
-    (CUDA memory). delivery_complete: sender completion means "placed" (costs tcp ~40%).
-    timeout_s: default deadline of every op. max_inflight: writes in flight per domain and
-    peer endpoint (default: min(64, tx/2)); a domain holds 4 peers' worth (`PEER_SHARES`). memory_path: the default of `staging.register_kv` for tensors
-    registered with this engine (auto, host, hmem or staged; see `transfer_core.staging`).
+    (CUDA memory). phases: a `PhaseLog` that records when each op and each batch of
+    immediates passed each step (`transfer_core.phases`). delivery_complete: sender
+    completion means "placed" (costs tcp ~40%). timeout_s: default deadline of every op.
+    max_inflight: writes in flight per domain and peer endpoint (default: min(64, tx/2)); a
+    domain holds 4 peers' worth (`PEER_SHARES`). memory_path: the default of
+    `staging.register_kv` for tensors registered with this engine (auto, host, hmem or
+    staged; see `transfer_core.staging`).
     """
 
     def __init__(
@@ -68,6 +72,7 @@ class TransferEngine(ImmCounting):
         memory_path: str = "auto",
         domain_cpus: Sequence[Sequence[int]] | None = None,
         nics: Sequence[str | None] | None = None,
+        phases: PhaseLog | None = None,
     ) -> None:
         if num_domains < 1:
             raise ValueError(f"num_domains must be >= 1, got {num_domains}")
@@ -75,6 +80,7 @@ class TransferEngine(ImmCounting):
             raise ValueError(f"unknown memory_path {memory_path!r}: expected one of {MEMORY_PATHS}")
         self.memory_path = memory_path
         self.timeout_s = timeout_s
+        self.phases = phases
         self._errors = OwnerErrors()
         self.imm_counters = ImmCounterMap(fire=self._fire)
         self._regions: list[MemoryRegion] = []
@@ -90,7 +96,8 @@ class TransferEngine(ImmCounting):
         on_imms, guard = self.imm_counters.on_imms, self._errors.guard
         try:
             for d, plan in enumerate(plans):
-                worker = DomainWorker(d, plan.info, on_imms, guard, plan.cpus, max_inflight)
+                worker = DomainWorker(d, plan.info, on_imms, guard, plan.cpus, max_inflight,
+                                      phases)
                 self._domains.append(worker)
             self._warmup = Warmup(self._domains)
         except BaseException:

@@ -9,7 +9,7 @@ completion queues with the GIL released. Imports nothing from `transfer_core` bu
 from __future__ import annotations
 
 from ._pyfabric import ffi, lib
-from .datapath import Event, Stats, Worker, WriteOp
+from .datapath import Event, ImmArrival, OpTimes, Stats, Worker, WriteOp
 from .errors import FabricError, ProviderNotFoundError, check, strerror
 from .info import (
     AUTO_NODE,
@@ -44,9 +44,11 @@ __all__ = [
     "Fabric",
     "FabricError",
     "FabricStack",
+    "ImmArrival",
     "Info",
     "InfoRequest",
     "MemoryRegistration",
+    "OpTimes",
     "ProviderNotFoundError",
     "Stats",
     "Worker",

@@ -23,13 +23,35 @@ MAX_EVENTS = 256
 MAX_IMMS = 64
 
 
+class OpTimes(NamedTuple):
+    """When an op was submitted, had its first write handed to the provider and its last one
+    posted, and was first reported (done or failed): CLOCK_MONOTONIC ns, as
+    `time.monotonic_ns`, read in C; 0: not reached."""
+
+    submit_ns: int
+    first_post_ns: int
+    last_post_ns: int
+    done_ns: int
+
+
 class Event(NamedTuple):
     """An op finished (`err == 0`) or failed (`err` is a negative fi errno); `retired`: the
-    provider holds none of its contexts any more."""
+    provider holds none of its contexts any more. `times` only from a timed worker."""
 
     op_id: int
     err: int
     retired: bool
+    times: OpTimes | None = None
+
+
+class ImmArrival(NamedTuple):
+    """`count` arrivals of immediate `imm` handed back by one progress call, the first and the
+    last of them reaped at `first_ns` and `last_ns` (CLOCK_MONOTONIC, read in C)."""
+
+    imm: int
+    count: int
+    first_ns: int
+    last_ns: int
 
 
 class WriteOp:
@@ -124,7 +146,7 @@ class Worker:
 
     def __init__(
         self, endpoint: Endpoint, cq: CompletionQueue, max_inflight: int,
-        dest_cap: int | None = None,
+        dest_cap: int | None = None, *, timed: bool = False,
     ) -> None:
         handle = lib.fabp_worker_new(endpoint.handle, cq.handle, max_inflight, dest_cap or 0)
         if handle == ffi.NULL:
@@ -138,6 +160,7 @@ class Worker:
         self._n_imm = ffi.new("int *")
         self.max_inflight = max_inflight
         self.dest_cap = min(dest_cap or max_inflight, max_inflight)
+        self.timed = timed  # events carry OpTimes, immediates come as ImmArrival
 
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op
@@ -176,7 +199,8 @@ class Worker:
         lib.fabp_interrupt(self._handle)
 
     def progress(self, budget_ns: int) -> tuple[list[Event], list[tuple[int, int]], int]:
-        """Run the C loop for up to `budget_ns`: (events, [(imm, count)], rc).
+        """Run the C loop for up to `budget_ns`: (events, [(imm, count)], rc); a timed
+        worker's events carry their `OpTimes` and its immediates are `ImmArrival`s.
 
         rc < 0 is a fatal CQ error (negative fi errno): the endpoint is unusable."""
         rc = lib.fabp_progress(
@@ -191,10 +215,17 @@ class Worker:
         )
         events = []
         for e in self._events[0 : self._n_ev[0]]:
-            events.append(Event(int(e.id), int(e.err), bool(e.retired)))
+            times = None
+            if self.timed:
+                times = OpTimes(e.t_submit_ns, e.t_first_post_ns, e.t_last_post_ns, e.t_done_ns)
+            events.append(Event(int(e.id), int(e.err), bool(e.retired), times))
             if e.retired:
                 self._live.pop(int(e.id), None)
-        imms = [(int(i.imm), int(i.count)) for i in self._imms[0 : self._n_imm[0]]]
+        arrived = self._imms[0 : self._n_imm[0]]
+        if self.timed:
+            imms: list = [ImmArrival(i.imm, i.count, i.first_ns, i.last_ns) for i in arrived]
+        else:
+            imms = [(int(i.imm), int(i.count)) for i in arrived]
         return events, imms, rc
 
     def live_ops(self) -> list[int]:

@@ -48,6 +48,13 @@ struct fabp_op {
     uint64_t outstanding;
     int32_t err;
     int32_t reported;
+    /* CLOCK_MONOTONIC (time.monotonic_ns) of the op's phases, for the per-phase breakdown:
+     * submitted, first write handed to the provider, last write posted, first reported
+     * (done or failed); 0: not yet. */
+    int64_t t_submit_ns;
+    int64_t t_first_post_ns;
+    int64_t t_last_post_ns;
+    int64_t t_done_ns;
 };
 
 /* An op finished (err == 0), failed (err < 0, a negative fi errno) or was retired: retired
@@ -56,12 +63,18 @@ struct fabp_event {
     uint64_t id;
     int32_t err;
     int32_t retired;
+    int64_t t_submit_ns; /* the op's phase times (struct fabp_op) when it was reported */
+    int64_t t_first_post_ns;
+    int64_t t_last_post_ns;
+    int64_t t_done_ns;
 };
 
 /* Remote CQ data received: count completions carried the value imm. */
 struct fabp_imm {
     uint64_t imm;
     uint64_t count;
+    int64_t first_ns; /* when the first and the last of them were reaped (CLOCK_MONOTONIC) */
+    int64_t last_ns;
 };
 
 struct fabp_stats {
