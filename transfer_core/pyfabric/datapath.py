@@ -161,9 +161,12 @@ class Worker:
         self.max_inflight = max_inflight
         self.dest_cap = min(dest_cap or max_inflight, max_inflight)
         self.timed = timed  # events carry OpTimes, immediates come as ImmArrival
+        lib.fabp_set_stamps(handle, int(timed))
 
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op
+        if self.timed:
+            op.c.flags |= lib.FABP_OP_TIMED
         lib.fabp_submit(self._handle, op.c)
 
     def fail_dest(self, dest: int, err: int = -lib.FABP_EABANDONED) -> None:
@@ -176,6 +179,8 @@ class Worker:
         """Keep `op` alive until an event retires it or `untrack`: for an op posted by
         `fabp_run_prepared`, tracked once when it is made, so runs touch no dict."""
         self._live[op.op_id] = op
+        if self.timed:
+            op.c.flags |= lib.FABP_OP_TIMED
 
     def untrack(self, op_id: int) -> None:
         """Drop an op that is not in flight (it never ran, or its last run retired it)."""

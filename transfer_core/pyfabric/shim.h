@@ -10,6 +10,8 @@
 /* The submitter waits for this op in fabp_run_waited: its first report reaches the waiter
  * through the op's own fields, never as an event. */
 #define FABP_OP_WAITED 2
+/* Stamp the op's phases (t_*_ns below); off, an op reads no clock for them. */
+#define FABP_OP_TIMED 4
 
 /* What fabp_run_waited returns (a negative value is a fatal CQ error). */
 #define FABP_WAIT_SLICE 0    /* the slice ran out: call again */
@@ -48,7 +50,7 @@ struct fabp_op {
     uint64_t outstanding;
     int32_t err;
     int32_t reported;
-    /* CLOCK_MONOTONIC (time.monotonic_ns) of the op's phases, for the per-phase breakdown:
+    /* With FABP_OP_TIMED, CLOCK_MONOTONIC (time.monotonic_ns) of the op's phases:
      * submitted, first write handed to the provider, last write posted, first reported
      * (done or failed); 0: not yet. */
     int64_t t_submit_ns;
@@ -73,7 +75,7 @@ struct fabp_event {
 struct fabp_imm {
     uint64_t imm;
     uint64_t count;
-    int64_t first_ns; /* when the first and the last of them were reaped (CLOCK_MONOTONIC) */
+    int64_t first_ns; /* when the first and the last were reaped (fabp_set_stamps), else 0 */
     int64_t last_ns;
 };
 
@@ -101,6 +103,8 @@ void fabp_fail_dest(struct fabp_worker *w, uint64_t dest, int32_t err);
 void fabp_interrupt(struct fabp_worker *w);
 void fabp_set_timing(struct fabp_worker *w, int64_t spin_ns, int64_t idle_sleep_ns,
                      int64_t linger_ns, int64_t quiet_ns);
+/* Whether reaped immediates are stamped (struct fabp_imm's first_ns and last_ns). */
+void fabp_set_stamps(struct fabp_worker *w, int on);
 void fabp_get_stats(struct fabp_worker *w, struct fabp_stats *out);
 uint32_t fabp_inflight(struct fabp_worker *w);
 int fabp_run_waited(struct fabp_worker *w, struct fabp_op *op, int submit, int64_t slice_ns);
