@@ -11,9 +11,11 @@ job, `context_slot.py`); a decoder checks every rank's copy (`agreed_kv_checksum
 from __future__ import annotations
 
 import logging
+import math
 
 import torch
 
+from disagg.model import cpu_kernels
 from disagg.model.kv_cache import KVCache, PagedKVCache
 
 logger = logging.getLogger(__name__)
@@ -53,20 +55,47 @@ def _lanes(values: torch.Tensor) -> torch.Tensor:
     return values.view(small).to(torch.int64)
 
 
+def _weighted_sum(values: torch.Tensor, seed: int, positions: torch.Tensor,
+                  head_ids: torch.Tensor) -> torch.Tensor:
+    """The reference: the lanes of ``[heads, tokens, width]`` values, each times its weight,
+    summed mod 2^52."""
+    lanes = _lanes(values)  # [heads, num_tokens, width * lanes]
+    # |int16 * weight| < 2^31: exact below 2^32 lanes per layer and rank.
+    product = lanes * _weights(seed, positions, head_ids, lanes.shape[-1])
+    return product.sum() & _MASK
+
+
+def _weighted_sum_kernel(values: torch.Tensor, seed: int, first_position: int,
+                         head_ids: torch.Tensor) -> int:
+    """`_weighted_sum` on the CPU in C (`kv_lane_sum.c`): the same number, with the weights
+    drawn in registers instead of three tensors the size of the values."""
+    values = values.contiguous()
+    lane_bytes = 1 if values.element_size() == 1 else 2
+    heads, tokens = values.shape[0], values.shape[1]
+    lanes = math.prod(values.shape[2:]) * values.element_size() // lane_bytes
+    total = cpu_kernels.named_call(
+        "disagg::kv_lane_sum", cpu_kernels.lib.kls_lane_sum, values.data_ptr(), lane_bytes,
+        heads, tokens, lanes, head_ids.data_ptr(), first_position, seed,
+        torch.get_num_threads())
+    return total & _MASK
+
+
 def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens: int,
-              first_position: int, salt: int) -> torch.Tensor:
+              first_position: int, salt: int) -> torch.Tensor | int:
     """One rank's heads (global ids `heads`) of the tokens in `pages`, summed mod 2^52."""
     device = shard.device
     positions = torch.arange(first_position, first_position + num_tokens, device=device)
     head_ids = torch.tensor(list(heads), dtype=torch.int64, device=device)
-    total = torch.zeros((), dtype=torch.int64, device=device)  # one sync, at the end
+    in_c = cpu_kernels.ENABLED and device.type == "cpu"
+    total: torch.Tensor | int = 0 if in_c else torch.zeros((), dtype=torch.int64, device=device)
     for layer in range(shard.num_layers):
         for half, values in enumerate(shard.gather_parts(layer, pages, num_tokens)):
-            lanes = _lanes(values)  # [heads, num_tokens, head_dim * lanes]
             seed = int(_mix(_mix(salt) + 2 * layer + half))
-            # |int16 * weight| < 2^31: exact below 2^32 lanes per layer and rank.
-            product = lanes * _weights(seed, positions, head_ids, lanes.shape[-1])
-            total = (total + (product.sum() & _MASK)) & _MASK
+            if in_c:
+                part = _weighted_sum_kernel(values, seed, first_position, head_ids)
+            else:  # one sync, at the end
+                part = _weighted_sum(values, seed, positions, head_ids)
+            total = (total + part) & _MASK
     return total
 
 

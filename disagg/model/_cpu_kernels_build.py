@@ -1,6 +1,7 @@
-"""cffi out-of-line API-mode builder for `disagg.model._cpu_kernels`, the model's two CPU
-kernels (X8): the decode projections (`small_linear.c`, used by `linear.py`) and paged decode
-attention (`decode_attention.c`, used by `decode_attention.py`).
+"""cffi out-of-line API-mode builder for `disagg.model._cpu_kernels`, the CPU kernels (X8): the
+decode projections (`small_linear.c`, used by `linear.py`), paged decode attention
+(`decode_attention.c`, used by `decode_attention.py`) and the KV checksum's weighted lane sum
+(`kv_lane_sum.c`, used by `disagg/kv_transfer/kv_checksum.py`, X4c).
 
 cffi releases the GIL around each call, and each kernel splits its work over OpenMP threads.
 Built by setuptools through setup.py's `cffi_modules`, or in place with
@@ -23,10 +24,13 @@ int da_decode_attention(int bf16, int layout, uintptr_t q, uintptr_t layer, uint
                         int64_t num_pages, int64_t page_size, int64_t cache_heads,
                         int64_t head_dim, int64_t head_start, int64_t num_kv_heads,
                         int64_t group, float scale, int threads);
+uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
+                      int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,
+                      int threads);
 """
 
 _HERE = pathlib.Path(__file__).resolve().parent
-SOURCES = ("small_linear.c", "decode_attention.c")
+SOURCES = ("small_linear.c", "decode_attention.c", "kv_lane_sum.c")
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)

@@ -1,0 +1,82 @@
+/* The KV checksum's weighted lane sum on the CPU (X4c, X8): the inner loop of
+ * disagg/kv_transfer/kv_checksum.py's `_rank_sum`, one layer's K or V at a time.
+ *
+ * values: [heads, tokens, lanes] contiguous lanes of lane_bytes (2: int16, sign-extended; 1:
+ * uint8), the bits of the KV values. Each lane counts with an odd weight below 2^16 drawn from
+ * (seed, position, head id, lane) by the same integer hash as the PyTorch reference; the
+ * products are summed in wrapping 64-bit arithmetic, which equals the reference's sum mod
+ * 2^52 once masked (2^52 divides 2^64). The weights are what costs: three hash steps per lane
+ * in the reference's tensors, registers here. The modulus 2^31 - 1 is a Mersenne prime, so a
+ * hash step's remainder is two adds and a compare instead of a division.
+ */
+
+#include <stdint.h>
+
+#define KLS_PRIME 2147483647ULL
+#define KLS_MULTIPLIER 48271U
+
+/* x < 2^32: x * 48271 mod (2^31 - 1), then the xor-shift (kv_checksum.py's `_mix`). A 32 x 32
+ * -> 64-bit multiply, which vectorizes (vpmuludq) where a 64-bit one would not. */
+static inline uint32_t kls_mix(uint32_t x)
+{
+    uint64_t y = (uint64_t)x * KLS_MULTIPLIER; /* < 2^48 */
+    y = (y & KLS_PRIME) + (y >> 31);          /* 2^31 = 1 mod p; now below 2p */
+    if (y >= KLS_PRIME)
+        y -= KLS_PRIME;
+    uint32_t z = (uint32_t)y;
+    return z ^ (z >> 11);
+}
+
+/* The odd weight below 2^16 of lane l of the value whose (position, head) hashed to x. */
+static inline int32_t kls_weight(uint32_t x, int32_t l)
+{
+    return (int32_t)(((kls_mix(x + (uint32_t)l) >> 7) & 0xFFFF) | 1);
+}
+
+/* Each row function compiled for AVX-512 and AVX2 beside the baseline, picked at load time. */
+#if defined(__x86_64__)
+#define KLS_CLONES __attribute__((target_clones("arch=x86-64-v4", "arch=x86-64-v3", "default")))
+#else
+#define KLS_CLONES
+#endif
+
+/* One (position, head) row of lanes: |lane * weight| < 2^31, so each product is an int32. */
+KLS_CLONES
+static int64_t kls_row16(const int16_t *v, int32_t lanes, uint32_t x)
+{
+    int64_t sum = 0;
+    for (int32_t l = 0; l < lanes; l++)
+        sum += (int32_t)v[l] * kls_weight(x, l);
+    return sum;
+}
+
+KLS_CLONES
+static int64_t kls_row8(const uint8_t *v, int32_t lanes, uint32_t x)
+{
+    int64_t sum = 0;
+    for (int32_t l = 0; l < lanes; l++)
+        sum += (int32_t)v[l] * kls_weight(x, l);
+    return sum;
+}
+
+uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
+                      int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,
+                      int threads)
+{
+    const int64_t *ids = (const int64_t *)head_ids;
+    uint64_t total = 0;
+    int team = threads > 1 && heads * tokens * lanes >= (1 << 16) ? threads : 1;
+#pragma omp parallel for collapse(2) reduction(+ : total) num_threads(team) if (team > 1)
+    for (int64_t h = 0; h < heads; h++) {
+        for (int64_t t = 0; t < tokens; t++) {
+            uint32_t x = kls_mix((uint32_t)(seed + (uint64_t)(first_position + t)));
+            x = kls_mix(x + (uint32_t)ids[h]);
+            int64_t row = (h * tokens + t) * lanes;
+            int64_t sum = lane_bytes == 2
+                ? kls_row16((const int16_t *)values + row, (int32_t)lanes, x)
+                : kls_row8((const uint8_t *)values + row, (int32_t)lanes, x);
+            total += (uint64_t)sum; /* wrapping: the caller masks to 2^52 */
+        }
+    }
+    return total;
+}

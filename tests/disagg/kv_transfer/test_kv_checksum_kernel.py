@@ -1,0 +1,79 @@
+"""The KV checksum's weighted lane sum in C gives the PyTorch reference's number (X4c, X8):
+same bits, every lane width, sign, head set and position, one thread or several, and a whole
+checksum with the kernel equals the one without it."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from disagg.config import CacheConfig, ModelConfig
+from disagg.kv_transfer import kv_checksum as checksum_module
+from disagg.kv_transfer.kv_checksum import _weighted_sum, _weighted_sum_kernel, kv_checksum
+from disagg.model import cpu_kernels
+from disagg.model.kv_cache import PagedKVCache
+
+pytestmark = pytest.mark.skipif(not cpu_kernels.ENABLED, reason="CPU kernels not built")
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float16, torch.float8_e4m3fn]
+
+
+def random_values(heads: int, tokens: int, width: int, dtype: torch.dtype,
+                  seed: int) -> torch.Tensor:
+    generator = torch.Generator().manual_seed(seed)
+    return (torch.randn(heads, tokens, width, generator=generator) * 4).to(dtype)
+
+
+@pytest.mark.parametrize("dtype", DTYPES, ids=str)
+@pytest.mark.parametrize("tokens", [0, 1, 37, 700], ids=lambda n: f"{n}-tokens")
+def test_the_kernel_sums_what_the_reference_sums(dtype: torch.dtype, tokens: int) -> None:
+    """Odd head ids, a position offset, a large seed: bit-equal (700 tokens splits the work
+    over threads)."""
+    values = random_values(3, tokens, 64, dtype, seed=tokens)
+    head_ids = torch.tensor([1, 4, 7])
+    seed, first = 2_000_000_011, 123
+    positions = torch.arange(first, first + tokens)
+    want = int(_weighted_sum(values, seed, positions, head_ids))
+    assert _weighted_sum_kernel(values, seed, first, head_ids) == want
+    assert want != 0 or tokens == 0
+
+
+def test_one_thread_or_several_give_the_same_sum() -> None:
+    values = random_values(4, 2048, 64, torch.bfloat16, seed=1)
+    head_ids = torch.arange(4)
+    threads = torch.get_num_threads()
+    try:
+        torch.set_num_threads(1)
+        one = _weighted_sum_kernel(values, 99, 0, head_ids)
+    finally:
+        torch.set_num_threads(threads)
+    assert _weighted_sum_kernel(values, 99, 0, head_ids) == one
+
+
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_a_checksum_with_the_kernel_equals_one_without(kv_layout: str,
+                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    """A whole checksum over scattered pages, a held prefix left out: the kernel changes
+    nothing a prefiller and a decoder could disagree on."""
+    model = ModelConfig.from_name("tiny")
+    cache = PagedKVCache(model, CacheConfig(page_size=4, num_pages=16, kv_layout=kv_layout))
+    generator = torch.Generator().manual_seed(3)
+    page_ids, num_tokens = [9, 2, 14, 5, 7], 19
+    positions = torch.arange(num_tokens)
+    pages = torch.tensor(page_ids)[positions // 4]
+    for layer in range(model.num_layers):
+        k, v = (torch.randn(num_tokens, model.num_kv_heads, model.head_dim,
+                            generator=generator) for _ in range(2))
+        cache.write(layer, k, v, pages, positions % 4)
+    with_kernel = kv_checksum(cache, page_ids, num_tokens, first_page=1)
+    monkeypatch.setattr(checksum_module.cpu_kernels, "ENABLED", False)
+    assert kv_checksum(cache, page_ids, num_tokens, first_page=1) == with_kernel != 0.0
+
+
+def test_a_hash_input_equal_to_the_modulus_reduces_to_zero() -> None:
+    """seed + position = 2^31 - 1: the remainder is 0, the edge of the kernel's reduction."""
+    values = random_values(2, 4, 64, torch.float32, seed=5)
+    head_ids, first = torch.tensor([0, 1]), 10
+    seed = 2_147_483_647 - first
+    want = int(_weighted_sum(values, seed, torch.arange(first, first + 4), head_ids))
+    assert _weighted_sum_kernel(values, seed, first, head_ids) == want
