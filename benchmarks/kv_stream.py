@@ -8,11 +8,13 @@ each prompt length, on each provider and KV layout. Per request, from the two tr
 writes were posted) and its `layer_writes_posted` instant of the last layer, which closes the
 forward's compute; the decoder's `kv_wait` span, which ends when its engine thread saw the KV
 counter fire. tail = KV ready on the decoder - the last layer's writes posted on the prefiller
-(S3b: only the last layer should be left in flight when compute ends), next to the prefiller's
-own `transfer_tail` span. The decoder's receipt (the RUNNING event) gives the writes and bytes
+(S3b: only the last layer should be left in flight when compute ends), and the same from the
+end of the prefiller's `step` that ran the forward (the last layer's MLP, the final norm and the
+sampled row's logits follow the bump), next to the prefiller's own `transfer_tail` span. The decoder's receipt (the RUNNING event) gives the writes and bytes
 moved; `transfer_core.bench.run_transfer_benchmark` then moves as many writes of the same size
 between two bare processes, and one layer's share of the bytes at that raw rate is the time
-the tail is compared with (goal: tail <= one layer + 1 ms; reported, not asserted).
+the tail after the forward is compared with (goal: <= one layer + 1 ms; reported, not
+asserted).
 
 Run: `python benchmarks/kv_stream.py [--model smollm2-135m|tiny] [--providers tcp,shm]
 [--layouts NHD,HND] [--prompts 512,2048] [--reps 3] [--json PATH]` (about 10 min on 2 cores).
@@ -64,6 +66,7 @@ class Sample:
     write_nbytes: int  # bytes of each page write
     kv_bytes: int  # every byte the decoder received, the context slot included
     tail_ms: float  # decoder KV ready - prefiller's last layer writes posted
+    forward_tail_ms: float  # decoder KV ready - end of the prefiller step that ran the forward
     transfer_tail_ms: float  # the prefiller's own span: last layer posted -> writes completed
     stream_ms: float  # decoder KV ready - first layer writes posted
 
@@ -107,6 +110,10 @@ def sample_of(prefill: list[Event], decode: list[Event], receipt: RequestEvent,
     # alone, so the first one at or after this request's last post is its forward's.
     last_posted = min(e["ts"] for e in prefill if e["name"] == "layer_writes_posted"
                       and e["args"]["layer"] == num_layers - 1 and e["ts"] >= last_start)
+    # The step that ran the last layer: its end is the forward's (the last layer's MLP, the
+    # final norm, the sampled row's logits come after the bump), the "compute end".
+    step = next(e for e in prefill if e["ph"] == "X" and e["name"] == "step"
+                and e["ts"] <= last_posted <= e["ts"] + e["dur"])
     wait = of_request(decode, "kv_wait", request_id)[-1]
     ready = wait["ts"] + wait["dur"]
     tail = of_request(prefill, "transfer_tail", request_id)[-1]
@@ -114,6 +121,7 @@ def sample_of(prefill: list[Event], decode: list[Event], receipt: RequestEvent,
     return Sample(request_id, writes=page_writes,
                   write_nbytes=(receipt.kv_bytes - context_nbytes) // page_writes,
                   kv_bytes=receipt.kv_bytes, tail_ms=(ready - last_posted) / 1e3,
+                  forward_tail_ms=(ready - step["ts"] - step["dur"]) / 1e3,
                   transfer_tail_ms=tail["dur"] / 1e3,
                   stream_ms=(ready - min(e["ts"] for e in writes)) / 1e3, **case)
 
@@ -172,14 +180,16 @@ def summarize(samples: list[Sample], num_layers: int) -> list[dict[str, Any]]:
             raw[key] = raw_gbps(*key)
         layer_ms = first.writes * first.write_nbytes / num_layers / (raw[key] * 1e9) * 1e3
         tail = statistics.median(s.tail_ms for s in group)
+        forward_tail = statistics.median(s.forward_tail_ms for s in group)
         rows.append({
             "provider": provider, "layout": layout, "prompt_tokens": length,
             "kv_mb": first.kv_bytes / 1e6, "writes": first.writes,
             "write_nbytes": first.write_nbytes, "reps": len(group), "tail_ms_p50": tail,
+            "forward_tail_ms_p50": forward_tail,
             "transfer_tail_ms_p50": statistics.median(s.transfer_tail_ms for s in group),
             "effective_gbps": statistics.median(s.effective_gbps for s in group),
             "raw_gbps": raw[key], "layer_at_raw_ms": layer_ms,
-            "goal_met": tail <= layer_ms + 1.0})
+            "goal_met": forward_tail <= layer_ms + 1.0})
     return rows
 
 
@@ -188,12 +198,13 @@ def print_table(rows: list[dict[str, Any]], model: str, num_layers: int) -> None
     table = Table(title=f"KV stream, prefiller -> decoder ({model}, {num_layers} layers, "
                         f"page {PAGE_SIZE})")
     for column in ("provider", "layout", "prompt tokens", "KV MB", "tail ms p50",
-                   "prefiller transfer_tail ms p50", "effective GB/s", "raw GB/s",
+                   "after forward ms p50", "prefiller transfer_tail ms p50", "effective GB/s", "raw GB/s",
                    "one layer at raw rate ms", "goal met"):
         table.add_column(column, justify="left" if column in ("provider", "layout") else "right")
     for r in rows:
         table.add_row(r["provider"], r["layout"], str(r["prompt_tokens"]), f"{r['kv_mb']:.2f}",
-                      f"{r['tail_ms_p50']:.2f}", f"{r['transfer_tail_ms_p50']:.2f}",
+                      f"{r['tail_ms_p50']:.2f}", f"{r['forward_tail_ms_p50']:.2f}",
+                      f"{r['transfer_tail_ms_p50']:.2f}",
                       f"{r['effective_gbps']:.2f}", f"{r['raw_gbps']:.2f}",
                       f"{r['layer_at_raw_ms']:.2f}", "yes" if r["goal_met"] else "no")
     Console().print(table)
