@@ -4,7 +4,7 @@ Public surface: the `Transport` protocol and its `PagedWrite`; `TransferEngine`,
 implementation (register memory, submit writes, count immediates); `FaultyTransport` and
 `FaultPlan` (fault injection over any transport); `MemoryRegion` / `MemoryRegionDescriptor`
 (local handle / bytes for peers), `EngineAddress`, `ImmCounterMap`; `PhaseLog` (where a
-transfer's time goes); `CounterPoller` (S3b);
+transfer's time goes); `CounterPoller` and its `Doorbell` (S3b);
 `detect_topology` (S5b); the exceptions; and `run_transfer_benchmark`. Needs numpy and cffi
 only (`staging`, `cuda` import torch and cuda-python where used); `testing` holds the loopback
 test double. Never imports `disagg`; `docs/transfer-core.md` is the reference page.
@@ -13,6 +13,7 @@ test double. Never imports `disagg`; `docs/transfer-core.md` is the reference pa
 from __future__ import annotations
 
 from transfer_core.bench import run_transfer_benchmark
+from transfer_core.doorbell import Doorbell
 from transfer_core.engine import TransferEngine
 from transfer_core.errors import (
     BoundsError,
@@ -37,6 +38,7 @@ __all__ = [
     "CounterPoller",
     "CudaError",
     "DescriptorError",
+    "Doorbell",
     "EngineAddress",
     "FabricError",
     "FaultPlan",

@@ -2,7 +2,8 @@
 
 The wait is C so that it runs with the GIL released (cffi drops the GIL around every call into
 an API-mode module) and reads the counter words with real acquire loads, which Python cannot
-express. It is a spin-then-sleep loop and nothing more; callbacks stay in Python (S3b).
+express. It is a spin-then-sleep loop, or a sleep on a doorbell the counter's writer rings, and
+nothing more; callbacks stay in Python (S3b).
 Built by setuptools through setup.py's `cffi_modules`, or in place with
 `python transfer_core/_poller_build.py` from the repository root.
 """
@@ -19,6 +20,9 @@ int64_t tc_load_acquire(int64_t *word);
 int64_t tc_fetch_add_release(int64_t *word, int64_t delta);
 void tc_store_flag(int *flag, int value);
 int tc_set_timer_slack_ns(unsigned long ns);
+void tc_ring(uint32_t *bell);
+int tc_bell_wait(int64_t **words, const int64_t *last, int64_t *seen, int n,
+                 const int *stop, uint32_t *bell, int64_t timeout_ns);
 """
 
 SOURCE = r"""
@@ -29,6 +33,10 @@ SOURCE = r"""
 #include <time.h>
 #include <sched.h>
 #include <sys/prctl.h>
+#include <sys/syscall.h>
+#include <unistd.h>
+#include <limits.h>
+#include <linux/futex.h>
 
 static inline void tc_cpu_relax(void) {
 #if defined(__x86_64__) || defined(__i386__)
@@ -91,6 +99,37 @@ int tc_poll_wait(int64_t **words, const int64_t *last, int64_t *seen, int n,
             if (sleep_ns > sleep_max_ns)
                 sleep_ns = sleep_max_ns;
         }
+    }
+}
+
+/* The doorbell: a writer on a CPU thread rings after it bumps a counter, and the waiter sleeps
+   on the bell's futex until then, with no periodic wake-up. Measured on one core shared with a
+   SmolLM2 forward: a poller napping 200 us made the forward 14% slower (5-token and 400-token
+   prefills alike), from the wake-ups alone. No lost ring: the waiter reads the bell before it
+   scans the words; a bump it did not see was rung after that read, so the futex word differs
+   and FUTEX_WAIT returns at once (the writer's counter store precedes its bell increment, a
+   full barrier, in program order). */
+void tc_ring(uint32_t *bell) {
+    __atomic_add_fetch(bell, 1, __ATOMIC_SEQ_CST);
+    syscall(SYS_futex, bell, FUTEX_WAKE_PRIVATE, INT_MAX, NULL, NULL, 0);
+}
+
+/* tc_poll_wait's contract (changed words, 0 on timeout, -1 on stop), waiting on `bell`. */
+int tc_bell_wait(int64_t **words, const int64_t *last, int64_t *seen, int n,
+                 const int *stop, uint32_t *bell, int64_t timeout_ns) {
+    const int64_t start = tc_now_ns();
+    for (;;) {
+        uint32_t rung = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
+        if (__atomic_load_n(stop, __ATOMIC_ACQUIRE))
+            return -1;
+        int changed = tc_scan(words, last, seen, n);
+        if (changed)
+            return changed;
+        const int64_t left = timeout_ns - (tc_now_ns() - start);
+        if (left <= 0)
+            return 0;
+        struct timespec ts = {(time_t)(left / 1000000000LL), (long)(left % 1000000000LL)};
+        syscall(SYS_futex, bell, FUTEX_WAIT_PRIVATE, rung, &ts, NULL, 0);
     }
 }
 

@@ -18,6 +18,7 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol, TypeAlias
 
+from transfer_core.doorbell import Doorbell
 from transfer_core.errors import TransferTimeoutError
 from transfer_core.placement import check_cpus
 from transfer_core.topology import pin_current_thread
@@ -189,12 +190,14 @@ class CounterPoller:
         name: str = "counter-poller",
         *,
         cpus: Sequence[int] | None = None,
+        doorbell: Doorbell | None = None,
     ) -> None:
         if not counters:
             raise ValueError("CounterPoller needs at least one counter")
         self._counters = list(counters)
         self._on_change = on_change
         self._config = config or PollerConfig()
+        self._doorbell = doorbell  # set: sleep until it rings, the config's spin and naps unused
         if cpus is not None:
             if self._config.cpu_affinity is not None:
                 raise ValueError("pass cpus or config.cpu_affinity, not both")
@@ -271,6 +274,8 @@ class CounterPoller:
         it is idempotent. Reports already read are delivered before the thread exits.
         """
         lib.tc_store_flag(self._stop, 1)
+        if self._doorbell is not None:
+            self._doorbell.ring()  # the stop flag is read before the wait
         thread = self._thread
         if thread is not None and thread is not threading.current_thread():
             thread.join(timeout)
@@ -308,8 +313,13 @@ class CounterPoller:
         sleep_max_ns = int(config.sleep_max_us * 1e3)
         slice_ns = int(_WAIT_SLICE_S * 1e9)
         while True:
-            wait = (spin_ns, sleep_min_ns, sleep_max_ns, slice_ns)
-            changed = lib.tc_poll_wait(self._words, self._last, self._seen, n, self._stop, *wait)
+            if self._doorbell is not None:
+                changed = lib.tc_bell_wait(self._words, self._last, self._seen, n, self._stop,
+                                           self._doorbell.word, slice_ns)
+            else:
+                wait = (spin_ns, sleep_min_ns, sleep_max_ns, slice_ns)
+                changed = lib.tc_poll_wait(self._words, self._last, self._seen, n, self._stop,
+                                           *wait)
             if changed < 0:
                 return
             for i in range(n):

@@ -29,16 +29,9 @@ from disagg.model.layer_counter import LayerCounter
 from disagg.utils.tally import Tally
 from disagg.utils.trace import Tracer
 from transfer_core.errors import TransferError
-from transfer_core.poller import CounterPoller, PollerConfig
+from transfer_core.poller import CounterPoller
 from transfer_core.staging import RegisteredKV
 from transfer_core.transport import PagedWrite, Transport
-
-
-# A CPU forward spends milliseconds on a layer and shares its cores with the poller: no spin,
-# naps of 200 us (a layer's writes leave at most that late). Measured on a prefiller pinned to
-# one core, SmolLM2, a 5-token prefill: 97-98 ms with the default spin and doubling naps, 85 ms
-# with these. A GPU's layers take tens of microseconds: the default spins for them.
-CPU_POLLING = PollerConfig(spin_us=0.0, sleep_min_us=200.0, sleep_max_us=200.0)
 
 
 class LayerStreamer:
@@ -60,9 +53,11 @@ class LayerStreamer:
         self._num_forwards = 0  # forwards planned
         self._handled = 0  # counter value whose writes have all been posted
         self.counter = counter
-        self.poller_config = CPU_POLLING if kv_cache.device.type == "cpu" else PollerConfig()
-        self._poller = CounterPoller([counter.poll_target], self._on_counter, self.poller_config,
-                                     name="layer-counter-poller", cpus=poller_cpus)
+        # A CPU counter rings its doorbell after each bump and the poller sleeps until then: a
+        # poller that naps wakes the core the forward runs on (S3b); a GPU's counter is polled.
+        self._poller = CounterPoller([counter.poll_target], self._on_counter,
+                                     name="layer-counter-poller", cpus=poller_cpus,
+                                     doorbell=counter.doorbell)
         self._poller.start()
 
     def plan_forward(self, batch: Batch, in_flight: Mapping[str, OutgoingKV]) -> None:

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 import torch
 
+from transfer_core.doorbell import Doorbell
+
 
 class LayerCounter:
     """A 64-bit counter stored in a tensor the model increments in-graph.
@@ -19,7 +21,8 @@ class LayerCounter:
     host memory, so the host sees each bump without a copy.
     """
 
-    def __init__(self, value: torch.Tensor | None = None, poll_target: object = None) -> None:
+    def __init__(self, value: torch.Tensor | None = None, poll_target: object = None,
+                 doorbell: Doorbell | None = None) -> None:
         self.value = torch.zeros(1, dtype=torch.int64) if value is None else value
         if self.value.dtype != torch.int64 or self.value.numel() != 1:
             raise ValueError(f"a layer counter needs one int64 element, got "
@@ -27,6 +30,8 @@ class LayerCounter:
         # What a `CounterPoller` watches: the tensor itself on CPU, the host side of the
         # mapped word on a GPU (the poller cannot read device memory).
         self.poll_target = self.value if poll_target is None else poll_target
+        # Rung after each bump on CPU, so the poller sleeps until then (a kernel cannot ring).
+        self.doorbell = doorbell
 
     @classmethod
     def for_device(cls, device: str | torch.device) -> LayerCounter:
@@ -38,15 +43,18 @@ class LayerCounter:
         """
         device = torch.device(device)
         if device.type == "cpu":
-            return cls()
+            return cls(doorbell=Doorbell())
         from transfer_core.cuda.mapped_counter import MappedCounter  # GPU only; imports cuda-python
 
         mapped = MappedCounter(device.index or 0)
         return cls(mapped.device_tensor, poll_target=mapped)
 
     def bump(self) -> None:
-        """Record one more finished layer (a tensor op, so it is captured in a graph)."""
+        """Record one more finished layer (a tensor op, so it is captured in a graph), then
+        ring the doorbell if the counter has one."""
         self.value.add_(1)
+        if self.doorbell is not None:
+            self.doorbell.ring()
 
     def read(self) -> int:
         """The current count (a host read; use the poller rather than spinning on this)."""

@@ -12,7 +12,6 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from disagg.kv_transfer.layer_streamer import CPU_POLLING
 from disagg.kv_transfer.messages import KVRequest
 from disagg.kv_transfer.transfer_plan import num_pages
 from tests.disagg.kv_transfer.conftest import MakeHarness
@@ -65,10 +64,3 @@ def test_layer_zero_lands_on_the_decoder_before_the_last_layer_runs(
     assert request.output_token_ids == single_node_tokens(prompt)
     h.check_clean()
 
-
-def test_a_cpu_prefiller_s_poller_naps_instead_of_spinning(make_harness: MakeHarness) -> None:
-    """A CPU cache: the counter poller never busy-polls (its forward shares the core); the
-    streaming itself is the tests above."""
-    h = make_harness()
-    assert h.prefill.streamer.poller_config == CPU_POLLING
-    assert CPU_POLLING.spin_us == 0

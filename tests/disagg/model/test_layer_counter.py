@@ -62,3 +62,12 @@ def test_cuda_counter_lives_in_mapped_host_memory() -> None:
     torch.cuda.synchronize()
     assert counter.value.device.type == "cuda"
     assert counter.poll_target.value == 1
+
+
+def test_a_cpu_counter_rings_its_doorbell_on_every_bump() -> None:
+    """So the messenger's poller can sleep until a layer is done (S3b)."""
+    counter = LayerCounter.for_device("cpu")
+    assert counter.doorbell is not None
+    counter.bump()
+    counter.bump()
+    assert counter.doorbell.word[0] == 2 and counter.read() == 2
