@@ -9,9 +9,12 @@ are done. A poller thread in the messenger watches the word (`transfer_core.poll
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
-from transfer_core.doorbell import Doorbell
+if TYPE_CHECKING:  # imported where a counter gets one: the engine alone loads no transfer core
+    from transfer_core.doorbell import Doorbell
 
 
 class LayerCounter:
@@ -43,6 +46,8 @@ class LayerCounter:
         """
         device = torch.device(device)
         if device.type == "cpu":
+            from transfer_core.doorbell import Doorbell
+
             return cls(doorbell=Doorbell())
         from transfer_core.cuda.mapped_counter import MappedCounter  # GPU only; imports cuda-python
 
