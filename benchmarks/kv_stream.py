@@ -10,8 +10,9 @@ forward's compute; the decoder's `kv_wait` span, which ends when its engine thre
 counter fire. tail = KV ready on the decoder - the last layer's writes posted on the prefiller
 (S3b: only the last layer should be left in flight when compute ends), and the same from the
 end of the prefiller's `step` that ran the forward (the last layer's MLP, the final norm and the
-sampled row's logits follow the bump), next to the prefiller's own `transfer_tail` span. The decoder's receipt (the RUNNING event) gives the writes and bytes
-moved; `transfer_core.bench.run_transfer_benchmark` then moves as many writes of the same size
+sampled row's logits follow the bump), next to the prefiller's own `transfer_tail` span. The
+decoder's receipt (the RUNNING event) gives the writes and bytes moved;
+`transfer_core.bench.run_transfer_benchmark` then moves as many writes of the same size
 between two bare processes, and one layer's share of the bytes at that raw rate is the time
 the tail after the forward is compared with (goal: <= one layer + 1 ms; reported, not
 asserted).
@@ -111,7 +112,7 @@ def sample_of(prefill: list[Event], decode: list[Event], receipt: RequestEvent,
     last_posted = min(e["ts"] for e in prefill if e["name"] == "layer_writes_posted"
                       and e["args"]["layer"] == num_layers - 1 and e["ts"] >= last_start)
     # The step that ran the last layer: its end is the forward's (the last layer's MLP, the
-    # final norm, the sampled row's logits come after the bump), the "compute end".
+    # final norm, the sampled row's logits come after the bump): the end of the compute.
     step = next(e for e in prefill if e["ph"] == "X" and e["name"] == "step"
                 and e["ts"] <= last_posted <= e["ts"] + e["dur"])
     wait = of_request(decode, "kv_wait", request_id)[-1]
@@ -198,8 +199,8 @@ def print_table(rows: list[dict[str, Any]], model: str, num_layers: int) -> None
     table = Table(title=f"KV stream, prefiller -> decoder ({model}, {num_layers} layers, "
                         f"page {PAGE_SIZE})")
     for column in ("provider", "layout", "prompt tokens", "KV MB", "tail ms p50",
-                   "after forward ms p50", "prefiller transfer_tail ms p50", "effective GB/s", "raw GB/s",
-                   "one layer at raw rate ms", "goal met"):
+                   "after forward ms p50", "prefiller transfer_tail ms p50", "effective GB/s",
+                   "raw GB/s", "one layer at raw rate ms", "goal met"):
         table.add_column(column, justify="left" if column in ("provider", "layout") else "right")
     for r in rows:
         table.add_row(r["provider"], r["layout"], str(r["prompt_tokens"]), f"{r['kv_mb']:.2f}",

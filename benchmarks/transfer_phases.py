@@ -57,7 +57,7 @@ PHASES = (
 
 def _receiver_main(provider: str, conn: Any) -> None:
     """The target: a region of REGION_PAGES pages; on ("arm", imm, n) it expects n arrivals,
-    then acknowledges; on ("record", imm) it sends its stamps for that rep."""
+    then acknowledges; on ("record", imm, n) it sends its stamps for that rep."""
     log = PhaseLog()
     with TransferEngine(provider, phases=log) as engine:
         region = np.zeros((REGION_PAGES, REGION_PAGE_BYTES), dtype=np.uint8)
@@ -75,7 +75,7 @@ def _receiver_main(provider: str, conn: Any) -> None:
                 engine.expect_imm_count(msg[1], msg[2], lambda imm=msg[1]: fire(imm))
                 conn.send("armed")
             else:
-                records = log.imms(msg[1])
+                records = log.wait_arrivals(msg[1], msg[2])
                 conn.send({"first_ns": min(r.arrival.first_ns for r in records),
                            "last_ns": max(r.arrival.last_ns for r in records),
                            "counted_ns": max(r.counted_ns for r in records),
@@ -114,8 +114,8 @@ class Sender:
         self.engine.post_paged_writes(write, done.set, errors.append)
         if not (acked.wait(30) and done.wait(30)) or errors:
             raise RuntimeError(f"rep imm={imm} did not finish: {errors}")
-        (op,) = self.log.ops()
-        (ack,) = self.log.imms(imm)
+        (op,) = self.log.wait_ops(1)  # recorded just after the callbacks that got us here
+        (ack,) = self.log.wait_arrivals(imm, 1)
         return {**stamps, "submit_ns": op.times.submit_ns, "first_post_ns": op.times.first_post_ns,
                 "last_post_ns": op.times.last_post_ns, "done_ns": op.times.done_ns,
                 "callback_ns": op.callback_ns, "ack_reaped_ns": ack.arrival.last_ns}
@@ -154,7 +154,7 @@ def run_provider(provider: str, reps: int, warmup: int = 3) -> list[dict[str, An
                 parent.send(("arm", imm, pages))
                 parent.recv()
                 stamps = sender.rep(dst, imm, pages, nbytes)
-                parent.send(("record", imm))
+                parent.send(("record", imm, pages))
                 if rep >= warmup:
                     samples.append(phases_of(stamps, parent.recv()))
                 else:

@@ -344,10 +344,12 @@ class DomainWorker:
         returned = time.monotonic_ns()
         for event in events:
             on_finish = self._ops.pop(event.op_id, None)
-            if on_finish is not None and event.times is not None:
-                error = error_for(event.err, "rma write") if event.err else None
-                started = time.monotonic_ns()
-                self._run_callback(on_finish, error)
+            if on_finish is None:
+                continue
+            error = error_for(event.err, "rma write") if event.err else None
+            started = time.monotonic_ns()
+            self._run_callback(on_finish, error)
+            if event.times is not None:
                 self._phases.add_op(OpRecord(self.index, event.op_id, event.err, event.times,
                                              returned, started, time.monotonic_ns()))
         if arrivals:

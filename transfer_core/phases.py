@@ -47,20 +47,43 @@ class ImmRecord:
 
 
 class PhaseLog:
-    """The records of a timed engine, newest `capacity` of each kind; any thread may read."""
+    """The records of a timed engine, newest `capacity` of each kind; any thread may read.
+    A record is added after the callbacks it times ran: one who learnt from a callback that a
+    transfer ended waits for its record (`wait_ops`, `wait_arrivals`)."""
 
     def __init__(self, capacity: int = DEFAULT_CAPACITY) -> None:
-        self._lock = threading.Lock()
+        self._lock = threading.Condition()
         self._ops: deque[OpRecord] = deque(maxlen=capacity)
         self._imms: deque[ImmRecord] = deque(maxlen=capacity)
 
     def add_op(self, record: OpRecord) -> None:
         with self._lock:
             self._ops.append(record)
+            self._lock.notify_all()
 
     def add_imms(self, record: ImmRecord) -> None:
         with self._lock:
             self._imms.append(record)
+            self._lock.notify_all()
+
+    def wait_ops(self, count: int, timeout_s: float = 5.0) -> list[OpRecord]:
+        """The op records once there are `count` of them; `TimeoutError` after `timeout_s`."""
+        with self._lock:
+            if not self._lock.wait_for(lambda: len(self._ops) >= count, timeout_s):
+                raise TimeoutError(f"{len(self._ops)} op records, not {count}")
+            return list(self._ops)
+
+    def wait_arrivals(self, imm: int, count: int, timeout_s: float = 5.0) -> list[ImmRecord]:
+        """The records of `imm` once they add up to `count` arrivals; `TimeoutError` after
+        `timeout_s`."""
+
+        def arrived() -> int:
+            return sum(r.arrival.count for r in self._imms if r.arrival.imm == imm)
+
+        with self._lock:
+            if not self._lock.wait_for(lambda: arrived() >= count, timeout_s):
+                raise TimeoutError(f"{arrived()} arrivals of {imm} recorded, not {count}")
+            return [r for r in self._imms if r.arrival.imm == imm]
 
     def ops(self) -> list[OpRecord]:
         with self._lock:

@@ -2,10 +2,12 @@
 
 The decoder's guard against a counter that fired early (a duplicated immediate) or over pages
 that were corrupted or misplaced. Each value counts with a weight drawn from its logical place
-(layer, K or V or MLA's latent, token position, head, dim), so swapped pages, tokens or heads change the sum,
-and the sum is over the values' bits in integers, so it is exact: any layout, sharding, device
-or thread count gives the same number. It is not a cryptographic hash (that is the nonce's
-job, `context_slot.py`); a decoder checks every rank's copy (`agreed_kv_checksum`).
+(layer, K or V or MLA's latent, token position, head, dim), so swapped pages, tokens or heads
+change the sum, and the sum is over the values' bits in integers, so it is exact: any layout,
+sharding, device or thread count gives the same number. It is not a cryptographic hash (that is
+the nonce's job, `context_slot.py`); a decoder checks every rank's copy (`agreed_kv_checksum`).
+On the CPU the weighted sum runs in C (`kv_lane_sum.c`, X8d); the PyTorch sum here is its
+reference and the GPU's path.
 """
 
 from __future__ import annotations

@@ -15,6 +15,7 @@ With a metrics port the node also answers `GET /metrics` and `GET /health` there
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -105,10 +106,12 @@ def exit_without_teardown(code: int) -> None:
     handlers (logging's flush, exporters), then leave without the interpreter's teardown of
     torch's modules, which frees only memory and takes half a second idle, several seconds
     on a loaded host: long enough for a parent's grace period to run out and turn a clean
-    exit into a SIGTERM (the interpreter has put the default handler back by then)."""
+    exit into a SIGTERM (the interpreter has put the default handler back by then). Threads
+    are not joined: after `node.close()` only daemon threads are left."""
     atexit._run_exitfuncs()
-    sys.stdout.flush()
-    sys.stderr.flush()
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(OSError, ValueError):  # a parent that closed the pipe
+            stream.flush()
     os._exit(code)
 
 

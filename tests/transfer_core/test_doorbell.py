@@ -67,7 +67,7 @@ def test_an_idle_poller_sleeps_until_rung() -> None:
     with CounterPoller([counter], lambda *_: None, napping) as poller:
         before = switches(poller._thread)
         time.sleep(0.5)
-        assert switches(poller._thread) - before > 100  # the contrast the test rests on
+        assert switches(poller._thread) - before > 20  # the contrast (about 2,500 when idle)
 
 
 @pytest.mark.usefixtures("long_slices")

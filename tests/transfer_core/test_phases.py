@@ -47,7 +47,7 @@ def test_an_op_s_stamps_run_in_order(timed: tuple[TransferEngine, TransferEngine
     stamp set and none before the one it follows."""
     a, b = timed
     write_batch(a, b, 5)
-    (op,) = a_log(a).ops()
+    (op,) = a_log(a).wait_ops(1)
     t = op.times
     assert op.err == 0
     assert 0 < t.submit_ns <= t.first_post_ns <= t.last_post_ns <= t.done_ns
@@ -60,11 +60,11 @@ def test_the_receiver_s_batches_count_every_arrival(
     reaped before it was handed back and counted."""
     a, b = timed
     write_batch(a, b, 9)
-    records = a_log(b).imms(9)
+    records = a_log(b).wait_arrivals(9, PAGES)
     assert sum(r.arrival.count for r in records) == PAGES
     for r in records:
         assert 0 < r.arrival.first_ns <= r.arrival.last_ns <= r.returned_ns <= r.counted_ns
-    assert min(r.arrival.first_ns for r in records) >= a_log(a).ops()[0].times.first_post_ns
+    assert min(r.arrival.first_ns for r in records) >= a_log(a).wait_ops(1)[0].times.first_post_ns
 
 
 def a_log(engine: TransferEngine) -> PhaseLog:

@@ -203,7 +203,8 @@ class Worker:
         """Make the running (or next) `progress` call return soon."""
         lib.fabp_interrupt(self._handle)
 
-    def progress(self, budget_ns: int) -> tuple[list[Event], list[tuple[int, int]], int]:
+    def progress(self, budget_ns: int
+                 ) -> tuple[list[Event], list[tuple[int, int]] | list[ImmArrival], int]:
         """Run the C loop for up to `budget_ns`: (events, [(imm, count)], rc); a timed
         worker's events carry their `OpTimes` and its immediates are `ImmArrival`s.
 
@@ -228,7 +229,8 @@ class Worker:
                 self._live.pop(int(e.id), None)
         arrived = self._imms[0 : self._n_imm[0]]
         if self.timed:
-            imms: list = [ImmArrival(i.imm, i.count, i.first_ns, i.last_ns) for i in arrived]
+            imms: list[tuple[int, int]] | list[ImmArrival] = [
+                ImmArrival(i.imm, i.count, i.first_ns, i.last_ns) for i in arrived]
         else:
             imms = [(int(i.imm), int(i.count)) for i in arrived]
         return events, imms, rc

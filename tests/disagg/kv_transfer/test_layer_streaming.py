@@ -63,4 +63,3 @@ def test_layer_zero_lands_on_the_decoder_before_the_last_layer_runs(
         f"decoder counted {counts} writes when the prefiller's last layer started")
     assert request.output_token_ids == single_node_tokens(prompt)
     h.check_clean()
-

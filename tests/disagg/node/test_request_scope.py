@@ -171,7 +171,7 @@ def pace_steps(pair: Pair, monkeypatch: pytest.MonkeyPatch, seconds: float) -> N
     before its connection is cut off has nothing left to abort."""
     step = pair.decode.engine.step
 
-    def paced() -> list:
+    def paced() -> list[object]:
         started = time.monotonic()
         events = step()
         time.sleep(max(0.0, seconds - (time.monotonic() - started)))
