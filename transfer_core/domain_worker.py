@@ -6,8 +6,8 @@ thread then runs finished ops' callbacks and hands immediate counts to the engin
 waiting for its own write (`write_and_wait`) runs that loop itself instead, in its own thread,
 and its op's result reaches it without a hand-off (shim.c.in's NOTE on waited ops). The thread
 must run even on a pure receiver: progress is manual (the target's polling moves the data).
-Every submitted op reaches its `on_finish` exactly once, also on close or fatal error;
-`Completion` folds the ops of one transfer (one per domain) into one on_done/on_error.
+Every submitted op reaches its `on_finish` exactly once, also on close or fatal error
+(`completion.py` folds the ops of one transfer into one on_done/on_error).
 One peer's writes never hold up another's (X5c): each peer endpoint gets its own share of the
 slots, and `abandon_peer` fails what is queued for a peer given up (X4). Memory keys are
 random (or the provider's own), never sequential: a key is all a peer needs to write a region.
@@ -26,6 +26,7 @@ from collections.abc import Callable
 
 import numpy as np
 
+from transfer_core.completion import OnFinish
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.phases import ImmRecord, OpRecord, PhaseLog
@@ -46,10 +47,6 @@ from transfer_core.pyfabric.errors import fabric_error
 from transfer_core.topology import pin_current_thread
 
 logger = logging.getLogger(__name__)
-
-OnFinish = Callable[[TransferError | None], None]
-OnDone = Callable[[], None]
-OnError = Callable[[TransferError], None]
 
 # Writes in flight to one peer endpoint. Stay well under the provider's TX queue: spinning on
 # EAGAIN at the limit collapses throughput on a busy machine, and tcp;ofi_rxm ran at half
@@ -78,42 +75,6 @@ _PEER_ERRNOS = {
     lib.FI_ECANCELED,
     lib.FI_EACCES,
 }
-
-
-class Completion:
-    """Fires exactly one of `on_done` / `on_error` for a transfer made of `parts` ops."""
-
-    def __init__(
-        self,
-        parts: int,
-        on_done: OnDone | None,
-        on_error: OnError | None,
-        report: Callable[[BaseException], None],
-    ) -> None:
-        self._left = parts
-        self._failed = False
-        self._lock = threading.Lock()
-        self._on_done = on_done
-        self._on_error = on_error
-        self._report = report
-
-    def part_finished(self, error: TransferError | None) -> None:
-        with self._lock:
-            if self._failed:
-                return
-            if error is None:
-                self._left -= 1
-                if self._left:
-                    return
-            else:
-                self._failed = True
-        if error is None:
-            if self._on_done is not None:
-                self._on_done()
-        elif self._on_error is not None:
-            self._on_error(error)
-        else:
-            self._report(error)  # nobody listens: surface it on the owner's next call
 
 
 def random_key(key_size: int) -> int:
@@ -328,13 +289,18 @@ class DomainWorker:
             self._worker.close_waits()  # waiters in C leave with the failure
             self._fail_all(TransferError(f"domain {self.index} progress failed: {exc}"))
 
+    def _finish(self, event: Event) -> bool:
+        """Run the callback of the op `event` reports; False if it had none left to run."""
+        on_finish = self._ops.pop(event.op_id, None)
+        if on_finish is None:
+            return False
+        self._run_callback(on_finish, error_for(event.err, "rma write") if event.err else None)
+        return True
+
     def _hand_on(self, events: list[Event], imms: list[tuple[int, int]]) -> None:
         """Run the callbacks of the ops a progress call reported, then count its immediates."""
         for event in events:
-            on_finish = self._ops.pop(event.op_id, None)
-            if on_finish is not None:
-                error = error_for(event.err, "rma write") if event.err else None
-                self._run_callback(on_finish, error)
+            self._finish(event)
         if imms:
             self._run_callback(self._on_imms, imms)
 
@@ -343,13 +309,8 @@ class DomainWorker:
         assert self._phases is not None
         returned = time.monotonic_ns()
         for event in events:
-            on_finish = self._ops.pop(event.op_id, None)
-            if on_finish is None:
-                continue
-            error = error_for(event.err, "rma write") if event.err else None
             started = time.monotonic_ns()
-            self._run_callback(on_finish, error)
-            if event.times is not None:
+            if self._finish(event) and event.times is not None:
                 self._phases.add_op(OpRecord(self.index, event.op_id, event.err, event.times,
                                              returned, started, time.monotonic_ns()))
         if arrivals:

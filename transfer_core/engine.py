@@ -20,7 +20,8 @@ import threading
 from collections.abc import Sequence
 from typing import Any
 
-from transfer_core.domain_worker import DomainWorker, OnDone, OnError
+from transfer_core.completion import OnDone, OnError
+from transfer_core.domain_worker import DomainWorker
 from transfer_core.errors import TransferError
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.imm_counting import ImmCounting

@@ -21,7 +21,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
-from transfer_core.domain_worker import OnDone, OnError
+from transfer_core.completion import OnDone, OnError
 from transfer_core.errors import FabricError, TransferTimeoutError
 from transfer_core.imm_counter import ImmBatch, ImmTap
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor

@@ -10,7 +10,7 @@ wraps and taps that engine's arrivals. This is not the counting itself: that is 
 
 from __future__ import annotations
 
-from transfer_core.domain_worker import OnDone
+from transfer_core.completion import OnDone
 from transfer_core.imm_counter import ImmCounterMap, ImmTap
 
 

@@ -77,22 +77,16 @@ class PhaseLog:
         """The records of `imm` once they add up to `count` arrivals; `TimeoutError` after
         `timeout_s`."""
 
+        def records() -> list[ImmRecord]:
+            return [r for r in self._imms if r.arrival.imm == imm]
+
         def arrived() -> int:
-            return sum(r.arrival.count for r in self._imms if r.arrival.imm == imm)
+            return sum(r.arrival.count for r in records())
 
         with self._lock:
             if not self._lock.wait_for(lambda: arrived() >= count, timeout_s):
                 raise TimeoutError(f"{arrived()} arrivals of {imm} recorded, not {count}")
-            return [r for r in self._imms if r.arrival.imm == imm]
-
-    def ops(self) -> list[OpRecord]:
-        with self._lock:
-            return list(self._ops)
-
-    def imms(self, imm: int | None = None) -> list[ImmRecord]:
-        """The batches of arrivals, of one immediate value if `imm` is given."""
-        with self._lock:
-            return [r for r in self._imms if imm is None or r.arrival.imm == imm]
+            return records()
 
     def clear(self) -> None:
         with self._lock:

@@ -23,7 +23,7 @@ from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
-from transfer_core.domain_worker import OnDone, OnError
+from transfer_core.completion import OnDone, OnError
 from transfer_core.imm_counter import ImmTap
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_pages
 from transfer_core.pyfabric import Stats

@@ -17,7 +17,8 @@ import functools
 import itertools
 from collections.abc import Callable
 
-from transfer_core.domain_worker import Completion, DomainWorker, OnDone, OnError
+from transfer_core.completion import Completion, OnDone, OnError
+from transfer_core.domain_worker import DomainWorker
 from transfer_core.errors import PeerError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.pyfabric import WriteOp

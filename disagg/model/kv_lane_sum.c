@@ -40,24 +40,20 @@ static inline int32_t kls_weight(uint32_t x, int32_t l)
 #define KLS_CLONES
 #endif
 
-/* One (position, head) row of lanes: |lane * weight| < 2^31, so each product is an int32. */
-KLS_CLONES
-static int64_t kls_row16(const int16_t *v, int32_t lanes, uint32_t x)
-{
-    int64_t sum = 0;
-    for (int32_t l = 0; l < lanes; l++)
-        sum += (int32_t)v[l] * kls_weight(x, l);
-    return sum;
-}
+/* One (position, head) row of lanes of type LANE: |lane * weight| < 2^31, so each product is
+ * an int32. One function per lane type, so that each vectorizes over its own loads. */
+#define KLS_ROW(NAME, LANE)                                                                 \
+    KLS_CLONES                                                                              \
+    static int64_t NAME(const LANE *v, int32_t lanes, uint32_t x)                           \
+    {                                                                                       \
+        int64_t sum = 0;                                                                    \
+        for (int32_t l = 0; l < lanes; l++)                                                 \
+            sum += (int32_t)v[l] * kls_weight(x, l);                                        \
+        return sum;                                                                         \
+    }
 
-KLS_CLONES
-static int64_t kls_row8(const uint8_t *v, int32_t lanes, uint32_t x)
-{
-    int64_t sum = 0;
-    for (int32_t l = 0; l < lanes; l++)
-        sum += (int32_t)v[l] * kls_weight(x, l);
-    return sum;
-}
+KLS_ROW(kls_row16, int16_t)
+KLS_ROW(kls_row8, uint8_t)
 
 uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
                       int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,

@@ -28,7 +28,7 @@ from typing import Any
 import numpy as np
 
 from transfer_core import write_checks as checks
-from transfer_core.domain_worker import Completion, OnDone, OnError
+from transfer_core.completion import Completion, OnDone, OnError
 from transfer_core.errors import (
     PeerError,
     ProviderNotFoundError,

@@ -19,7 +19,8 @@ from typing import Any
 
 import numpy as np
 
-from transfer_core.domain_worker import Completion, random_key
+from transfer_core.completion import Completion
+from transfer_core.domain_worker import random_key
 from transfer_core.errors import PeerError, TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, resolve_buffer
 
