@@ -1,0 +1,280 @@
+"""The messengers' KV path against prepared writes, per write, between two processes (S5, S4c, S3b).
+
+    python benchmarks/messenger_path.py [--provider tcp|shm|all] [--requests R] [--pages P]
+        [--layers L] [--page-writes W] [--write-bytes B] [--reps N] [--json]
+
+A round moves L x R x P x W writes of B bytes (default: SmolLM2's fp32 KV of 512 tokens, 30 x 1
+x 32 x 2 of 12,288) into a spawned receiver's region, by either path:
+- `messenger`: a whole forward's stream, layers back to back, as `LayerStreamer._post_layer`
+  posts it (S3b): per layer, request and page write one `post_paged_writes` of the request's
+  pages with its immediate; the receiver counts L x P x W per request, as a decoder does (S4c);
+- `prepared`: each of those writes a `prepare_write` (made before the timer), `run()` back to
+  back, with the same request's immediate, so the receiver counts alike.
+Timed from the first post until every request's counter fired and was acknowledged and every
+sender completion is in. Paths alternate (order flipped each rep); every round is checked by a
+checksum of the receiver's region and its counters. No model, no poller: kv_stream.py.
+"""
+
+from __future__ import annotations
+
+import argparse
+import hashlib
+import json
+import multiprocessing as mp
+import statistics
+import sys
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+from rich.console import Console
+from rich.table import Table
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from transfer_core.engine import TransferEngine  # noqa: E402
+from transfer_core.memory import MemoryRegionDescriptor  # noqa: E402
+from transfer_core.transport import PagedWrite  # noqa: E402
+from transfer_core.waited import PreparedWrite  # noqa: E402
+
+PATHS = ("messenger", "prepared")
+IMMS = {"messenger": 0x1000_0000, "prepared": 0x2000_0000}  # + request index
+ACK_IMM = 0x0ACC_0000
+TIMEOUT_S = 60.0
+
+
+@dataclass(frozen=True, slots=True)
+class Shape:
+    """One round's writes, `write_bytes` each; a page holds its `page_writes` parts (K, V).
+
+    >>> Shape(30, 1, 32, 2, 12288).num_writes
+    1920
+    """
+
+    num_layers: int
+    num_requests: int
+    num_pages: int
+    page_writes: int
+    write_bytes: int
+
+    @property
+    def num_writes(self) -> int:
+        return self.num_layers * self.num_requests * self.num_pages * self.page_writes
+
+    @property
+    def region_shape(self) -> tuple[int, int, int]:
+        """``[num_layers, num_requests * num_pages, page_nbytes]``, page_nbytes: W x B."""
+        return (self.num_layers, self.num_requests * self.num_pages,
+                self.page_writes * self.write_bytes)
+
+
+def _digest(region: np.ndarray) -> str:
+    return hashlib.blake2b(np.ascontiguousarray(region).data, digest_size=16).hexdigest()
+
+
+def _receiver(provider: str, shape: Shape, conn: Any) -> None:
+    """Spawned decoder: owns the KV region, arms one counter per request, acks each."""
+    with TransferEngine(provider) as engine:
+        region = np.zeros(shape.region_shape, dtype=np.uint8)
+        _, desc = engine.register_memory(region, name="kv-dst")
+        conn.send((desc.to_bytes(), engine.address))
+        ack = MemoryRegionDescriptor.from_bytes(conn.recv())
+        fired: list[int] = []
+        per_request = shape.num_writes // shape.num_requests
+
+        def reached(imm: int) -> None:  # engine thread
+            fired.append(imm)
+            engine.post_imm(ACK_IMM, ack)
+
+        while (msg := conn.recv())[0] != "stop":
+            if msg[0] == "arm":  # a fresh round: nothing of the last one may count
+                region[:] = 0
+                fired.clear()
+                for imm in msg[1]:
+                    engine.expect_imm_count(imm, per_request, lambda imm=imm: reached(imm))
+                conn.send("armed")
+            else:  # "check": what landed and what was counted
+                conn.send((_digest(region), sorted(fired), engine.pending_imm_counts(),
+                           engine.dropped_imms))
+
+
+class _Sender:
+    """The prefiller's side: its KV region, each request's pages, and both paths' rounds."""
+
+    def __init__(self, engine: TransferEngine, shape: Shape, dst: MemoryRegionDescriptor,
+                 seed: int) -> None:
+        self.engine, self.shape, self.dst = engine, shape, dst
+        self.prepared: list[PreparedWrite] = []
+        self.errors: list[BaseException] = []
+        rng = np.random.default_rng(seed)
+        self.src = rng.integers(0, 256, size=shape.region_shape, dtype=np.uint8)
+        self.src_mr, _ = engine.register_memory(self.src, name="kv-src", remote_write=False)
+        self.ack_mr, self.ack_desc = engine.register_memory(np.zeros(8, np.uint8))
+        # Each request's pages, scattered on both sides as a page allocator leaves them.
+        pages = shape.num_requests * shape.num_pages
+        src_ids = rng.permutation(pages).reshape(shape.num_requests, shape.num_pages)
+        dst_ids = rng.permutation(pages).reshape(shape.num_requests, shape.num_pages)
+        self.pages = list(zip(src_ids, dst_ids, strict=True))
+        self.want = np.zeros_like(self.src)
+        self.want[:, dst_ids.ravel()] = self.src[:, src_ids.ravel()]
+        page_nbytes = shape.region_shape[2]
+        for r, src_ids, dst_ids, offset in self._paged():
+            for s, d in zip(src_ids, dst_ids, strict=True):
+                self.prepared.append(engine.prepare_write(
+                    self.src_mr, offset + int(s) * page_nbytes, shape.write_bytes,
+                    IMMS["prepared"] + r, dst, offset + int(d) * page_nbytes))
+
+    def _paged(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
+        """(request, src page ids, dst page ids, byte offset of page 0's part) of each paged
+        write, in `_post_layer`'s order: layer, request, page write (same offset both sides)."""
+        _, pages, page_nbytes = self.shape.region_shape
+        for layer in range(self.shape.num_layers):
+            for r, (src_ids, dst_ids) in enumerate(self.pages):
+                for w in range(self.shape.page_writes):
+                    offset = layer * pages * page_nbytes + w * self.shape.write_bytes
+                    yield r, src_ids, dst_ids, offset
+
+    def round(self, path: str) -> float:
+        """One timed round of `path`; the receiver was armed for it."""
+        acked = threading.Event()
+        self.engine.expect_imm_count(ACK_IMM, self.shape.num_requests, acked.set)
+        start = time.perf_counter()
+        if path == "messenger":
+            done = self._post_forward()
+        else:
+            for write in self.prepared:
+                write.run()  # returns once the write is done
+            done = acked
+        if not (acked.wait(TIMEOUT_S) and done.wait(TIMEOUT_S)) or self.errors:
+            raise RuntimeError(f"{path} round did not finish: {self.errors}")
+        return time.perf_counter() - start
+
+    def _post_forward(self) -> threading.Event:
+        """Every layer's writes, as `_post_layer` posts them; the event: all completions in."""
+        page_nbytes, nbytes = self.shape.region_shape[2], self.shape.write_bytes
+        lock, done = threading.Lock(), threading.Event()
+        left = [self.shape.num_writes // self.shape.num_pages]  # calls: one on_done each
+
+        def on_done() -> None:  # engine thread; the streamer's write_done counts likewise
+            with lock:
+                left[0] -= 1
+                if left[0] == 0:
+                    done.set()
+
+        for r, src_ids, dst_ids, offset in self._paged():
+            self.engine.post_paged_writes(
+                PagedWrite(self.src_mr, src_ids, page_nbytes, offset, self.dst, dst_ids,
+                           page_nbytes, offset, nbytes, IMMS["messenger"] + r),
+                on_done=on_done, on_error=self.errors.append)
+        return done
+
+    def close(self) -> None:
+        for write in self.prepared:
+            write.close()
+        self.engine.unregister_memory(self.src_mr)
+        self.engine.unregister_memory(self.ack_mr)
+
+
+def measure(provider: str, shape: Shape, reps: int, warmup: int = 1,
+            seed: int = 0) -> dict[str, Any]:
+    """Both paths over `warmup + reps` alternating rounds; medians of the last `reps`."""
+    ctx = mp.get_context("spawn")
+    parent, child = ctx.Pipe()
+    proc = ctx.Process(target=_receiver, args=(provider, shape, child), daemon=True)
+    proc.start()
+    child.close()  # ours only: a receiver that dies then reads as EOF, not a 60 s wait
+    seconds: dict[str, list[float]] = {p: [] for p in PATHS}
+    verified = True
+    try:
+        if not parent.poll(TIMEOUT_S):
+            raise TimeoutError("receiver did not start")
+        desc, address = parent.recv()
+        with TransferEngine(provider) as engine:
+            sender = _Sender(engine, shape, MemoryRegionDescriptor.from_bytes(desc), seed)
+            try:
+                parent.send(sender.ack_desc.to_bytes())
+                engine.connect(address)  # the first round must not pay for the connection
+                want = _digest(sender.want)
+                for rep in range(warmup + reps):
+                    for path in PATHS if rep % 2 == 0 else PATHS[::-1]:
+                        imms = [IMMS[path] + r for r in range(shape.num_requests)]
+                        parent.send(("arm", imms))
+                        parent.recv()
+                        elapsed = sender.round(path)
+                        parent.send(("check",))
+                        digest, fired, pending, dropped = parent.recv()
+                        verified &= (digest == want and fired == imms and not pending
+                                     and not dropped)
+                        if rep >= warmup:
+                            seconds[path].append(elapsed)
+            finally:
+                sender.close()
+            provider_name = engine.provider
+        parent.send(("stop",))
+        proc.join(TIMEOUT_S)
+    finally:
+        if proc.is_alive():
+            proc.kill()
+            proc.join()
+    n, nbytes = shape.num_writes, shape.num_writes * shape.write_bytes
+    ratios = [m / p for m, p in zip(seconds["messenger"], seconds["prepared"], strict=True)]
+    paths = {p: {"us_per_write": statistics.median(s) / n * 1e6,
+                 "us_min": min(s) / n * 1e6, "us_max": max(s) / n * 1e6,
+                 "gbps": nbytes / statistics.median(s) / 1e9} for p, s in seconds.items()}
+    return {"provider": provider_name, "writes": n, "write_bytes": shape.write_bytes,
+            "reps": reps, "paths": paths, "messenger_over_prepared": statistics.median(ratios),
+            "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "verified": bool(verified and proc.exitcode == 0)}
+
+
+def flat(result: dict[str, Any], transport: str) -> dict[str, Any]:
+    """The one-provider object `transfer_compare.py` reads (the messenger path's numbers)."""
+    m, p = result["paths"]["messenger"], result["paths"]["prepared"]
+    return {"engine": "ours-messenger", "transport": transport, "gbps": m["gbps"],
+            "us_per_page": m["us_per_write"], "latency_us_p50": None, "latency_us_p99": None,
+            "us_per_write_messenger": m["us_per_write"], "us_per_write_prepared":
+            p["us_per_write"], "pages": result["writes"], "page_bytes": result["write_bytes"],
+            **{k: result[k] for k in ("messenger_over_prepared", "verified")}}
+
+
+def _table(results: list[dict[str, Any]]) -> Table:
+    table = Table(title="A forward's KV writes: messenger path against prepared writes")
+    for col in ("provider", "path", "writes", "µs/write (min-max)", "GB/s", "messenger/prepared",
+                "verified"):
+        table.add_column(col, justify="right")
+    for r in results:
+        for path, m in r["paths"].items():
+            ratio = (f"{r['messenger_over_prepared']:.2f} ({r['ratio_min']:.2f}-"
+                     f"{r['ratio_max']:.2f})") if path == "messenger" else ""
+            table.add_row(r["provider"], path, str(r["writes"]),
+                          f"{m['us_per_write']:.2f} ({m['us_min']:.2f}-{m['us_max']:.2f})",
+                          f"{m['gbps']:.2f}", ratio, str(r["verified"]))
+    return table
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--provider", default="all", help="tcp, shm or all")
+    for flag, default in (("layers", 30), ("requests", 1), ("pages", 32), ("page-writes", 2),
+                          ("write-bytes", 12288), ("reps", 5)):  # pages: per request
+        parser.add_argument(f"--{flag}", type=int, default=default)
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    args = parser.parse_args(argv)
+    shape = Shape(args.layers, args.requests, args.pages, args.page_writes, args.write_bytes)
+    providers = ["tcp", "shm"] if args.provider == "all" else [args.provider]
+    results = [measure(p, shape, args.reps) for p in providers]
+    if args.json and len(results) == 1:
+        print(json.dumps(flat(results[0], args.provider)))
+    elif args.json:
+        print(json.dumps(dict(zip(providers, results, strict=True))))
+    else:
+        Console(width=max(Console().width, 110)).print(_table(results))
+    return 0 if all(r["verified"] for r in results) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
