@@ -1,11 +1,16 @@
-"""Our transfer core against peer engines (NIXL, Mooncake), side by side in one run (S5).
+"""Our transfer core against peer engines (NIXL, Mooncake, libfabric's fi_rma_bw), side by
+side in one run (S5).
 
 Every contender runs the same workload (2048 pages of 64 KiB into shuffled slots of another
 process's region, checksum-verified, plus a 4 KiB write latency): ours through
 `benchmarks/transfer.py --json --provider {tcp,shm}` (latency on the callback path), our
 small writes through `benchmarks/small_write.py` in each of its modes (latency only:
-callback, waited, waited-new, prepared), the peers through the harnesses in
-`benchmarks/peers/` under `.venv-peers` (skipped with a note when that venv is missing).
+callback, waited, waited-new, prepared), the messengers' KV path against prepared writes
+through `benchmarks/messenger_path.py` (`ours-messenger`), the peers through the harnesses in
+`benchmarks/peers/` (NIXL and Mooncake under `.venv-peers`, `fi_rma_bw` once
+`build_fi_rma_bw.sh` has built it; each skipped with a note when missing). The paged workload
+runs twice: at `--pages` (128 MiB by default) and at `--small-pages` (64 pages, 4 MiB: one
+layer's batch is that size), as contenders `NAME` and `NAME-small`; ratios pair equal sizes.
 Runs are interleaved round-robin, each after the CPUs have been quiet for a moment; medians
 and spread go to a rich table and to JSON with the ratios ours/peer per transport class.
 """
@@ -29,8 +34,14 @@ from rich.markup import escape
 from rich.table import Table
 
 ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(ROOT))
+
+from transfer_core.fi_rma_bw import find_fi_rma_bw  # noqa: E402
+
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 METRICS = ("gbps", "us_per_page", "latency_us_p50", "latency_us_p99")
+# benchmarks/messenger_path.py's per-write cost of the KV path over a prepared write's.
+MESSENGER_RATIO = "messenger_over_prepared"
 # benchmarks/small_write.py's modes, each a latency-only contender "ours-MODE".
 SMALL_MODES = ("callback", "waited", "waited-new", "prepared")
 log = logging.getLogger("transfer_compare")
@@ -42,6 +53,7 @@ class Contender:
     transport: str  # the transport class: "tcp" or "shm"
     cmd: tuple[str, ...]
     latency_only: bool = False  # runs the 4 KiB latency alone, not the paged workload
+    pages: int | None = None  # the paged workload's batch it must report (None: not checked)
 
 
 @dataclass(frozen=True, slots=True)
@@ -132,9 +144,9 @@ def run_once(c: Contender, repeat: int, quiet: Quiet, timeout_s: float) -> Run:
     return run
 
 
-def check_workload(run: Run, pages: int, page_bytes: int) -> None:
+def check_workload(run: Run, pages: int | None, page_bytes: int) -> None:
     """A contender that ran a different workload than asked is an error, not a data point."""
-    if run.result is None or run.result.get("engine", "").startswith("ours-"):
+    if run.result is None or pages is None:
         return
     got = (run.result.get("pages", run.result.get("num_pages")), run.result.get("page_bytes"))
     if got != (pages, page_bytes):
@@ -142,17 +154,25 @@ def check_workload(run: Run, pages: int, page_bytes: int) -> None:
         run.result = None
 
 
+def _sizes(args: argparse.Namespace) -> list[tuple[str, int]]:
+    """(name suffix, pages) of the paged workload's two batch sizes."""
+    return [("", args.pages), ("-small", args.small_pages)]
+
+
 def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
-    work = ("--pages", str(args.pages), "--page-size", str(args.page_size))
+    def work(pages: int) -> tuple[str, ...]:
+        return ("--pages", str(pages), "--page-size", str(args.page_size))
+
     # --no-wait-idle: this driver already waited for quiet CPUs before every contender alike;
     # a second wait inside ours alone would hand it quieter conditions than the peers.
     ours = [
-        Contender("ours", p, (
+        Contender(f"ours{suffix}", p, (
             sys.executable, "benchmarks/transfer.py", "--json", "--provider", p, "--no-wait-idle",
-            *work,
-        ))
+            *work(pages),
+        ), pages=pages)
+        for suffix, pages in _sizes(args)
         for p in ("tcp", "shm")
-    ]
+    ]  # fmt: skip
     ours += [
         Contender(f"ours-{mode}", p, (
             sys.executable, "benchmarks/small_write.py", "--json", "--provider", p,
@@ -161,18 +181,37 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
         for mode in SMALL_MODES
         for p in ("tcp", "shm")
     ]  # fmt: skip
-    if not (ROOT / "benchmarks" / "transfer.py").exists():
-        notes.append("benchmarks/transfer.py is missing: our transfer core was not measured")
-        ours = []
+    ours += [
+        Contender("ours-messenger", p, (
+            sys.executable, "benchmarks/messenger_path.py", "--json", "--provider", p,
+        ))
+        for p in ("tcp", "shm")
+    ]  # fmt: skip
+    fi_rma_bw = find_fi_rma_bw(also=[PEERS_PYTHON.parent])
+    if fi_rma_bw is None:
+        notes.append("fi_rma_bw not found: skipped (run benchmarks/peers/build_fi_rma_bw.sh)")
+    else:  # runs under our Python: the harness needs transfer_core and the binary, no venv
+        ours += [
+            Contender(f"fi_rma_bw{suffix}", p, (
+                sys.executable, "benchmarks/peers/fi_rma_bw_peer.py", "--transport", p,
+                "--binary", str(fi_rma_bw), *work(pages),
+            ), pages=pages)
+            for suffix, pages in _sizes(args)
+            for p in ("tcp", "shm")
+        ]  # fmt: skip
     if not PEERS_PYTHON.exists():
         notes.append(f"{PEERS_PYTHON} missing: peers skipped (run benchmarks/peers/setup_peers.sh)")
         return ours
     py = str(PEERS_PYTHON)
     nixl, mooncake = "benchmarks/peers/nixl_peer.py", "benchmarks/peers/mooncake_peer.py"
-    return ours + [
-        Contender("nixl-ucx", "tcp", (py, nixl, "--transport", "tcp", *work)),
-        Contender("nixl-ucx", "shm", (py, nixl, "--transport", "shm", *work)),
-        Contender("mooncake", "tcp", (py, mooncake, "--transport", "tcp", *work)),
+    peers = [
+        Contender(f"nixl-ucx{suffix}", p, (py, nixl, "--transport", p, *work(pages)), pages=pages)
+        for suffix, pages in _sizes(args)
+        for p in ("tcp", "shm")
+    ]
+    return ours + peers + [
+        Contender("mooncake", "tcp", (py, mooncake, "--transport", "tcp", *work(args.pages)),
+                  pages=args.pages),
     ]
 
 
@@ -184,7 +223,7 @@ def summarise(runs: list[Run], c: Contender, quiet_only: bool) -> Summary:
         c.engine, c.transport, len(ok), len(mine), sum(r.quiet.quiet for r in mine),
         verified=bool(ok) and all(bool(r.get("verified")) for r in ok),
     )
-    for m in METRICS:
+    for m in (*METRICS, MESSENGER_RATIO):
         values = [float(r[m]) for r in ok if r.get(m) is not None]
         if values:
             s.median[m] = statistics.median(values)
@@ -193,19 +232,25 @@ def summarise(runs: list[Run], c: Contender, quiet_only: bool) -> Summary:
 
 
 def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
-    """ours/peer per transport class, for each of our paths ("ours" paged + callback latency,
-    "ours-MODE" for small_write's modes): > 1 on gbps and < 1 on latency means we are ahead.
-    Keys: class -> "peer" (ours) or "peer vs ours-MODE" -> ratios."""
+    """ours/peer per transport class, each peer against ours at the same batch size ("ours",
+    "ours-small"; the latency-only "ours-MODE" paths against the full-size peers): > 1 on gbps
+    and < 1 on latency means we are ahead. Keys: class -> "peer" (ours), "peer vs ours-MODE",
+    or "ours-messenger vs ours-prepared" (per write, from one run of messenger_path.py)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     by_key = {(s.engine, s.transport): s for s in summaries}
     for s in summaries:
+        if s.engine == "ours-messenger" and MESSENGER_RATIO in s.median:
+            out.setdefault(s.transport, {})["ours-messenger vs ours-prepared"] = {
+                "us_per_write_ours_over_peer": s.median[MESSENGER_RATIO]}
         if s.engine.startswith("ours") or not s.median:
             continue
-        for mine in ("ours", *(f"ours-{mode}" for mode in SMALL_MODES)):
+        small = s.engine.endswith("-small")
+        mine_all = ["ours-small"] if small else ["ours", *(f"ours-{m}" for m in SMALL_MODES)]
+        for mine in mine_all:
             ours = by_key.get((mine, s.transport))
             if ours is None or not ours.median:
                 continue
-            key = s.engine if mine == "ours" else f"{s.engine} vs {mine}"
+            key = s.engine if mine in ("ours", "ours-small") else f"{s.engine} vs {mine}"
             out.setdefault(s.transport, {})[key] = {
                 f"{m}_ours_over_peer": ours.median[m] / s.median[m]
                 for m in METRICS
@@ -234,15 +279,15 @@ def print_tables(summaries: list[Summary], ratio: dict, notes: list[str]) -> Non
             f"{s.quiet_runs}/{s.runs_total}",
         )
     console.print(table)
-    rt = Table(title="ours / peer (GB/s > 1, latency < 1: ahead)")
-    for col in ("class", "peer", "GB/s", "lat p50", "lat p99"):
+    rt = Table(title="ours / peer (GB/s > 1, latency and µs/write < 1: ahead)")
+    for col in ("class", "peer", "GB/s", "lat p50", "lat p99", "µs/write"):
         rt.add_column(col)
     for cls, peers in ratio.items():
         for peer, r in peers.items():
             rt.add_row(cls, peer, *(
                 f"{r[k]:.2f}" if k in r else "-"
                 for k in ("gbps_ours_over_peer", "latency_us_p50_ours_over_peer",
-                          "latency_us_p99_ours_over_peer")
+                          "latency_us_p99_ours_over_peer", "us_per_write_ours_over_peer")
             ))
     console.print(rt)
     for note in notes:
@@ -268,6 +313,8 @@ def main() -> int:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--repeats", type=int, default=5)
     parser.add_argument("--pages", type=int, default=2048)
+    parser.add_argument("--small-pages", type=int, default=64,
+                        help="the paged workload's second, small batch (NAME-small)")
     parser.add_argument("--page-size", type=int, default=64 * 1024, help="bytes per page")
     parser.add_argument("--only", nargs="*", default=None, help="engine names to run")
     parser.add_argument("--quiet-threshold", type=float, default=0.10)
@@ -288,16 +335,20 @@ def main() -> int:
 
     notes: list[str] = []
     todo = [c for c in contenders(args, notes) if args.only is None or c.engine in args.only]
+    for script in sorted({a for c in todo for a in c.cmd if a.startswith("benchmarks/")}):
+        if not (ROOT / script).exists():
+            notes.append(f"{script} is missing: its contenders were not run")
+            todo = [c for c in todo if script not in c.cmd]
     runs: list[Run] = []
     # Round-robin, not engine after engine: slow drifts in background load hit everyone alike.
     for repeat in range(args.repeats):
         for c in todo:
             quiet = wait_quiet(args.quiet_threshold, 2.0, args.quiet_cap)
             run = run_once(c, repeat, quiet, args.timeout)
-            check_workload(run, args.pages, args.page_size)
+            check_workload(run, c.pages, args.page_size)
             got = (
-                f"{run.result.get('gbps', 0):.2f} GB/s, "
-                f"{run.result.get('latency_us_p50', 0):.1f} us p50"
+                f"{run.result.get('gbps') or 0:.2f} GB/s, "
+                f"{run.result.get('latency_us_p50') or 0:.1f} us p50"
                 if run.result
                 else f"error: {run.error}"
             )
@@ -310,7 +361,8 @@ def main() -> int:
         if errors - {None}:
             notes.append(f"{s.engine}/{s.transport}: {errors - {None}}")
     report = {
-        "workload": {"pages": args.pages, "page_bytes": args.page_size, "repeats": args.repeats},
+        "workload": {"pages": args.pages, "small_pages": args.small_pages,
+                     "page_bytes": args.page_size, "repeats": args.repeats},
         "quiet_only": args.quiet_only,
         "env": {
             "cpus": len(os.sched_getaffinity(0)),

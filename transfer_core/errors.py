@@ -49,3 +49,7 @@ class CudaError(TransferError):
         self.call = call
         self.result = result
         super().__init__(f"{call} failed: {result}")
+
+
+class ReferenceToolError(TransferError):
+    """A reference tool measured beside ours (libfabric's `fi_rma_bw`) is missing or failed."""
