@@ -1,7 +1,9 @@
-"""`disagg bench`: the benchmarks a user runs from the command line (S5).
+"""`disagg bench ...`: benchmarks from the command line (S5).
 
 `bench transfer` is the transfer core's peer workload (`transfer_core.bench`): pages written to
-shuffled slots of another process, then the latency of a 4 KiB write, per provider; the
+shuffled slots of another process, then the latency of a 4 KiB write, per provider, at two
+batch sizes: the full workload and a small batch the size of one layer's writes. Beside it,
+when it is found, libfabric's own `fi_rma_bw` at the same sizes, with our ratio to it. The
 provider is checked before two processes start. `disagg.apps.cli` adds it with
 `register(app)`.
 """
@@ -10,11 +12,14 @@ from __future__ import annotations
 
 import json
 import sys
+from pathlib import Path
 from typing import Annotated
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+SMALL_PAGES = 64  # a SmolLM2 layer of 512 tokens at page size 16 is 32 pages of K and V
 
 
 def register(app: typer.Typer) -> None:
@@ -27,42 +32,75 @@ def register(app: typer.Typer) -> None:
     def bench_transfer(
         provider: Annotated[str, typer.Option(help="libfabric provider: tcp, shm, or all")] = "tcp",
         pages: Annotated[int, typer.Option(help="Pages in the batch")] = 2048,
+        small_pages: Annotated[int, typer.Option(
+            help="Pages in the small batch (0: skip it)")] = SMALL_PAGES,
         page_size: Annotated[int, typer.Option(help="Bytes per page")] = 65536,
+        fi_rma_bw: Annotated[str | None, typer.Option(
+            help="libfabric's fi_rma_bw to run beside ours (default: $FI_RMA_BW, PATH, "
+                 "./.venv-peers/bin; built by benchmarks/peers/build_fi_rma_bw.sh)")] = None,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     ) -> None:
         """Peer workload: N pages to shuffled slots of another process, and 4 KiB latency."""
-        results = measure_transfer(["tcp", "shm"] if provider == "all" else [provider], pages,
-                                   page_size)
+        sizes = [pages, *([small_pages] if 0 < small_pages != pages else [])]
+        names = ["tcp", "shm"] if provider == "all" else [provider]
+        results = measure_transfer(names, sizes, page_size, _fi_rma_bw(fi_rma_bw))
         if as_json:
             sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results) + "\n")
             return
-        Console().print(transfer_table(results, pages, page_size))
+        # Piped, the default 80 columns would cut every header; keep the rows whole.
+        Console(width=None if sys.stdout.isatty() else 120).print(
+            transfer_table(results, page_size))
 
 
-def measure_transfer(providers: list[str], pages: int, page_size: int) -> list[dict]:
-    """One run of the peer workload per provider, with progress on stderr."""
+def _fi_rma_bw(explicit: str | None) -> Path | None:
+    from transfer_core.errors import ReferenceToolError
+    from transfer_core.fi_rma_bw import find_fi_rma_bw
+
+    try:
+        return find_fi_rma_bw(explicit, also=[Path.cwd() / ".venv-peers" / "bin"])
+    except ReferenceToolError as error:
+        raise typer.BadParameter(str(error), param_hint="--fi-rma-bw") from error
+
+
+def measure_transfer(providers: list[str], sizes: list[int], page_size: int,
+                     fi_rma_bw: Path | None = None) -> list[dict]:
+    """One run of the peer workload per provider and batch size, each with `fi_rma_bw`'s GB/s
+    at the same size when a binary is given; progress on stderr."""
     from disagg.apps.progress import StartupProgress
     from disagg.node.preflight import check_provider
     from transfer_core.bench import run_transfer_benchmark
+    from transfer_core.fi_rma_bw import run_fi_rma_bw
 
     for name in providers:
         check_provider(name)  # before two processes start and register their pages
     results = []
     with StartupProgress() as progress:
         for name in providers:
-            with progress.phase(f"{name}: {pages} pages of {page_size} B, then 4 KiB latency",
-                                done=f"[green]✓[/green] {name} measured"):
-                results.append(run_transfer_benchmark(provider=name, num_pages=pages,
-                                                      page_bytes=page_size))
+            for pages in sizes:
+                with progress.phase(f"{name}: {pages} pages of {page_size} B, then 4 KiB latency",
+                                    done=f"[green]✓[/green] {name}, {pages} pages measured"):
+                    result = run_transfer_benchmark(provider=name, num_pages=pages,
+                                                    page_bytes=page_size)
+                if fi_rma_bw is not None:
+                    with progress.phase(f"{name}: fi_rma_bw, {pages} writes of {page_size} B",
+                                        done=f"[green]✓[/green] {name}, fi_rma_bw measured"):
+                        ref = run_fi_rma_bw(fi_rma_bw, name, page_size, pages)
+                    result["fi_rma_bw_gbps"] = ref.gbps
+                results.append(result)
     return results
 
 
-def transfer_table(results: list[dict], pages: int, page_size: int) -> Table:
-    table = Table(title=f"transfer: {pages} pages x {page_size} B")
-    for column in ("provider", "GB/s", "µs/page", "4 KiB p50 µs", "4 KiB p99 µs", "verified"):
+def transfer_table(results: list[dict], page_size: int) -> Table:
+    table = Table(title=f"transfer: pages of {page_size} B to shuffled slots")
+    with_ref = any("fi_rma_bw_gbps" in r for r in results)
+    columns = ["provider", "pages", "GB/s", "µs/page", "4 KiB p50 µs", "4 KiB p99 µs", "verified"]
+    for column in columns + (["fi_rma_bw GB/s", "ours / fi_rma_bw"] if with_ref else []):
         table.add_column(column)
     for r in results:
-        table.add_row(r["provider"], f"{r['gbps']:.2f}", f"{r['us_per_page']:.2f}",
-                      f"{r['latency_us_p50']:.1f}", f"{r['latency_us_p99']:.1f}",
-                      str(r["verified"]))
+        row = [r["provider"], str(r["num_pages"]), f"{r['gbps']:.2f}", f"{r['us_per_page']:.2f}",
+               f"{r['latency_us_p50']:.1f}", f"{r['latency_us_p99']:.1f}", str(r["verified"])]
+        if with_ref:
+            ref = r.get("fi_rma_bw_gbps")
+            row += [f"{ref:.2f}", f"{r['gbps'] / ref:.2f}"] if ref else ["-", "-"]
+        table.add_row(*row)
     return table

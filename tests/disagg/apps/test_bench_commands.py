@@ -1,0 +1,61 @@
+"""`disagg bench transfer`: both batch sizes, and fi_rma_bw beside them with our ratio (S5).
+
+Our workload is stood in for (its two processes are tested in transfer_core's tests); the
+fi_rma_bw stand-in is a real server/client pair on loopback, as in test_fi_rma_bw.py.
+"""
+
+from __future__ import annotations
+
+import json
+import stat
+from pathlib import Path
+
+import pytest
+
+import transfer_core.bench
+from disagg.apps.cli import main
+from tests.transfer_core.test_fi_rma_bw import FAKE
+
+
+def _ours(provider: str, num_pages: int, page_bytes: int, **_: object) -> dict:
+    return {"provider": provider, "num_pages": num_pages, "page_bytes": page_bytes,
+            "gbps": 3.78, "us_per_page": 1.0, "latency_us_p50": 20.0, "latency_us_p99": 40.0,
+            "verified": True}
+
+
+def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
+    with pytest.raises(SystemExit) as exit_info:
+        main(argv)
+    out, err = capsys.readouterr()
+    return exit_info.value.code or 0, out, err
+
+
+@pytest.fixture
+def fake_binary(tmp_path: Path) -> Path:
+    path = tmp_path / "fi_rma_bw"
+    path.write_text(FAKE)
+    path.chmod(path.stat().st_mode | stat.S_IXUSR)
+    return path
+
+
+def test_both_batch_sizes_run_each_beside_fi_rma_bw(fake_binary: Path, monkeypatch,
+                                                   capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(transfer_core.bench, "run_transfer_benchmark", _ours)
+    code, out, _ = _run(["bench", "transfer", "--provider", "tcp", "--pages", "2048",
+                      "--small-pages", "64", "--fi-rma-bw", str(fake_binary), "--json"], capsys)
+    assert code == 0
+    results = json.loads(out)
+    assert [r["num_pages"] for r in results] == [2048, 64]
+    assert all(r["fi_rma_bw_gbps"] == pytest.approx(7.560284346) for r in results)
+    code, out, _ = _run(["bench", "transfer", "--small-pages", "0", "--fi-rma-bw",
+                      str(fake_binary)], capsys)
+    assert code == 0 and "7.56" in out and "0.50" in out  # the ratio: 3.78 / 7.56
+
+
+def test_a_named_fi_rma_bw_that_is_not_executable_is_a_usage_error(
+        tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    plain = tmp_path / "fi_rma_bw"
+    plain.write_text("")
+    code, _, err = _run(["bench", "transfer", "--fi-rma-bw", str(plain)], capsys)
+    assert code == 2
+    assert "not an executable" in err
