@@ -251,11 +251,13 @@ def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
             if ours is None or not ours.median:
                 continue
             key = s.engine if mine in ("ours", "ours-small") else f"{s.engine} vs {mine}"
-            out.setdefault(s.transport, {})[key] = {
+            pair = {
                 f"{m}_ours_over_peer": ours.median[m] / s.median[m]
                 for m in METRICS
                 if s.median.get(m) and ours.median.get(m)
             }
+            if pair:  # fi_rma_bw has no latency for the latency-only paths to meet
+                out.setdefault(s.transport, {})[key] = pair
     return out
 
 
