@@ -4,14 +4,19 @@
         [--layers L] [--page-writes W] [--write-bytes B] [--reps N] [--json]
 
 A round moves L x R x P x W writes of B bytes (default: SmolLM2's fp32 KV of 512 tokens, 30 x 1
-x 32 x 2 of 12,288) into a spawned receiver's region, by either path:
+x 32 x 2 of 12,288) into a spawned receiver's region; W is how many writes the plan cuts a page
+into (1 with matched TP; K and V, or a segment per token and head with mismatched TP). By each
+of three paths:
 - `messenger`: a whole forward's stream, layers back to back, as `LayerStreamer._post_layer`
-  posts it (S3b): per layer, request and page write one `post_paged_writes` of the request's
-  pages with its immediate; the receiver counts L x P x W per request, as a decoder does (S4c);
+  posts it (S3b): per layer and request ONE `post_paged_writes` carrying all P x W writes as
+  byte offsets (`layer_writes`), with the request's immediate; the receiver counts L x P x W
+  per request, as a decoder does (S4c);
+- `ungrouped`: the same writes, one `post_paged_writes` per page write of the plan (W per
+  layer and request), as the streamer posted them before `layer_writes`;
 - `prepared`: each of those writes a `prepare_write` (made before the timer), `run()` back to
   back, with the same request's immediate, so the receiver counts alike.
 Timed from the first post until every request's counter fired and was acknowledged and every
-sender completion is in. Paths alternate (order flipped each rep); every round is checked by a
+sender completion is in. Paths rotate (order reversed each rep); every round is checked by a
 checksum of the receiver's region and its counters. No model, no poller: kv_stream.py.
 """
 
@@ -36,13 +41,15 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from disagg.kv_transfer.layer_writes import layer_writes  # noqa: E402
+from disagg.kv_transfer.transfer_plan import PageWrite  # noqa: E402
 from transfer_core.engine import TransferEngine  # noqa: E402
 from transfer_core.memory import MemoryRegionDescriptor  # noqa: E402
 from transfer_core.transport import PagedWrite  # noqa: E402
 from transfer_core.waited import PreparedWrite  # noqa: E402
 
-PATHS = ("messenger", "prepared")
-IMMS = {"messenger": 0x1000_0000, "prepared": 0x2000_0000}  # + request index
+PATHS = ("messenger", "ungrouped", "prepared")
+IMMS = {"messenger": 0x1000_0000, "ungrouped": 0x3000_0000, "prepared": 0x2000_0000}  # + request
 ACK_IMM = 0x0ACC_0000
 TIMEOUT_S = 60.0
 
@@ -129,8 +136,8 @@ class _Sender:
                     IMMS["prepared"] + r, dst, offset + int(d) * page_nbytes))
 
     def _paged(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
-        """(request, src page ids, dst page ids, byte offset of page 0's part) of each paged
-        write, in `_post_layer`'s order: layer, request, page write (same offset both sides)."""
+        """(request, src page ids, dst page ids, byte offset of page 0's part) of each write of
+        the plan, layer by layer, request by request, page write by page write."""
         _, pages, page_nbytes = self.shape.region_shape
         for layer in range(self.shape.num_layers):
             for r, (src_ids, dst_ids) in enumerate(self.pages):
@@ -138,13 +145,25 @@ class _Sender:
                     offset = layer * pages * page_nbytes + w * self.shape.write_bytes
                     yield r, src_ids, dst_ids, offset
 
+    def _grouped(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
+        """As `_post_layer` posts them: per layer and request, the page writes that share
+        their ranks (here all) as one write of byte offsets, stride 1 (`layer_writes`)."""
+        _, pages, page_nbytes = self.shape.region_shape
+        plan = [PageWrite(0, w * self.shape.write_bytes, 0, w * self.shape.write_bytes,
+                          self.shape.write_bytes) for w in range(self.shape.page_writes)]
+        writes = [layer_writes(plan, src_ids, dst_ids, page_nbytes, page_nbytes)
+                  for src_ids, dst_ids in self.pages]
+        for layer in range(self.shape.num_layers):
+            for r, (write,) in enumerate(writes):
+                yield r, write.src_offsets, write.dst_offsets, layer * pages * page_nbytes
+
     def round(self, path: str) -> float:
         """One timed round of `path`; the receiver was armed for it."""
         acked = threading.Event()
         self.engine.expect_imm_count(ACK_IMM, self.shape.num_requests, acked.set)
         start = time.perf_counter()
-        if path == "messenger":
-            done = self._post_forward()
+        if path != "prepared":
+            done = self._post_forward(grouped=path == "messenger")
         else:
             for write in self.prepared:
                 write.run()  # returns once the write is done
@@ -153,11 +172,15 @@ class _Sender:
             raise RuntimeError(f"{path} round did not finish: {self.errors}")
         return time.perf_counter() - start
 
-    def _post_forward(self) -> threading.Event:
-        """Every layer's writes, as `_post_layer` posts them; the event: all completions in."""
+    def _post_forward(self, grouped: bool) -> threading.Event:
+        """Every layer's writes, grouped as `_post_layer` posts them or one call per write of
+        the plan (as it did before); the event: all completions in."""
         page_nbytes, nbytes = self.shape.region_shape[2], self.shape.write_bytes
+        calls = list(self._grouped() if grouped else self._paged())
+        stride = 1 if grouped else page_nbytes
+        imm = IMMS["messenger" if grouped else "ungrouped"]
         lock, done = threading.Lock(), threading.Event()
-        left = [self.shape.num_writes // self.shape.num_pages]  # calls: one on_done each
+        left = [len(calls)]  # one on_done each
 
         def on_done() -> None:  # engine thread; the streamer's write_done counts likewise
             with lock:
@@ -165,10 +188,10 @@ class _Sender:
                 if left[0] == 0:
                     done.set()
 
-        for r, src_ids, dst_ids, offset in self._paged():
+        for r, src_ids, dst_ids, offset in calls:
             self.engine.post_paged_writes(
-                PagedWrite(self.src_mr, src_ids, page_nbytes, offset, self.dst, dst_ids,
-                           page_nbytes, offset, nbytes, IMMS["messenger"] + r),
+                PagedWrite(self.src_mr, src_ids, stride, offset, self.dst, dst_ids, stride,
+                           offset, nbytes, imm + r),
                 on_done=on_done, on_error=self.errors.append)
         return done
 
@@ -222,12 +245,14 @@ def measure(provider: str, shape: Shape, reps: int, warmup: int = 1,
             proc.join()
     n, nbytes = shape.num_writes, shape.num_writes * shape.write_bytes
     ratios = [m / p for m, p in zip(seconds["messenger"], seconds["prepared"], strict=True)]
+    gains = [u / m for u, m in zip(seconds["ungrouped"], seconds["messenger"], strict=True)]
     paths = {p: {"us_per_write": statistics.median(s) / n * 1e6,
                  "us_min": min(s) / n * 1e6, "us_max": max(s) / n * 1e6,
                  "gbps": nbytes / statistics.median(s) / 1e9} for p, s in seconds.items()}
     return {"provider": provider_name, "writes": n, "write_bytes": shape.write_bytes,
             "reps": reps, "paths": paths, "messenger_over_prepared": statistics.median(ratios),
             "ratio_min": min(ratios), "ratio_max": max(ratios),
+            "ungrouped_over_messenger": statistics.median(gains),
             "verified": bool(verified and proc.exitcode == 0)}
 
 
@@ -243,13 +268,14 @@ def flat(result: dict[str, Any], transport: str) -> dict[str, Any]:
 
 def _table(results: list[dict[str, Any]]) -> Table:
     table = Table(title="A forward's KV writes: messenger path against prepared writes")
-    for col in ("provider", "path", "writes", "µs/write (min-max)", "GB/s", "messenger/prepared",
+    for col in ("provider", "path", "writes", "µs/write (min-max)", "GB/s", "time ratio",
                 "verified"):
         table.add_column(col, justify="right")
     for r in results:
         for path, m in r["paths"].items():
-            ratio = (f"{r['messenger_over_prepared']:.2f} ({r['ratio_min']:.2f}-"
-                     f"{r['ratio_max']:.2f})") if path == "messenger" else ""
+            ratio = {"messenger": f"{r['messenger_over_prepared']:.2f} ({r['ratio_min']:.2f}-"
+                                  f"{r['ratio_max']:.2f}) of prepared",
+                     "ungrouped": f"{r['ungrouped_over_messenger']:.2f} of messenger"}.get(path, "")
             table.add_row(r["provider"], path, str(r["writes"]),
                           f"{m['us_per_write']:.2f} ({m['us_min']:.2f}-{m['us_max']:.2f})",
                           f"{m['gbps']:.2f}", ratio, str(r["verified"]))

@@ -247,16 +247,24 @@ def check_range(region: str, region_len: int, offset: int, length: int) -> None:
         )
 
 
+_SMALL_INDICES = 64
+
+
 def check_pages(
     region: str, region_len: int, indices: np.ndarray, stride: int, offset: int, length: int
 ) -> None:
     """Every page `offset + i * stride` (+ `length` bytes) for i in `indices` must fit.
 
-    Checks min and max of the whole array (vectorised); only on failure finds the first bad
-    entry to name it."""
+    Checks min and max of the whole array; only on failure finds the first bad entry to name
+    it. A layer's write for one request is a few pages, where numpy's reductions cost more
+    than the Python ones over a list (2.3 against 0.3 us for two pages, even at 64)."""
     if indices.size == 0:
         return
-    lo, hi = int(indices.min()), int(indices.max())
+    if indices.size <= _SMALL_INDICES:
+        listed = indices.tolist()
+        lo, hi = min(listed), max(listed)
+    else:
+        lo, hi = int(indices.min()), int(indices.max())
     if lo >= 0 and offset >= 0 and offset + hi * stride + length <= region_len:
         return
     limit = (region_len - offset - length) // stride if stride else -1

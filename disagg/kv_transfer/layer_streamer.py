@@ -22,6 +22,7 @@ import time
 from collections.abc import Mapping
 
 from disagg.engine.batch import Batch
+from disagg.kv_transfer.layer_writes import layer_writes
 from disagg.kv_transfer.outgoing_kv import ChunkPages, OutgoingKV
 from disagg.kv_transfer.transfer_plan import pages_to_send
 from disagg.model.kv_cache import KVCache
@@ -75,8 +76,11 @@ class LayerStreamer:
                                     request.num_prompt_tokens, self._page_size)
             if indices:
                 outgoing.num_planned_pages = indices.stop
-                chunks.append(ChunkPages(outgoing, [request.page_ids[i] for i in indices],
-                                         [outgoing.dst_page_ids[i] for i in indices]))
+                src_ids = [request.page_ids[i] for i in indices]
+                dst_ids = [outgoing.dst_page_ids[i] for i in indices]
+                writes = layer_writes(outgoing.page_writes, src_ids, dst_ids, self._page_nbytes,
+                                      outgoing.peer.page_nbytes)
+                chunks.append(ChunkPages(outgoing, src_ids, dst_ids, writes))
         with self._lock:
             self._forwards[self._num_forwards] = chunks
             self._num_forwards += 1
@@ -113,28 +117,27 @@ class LayerStreamer:
                 self._lock.notify_all()
 
     def _post_layer(self, chunk: ChunkPages, layer: int) -> None:
-        """One paged-write call per write of the page plan: the chunk's pages, one layer."""
+        """One paged-write call per `LayerWrite` of the chunk, at this layer's offsets: byte
+        offsets inside the layer, stride 1 (`layer_writes`)."""
         outgoing, peer = chunk.outgoing, chunk.outgoing.peer
-        num_pages = len(chunk.src_page_ids)
-        for write in outgoing.page_writes:
+        for write in chunk.writes:
             if not outgoing.begin_write():
                 return  # stopped or failed: nothing more is posted for it
             posted = time.time()  # the layer_writes span runs from here to completion
             try:
                 self._transport.post_paged_writes(
-                    PagedWrite(self._kv[write.src_rank].region, chunk.src_page_ids,
-                               self._page_nbytes, layer * self._layer_nbytes + write.src_offset,
-                               peer.kv[write.dst_rank], chunk.dst_page_ids, peer.page_nbytes,
-                               layer * peer.layer_nbytes + write.dst_offset, write.nbytes,
+                    PagedWrite(self._kv[write.src_rank].region, write.src_offsets, 1,
+                               layer * self._layer_nbytes, peer.kv[write.dst_rank],
+                               write.dst_offsets, 1, layer * peer.layer_nbytes, write.nbytes,
                                outgoing.imm, write.domains),
-                    on_done=lambda layer=layer, posted=posted: self._layer_done(
-                        outgoing, num_pages, layer, posted),
+                    on_done=lambda n=write.num_writes, posted=posted: self._layer_done(
+                        outgoing, n, layer, posted),
                     on_error=outgoing.write_done)
             except (TransferError, ValueError) as error:
                 outgoing.write_done(error)
                 return
-            self._stats.add(writes=num_pages, bytes=num_pages * write.nbytes)
-        self._stats.add(pages=num_pages)
+            self._stats.add(writes=write.num_writes, bytes=write.num_writes * write.nbytes)
+        self._stats.add(pages=len(chunk.src_page_ids))
 
     def _layer_done(self, outgoing: OutgoingKV, writes: int, layer: int, posted: float) -> None:
         self._tracer.complete("layer_writes", posted, time.time(), parent=outgoing.traceparent,

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from disagg.engine.request import FailureCause, Request
 from disagg.kv_transfer.decoder_peer import DecoderPeer
+from disagg.kv_transfer.layer_writes import LayerWrite
 from disagg.kv_transfer.transfer_plan import PageWrite
 from disagg.utils.trace import Tracer
 
@@ -109,11 +110,13 @@ class OutgoingKV:
 
 @dataclass(frozen=True, slots=True)
 class ChunkPages:
-    """Pages of one request completed by one forward, written layer by layer."""
+    """Pages of one request completed by one forward, written layer by layer: each layer's
+    `writes` at that layer's offsets (`layer_writes`)."""
 
     outgoing: OutgoingKV
     src_page_ids: list[int]
     dst_page_ids: list[int]
+    writes: list[LayerWrite]
 
 
 def trace_outgoing(tracer: Tracer, t: OutgoingKV) -> None:
