@@ -195,7 +195,7 @@ class DomainWorker:
         self, dst_mr: MemoryRegionDescriptor, timeout_s: float, src_mr: MemoryRegion | None,
         n: int, length: int, src_offset: int, src_stride: int, dst_offset: int,
         dst_stride: int, imm: int | None, src_idx: np.ndarray | None = None,
-        dst_idx: np.ndarray | None = None,
+        dst_idx: np.ndarray | None = None, imms: np.ndarray | None = None,
     ) -> WriteOp:
         """n writes from this domain to the peer's domain `index` modulo the peer's count:
         with equal counts rank i's domain writes to the peer's domain i (S6a); a peer with
@@ -211,7 +211,7 @@ class DomainWorker:
             src_addr=src_mr.ptr + src_offset if src_mr else 0, src_stride=src_stride,
             desc=src_mr.registrations[self.index].desc if src_mr else None,
             dst_addr=dst_mr.remote_addr(dst_offset), dst_stride=dst_stride, key=key, imm=imm,
-            src_idx=src_idx, dst_idx=dst_idx,
+            src_idx=src_idx, dst_idx=dst_idx, imms=imms,
             deadline_ns=time.monotonic_ns() + int(timeout_s * 1e9),
         )
         op.keep(src_mr)  # the source memory outlives every in-flight write

@@ -253,10 +253,10 @@ class TransferEngine(ImmCounting):
         *,
         timeout_s: float | None = None,
     ) -> None:
-        """Every page of `write` (checked when it was made), each write carrying `write.imm`:
-        the receiver counts `write.num_pages` immediates. Page ranges are striped over
-        `write.domains` (local indices; None: all of them); `on_done` fires once all pages
-        are written, `on_error` once if any failed."""
+        """Every page of `write` (checked when it was made), each write carrying `write.imm`
+        (or page i `write.imms[i]`): the receiver counts `write.num_pages` immediates. Page
+        ranges are striped over `write.domains` (local indices; None: all of them); `on_done`
+        fires once all pages are written, `on_error` once if any failed."""
         self._check_write(write.src_mr, write.dst_mr, write.imm)
         self._router.paged(write, on_done, on_error, self._timeout(timeout_s))
 

@@ -27,7 +27,7 @@ from transfer_core.completion import OnDone, OnError
 from transfer_core.imm_counter import ImmTap
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_pages
 from transfer_core.pyfabric import Stats
-from transfer_core.write_checks import as_indices
+from transfer_core.write_checks import as_imms, as_indices
 
 # How `staging.register_kv` places a tensor's memory: "auto" picks host, hmem or staged.
 
@@ -39,8 +39,10 @@ class PagedWrite:
     """One paged write: page i goes from byte `src_offset + src_page_ids[i] * src_page_stride`
     of `src_mr` to byte `dst_offset + dst_page_ids[i] * dst_page_stride` of `dst_mr`, `nbytes`
     bytes each, every write carrying `imm` (None: no immediate), so the receiver counts one
-    immediate per page. `domains`: the local domains the pages are striped over, in order
-    (None: all of them; S6a pins rank i's pages to rank i's domains).
+    immediate per page. With `imms` instead of `imm`, page i carries `imms[i]`: one paged write
+    can carry the pages of several requests to one peer, each counted under its own value.
+    `domains`: the local domains the pages are striped over, in order (None: all of them; S6a
+    pins rank i's pages to rank i's domains).
 
     Checked when made: the page ids become flat int64 arrays (the C data path reads them),
     both lists pair up one to one, and every page lies inside its region (`BoundsError`,
@@ -59,12 +61,17 @@ class PagedWrite:
     nbytes: int
     imm: int | None
     domains: Sequence[int] | None = None
+    imms: PageIds | None = None
 
     def __post_init__(self) -> None:
         src = as_indices(self.src_page_ids, "src_page_ids")
         dst = as_indices(self.dst_page_ids, "dst_page_ids")
         if src.size != dst.size:
             raise ValueError(f"{src.size} source pages but {dst.size} destination pages")
+        if self.imms is not None:
+            if self.imm is not None:
+                raise ValueError("a paged write carries imm (every page) or imms (per page)")
+            object.__setattr__(self, "imms", as_imms(self.imms, src.size))
         if self.nbytes <= 0 or self.src_page_stride <= 0 or self.dst_page_stride <= 0:
             raise ValueError(
                 f"nbytes and page strides must be > 0: {self.nbytes}, "

@@ -28,6 +28,20 @@ def as_indices(pages: Any, what: str) -> np.ndarray:
     return indices
 
 
+def as_imms(imms: Any, num_pages: int) -> np.ndarray:
+    """Per-page immediate values as the C data path reads them: a flat uint32 array, one per
+    page, each in 0..MAX_IMM (checked before the cast, which would wrap)."""
+    values = np.asarray(imms).reshape(-1)
+    if values.size != num_pages:
+        raise ValueError(f"imms has {values.size} values for {num_pages} pages")
+    if values.dtype.kind not in "iu":
+        raise TypeError(f"imms must be integers, got {values.dtype}")
+    if values.size and (int(values.min()) < 0 or int(values.max()) > MAX_IMM):
+        raise ValueError(f"imms must fit in 32 bits, got {int(values.min())}.."
+                         f"{int(values.max())}")
+    return np.ascontiguousarray(values, dtype=np.uint32)
+
+
 def check_target(provider: str, dst_mr: MemoryRegionDescriptor, imm_data: int | None) -> None:
     """The destination must be on our provider and writable; an imm must fit in 32 bits."""
     if dst_mr.provider != provider:

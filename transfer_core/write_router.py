@@ -86,6 +86,7 @@ class WriteRouter:
                 write.imm,
                 write.src_page_ids[lo:hi],
                 write.dst_page_ids[lo:hi],
+                None if write.imms is None else write.imms[lo:hi],
             )
             self._queue(worker, done, make_op)
 

@@ -66,6 +66,25 @@ def test_tensor_target_receives_striped_pages(engines: Engines) -> None:
     assert torch.equal(dst.view(64, -1).flip(0), src.view(64, -1))
 
 
+def test_per_page_immediates_are_counted_under_each_value(engines: Engines) -> None:
+    """One paged write carrying two requests' pages (`imms`): each value's counter fires at
+    its own count, the pages land in place, and nothing is left counted."""
+    a, b = engines
+    src = np.arange(8 * PAGE, dtype=np.uint32).view(np.uint8)[: 8 * PAGE].copy()
+    dst = np.zeros_like(src)
+    src_mr, _ = a.register_memory(src, remote_write=False)
+    _, dst_desc = b.register_memory(dst)
+    fired = {11: threading.Event(), 22: threading.Event()}
+    b.expect_imm_count(11, 3, fired[11].set)
+    b.expect_imm_count(22, 5, fired[22].set)
+    a.post_paged_writes(PagedWrite(src_mr, np.arange(8), PAGE, 0, dst_desc, np.arange(8)[::-1],
+                                   PAGE, 0, PAGE, None, imms=[11, 22, 11, 22, 22, 11, 22, 22]))
+    _wait(fired[11])
+    _wait(fired[22])
+    assert np.array_equal(dst.reshape(8, PAGE)[::-1], src.reshape(8, PAGE))
+    assert (b.pending_imm_counts(), b.imm_counted(11), b.imm_counted(22)) == ({}, 0, 0)
+
+
 def test_two_domains_stripe_page_ranges() -> None:
     """A 2-domain sender cuts a paged write into two ranges, one per domain."""
     with TransferEngine("tcp", num_domains=2) as a, TransferEngine("tcp") as b:

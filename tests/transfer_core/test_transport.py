@@ -128,6 +128,11 @@ def test_paged_write_keeps_page_ids_as_int64_arrays() -> None:
         ({"dst_page_ids": [0]}, ValueError, "2 source pages but 1 destination pages"),
         ({"src_page_ids": []}, ValueError, "src_page_ids: no pages"),
         ({"nbytes": 0}, ValueError, "nbytes and page strides must be > 0"),
+        ({"imms": [1, 2]}, ValueError, "imm \\(every page\\) or imms \\(per page\\)"),
+        ({"imm": None, "imms": [1]}, ValueError, "imms has 1 values for 2 pages"),
+        ({"imm": None, "imms": [1, -1]}, ValueError, "imms must fit in 32 bits"),
+        ({"imm": None, "imms": [1, 2**32]}, ValueError, "imms must fit in 32 bits"),
+        ({"imm": None, "imms": [1.0, 2.0]}, TypeError, "imms must be integers"),
     ],
 )
 def test_paged_write_is_checked_when_made(change: dict[str, Any], error: type, match: str) -> None:

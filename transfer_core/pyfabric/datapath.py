@@ -56,7 +56,8 @@ class ImmArrival(NamedTuple):
 
 class WriteOp:
     """n writes of `length` bytes: page i from `src_addr + src_idx[i] * src_stride` to remote
-    address `dst_addr + dst_idx[i] * dst_stride`. `None` index arrays mean `range(n)`.
+    address `dst_addr + dst_idx[i] * dst_stride`. `None` index arrays mean `range(n)`. Each
+    write carries `imm`, or with `imms` (a C-contiguous uint32 array of n) write i `imms[i]`.
 
     Index arrays must expose a C-contiguous int64 buffer (numpy int64 arrays do); they are
     kept alive with the op. `length == 0` with `imm` set is a pure immediate; `length == 0`
@@ -79,10 +80,13 @@ class WriteOp:
         imm: int | None = None,
         src_idx: Any = None,
         dst_idx: Any = None,
+        imms: Any = None,
         deadline_ns: int = 0,
         empty: bool = False,
     ) -> None:
-        if n < 1 or length < 0 or (length == 0 and imm is None and not empty):
+        if imms is not None and imm is not None:
+            raise ValueError("an op carries one imm for all writes or imms, one per write")
+        if n < 1 or length < 0 or (length == 0 and imm is None and imms is None and not empty):
             raise ValueError(f"an op needs n >= 1 writes of data or an imm (n={n}, len={length})")
         c = ffi.new("struct fabp_op *")
         c.dest = dest
@@ -97,10 +101,12 @@ class WriteOp:
         c.deadline_ns = deadline_ns
         if imm is not None:
             c.imm = imm
-            c.flags = lib.FABP_OP_IMM
         self._keep: list[Any] = []
         c.src_idx = self._index_pointer(src_idx, n)
         c.dst_idx = self._index_pointer(dst_idx, n)
+        c.imms = self._index_pointer(imms, n, "uint32_t[]")
+        if imm is not None or imms is not None:
+            c.flags = lib.FABP_OP_IMM
         self.c = c
 
     @property
@@ -116,10 +122,10 @@ class WriteOp:
         """Keep `obj` (e.g. the source buffer's owner) alive as long as the op is live."""
         self._keep.append(obj)
 
-    def _index_pointer(self, indices: Any, n: int) -> Any:
+    def _index_pointer(self, indices: Any, n: int, ctype: str = "int64_t[]") -> Any:
         if indices is None:
             return ffi.NULL
-        pointer = ffi.from_buffer("int64_t[]", indices)
+        pointer = ffi.from_buffer(ctype, indices)
         if len(pointer) != n:
             raise ValueError(f"index array has {len(pointer)} entries, op has {n} writes")
         self._keep.append(pointer)

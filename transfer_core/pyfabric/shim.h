@@ -34,6 +34,7 @@ struct fabp_op {
     uint64_t dest;
     const int64_t *src_idx;
     const int64_t *dst_idx;
+    const uint32_t *imms; /* per write: write i carries imms[i]; NULL: each carries imm */
     uint64_t n;
     uint64_t src_addr;
     uint64_t src_stride;

@@ -217,7 +217,7 @@ class LoopbackEngine(ImmCounting):
                     write.src_mr,
                     write.dst_mr,
                     write.nbytes,
-                    write.imm,
+                    write.imm if write.imms is None else write.imms[lo:hi],
                     src[lo:hi],
                     dst[lo:hi],
                 )

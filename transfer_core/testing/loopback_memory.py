@@ -104,7 +104,8 @@ class RegionTable:
 @dataclass(eq=False)
 class WritePart:
     """Writes of `length` bytes from `src_mr` byte offsets `src_offsets` to byte offsets
-    `dst_offsets` of `dst_mr` (length 0: a pure immediate), each carrying `imm` if set.
+    `dst_offsets` of `dst_mr` (length 0: a pure immediate), each carrying `imm` if set (an
+    array: write i carries `imm[i]`).
 
     `engine` is the sending `LoopbackEngine` and `domain` the domain it posts on."""
 
@@ -114,7 +115,7 @@ class WritePart:
     src_mr: MemoryRegion | None
     dst_mr: MemoryRegionDescriptor
     length: int
-    imm: int | None
+    imm: int | np.ndarray | None
     src_offsets: np.ndarray
     dst_offsets: np.ndarray
 
@@ -155,7 +156,10 @@ class WritePart:
                 self.fail(error)
                 return
         self.engine.count_posted(self.domain, self.n, completed=True, nbytes=self.n * self.length)
-        if self.imm is not None:
+        if isinstance(self.imm, np.ndarray):  # one immediate per write, each its own value
+            for value, count in zip(*np.unique(self.imm, return_counts=True), strict=True):
+                target.arrive(peer_domain, int(value), int(count))
+        elif self.imm is not None:
             target.arrive(peer_domain, self.imm, self.n)  # one immediate per write, as RDMA
         self.done.part_finished(None)
 

@@ -113,6 +113,17 @@ def scenario(make: Factory) -> dict[str, Any]:
         assert early.event.wait(WAIT_S)
         rec["early"] = (early.calls, early.on_main, b.imm_counted(11))
 
+        # Two requests' pages in one write, each page counted under its own value.
+        mixed = {21: _Fired(), 22: _Fired()}
+        b.expect_imm_count(21, 2, mixed[21])
+        b.expect_imm_count(22, 1, mixed[22])
+        a.post_paged_writes(PagedWrite(smr, [15, 16, 17], PAGE, 0, desc, slots[15:18], PAGE, 0,
+                                       PAGE, None, imms=[21, 22, 21]))
+        assert mixed[21].event.wait(WAIT_S) and mixed[22].event.wait(WAIT_S)
+        time.sleep(0.05)
+        rec["per_page_imms"] = (mixed[21].calls, mixed[22].calls, b.imm_counted(21),
+                                b.imm_counted(22), bool((dst[slots[15:18]] == src[15:18]).all()))
+
         paged([0, 1], [3, 4], 9)
         b.expect_imm_count(9, 5, _Fired())
         _until(lambda: b.pending_imm_counts().get(9, (0, 0))[0] == 2)
@@ -158,7 +169,8 @@ def record(request: pytest.FixtureRequest) -> dict[str, Any]:
 
 def test_contract_counts(record: dict[str, Any]) -> None:
     """Counting: not before 12, exactly once at 12, on an engine thread; early arrivals
-    count; remove_imm_count returns (counted, expected) and forgets them."""
+    count; a write's per-page values each count apart; remove_imm_count returns (counted,
+    expected) and forgets them."""
     assert record["descriptor_round_trip"]
     assert record["after_errors"] == ({}, 0)
     assert record["striped"] == [4, 4]
@@ -167,6 +179,7 @@ def test_contract_counts(record: dict[str, Any]) -> None:
     assert record["data"]
     assert record["early_counted"] == 3
     assert record["early"] == (1, False, 0)
+    assert record["per_page_imms"] == (1, 1, 0, 0, True)
     assert record["removed"] == ((2, 5), {}, 0)
     assert record["removed_again"] is None
     assert record["closed_peer"] == [1, True]
