@@ -8,11 +8,11 @@ x 32 x 2 of 12,288) into a spawned receiver's region; W is how many writes the p
 into (1 with matched TP; K and V, or a segment per token and head with mismatched TP). By each
 of three paths:
 - `messenger`: a whole forward's stream, layers back to back, as `LayerStreamer._post_layer`
-  posts it (S3b): per layer and request ONE `post_paged_writes` carrying all P x W writes as
-  byte offsets (`layer_writes`), with the request's immediate; the receiver counts L x P x W
-  per request, as a decoder does (S4c);
-- `ungrouped`: the same writes, one `post_paged_writes` per page write of the plan (W per
-  layer and request), as the streamer posted them before `layer_writes`;
+  posts it (S3b): per layer ONE `post_paged_writes` carrying all R x P x W writes as byte
+  offsets (`layer_writes`), each page with its request's immediate (`forward_writes`); the
+  receiver counts L x P x W per request, as a decoder does (S4c);
+- `ungrouped`: the same writes, one `post_paged_writes` per request and page write of the
+  plan (R x W per layer), as the streamer posted them before `layer_writes`/`forward_writes`;
 - `prepared`: each of those writes a `prepare_write` (made before the timer), `run()` back to
   back, with the same request's immediate, so the receiver counts alike.
 Timed from the first post until every request's counter fired and was acknowledged and every
@@ -33,6 +33,7 @@ import time
 from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any
 
 import numpy as np
@@ -41,6 +42,7 @@ from rich.table import Table
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
+from disagg.kv_transfer.forward_writes import forward_writes  # noqa: E402
 from disagg.kv_transfer.layer_writes import layer_writes  # noqa: E402
 from disagg.kv_transfer.transfer_plan import PageWrite  # noqa: E402
 from transfer_core.engine import TransferEngine  # noqa: E402
@@ -145,17 +147,22 @@ class _Sender:
                     offset = layer * pages * page_nbytes + w * self.shape.write_bytes
                     yield r, src_ids, dst_ids, offset
 
-    def _grouped(self) -> Iterator[tuple[int, np.ndarray, np.ndarray, int]]:
-        """As `_post_layer` posts them: per layer and request, the page writes that share
-        their ranks (here all) as one write of byte offsets, stride 1 (`layer_writes`)."""
+    def _merged(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+        """As `_post_layer` posts them: per layer ONE write of every request's pages (all to
+        one receiver, one rank pair), byte offsets with stride 1 (`layer_writes`), each page
+        with its request's immediate (`forward_writes`): (src, dst, imms, layer offset)."""
         _, pages, page_nbytes = self.shape.region_shape
-        plan = [PageWrite(0, w * self.shape.write_bytes, 0, w * self.shape.write_bytes,
-                          self.shape.write_bytes) for w in range(self.shape.page_writes)]
-        writes = [layer_writes(plan, src_ids, dst_ids, page_nbytes, page_nbytes)
-                  for src_ids, dst_ids in self.pages]
+        b = self.shape.write_bytes
+        plan = [PageWrite(0, w * b, 0, w * b, b) for w in range(self.shape.page_writes)]
+        receiver = SimpleNamespace(peer_id="receiver")
+        chunks = [SimpleNamespace(outgoing=SimpleNamespace(imm=IMMS["messenger"] + r,
+                                                           peer=receiver),
+                                  writes=layer_writes(plan, src_ids, dst_ids, page_nbytes,
+                                                      page_nbytes))
+                  for r, (src_ids, dst_ids) in enumerate(self.pages)]
+        (merged,) = forward_writes(chunks)
         for layer in range(self.shape.num_layers):
-            for r, (write,) in enumerate(writes):
-                yield r, write.src_offsets, write.dst_offsets, layer * pages * page_nbytes
+            yield merged.src_offsets, merged.dst_offsets, merged.imms, layer * pages * page_nbytes
 
     def round(self, path: str) -> float:
         """One timed round of `path`; the receiver was armed for it."""
@@ -163,7 +170,7 @@ class _Sender:
         self.engine.expect_imm_count(ACK_IMM, self.shape.num_requests, acked.set)
         start = time.perf_counter()
         if path != "prepared":
-            done = self._post_forward(grouped=path == "messenger")
+            done = self._post_forward(merged=path == "messenger")
         else:
             for write in self.prepared:
                 write.run()  # returns once the write is done
@@ -172,13 +179,16 @@ class _Sender:
             raise RuntimeError(f"{path} round did not finish: {self.errors}")
         return time.perf_counter() - start
 
-    def _post_forward(self, grouped: bool) -> threading.Event:
-        """Every layer's writes, grouped as `_post_layer` posts them or one call per write of
-        the plan (as it did before); the event: all completions in."""
+    def _post_forward(self, merged: bool) -> threading.Event:
+        """Every layer's writes, merged as `_post_layer` posts them or one call per request
+        and write of the plan (as it did before); the event: all completions in."""
         page_nbytes, nbytes = self.shape.region_shape[2], self.shape.write_bytes
-        calls = list(self._grouped() if grouped else self._paged())
-        stride = 1 if grouped else page_nbytes
-        imm = IMMS["messenger" if grouped else "ungrouped"]
+        if merged:
+            calls = [(src, 1, offset, dst, None, imms)
+                     for src, dst, imms, offset in self._merged()]
+        else:
+            calls = [(src, page_nbytes, offset, dst, IMMS["ungrouped"] + r, None)
+                     for r, src, dst, offset in self._paged()]
         lock, done = threading.Lock(), threading.Event()
         left = [len(calls)]  # one on_done each
 
@@ -188,10 +198,10 @@ class _Sender:
                 if left[0] == 0:
                     done.set()
 
-        for r, src_ids, dst_ids, offset in calls:
+        for src, stride, offset, dst, imm, imms in calls:
             self.engine.post_paged_writes(
-                PagedWrite(self.src_mr, src_ids, stride, offset, self.dst, dst_ids, stride,
-                           offset, nbytes, imm + r),
+                PagedWrite(self.src_mr, src, stride, offset, self.dst, dst, stride, offset,
+                           nbytes, imm, imms=imms),
                 on_done=on_done, on_error=self.errors.append)
         return done
 

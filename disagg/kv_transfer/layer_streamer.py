@@ -5,7 +5,8 @@ NOTE (the streaming invariant). Before a forward runs, the streamer plans the pa
 request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter
 after each layer's attention output projection; a `CounterPoller` thread sees every bump and,
 for that layer, posts the writes of every planned request at once, while the forward moves on
-(S3b). So layer l's KV is on the wire while layer l + 1 computes, and after the forward only
+(S3b): one paged write per decoder and rank pair, each page carrying its request's immediate
+(`forward_writes`). So layer l's KV is on the wire while layer l + 1 computes, and after the forward only
 the last layer's writes are left. `wait_posted` is the engine thread's barrier: the forward
 returned, and every one of its bumps has been handled.
 
@@ -22,6 +23,7 @@ import time
 from collections.abc import Mapping
 
 from disagg.engine.batch import Batch
+from disagg.kv_transfer.forward_writes import Member, PeerWrite, forward_writes
 from disagg.kv_transfer.layer_writes import layer_writes
 from disagg.kv_transfer.outgoing_kv import ChunkPages, OutgoingKV
 from disagg.kv_transfer.transfer_plan import pages_to_send
@@ -81,8 +83,9 @@ class LayerStreamer:
                 writes = layer_writes(outgoing.page_writes, src_ids, dst_ids, self._page_nbytes,
                                       outgoing.peer.page_nbytes)
                 chunks.append(ChunkPages(outgoing, src_ids, dst_ids, writes))
+        merged = forward_writes(chunks)
         with self._lock:
-            self._forwards[self._num_forwards] = chunks
+            self._forwards[self._num_forwards] = (chunks, merged)
             self._num_forwards += 1
 
     def wait_posted(self, timeout_s: float) -> None:
@@ -100,12 +103,15 @@ class LayerStreamer:
         for value in range(old + 1, new + 1):
             forward, layer = LayerCounter.decode(value, self.num_layers)
             with self._lock:
-                chunks = self._forwards.get(forward, [])
+                chunks, merged = self._forwards.get(forward, ([], []))
             self._stage_out(chunks, layer)  # no-op unless staged
             now = time.perf_counter()
             for chunk in chunks:
                 chunk.outgoing.layer_post_times.append((layer, now))
-                self._post_layer(chunk, layer)
+            for write in merged:
+                self._post_layer(write, layer)
+            self._stats.add(pages=sum(len(c.src_page_ids) for c in chunks
+                                      if not c.outgoing.failed))
             self._tracer.instant("layer", forward=forward, layer=layer)  # every counter bump
             if chunks:
                 self._tracer.instant("layer_writes_posted", forward=forward, layer=layer,
@@ -116,33 +122,39 @@ class LayerStreamer:
                 self._handled = value
                 self._lock.notify_all()
 
-    def _post_layer(self, chunk: ChunkPages, layer: int) -> None:
-        """One paged-write call per `LayerWrite` of the chunk, at this layer's offsets: byte
-        offsets inside the layer, stride 1 (`layer_writes`)."""
-        outgoing, peer = chunk.outgoing, chunk.outgoing.peer
-        for write in chunk.writes:
-            if not outgoing.begin_write():
-                return  # stopped or failed: nothing more is posted for it
-            posted = time.time()  # the layer_writes span runs from here to completion
-            try:
-                self._transport.post_paged_writes(
-                    PagedWrite(self._kv[write.src_rank].region, write.src_offsets, 1,
-                               layer * self._layer_nbytes, peer.kv[write.dst_rank],
-                               write.dst_offsets, 1, layer * peer.layer_nbytes, write.nbytes,
-                               outgoing.imm, write.domains),
-                    on_done=lambda n=write.num_writes, posted=posted: self._layer_done(
-                        outgoing, n, layer, posted),
-                    on_error=outgoing.write_done)
-            except (TransferError, ValueError) as error:
-                outgoing.write_done(error)
-                return
-            self._stats.add(writes=write.num_writes, bytes=write.num_writes * write.nbytes)
-        self._stats.add(pages=len(chunk.src_page_ids))
+    def _post_layer(self, merged: PeerWrite, layer: int) -> None:
+        """One paged-write call for this layer's writes of every request bound for one peer
+        and rank pair, at the layer's offsets, each page with its request's immediate."""
+        live = [m for m in merged.members if m.outgoing.begin_write()]
+        if not live:
+            return  # all stopped or failed: nothing more is posted for them
+        write, shape, peer = merged.only(live), merged.shape, merged.peer
+        posted = time.time()  # the layer_writes span runs from here to completion
+        try:
+            self._transport.post_paged_writes(
+                PagedWrite(self._kv[shape.src_rank].region, write.src_offsets, 1,
+                           layer * self._layer_nbytes, peer.kv[shape.dst_rank],
+                           write.dst_offsets, 1, layer * peer.layer_nbytes, shape.nbytes, None,
+                           shape.domains, imms=write.imms),
+                on_done=lambda: self._layer_done(live, layer, posted),
+                on_error=lambda error: self._layer_failed(live, error))
+        except (TransferError, ValueError) as error:
+            self._layer_failed(live, error)
+            return
+        self._stats.add(writes=write.num_writes, bytes=write.num_writes * shape.nbytes)
 
-    def _layer_done(self, outgoing: OutgoingKV, writes: int, layer: int, posted: float) -> None:
-        self._tracer.complete("layer_writes", posted, time.time(), parent=outgoing.traceparent,
-                              layer=layer, pages=writes, request_id=outgoing.request_id)
-        outgoing.write_done(None, writes)
+    def _layer_done(self, members: list[Member], layer: int, posted: float) -> None:
+        end = time.time()
+        for m in members:
+            self._tracer.complete("layer_writes", posted, end, parent=m.outgoing.traceparent,
+                                  layer=layer, pages=m.write.num_writes,
+                                  request_id=m.outgoing.request_id)
+            m.outgoing.write_done(None, m.write.num_writes)
+
+    @staticmethod
+    def _layer_failed(members: list[Member], error: BaseException) -> None:
+        for m in members:
+            m.outgoing.write_done(error)
 
     def _stage_out(self, chunks: list[ChunkPages], layer: int) -> None:
         """Copy the pages `chunks` send of `layer` into the host shadow of every staged rank
