@@ -3,7 +3,8 @@
 `bench transfer` is the transfer core's peer workload (`transfer_core.bench`): pages written to
 shuffled slots of another process, then the latency of a 4 KiB write, per provider, at two
 batch sizes: the full workload and a small batch the size of one layer's writes. Beside it,
-when it is found, libfabric's own `fi_rma_bw` at the same sizes, with our ratio to it. The
+when it is found, libfabric's own `fi_rma_bw` at the same sizes, with our ratio to it; and
+the messengers' KV path per write against prepared writes (`kv_transfer.messenger_bench`). The
 provider is checked before two processes start. `disagg.apps.cli` adds it with
 `register(app)`.
 """
@@ -38,18 +39,22 @@ def register(app: typer.Typer) -> None:
         fi_rma_bw: Annotated[str | None, typer.Option(
             help="libfabric's fi_rma_bw to run beside ours (default: $FI_RMA_BW, PATH, "
                  "./.venv-peers/bin; built by benchmarks/peers/build_fi_rma_bw.sh)")] = None,
+        messenger: Annotated[bool, typer.Option(
+            help="Also the messengers' KV path per write against prepared writes")] = True,
         as_json: Annotated[bool, typer.Option("--json", help="Print one JSON object")] = False,
     ) -> None:
         """Peer workload: N pages to shuffled slots of another process, and 4 KiB latency."""
         sizes = [pages, *([small_pages] if 0 < small_pages != pages else [])]
         names = ["tcp", "shm"] if provider == "all" else [provider]
-        results = measure_transfer(names, sizes, page_size, _fi_rma_bw(fi_rma_bw))
+        results = measure_transfer(names, sizes, page_size, _fi_rma_bw(fi_rma_bw), messenger)
         if as_json:
             sys.stdout.write(json.dumps(results[0] if len(results) == 1 else results) + "\n")
             return
         # Piped, the default 80 columns would cut every header; keep the rows whole.
-        Console(width=None if sys.stdout.isatty() else 120).print(
-            transfer_table(results, page_size))
+        console = Console(width=None if sys.stdout.isatty() else 120)
+        console.print(transfer_table(results, page_size))
+        if messenger:
+            console.print(messenger_table(results))
 
 
 def _fi_rma_bw(explicit: str | None) -> Path | None:
@@ -63,10 +68,13 @@ def _fi_rma_bw(explicit: str | None) -> Path | None:
 
 
 def measure_transfer(providers: list[str], sizes: list[int], page_size: int,
-                     fi_rma_bw: Path | None = None) -> list[dict]:
+                     fi_rma_bw: Path | None = None, messenger: bool = False) -> list[dict]:
     """One run of the peer workload per provider and batch size, each with `fi_rma_bw`'s GB/s
-    at the same size when a binary is given; progress on stderr."""
+    at the same size when a binary is given, and with `messenger` the messengers' path on
+    each provider's first row (`messenger`: per write against prepared writes); progress on
+    stderr."""
     from disagg.apps.progress import StartupProgress
+    from disagg.kv_transfer.messenger_bench import Shape, measure
     from disagg.node.preflight import check_provider
     from transfer_core.bench import run_transfer_benchmark
     from transfer_core.fi_rma_bw import run_fi_rma_bw
@@ -87,7 +95,32 @@ def measure_transfer(providers: list[str], sizes: list[int], page_size: int,
                         ref = run_fi_rma_bw(fi_rma_bw, name, page_size, pages)
                     result["fi_rma_bw_gbps"] = ref.gbps
                 results.append(result)
+            if messenger:
+                shape = Shape()
+                with progress.phase(f"{name}: the messengers' path, {shape.num_writes} writes "
+                                    f"of {shape.write_bytes} B",
+                                    done=f"[green]✓[/green] {name}, messengers' path measured"):
+                    found = measure(name, shape, reps=3)
+                results[-len(sizes)]["messenger"] = {
+                    "writes": found["writes"], "write_bytes": found["write_bytes"],
+                    **{f"us_per_write_{p}": v["us_per_write"] for p, v in found["paths"].items()},
+                    **{k: found[k] for k in ("messenger_over_prepared", "verified")}}
     return results
+
+
+def messenger_table(results: list[dict]) -> Table:
+    table = Table(title="the messengers' KV path: a forward's writes, per write")
+    for column in ("provider", "writes", "messenger µs", "ungrouped µs", "prepared µs",
+                   "messenger / prepared", "verified"):
+        table.add_column(column)
+    for r in results:
+        if "messenger" in r:
+            m = r["messenger"]
+            table.add_row(r["provider"], f"{m['writes']} x {m['write_bytes']} B",
+                          *(f"{m[f'us_per_write_{p}']:.2f}"
+                            for p in ("messenger", "ungrouped", "prepared")),
+                          f"{m['messenger_over_prepared']:.2f}", str(m["verified"]))
+    return table
 
 
 def transfer_table(results: list[dict], page_size: int) -> Table:

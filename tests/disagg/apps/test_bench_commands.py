@@ -1,7 +1,9 @@
-"""`disagg bench transfer`: both batch sizes, and fi_rma_bw beside them with our ratio (S5).
+"""`disagg bench transfer`: both batch sizes, fi_rma_bw beside them with our ratio, and the
+messengers' path (S5).
 
-Our workload is stood in for (its two processes are tested in transfer_core's tests); the
-fi_rma_bw stand-in is a real server/client pair on loopback, as in test_fi_rma_bw.py.
+Our workload and the messengers' path are stood in for (their two processes are tested in
+transfer_core's tests and test_benchmark_messenger_path.py); the fi_rma_bw stand-in is a real
+server/client pair on loopback, as in test_fi_rma_bw.py.
 """
 
 from __future__ import annotations
@@ -12,6 +14,7 @@ from pathlib import Path
 
 import pytest
 
+import disagg.kv_transfer.messenger_bench
 import transfer_core.bench
 from disagg.apps.cli import main
 from tests.transfer_core.test_fi_rma_bw import FAKE
@@ -42,13 +45,14 @@ def test_both_batch_sizes_run_each_beside_fi_rma_bw(fake_binary: Path, monkeypat
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(transfer_core.bench, "run_transfer_benchmark", _ours)
     code, out, _ = _run(["bench", "transfer", "--provider", "tcp", "--pages", "2048",
-                      "--small-pages", "64", "--fi-rma-bw", str(fake_binary), "--json"], capsys)
+                         "--small-pages", "64", "--fi-rma-bw", str(fake_binary),
+                         "--no-messenger", "--json"], capsys)
     assert code == 0
     results = json.loads(out)
     assert [r["num_pages"] for r in results] == [2048, 64]
     assert all(r["fi_rma_bw_gbps"] == pytest.approx(7.560284346) for r in results)
     code, out, _ = _run(["bench", "transfer", "--small-pages", "0", "--fi-rma-bw",
-                      str(fake_binary)], capsys)
+                         str(fake_binary), "--no-messenger"], capsys)
     assert code == 0 and "7.56" in out and "0.50" in out  # the ratio: 3.78 / 7.56
 
 
@@ -59,3 +63,26 @@ def test_a_named_fi_rma_bw_that_is_not_executable_is_a_usage_error(
     code, _, err = _run(["bench", "transfer", "--fi-rma-bw", str(plain)], capsys)
     assert code == 2
     assert "not an executable" in err
+
+
+def _messenger(provider: str, shape: object, reps: int) -> dict:
+    paths = {p: {"us_per_write": us} for p, us in
+             (("messenger", 6.5), ("ungrouped", 7.5), ("prepared", 13.0))}
+    return {"writes": 1920, "write_bytes": 12288, "paths": paths,
+            "messenger_over_prepared": 0.5, "verified": True}
+
+
+def test_the_messengers_path_is_reported_once_per_provider(
+        monkeypatch, tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)  # no fi_rma_bw in reach: no ./.venv-peers, none on PATH
+    monkeypatch.delenv("FI_RMA_BW", raising=False)
+    monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setattr(transfer_core.bench, "run_transfer_benchmark", _ours)
+    monkeypatch.setattr(disagg.kv_transfer.messenger_bench, "measure", _messenger)
+    code, out, _ = _run(["bench", "transfer", "--provider", "all", "--json"], capsys)
+    assert code == 0
+    results = json.loads(out)
+    assert [("messenger" in r) for r in results] == [True, False, True, False]
+    assert results[0]["messenger"]["us_per_write_prepared"] == 13.0
+    code, out, _ = _run(["bench", "transfer", "--small-pages", "0"], capsys)
+    assert code == 0 and "1920 x 12288 B" in out and "0.50" in out
