@@ -55,12 +55,74 @@ static inline int32_t kls_weight(uint32_t x, int32_t l)
 KLS_ROW(kls_row16, int16_t)
 KLS_ROW(kls_row8, uint8_t)
 
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* (x * 48271) mod (2^31 - 1): the multiply-and-remainder half of `kls_mix`. */
+static inline uint32_t kls_mulmod(uint32_t x)
+{
+    uint64_t y = (uint64_t)x * KLS_MULTIPLIER;
+    y = (y & KLS_PRIME) + (y >> 31);
+    return (uint32_t)(y >= KLS_PRIME ? y - KLS_PRIME : y);
+}
+
+/* Both rows in AVX-512, 16 lanes a step in 32-bit lanes. The hash input of lane l is x + l, so
+ * its remainder is (x M + l M) mod p: from the first 16 lanes' remainders (x M mod p plus a
+ * constant per lane), each step adds 16 M mod p, and a remainder that reached p drops by p
+ * (min(r, r - p) unsigned: r - p wraps high when r < p). No multiply is left per lane but the
+ * value times its weight, which fits an int32 (|lane| < 2^15, weight < 2^16); products are
+ * widened into two int64 accumulators. The same number as the rows above, bit for bit. */
+#define KLS_ROW_AVX512(NAME, LANE, LOAD)                                                    \
+    __attribute__((target("avx512f,avx512bw,avx512vl")))                                     \
+    static int64_t NAME(const LANE *v, int32_t lanes, uint32_t x)                           \
+    {                                                                                       \
+        const __m512i p = _mm512_set1_epi32((int32_t)KLS_PRIME);                             \
+        const __m512i step = _mm512_set1_epi32((int32_t)((16ULL * KLS_MULTIPLIER) % KLS_PRIME));\
+        const __m512i low16 = _mm512_set1_epi32(0xFFFF), one = _mm512_set1_epi32(1);        \
+        __m512i r = _mm512_add_epi32(_mm512_set1_epi32((int32_t)kls_mulmod(x)), KLS_LANE_M);  \
+        r = _mm512_min_epu32(r, _mm512_sub_epi32(r, p));                                    \
+        __m512i acc0 = _mm512_setzero_si512(), acc1 = _mm512_setzero_si512();              \
+        for (int32_t l = 0; l < lanes; l += 16) {                                           \
+            __mmask16 live = lanes - l >= 16 ? (__mmask16)0xFFFF                             \
+                                             : (__mmask16)((1u << (lanes - l)) - 1u);        \
+            __m512i w = _mm512_xor_si512(r, _mm512_srli_epi32(r, 11));                      \
+            w = _mm512_or_si512(_mm512_and_si512(_mm512_srli_epi32(w, 7), low16), one);    \
+            __m512i prod = _mm512_maskz_mullo_epi32(live, LOAD(live, v + l), w);            \
+            acc0 = _mm512_add_epi64(acc0, _mm512_cvtepi32_epi64(_mm512_castsi512_si256(prod)));\
+            acc1 = _mm512_add_epi64(acc1,                                                   \
+                                    _mm512_cvtepi32_epi64(_mm512_extracti64x4_epi64(prod, 1)));\
+            r = _mm512_add_epi32(r, step);                                                  \
+            r = _mm512_min_epu32(r, _mm512_sub_epi32(r, p));                                \
+        }                                                                                   \
+        return _mm512_reduce_add_epi64(_mm512_add_epi64(acc0, acc1));                       \
+    }
+
+/* l * 48271 for l = 0..15 (below p): each lane's offset from the row's first remainder. */
+#define KLS_LANE_M                                                                          \
+    _mm512_mullo_epi32(_mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15), \
+                       _mm512_set1_epi32((int32_t)KLS_MULTIPLIER))
+
+#define KLS_LOAD16(m, p) _mm512_cvtepi16_epi32(_mm256_maskz_loadu_epi16((m), (p)))
+#define KLS_LOAD8(m, p) _mm512_cvtepu8_epi32(_mm_maskz_loadu_epi8((m), (p)))
+KLS_ROW_AVX512(kls_row16_avx512, int16_t, KLS_LOAD16)
+KLS_ROW_AVX512(kls_row8_avx512, uint8_t, KLS_LOAD8)
+
+static int kls_avx512(void)
+{
+    return __builtin_cpu_supports("avx512f") && __builtin_cpu_supports("avx512bw")
+        && __builtin_cpu_supports("avx512vl");
+}
+#endif
+
 uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
                       int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,
                       int threads)
 {
     const int64_t *ids = (const int64_t *)head_ids;
     uint64_t total = 0;
+#if defined(__x86_64__)
+    int wide = kls_avx512();
+#endif
     int team = threads > 1 && heads * tokens * lanes >= (1 << 16) ? threads : 1;
 #pragma omp parallel for collapse(2) reduction(+ : total) num_threads(team) if (team > 1)
     for (int64_t h = 0; h < heads; h++) {
@@ -68,9 +130,17 @@ uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t t
             uint32_t x = kls_mix((uint32_t)(seed + (uint64_t)(first_position + t)));
             x = kls_mix(x + (uint32_t)ids[h]);
             int64_t row = (h * tokens + t) * lanes;
-            int64_t sum = lane_bytes == 2
-                ? kls_row16((const int16_t *)values + row, (int32_t)lanes, x)
-                : kls_row8((const uint8_t *)values + row, (int32_t)lanes, x);
+            int64_t sum;
+#if defined(__x86_64__)
+            if (wide)
+                sum = lane_bytes == 2
+                    ? kls_row16_avx512((const int16_t *)values + row, (int32_t)lanes, x)
+                    : kls_row8_avx512((const uint8_t *)values + row, (int32_t)lanes, x);
+            else
+#endif
+                sum = lane_bytes == 2
+                    ? kls_row16((const int16_t *)values + row, (int32_t)lanes, x)
+                    : kls_row8((const uint8_t *)values + row, (int32_t)lanes, x);
             total += (uint64_t)sum; /* wrapping: the caller masks to 2^52 */
         }
     }

@@ -37,6 +37,17 @@ def test_the_kernel_sums_what_the_reference_sums(dtype: torch.dtype, tokens: int
     assert want != 0 or tokens == 0
 
 
+@pytest.mark.parametrize("width", [1, 7, 37, 72])
+def test_rows_that_end_mid_vector_sum_alike(width: int) -> None:
+    """Rows whose lanes are not a multiple of the kernel's 16 (fp32: twice the width, bf16:
+    the width, fp8: bytes): the last partial step counts its live lanes only."""
+    for dtype in (torch.float32, torch.bfloat16, torch.float8_e4m3fn):
+        values = random_values(2, 5, width, dtype, seed=width)
+        head_ids = torch.tensor([3, 6])
+        want = int(_weighted_sum(values, 77, torch.arange(40, 45), head_ids))
+        assert _weighted_sum_kernel(values, 77, 40, head_ids) == want, dtype
+
+
 def test_one_thread_or_several_give_the_same_sum() -> None:
     """One OpenMP thread against four (more than this machine may have: the split is what is
     tested), and both against the reference."""
