@@ -69,8 +69,10 @@ def _weighted_sum(values: torch.Tensor, seed: int, positions: torch.Tensor,
 
 def _weighted_sum_kernel(values: torch.Tensor, seed: int, first_position: int,
                          head_ids: torch.Tensor) -> int:
-    """`_weighted_sum` on the CPU in C (`kv_lane_sum.c`): the same number, with the weights
-    drawn in registers instead of three tensors the size of the values."""
+    """`_weighted_sum` on the CPU in C (`kv_lane_sum.c`), of one contiguous array: the same
+    number, with the weights drawn in registers instead of three tensors the size of the
+    values. The checksum itself reads the pages in place (`_page_sum_kernel`); this is the
+    entry the kernel's tests hold against the reference, any shape and dtype."""
     values = values.contiguous()
     lane_bytes = 1 if values.element_size() == 1 else 2
     heads, tokens = values.shape[0], values.shape[1]
@@ -79,6 +81,21 @@ def _weighted_sum_kernel(values: torch.Tensor, seed: int, first_position: int,
         "disagg::kv_lane_sum", cpu_kernels.lib.kls_lane_sum, values.data_ptr(), lane_bytes,
         heads, tokens, lanes, head_ids.data_ptr(), first_position, seed,
         torch.get_num_threads())
+    return total & _MASK
+
+
+def _page_sum_kernel(shard: PagedKVCache, layer: int, half: int, pages: torch.Tensor,
+                     num_tokens: int, seed: int, first_position: int, head_ids: torch.Tensor
+                     ) -> int:
+    """`_weighted_sum` of one layer's part in C, read in place from the pages
+    (`kls_page_sum`): no gather, no copy."""
+    addresses, token_stride, head_stride = shard.part_rows(layer, half, pages)
+    lane_bytes = 1 if shard.element_size == 1 else 2
+    lanes = shard.head_dim * shard.element_size // lane_bytes
+    total = cpu_kernels.named_call(
+        "disagg::kv_page_sum", cpu_kernels.lib.kls_page_sum, addresses.data_ptr(),
+        shard.page_size, lane_bytes, len(head_ids), num_tokens, lanes, head_stride,
+        token_stride, head_ids.data_ptr(), first_position, seed, torch.get_num_threads())
     return total & _MASK
 
 
@@ -91,13 +108,16 @@ def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens
     in_c = cpu_kernels.ENABLED and device.type == "cpu"
     total: torch.Tensor | int = 0 if in_c else torch.zeros((), dtype=torch.int64, device=device)
     for layer in range(shard.num_layers):
+        if in_c:  # the pages read in place
+            for half in range(shard.kv_parts):
+                seed = int(_mix(_mix(salt) + 2 * layer + half))
+                part = _page_sum_kernel(shard, layer, half, pages, num_tokens, seed,
+                                        first_position, head_ids)
+                total = (total + part) & _MASK
+            continue
         for half, values in enumerate(shard.gather_parts(layer, pages, num_tokens)):
             seed = int(_mix(_mix(salt) + 2 * layer + half))
-            if in_c:
-                part = _weighted_sum_kernel(values, seed, first_position, head_ids)
-            else:  # one sync, at the end
-                part = _weighted_sum(values, seed, positions, head_ids)
-            total = (total + part) & _MASK
+            total = (total + _weighted_sum(values, seed, positions, head_ids)) & _MASK  # one sync
     return total
 
 

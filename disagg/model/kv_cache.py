@@ -166,6 +166,21 @@ class PagedKVCache:
         What a reader of bytes needs (the KV checksum), whatever the attention."""
         return [part[0, :, :num_tokens] for part in self._gather(layer_idx, page_ids)]
 
+    def part_rows(self, layer_idx: int, part: int, page_ids: torch.Tensor
+                  ) -> tuple[torch.Tensor, int, int]:
+        """Where part `part` (K, V or the latent rows) of each page lies, for a reader of
+        bytes that walks the pages itself (the KV checksum's kernel): the byte address of
+        each page's part (int64, on the CPU), and the bytes from one token's row to the
+        next and from one head's to the next inside a page. NHD keeps a token's heads side by
+        side, HND a head's tokens."""
+        elem, dim = self.element_size, self.head_dim
+        first = self.buffer[layer_idx, 0, part]
+        page_stride = self.buffer.stride(1) * elem
+        addresses = first.data_ptr() + page_ids.to(torch.int64) * page_stride
+        if self.kv_layout == "NHD":  # [page_size, heads, dim]
+            return addresses, self.num_kv_heads * dim * elem, dim * elem
+        return addresses, dim * elem, self.page_size * dim * elem  # HND: [heads, page_size, dim]
+
     def gather_latent(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
                       ) -> torch.Tensor:
         """The first `num_tokens` latent rows held by `page_ids` (MLA): ``[num_tokens, dim]``."""

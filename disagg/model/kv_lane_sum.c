@@ -1,8 +1,9 @@
-/* The KV checksum's weighted lane sum on the CPU (X4c, X8): the inner loop of
- * disagg/kv_transfer/kv_checksum.py's `_rank_sum`, one layer's K or V at a time.
+/* The KV checksum's weighted lane sum on the CPU (X4c, X8d): the inner loop of
+ * disagg/kv_transfer/kv_checksum.py's `_rank_sum`, one layer's K or V at a time, read in place
+ * from the cache's pages (`kls_page_sum`) or from one contiguous array (`kls_lane_sum`).
  *
- * values: [heads, tokens, lanes] contiguous lanes of lane_bytes (2: int16, sign-extended; 1:
- * uint8), the bits of the KV values. Each lane counts with an odd weight below 2^16 drawn from
+ * A row is one (head, token)'s lanes of lane_bytes (2: int16, sign-extended; 1: uint8), the
+ * bits of the KV values. Each lane counts with an odd weight below 2^16 drawn from
  * (seed, position, head id, lane) by the same integer hash as the PyTorch reference; the
  * products are summed in wrapping 64-bit arithmetic, which equals the reference's sum mod
  * 2^52 once masked (2^52 divides 2^64). The weights are what costs: three hash steps per lane
@@ -114,35 +115,57 @@ static int kls_avx512(void)
 }
 #endif
 
-uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
-                      int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,
-                      int threads)
+/* The sum over rows (head h, token t) read where the cache keeps them: token t of page
+ * t / page_size, whose part starts at byte address pages[t / page_size]; the row is
+ * token_stride * (t % page_size) + head_stride * h bytes further on (NHD: heads side by side
+ * in a token; HND: a head's tokens side by side). No gather: the sum does not depend on the
+ * order rows are read in, only on each lane's (position, head, lane). */
+uint64_t kls_page_sum(uintptr_t pages, int64_t page_size, int lane_bytes, int64_t heads,
+                      int64_t tokens, int64_t lanes, int64_t head_stride, int64_t token_stride,
+                      uintptr_t head_ids, int64_t first_position, uint64_t seed, int threads)
 {
     const int64_t *ids = (const int64_t *)head_ids;
+    const uintptr_t *page = (const uintptr_t *)pages;
     uint64_t total = 0;
 #if defined(__x86_64__)
     int wide = kls_avx512();
 #endif
     int team = threads > 1 && heads * tokens * lanes >= (1 << 16) ? threads : 1;
+    /* Rows in the order memory holds them: a token's heads together (NHD) or a head's tokens
+     * (HND), so the reads run forward through each page once. */
+    int heads_inner = head_stride < token_stride;
+    int64_t outer = heads_inner ? tokens : heads, inner = heads_inner ? heads : tokens;
 #pragma omp parallel for collapse(2) reduction(+ : total) num_threads(team) if (team > 1)
-    for (int64_t h = 0; h < heads; h++) {
-        for (int64_t t = 0; t < tokens; t++) {
+    for (int64_t o = 0; o < outer; o++) {
+        for (int64_t i = 0; i < inner; i++) {
+            int64_t h = heads_inner ? i : o, t = heads_inner ? o : i;
             uint32_t x = kls_mix((uint32_t)(seed + (uint64_t)(first_position + t)));
             x = kls_mix(x + (uint32_t)ids[h]);
-            int64_t row = (h * tokens + t) * lanes;
+            const char *row = (const char *)page[t / page_size]
+                + (t % page_size) * token_stride + h * head_stride;
             int64_t sum;
 #if defined(__x86_64__)
             if (wide)
                 sum = lane_bytes == 2
-                    ? kls_row16_avx512((const int16_t *)values + row, (int32_t)lanes, x)
-                    : kls_row8_avx512((const uint8_t *)values + row, (int32_t)lanes, x);
+                    ? kls_row16_avx512((const int16_t *)row, (int32_t)lanes, x)
+                    : kls_row8_avx512((const uint8_t *)row, (int32_t)lanes, x);
             else
 #endif
-                sum = lane_bytes == 2
-                    ? kls_row16((const int16_t *)values + row, (int32_t)lanes, x)
-                    : kls_row8((const uint8_t *)values + row, (int32_t)lanes, x);
+                sum = lane_bytes == 2 ? kls_row16((const int16_t *)row, (int32_t)lanes, x)
+                                      : kls_row8((const uint8_t *)row, (int32_t)lanes, x);
             total += (uint64_t)sum; /* wrapping: the caller masks to 2^52 */
         }
     }
     return total;
+}
+
+/* values: [heads, tokens, lanes] contiguous, i.e. one page holding every token. */
+uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
+                      int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,
+                      int threads)
+{
+    uintptr_t page = values;
+    return kls_page_sum((uintptr_t)&page, tokens > 0 ? tokens : 1, lane_bytes, heads, tokens,
+                        lanes, tokens * lanes * lane_bytes, lanes * lane_bytes, head_ids,
+                        first_position, seed, threads);
 }

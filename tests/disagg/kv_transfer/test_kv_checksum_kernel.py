@@ -63,21 +63,18 @@ def test_one_thread_or_several_give_the_same_sum() -> None:
     assert kernel(1) == kernel(4) == want
 
 
+@pytest.mark.parametrize("name", ["tiny", "tiny-mla-moe"])
 @pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
-def test_a_checksum_with_the_kernel_equals_one_without(kv_layout: str,
+def test_a_checksum_with_the_kernel_equals_one_without(kv_layout: str, name: str,
                                                        monkeypatch: pytest.MonkeyPatch) -> None:
-    """A whole checksum over scattered pages, a held prefix left out: the kernel changes
-    nothing a prefiller and a decoder could disagree on."""
-    model = ModelConfig.from_name("tiny")
+    """A whole checksum over scattered pages, a held prefix left out: the kernel, which reads
+    the pages in place, changes nothing a prefiller and a decoder could disagree on (K and V,
+    or MLA's latent rows as one head)."""
+    model = ModelConfig.from_name(name)
     cache = PagedKVCache(model, CacheConfig(page_size=4, num_pages=16, kv_layout=kv_layout))
     generator = torch.Generator().manual_seed(3)
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=generator))
     page_ids, num_tokens = [9, 2, 14, 5, 7], 19
-    positions = torch.arange(num_tokens)
-    pages = torch.tensor(page_ids)[positions // 4]
-    for layer in range(model.num_layers):
-        k, v = (torch.randn(num_tokens, model.num_kv_heads, model.head_dim,
-                            generator=generator) for _ in range(2))
-        cache.write(layer, k, v, pages, positions % 4)
     with_kernel = kv_checksum(cache, page_ids, num_tokens, first_page=1)
     monkeypatch.setattr(checksum_module.cpu_kernels, "ENABLED", False)
     assert kv_checksum(cache, page_ids, num_tokens, first_page=1) == with_kernel != 0.0
