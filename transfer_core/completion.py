@@ -17,7 +17,10 @@ OnError = Callable[[TransferError], None]
 
 
 class Completion:
-    """Fires exactly one of `on_done` / `on_error` for a transfer made of `parts` ops."""
+    """Fires exactly one of `on_done` / `on_error` for a transfer made of `parts` ops, once
+    every part has finished: a failed part's error waits for the others, because until they
+    end the provider may still read the transfer's source memory, which the caller frees when
+    it hears of the end (the first error is the one reported)."""
 
     def __init__(
         self,
@@ -27,7 +30,7 @@ class Completion:
         report: Callable[[BaseException], None],
     ) -> None:
         self._left = parts
-        self._failed = False
+        self._error: TransferError | None = None
         self._lock = threading.Lock()
         self._on_done = on_done
         self._on_error = on_error
@@ -35,14 +38,11 @@ class Completion:
 
     def part_finished(self, error: TransferError | None) -> None:
         with self._lock:
-            if self._failed:
+            self._left -= 1
+            self._error = self._error or error
+            if self._left:
                 return
-            if error is None:
-                self._left -= 1
-                if self._left:
-                    return
-            else:
-                self._failed = True
+            error = self._error
         if error is None:
             if self._on_done is not None:
                 self._on_done()

@@ -19,7 +19,7 @@ from collections.abc import Callable
 
 from transfer_core.completion import Completion, OnDone, OnError
 from transfer_core.domain_worker import DomainWorker
-from transfer_core.errors import PeerError
+from transfer_core.errors import PeerError, TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.pyfabric import WriteOp
 from transfer_core.transport import PagedWrite
@@ -67,10 +67,14 @@ class WriteRouter:
     def paged(
         self, write: PagedWrite, on_done: OnDone | None, on_error: OnError | None, timeout_s: float
     ) -> None:
-        """`write`'s pages striped over its domains, one op each; one callback for all."""
+        """`write`'s pages striped over its domains, one op each; one callback for all. A
+        domain that refuses its stripe (closed, failed) raises if nothing was queued yet;
+        after that the stripes in flight carry on, and the refusal reaches `on_error` once
+        they end, on the first stripe's thread (not a raise: the caller would take the write
+        for never posted while part of it still reads the source)."""
         parts = stripe(write.num_pages, check_domains(write.domains, len(self._domains)))
         done = Completion(len(parts), on_done, on_error, self._report)
-        for d, lo, hi in parts:
+        for i, (d, lo, hi) in enumerate(parts):
             worker = self._domains[d]
             make_op = functools.partial(
                 worker.write_op,
@@ -88,7 +92,15 @@ class WriteRouter:
                 write.dst_page_ids[lo:hi],
                 None if write.imms is None else write.imms[lo:hi],
             )
-            self._queue(worker, done, make_op)
+            try:
+                self._queue(worker, done, make_op)
+            except TransferError as exc:
+                if i == 0:
+                    raise
+                refused = len(parts) - i
+                self._domains[parts[0][0]].call_soon(
+                    lambda exc=exc: [done.part_finished(exc) for _ in range(refused)])
+                return
 
     def prepare(
         self,
