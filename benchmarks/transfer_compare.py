@@ -36,6 +36,7 @@ from rich.table import Table
 ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(ROOT))
 
+from transfer_core.errors import ReferenceToolError  # noqa: E402
 from transfer_core.fi_rma_bw import find_fi_rma_bw  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
@@ -187,9 +188,13 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
         ))
         for p in ("tcp", "shm")
     ]  # fmt: skip
-    fi_rma_bw = find_fi_rma_bw(also=[PEERS_PYTHON.parent])
-    if fi_rma_bw is None:
-        notes.append("fi_rma_bw not found: skipped (run benchmarks/peers/build_fi_rma_bw.sh)")
+    try:
+        fi_rma_bw = find_fi_rma_bw(also=[PEERS_PYTHON.parent])
+        if fi_rma_bw is None:
+            notes.append("fi_rma_bw not found: skipped (run benchmarks/peers/build_fi_rma_bw.sh)")
+    except ReferenceToolError as error:  # $FI_RMA_BW names something that cannot run
+        notes.append(f"fi_rma_bw skipped: {error}")
+        fi_rma_bw = None
     else:  # runs under our Python: the harness needs transfer_core and the binary, no venv
         ours += [
             Contender(f"fi_rma_bw{suffix}", p, (

@@ -58,7 +58,8 @@ def find_fi_rma_bw(explicit: str | os.PathLike[str] | None = None,
     on_path = shutil.which("fi_rma_bw")
     if on_path:
         return Path(on_path)
-    return next((d / "fi_rma_bw" for d in also if os.access(d / "fi_rma_bw", os.X_OK)), None)
+    return next((d / "fi_rma_bw" for d in also
+                 if (d / "fi_rma_bw").is_file() and os.access(d / "fi_rma_bw", os.X_OK)), None)
 
 
 def run_fi_rma_bw(binary: Path, provider: str, xfer_bytes: int, iterations: int, *,
@@ -76,11 +77,19 @@ def run_fi_rma_bw(binary: Path, provider: str, xfer_bytes: int, iterations: int,
                           stderr=subprocess.STDOUT, text=True) as server:
         try:
             _wait_listening(port, server, deadline)
-            client = subprocess.run([*common, "127.0.0.1"], capture_output=True, text=True,
-                                    timeout=max(deadline - time.monotonic(), 1.0), check=False)
-            server_out, _ = server.communicate(timeout=max(deadline - time.monotonic(), 1.0))
-        except subprocess.TimeoutExpired as exc:
-            raise ReferenceToolError(f"fi_rma_bw ({name}) ran past {timeout_s:.0f} s") from exc
+            try:
+                client = subprocess.run([*common, "127.0.0.1"], capture_output=True, text=True,
+                                        timeout=max(deadline - time.monotonic(), 1.0),
+                                        check=False)
+            except subprocess.TimeoutExpired as exc:
+                raise ReferenceToolError(f"fi_rma_bw ({name}) ran past {timeout_s:.0f} s") from exc
+            # A client that failed leaves a server waiting for it: its output is the story.
+            wait_s = max(deadline - time.monotonic(), 1.0) if client.returncode == 0 else 2.0
+            try:
+                server_out, _ = server.communicate(timeout=wait_s)
+            except subprocess.TimeoutExpired:
+                server.kill()
+                server_out, _ = server.communicate()
         finally:
             if server.poll() is None:
                 server.kill()
@@ -108,14 +117,14 @@ def _free_port() -> int:
 
 
 def _wait_listening(port: int, server: subprocess.Popen[str], deadline: float) -> None:
-    local = f"0100007F:{port:04X}"
+    listening = {f"0100007F:{port:04X} {_LISTEN}", f"00000000:{port:04X} {_LISTEN}"}
     while time.monotonic() < deadline:
         if server.poll() is not None:
             out = (server.stdout.read() if server.stdout else "").strip().splitlines()[-3:]
             raise ReferenceToolError(f"fi_rma_bw server exited {server.returncode} before "
                                      f"listening: {' | '.join(out)}")
         with open("/proc/net/tcp") as f:
-            if any(f"{parts[1]} {parts[3]}" == f"{local} {_LISTEN}"
+            if any(f"{parts[1]} {parts[3]}" in listening
                    for parts in (line.split() for line in f) if len(parts) > 3):
                 return
         time.sleep(0.005)

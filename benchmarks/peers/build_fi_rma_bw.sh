@@ -20,24 +20,27 @@ set -euo pipefail
 
 ROOT="$(cd "$(dirname "$0")/../.." && pwd)"
 SRC_GIT="${LIBFABRIC_GIT:-https://github.com/ofiwg/libfabric.git}"
-PREFIX="$(pkg-config --variable=prefix libfabric)"
-TAG="${LIBFABRIC_TAG:-v$(pkg-config --modversion libfabric)}"
 OUT="${PEERS_BIN:-$ROOT/.venv-peers/bin}"
 
 missing=()
-for tool in autoconf automake libtoolize make gcc git; do
+for tool in autoconf automake libtoolize make gcc git pkg-config; do
     command -v "$tool" >/dev/null || missing+=("$tool")
 done
 if ((${#missing[@]})); then
     if [[ $(id -u) == 0 ]] && command -v apt-get >/dev/null; then
         echo "installing build tools (missing: ${missing[*]})"
+        apt-get update -q >/dev/null
         apt-get install -y -q --no-install-recommends autoconf automake libtool make gcc git \
-            >/dev/null
+            pkg-config >/dev/null
     else
         echo "missing build tools: ${missing[*]} (install autoconf automake libtool)" >&2
         exit 2
     fi
 fi
+
+pkg-config --exists libfabric || { echo "no libfabric for pkg-config (libfabric-dev)" >&2; exit 2; }
+PREFIX="$(pkg-config --variable=prefix libfabric)"
+TAG="${LIBFABRIC_TAG:-v$(pkg-config --modversion libfabric)}"
 
 WORK="$(mktemp -d "${TMPDIR:-/tmp}/fabtests.XXXXXX")"
 trap 'rm -rf "$WORK"' EXIT

@@ -6,7 +6,10 @@ write size and domains go out together: ONE paged write per layer whose pages ar
 writes, each page carrying its own request's immediate (`PagedWrite.imms`). The decoder counts
 exactly what it counted before, request by request; the layer poller makes one call per peer
 and rank pair instead of one per request (S3b). Merged once per forward; a layer drops the
-requests that stopped since (their writes are not posted, as before).
+requests that stopped since (their writes are not posted, as before). The members of a call
+share its fate: a failed call (a stripe past its deadline, a peer gone, a fault plan's
+`fail_write`, which is now drawn per call) fails every request in it. Requests drawn onto
+different domains (S9a) do not merge.
 """
 
 from __future__ import annotations
@@ -21,7 +24,7 @@ from disagg.kv_transfer.layer_writes import LayerWrite
 from disagg.kv_transfer.outgoing_kv import ChunkPages, OutgoingKV
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # arrays inside: compared by identity
 class Member:
     """One request's share of a `PeerWrite`: its writes, counted under its immediate."""
 
@@ -29,7 +32,7 @@ class Member:
     write: LayerWrite
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # arrays inside: compared by identity
 class PeerWrite:
     """The writes of `members` (same peer, ranks, size and domains), concatenated in order;
     page i carries `imms[i]`, its request's immediate."""

@@ -6,8 +6,8 @@ request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter
 after each layer's attention output projection; a `CounterPoller` thread sees every bump and,
 for that layer, posts the writes of every planned request at once, while the forward moves on
 (S3b): one paged write per decoder and rank pair, each page carrying its request's immediate
-(`forward_writes`). So layer l's KV is on the wire while layer l + 1 computes, and after the forward only
-the last layer's writes are left. `wait_posted` is the engine thread's barrier: the forward
+(`forward_writes`). So layer l's KV is on the wire while layer l + 1 computes, and after the
+forward only the last layer's writes are left. `wait_posted` is the engine thread's barrier: the forward
 returned, and every one of its bumps has been handled.
 
 Each write leaves through its source rank's domains (`PageWrite.domains`, S6a, S9a); KV memory
@@ -52,7 +52,8 @@ class LayerStreamer:
         self._stats = stats
         self._tracer = tracer
         self._lock = threading.Condition()
-        self._forwards: dict[int, list[ChunkPages]] = {}  # by forward index
+        # By forward index: its chunks, and their writes merged per peer (`forward_writes`).
+        self._forwards: dict[int, tuple[list[ChunkPages], list[PeerWrite]]] = {}
         self._num_forwards = 0  # forwards planned
         self._handled = 0  # counter value whose writes have all been posted
         self.counter = counter
@@ -147,7 +148,7 @@ class LayerStreamer:
         end = time.time()
         for m in members:
             self._tracer.complete("layer_writes", posted, end, parent=m.outgoing.traceparent,
-                                  layer=layer, pages=m.write.num_writes,
+                                  layer=layer, writes=m.write.num_writes,
                                   request_id=m.outgoing.request_id)
             m.outgoing.write_done(None, m.write.num_writes)
 

@@ -22,7 +22,7 @@ import numpy as np
 from disagg.kv_transfer.transfer_plan import PageWrite
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, eq=False)  # arrays inside: compared by identity
 class LayerWrite:
     """`num_writes` writes of `nbytes` from source rank `src_rank`'s KV region to destination
     rank `dst_rank`'s, at these byte offsets inside a layer (int64, page-major)."""

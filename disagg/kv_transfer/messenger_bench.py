@@ -159,9 +159,11 @@ class _Sender:
         """One timed round of `path`; the receiver was armed for it."""
         acked = threading.Event()
         self.engine.expect_imm_count(ACK_IMM, self.shape.num_requests, acked.set)
+        # Planned before the clock, as the streamer plans before the forward.
+        calls = self._calls(merged=path == "messenger") if path != "prepared" else []
         start = time.perf_counter()
         if path != "prepared":
-            done = self._post_forward(merged=path == "messenger")
+            done = self._post_forward(calls)
         else:
             for write in self.prepared:
                 write.run()  # returns once the write is done
@@ -170,16 +172,19 @@ class _Sender:
             raise RuntimeError(f"{path} round did not finish: {self.errors}")
         return time.perf_counter() - start
 
-    def _post_forward(self, merged: bool) -> threading.Event:
-        """Every layer's writes, merged as `_post_layer` posts them or one call per request
-        and write of the plan (as it did before); the event: all completions in."""
-        page_nbytes, nbytes = self.shape.region_shape[2], self.shape.write_bytes
+    def _calls(self, merged: bool) -> list[tuple[Any, ...]]:
+        """Every layer's paged writes, merged as `_post_layer` posts them or one per request
+        and write of the plan (as it did before): (src, stride, offset, dst, imm, imms)."""
+        page_nbytes = self.shape.region_shape[2]
         if merged:
-            calls = [(src, 1, offset, dst, None, imms)
-                     for src, dst, imms, offset in self._merged()]
-        else:
-            calls = [(src, page_nbytes, offset, dst, IMMS["ungrouped"] + r, None)
-                     for r, src, dst, offset in self._paged()]
+            return [(src, 1, offset, dst, None, imms)
+                    for src, dst, imms, offset in self._merged()]
+        return [(src, page_nbytes, offset, dst, IMMS["ungrouped"] + r, None)
+                for r, src, dst, offset in self._paged()]
+
+    def _post_forward(self, calls: list[tuple[Any, ...]]) -> threading.Event:
+        """Post `calls` back to back; the event: all completions in."""
+        nbytes = self.shape.write_bytes
         lock, done = threading.Lock(), threading.Event()
         left = [len(calls)]  # one on_done each
 
@@ -206,6 +211,8 @@ class _Sender:
 def measure(provider: str, shape: Shape, reps: int, warmup: int = 1,
             seed: int = 0) -> dict[str, Any]:
     """Every path over `warmup + reps` rotating rounds; medians of the last `reps`."""
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"need reps >= 1 and warmup >= 0, got {reps} and {warmup}")
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver, args=(provider, shape, child), daemon=True)

@@ -30,8 +30,9 @@ def test_check_range_names_region_and_offset(offset: int, length: int) -> None:
 
 
 def test_check_pages_accepts_last_page() -> None:
-    """Page indices up to the last whole page fit."""
+    """Page indices up to the last whole page fit, few of them or many."""
     check_pages("r", NUM_PAGES * PAGE, np.arange(NUM_PAGES), PAGE, 0, PAGE)
+    check_pages("r", NUM_PAGES * PAGE, np.arange(100) % NUM_PAGES, PAGE, 0, PAGE)
 
 
 @pytest.mark.parametrize(
@@ -39,9 +40,13 @@ def test_check_pages_accepts_last_page() -> None:
     [([0, 3, 16, 2], 0, 2), ([5, -1], 0, 1), ([0, 15], 1, 1)],
     ids=["past-end", "negative", "offset-pushes-out"],
 )
-def test_check_pages_names_first_bad_page(indices: list[int], offset: int, bad_entry: int) -> None:
-    """The first offending entry of the index array is named with its byte offset."""
-    arr = np.array(indices, dtype=np.int64)
+@pytest.mark.parametrize("pad", [0, 96], ids=["few-ids", "many-ids"])
+def test_check_pages_names_first_bad_page(indices: list[int], offset: int, bad_entry: int,
+                                          pad: int) -> None:
+    """The first offending entry of the index array is named with its byte offset, whether
+    the ids are few (checked in Python) or many (numpy), valid ids before it or not."""
+    arr = np.array([0] * pad + indices, dtype=np.int64)
+    bad_entry += pad
     page = int(arr[bad_entry])
     with pytest.raises(
         BoundsError, match=rf"page {page} \(entry {bad_entry}\).*offset {offset + page * PAGE}"

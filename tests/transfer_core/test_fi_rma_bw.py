@@ -31,6 +31,9 @@ if "-s" in args:  # server: listens late, waits for the client's connection, the
         s.bind(("127.0.0.1", port)); s.listen(1)
         conn, _ = s.accept(); conn.recv(1); conn.close()
     sys.exit(int(os.environ.get("FAKE_SERVER_RC", "0")))
+if os.environ.get("FAKE_CLIENT_RC"):  # fails before it reaches the server
+    print("fi_getinfo(): -61 (No data available)")
+    sys.exit(int(os.environ["FAKE_CLIENT_RC"]))
 with socket.create_connection(("127.0.0.1", port)) as c:  # one try, like fabtests
     c.sendall(b"x")
 print({REPORT!r})
@@ -55,6 +58,14 @@ def test_a_failing_side_is_an_error_naming_its_exit(fake: Path, monkeypatch) -> 
     monkeypatch.setenv("FAKE_SERVER_RC", "3")
     with pytest.raises(ReferenceToolError, match="exited 0/3"):
         run_fi_rma_bw(fake, "shm", 4096, 8, timeout_s=20)
+
+
+def test_a_client_that_fails_early_is_reported_not_waited_out(fake: Path, monkeypatch) -> None:
+    """The server is left waiting for a client that never came: it is stopped, and the error
+    carries the client's exit and its words, not a timeout."""
+    monkeypatch.setenv("FAKE_CLIENT_RC", "1")
+    with pytest.raises(ReferenceToolError, match=r"exited 1/.*No data available"):
+        run_fi_rma_bw(fake, "tcp", 4096, 8, timeout_s=60)
 
 
 def test_a_report_without_a_result_line_is_an_error() -> None:

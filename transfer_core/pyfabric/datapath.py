@@ -127,7 +127,7 @@ class WriteOp:
             return ffi.NULL
         pointer = ffi.from_buffer(ctype, indices)
         if len(pointer) != n:
-            raise ValueError(f"index array has {len(pointer)} entries, op has {n} writes")
+            raise ValueError(f"{ctype[:-2]} array has {len(pointer)} entries, op has {n} writes")
         self._keep.append(pointer)
         return pointer
 

@@ -156,7 +156,7 @@ class WritePart:
                 self.fail(error)
                 return
         self.engine.count_posted(self.domain, self.n, completed=True, nbytes=self.n * self.length)
-        if isinstance(self.imm, np.ndarray):  # one immediate per write, each its own value
+        if isinstance(self.imm, np.ndarray):  # one per write, each its own (counts by value)
             for value, count in zip(*np.unique(self.imm, return_counts=True), strict=True):
                 target.arrive(peer_domain, int(value), int(count))
         elif self.imm is not None:

@@ -86,3 +86,14 @@ def test_the_messengers_path_is_reported_once_per_provider(
     assert results[0]["messenger"]["us_per_write_prepared"] == 13.0
     code, out, _ = _run(["bench", "transfer", "--small-pages", "0"], capsys)
     assert code == 0 and "1920 x 12288 B" in out and "0.50" in out
+
+
+def test_a_failing_fi_rma_bw_loses_none_of_our_rows(fake_binary: Path, monkeypatch,
+                                                    capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.setattr(transfer_core.bench, "run_transfer_benchmark", _ours)
+    monkeypatch.setenv("FAKE_SERVER_RC", "3")
+    code, out, _ = _run(["bench", "transfer", "--small-pages", "0", "--fi-rma-bw",
+                         str(fake_binary), "--no-messenger", "--json"], capsys)
+    assert code == 0
+    result = json.loads(out)
+    assert result["gbps"] == 3.78 and "exited 0/3" in result["fi_rma_bw_error"]

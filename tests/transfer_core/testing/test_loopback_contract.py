@@ -115,10 +115,10 @@ def scenario(make: Factory) -> dict[str, Any]:
 
         # Two requests' pages in one write, each page counted under its own value.
         mixed = {21: _Fired(), 22: _Fired()}
-        b.expect_imm_count(21, 2, mixed[21])
+        b.expect_imm_count(21, 2, mixed[21])  # striped [21, 21] | [22]: each slice its own
         b.expect_imm_count(22, 1, mixed[22])
         a.post_paged_writes(PagedWrite(smr, [15, 16, 17], PAGE, 0, desc, slots[15:18], PAGE, 0,
-                                       PAGE, None, imms=[21, 22, 21]))
+                                       PAGE, None, imms=[21, 21, 22]))
         assert mixed[21].event.wait(WAIT_S) and mixed[22].event.wait(WAIT_S)
         time.sleep(0.05)
         rec["per_page_imms"] = (mixed[21].calls, mixed[22].calls, b.imm_counted(21),
