@@ -66,8 +66,11 @@ class ContextSender:
         if draft is not None and outgoing.begin_write():
             draft.post(outgoing, lambda error=None, n=0: outgoing.write_done(error, n))
         slot, request = self.slots.take(self._wait_timeout_s), outgoing.request
-        checksum = kv_checksum(self._kv_cache, request.page_ids, request.num_prompt_tokens,
-                               outgoing.num_held_pages)  # held pages: neither sent nor summed
+        # Added up as the layers were posted (X8d), else summed here; held pages: neither sent
+        # nor summed.
+        running = outgoing.kv_sum.value(request.num_prompt_tokens) if outgoing.kv_sum else None
+        checksum = running if running is not None else kv_checksum(
+            self._kv_cache, request.page_ids, request.num_prompt_tokens, outgoing.num_held_pages)
         checksum += draft.checksum(outgoing) if draft is not None else 0.0
         pack_context(self.slots.buffer[slot], hidden, logits, checksum, outgoing.nonce)
         if self.slots.post(slot, outgoing.imm, outgoing.peer.context, outgoing.context_slot,

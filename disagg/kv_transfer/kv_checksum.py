@@ -85,17 +85,43 @@ def _weighted_sum_kernel(values: torch.Tensor, seed: int, first_position: int,
 
 
 def _page_sum_kernel(shard: PagedKVCache, layer: int, half: int, pages: torch.Tensor,
-                     num_tokens: int, seed: int, first_position: int, head_ids: torch.Tensor
-                     ) -> int:
+                     num_tokens: int, seed: int, first_position: int, head_ids: torch.Tensor,
+                     first_row: int = 0, threads: int | None = None) -> int:
     """`_weighted_sum` of one layer's part in C, read in place from the pages
-    (`kls_page_sum`): no gather, no copy."""
+    (`kls_page_sum`): no gather, no copy. The tokens start at row `first_row` of `pages`."""
     addresses, token_stride, head_stride = shard.part_rows(layer, half, pages)
     lane_bytes = 1 if shard.element_size == 1 else 2
     lanes = shard.head_dim * shard.element_size // lane_bytes
     total = cpu_kernels.named_call(
         "disagg::kv_page_sum", cpu_kernels.lib.kls_page_sum, addresses.data_ptr(),
-        shard.page_size, lane_bytes, len(head_ids), num_tokens, lanes, head_stride,
-        token_stride, head_ids.data_ptr(), first_position, seed, torch.get_num_threads())
+        shard.page_size, first_row, lane_bytes, len(head_ids), num_tokens, lanes, head_stride,
+        token_stride, head_ids.data_ptr(), first_position, seed,
+        threads or torch.get_num_threads())
+    return total & _MASK
+
+
+def sums_in_place(kv_cache: KVCache) -> bool:
+    """Whether `layer_sum` can run on `kv_cache`: in host memory, with the C kernels."""
+    return cpu_kernels.ENABLED and kv_cache.device.type == "cpu"
+
+
+def layer_sum(kv_cache: KVCache, layer: int, page_ids: list[int], start: int, end: int,
+              threads: int = 1) -> int:
+    """Layer `layer`'s part of `kv_checksum` over tokens [start, end) of `page_ids` (positions
+    from the request's start; one copy of each head), mod 2^52. The checksum is a sum, so a
+    request's is these parts added over its layers and over any split of its tokens: a
+    prefiller adds them as it posts each layer (`running_checksum.py`). CPU caches only
+    (`sums_in_place`); one thread by default: it runs beside the forward."""
+    size = kv_cache.page_size
+    pages = torch.tensor(page_ids[start // size:-(-end // size)], dtype=torch.int64)
+    sharding, total = kv_cache.sharding, 0
+    for rank in sharding.replica_sets()[0]:
+        shard = kv_cache.shards[rank]
+        head_ids = torch.tensor(list(sharding.heads_of(rank)), dtype=torch.int64)
+        for half in range(shard.kv_parts):
+            seed = int(_mix(_mix(0) + 2 * layer + half))
+            total += _page_sum_kernel(shard, layer, half, pages, end - start, seed, start,
+                                      head_ids, first_row=start % size, threads=threads)
     return total & _MASK
 
 

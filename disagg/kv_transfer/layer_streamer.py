@@ -1,5 +1,5 @@
 """Layer-by-layer KV streaming on the prefiller: counter bumps become that layer's page writes
-(S3, S3a, S3b, S6a, S9a).
+(S3, S3a, S3b, S6a, S9a, X8d).
 
 NOTE (the streaming invariant). Before a forward runs, the streamer plans the pages each
 request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter
@@ -7,13 +7,14 @@ after each layer's attention output projection; a `CounterPoller` thread sees ev
 for that layer, posts the writes of every planned request at once, while the forward moves on
 (S3b): one paged write per decoder and rank pair, each page carrying its request's immediate
 (`forward_writes`). So layer l's KV is on the wire while layer l + 1 computes, and after the
-forward only the last layer's writes are left. `wait_posted` is the engine thread's barrier: the forward
-returned, and every one of its bumps has been handled.
+forward only the last layer's writes are left. `wait_posted` is the engine thread's barrier:
+the forward returned, and every one of its bumps has been handled.
 
 Each write leaves through its source rank's domains (`PageWrite.domains`, S6a, S9a); KV memory
 the NIC cannot read is staged first: a layer's pages are copied to a host shadow just before
 they are posted (S5). Threads: the engine's (`plan_forward`, `wait_posted`), the poller's
-(staging, posting), the transfer engine's (completions, which only count).
+(staging, posting, then each layer's part of the requests' KV checksums: X8d), the transfer
+engine's (completions, which only count).
 """
 
 from __future__ import annotations
@@ -24,6 +25,7 @@ from collections.abc import Mapping
 
 from disagg.engine.batch import Batch
 from disagg.kv_transfer.forward_writes import Member, PeerWrite, forward_writes
+from disagg.kv_transfer.kv_checksum import layer_sum
 from disagg.kv_transfer.layer_writes import layer_writes
 from disagg.kv_transfer.outgoing_kv import ChunkPages, OutgoingKV
 from disagg.kv_transfer.transfer_plan import pages_to_send
@@ -45,6 +47,7 @@ class LayerStreamer:
                  poller_cpus: tuple[int, ...] | None = None) -> None:
         self._transport = transport
         self._kv = kv  # one registered region per TP rank (S5a)
+        self._kv_cache = kv_cache
         self._page_nbytes = kv_cache.shards[0].page_nbytes
         self._layer_nbytes = kv_cache.shards[0].layer_nbytes
         self._page_size = kv_cache.page_size
@@ -83,7 +86,8 @@ class LayerStreamer:
                 dst_ids = [outgoing.dst_page_ids[i] for i in indices]
                 writes = layer_writes(outgoing.page_writes, src_ids, dst_ids, self._page_nbytes,
                                       outgoing.peer.page_nbytes)
-                chunks.append(ChunkPages(outgoing, src_ids, dst_ids, writes))
+                span = outgoing.kv_sum.plan(chunk.end) if outgoing.kv_sum is not None else None
+                chunks.append(ChunkPages(outgoing, src_ids, dst_ids, writes, span))
         merged = forward_writes(chunks)
         with self._lock:
             self._forwards[self._num_forwards] = (chunks, merged)
@@ -111,6 +115,7 @@ class LayerStreamer:
                 chunk.outgoing.layer_post_times.append((layer, now))
             for write in merged:
                 self._post_layer(write, layer)
+            self._add_checksums(chunks, layer)  # the layer is on the wire: now its sum
             self._stats.add(pages=sum(len(c.src_page_ids) for c in chunks
                                       if not c.outgoing.failed))
             self._tracer.instant("layer", forward=forward, layer=layer)  # every counter bump
@@ -156,6 +161,17 @@ class LayerStreamer:
     def _layer_failed(members: list[Member], error: BaseException) -> None:
         for m in members:
             m.outgoing.write_done(error)
+
+    def _add_checksums(self, chunks: list[ChunkPages], layer: int) -> None:
+        """Poller thread (X8d): each chunk's part of its request's KV checksum in `layer`."""
+        for chunk in chunks:
+            span, outgoing = chunk.sum_span, chunk.outgoing
+            if span is None or outgoing.kv_sum is None or outgoing.failed:
+                continue
+            outgoing.kv_sum.add(layer_sum(self._kv_cache, layer, outgoing.request.page_ids,
+                                          span.start, span.end))
+            if layer == self.num_layers - 1:
+                outgoing.kv_sum.finish(span)
 
     def _stage_out(self, chunks: list[ChunkPages], layer: int) -> None:
         """Copy the pages `chunks` send of `layer` into the host shadow of every staged rank

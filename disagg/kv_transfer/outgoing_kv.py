@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 from disagg.engine.request import FailureCause, Request
 from disagg.kv_transfer.decoder_peer import DecoderPeer
 from disagg.kv_transfer.layer_writes import LayerWrite
+from disagg.kv_transfer.running_checksum import RunningChecksum, TokenRange
 from disagg.kv_transfer.transfer_plan import PageWrite
 from disagg.utils.trace import Tracer
 
@@ -44,6 +45,8 @@ class OutgoingKV:
     error: str | None = None  # what went wrong, for logs and the decoder
     cause: FailureCause | None = None  # ... and why, as the decoder's metrics count it
     layer_post_times: list[tuple[int, float]] = field(default_factory=list)
+    # Its KV checksum, added up as layers are posted (None: summed whole at the end).
+    kv_sum: RunningChecksum | None = None
     # Wall-clock milestones (time.time()) for traces: the TTFT split of S1.
     received_at: float = 0.0
     first_scheduled_at: float = 0.0
@@ -117,6 +120,7 @@ class ChunkPages:
     src_page_ids: list[int]
     dst_page_ids: list[int]
     writes: list[LayerWrite]
+    sum_span: TokenRange | None = None  # tokens whose checksum each layer adds (X8d)
 
 
 def trace_outgoing(tracer: Tracer, t: OutgoingKV) -> None:

@@ -42,10 +42,12 @@ from disagg.kv_transfer import handshake
 from disagg.kv_transfer.context_sender import ContextSender
 from disagg.kv_transfer.context_slot import ContextSlots, prefill_token_ids
 from disagg.kv_transfer.decoder_peer import DecoderPeer, check_kv_request
+from disagg.kv_transfer.kv_checksum import sums_in_place
 from disagg.kv_transfer.layer_streamer import LayerStreamer
 from disagg.kv_transfer.messages import Hello, HelloProof, KVFailed, KVRequest
 from disagg.kv_transfer.outgoing_kv import OutgoingKV, trace_outgoing
 from disagg.kv_transfer.plugins import DraftSource, DraftSourceFactory
+from disagg.kv_transfer.running_checksum import RunningChecksum
 from disagg.kv_transfer.transfer_plan import plan_request
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.page_geometry import PageGeometry
@@ -167,6 +169,8 @@ class PrefillMessenger:
             key, message.request_id, request, peer, message.imm, list(message.dst_page_ids),
             message.context_slot, page_writes, self._on_end, nonce=message.nonce,
             num_held_pages=held, num_planned_pages=held, received_at=time.time(),
+            kv_sum=(RunningChecksum.from_token(held * self.kv_cache.page_size)
+                    if sums_in_place(self.kv_cache) else None),
             traceparent=self.tracer.open(key, "kv_request", parent=message.traceparent,
                                          request_id=message.request_id, decoder=peer.peer_id,
                                          attempt=message.attempt))

@@ -115,14 +115,16 @@ static int kls_avx512(void)
 }
 #endif
 
-/* The sum over rows (head h, token t) read where the cache keeps them: token t of page
- * t / page_size, whose part starts at byte address pages[t / page_size]; the row is
- * token_stride * (t % page_size) + head_stride * h bytes further on (NHD: heads side by side
- * in a token; HND: a head's tokens side by side). No gather: the sum does not depend on the
- * order rows are read in, only on each lane's (position, head, lane). */
-uint64_t kls_page_sum(uintptr_t pages, int64_t page_size, int lane_bytes, int64_t heads,
-                      int64_t tokens, int64_t lanes, int64_t head_stride, int64_t token_stride,
-                      uintptr_t head_ids, int64_t first_position, uint64_t seed, int threads)
+/* The sum over rows (head h, token t) read where the cache keeps them: token t sits at row
+ * r = first_row + t of the pages, in page r / page_size, whose part starts at byte address
+ * pages[r / page_size]; the row is token_stride * (r % page_size) + head_stride * h bytes
+ * further on (NHD: heads side by side in a token; HND: a head's tokens side by side). No
+ * gather: the sum does not depend on the order rows are read in, only on each lane's
+ * (position, head, lane). first_row lets a token range start inside its first page. */
+uint64_t kls_page_sum(uintptr_t pages, int64_t page_size, int64_t first_row, int lane_bytes,
+                      int64_t heads, int64_t tokens, int64_t lanes, int64_t head_stride,
+                      int64_t token_stride, uintptr_t head_ids, int64_t first_position,
+                      uint64_t seed, int threads)
 {
     const int64_t *ids = (const int64_t *)head_ids;
     const uintptr_t *page = (const uintptr_t *)pages;
@@ -141,8 +143,9 @@ uint64_t kls_page_sum(uintptr_t pages, int64_t page_size, int lane_bytes, int64_
             int64_t h = heads_inner ? i : o, t = heads_inner ? o : i;
             uint32_t x = kls_mix((uint32_t)(seed + (uint64_t)(first_position + t)));
             x = kls_mix(x + (uint32_t)ids[h]);
-            const char *row = (const char *)page[t / page_size]
-                + (t % page_size) * token_stride + h * head_stride;
+            int64_t r = first_row + t;
+            const char *row = (const char *)page[r / page_size]
+                + (r % page_size) * token_stride + h * head_stride;
             int64_t sum;
 #if defined(__x86_64__)
             if (wide)
@@ -165,7 +168,7 @@ uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t t
                       int threads)
 {
     uintptr_t page = values;
-    return kls_page_sum((uintptr_t)&page, tokens > 0 ? tokens : 1, lane_bytes, heads, tokens,
-                        lanes, tokens * lanes * lane_bytes, lanes * lane_bytes, head_ids,
+    return kls_page_sum((uintptr_t)&page, tokens > 0 ? tokens : 1, 0, lane_bytes, heads,
+                        tokens, lanes, tokens * lanes * lane_bytes, lanes * lane_bytes, head_ids,
                         first_position, seed, threads);
 }
