@@ -13,11 +13,16 @@ from typing import Any
 
 import numpy as np
 
+from disagg.config import ReliabilityConfig
+from disagg.engine.request import FailureCause
 from disagg.kv_transfer.forward_writes import forward_writes
 from disagg.kv_transfer.layer_writes import LayerWrite
 from tests.disagg.kv_transfer.conftest import MakeHarness
 from tests.disagg.kv_transfer.messenger_harness import random_prompt, single_node_tokens
 from transfer_core.transport import PagedWrite
+
+# A stopped request's decoder hears of it and retries quickly, once.
+QUICK = ReliabilityConfig(kv_timeout_s=2.0, quarantine_timeout_s=0.5, max_attempts=2)
 
 
 def _chunk(imm: int, peer: Any, *writes: LayerWrite) -> Any:
@@ -70,4 +75,41 @@ def test_one_call_per_layer_carries_every_request_of_a_forward(make_harness: Mak
     h.run_until(lambda: all(r.is_finished for r in requests) and h.idle())
     assert [r.output_token_ids for r in requests] == [single_node_tokens(p) for p in prompts]
     assert 3 in seen, f"no call carried all three requests: distinct imms per call {seen}"
+    h.check_clean()
+
+
+def test_a_request_stopped_after_planning_drops_out_of_the_merged_calls(
+        make_harness: MakeHarness) -> None:
+    """Three requests in one forward; the second is stopped as the first layer's merged call
+    is about to be posted: no call carries its immediate, the other two share every call and
+    decode their single-node tokens, and nothing is left behind."""
+    h = make_harness(reliability=QUICK)
+    streamer, post_layer = h.prefill.streamer, h.prefill.streamer._post_layer
+    stopped: list[int] = []
+
+    def stop_second(merged: Any, layer: int) -> None:
+        if not stopped and len(merged.members) == 3:
+            victim = merged.members[1].outgoing
+            victim.stop(FailureCause.CANCELLED, "stopped by the test")
+            stopped.append(victim.imm)
+        post_layer(merged, layer)
+
+    seen: list[set[int]] = []
+    post = h.prefill_transfer.post_paged_writes
+
+    def spy(write: PagedWrite, *args: Any, **kwargs: Any) -> None:
+        values = write.imms if write.imms is not None else [write.imm]
+        seen.append(set(np.asarray(values).tolist()))
+        post(write, *args, **kwargs)
+
+    streamer._post_layer = stop_second  # type: ignore[method-assign]
+    h.prefill_transfer.post_paged_writes = spy  # type: ignore[method-assign]
+    prompts = [random_prompt(2, seed=40 + i) for i in range(3)]
+    requests = [h.submit(p, f"r{i}") for i, p in enumerate(prompts)]
+    h.run_until(lambda: all(r.is_finished for r in requests) and h.idle())
+    assert stopped, "the three requests never shared a forward"
+    assert all(stopped[0] not in s for s in seen)
+    assert sum(len(s) == 2 for s in seen) >= 2  # the two others, every layer
+    for i in (0, 2):
+        assert requests[i].output_token_ids == single_node_tokens(prompts[i])
     h.check_clean()
