@@ -55,11 +55,11 @@ def find_fi_rma_bw(explicit: str | os.PathLike[str] | None = None,
             if not (path.is_file() and os.access(path, os.X_OK)):
                 raise ReferenceToolError(f"{path} is not an executable fi_rma_bw")
             return path
-    on_path = shutil.which("fi_rma_bw")
-    if on_path:
-        return Path(on_path)
-    return next((d / "fi_rma_bw" for d in also
-                 if (d / "fi_rma_bw").is_file() and os.access(d / "fi_rma_bw", os.X_OK)), None)
+    for search in (None, os.pathsep.join(str(d) for d in also)):  # None: PATH
+        found = shutil.which("fi_rma_bw", path=search)
+        if found:
+            return Path(found)
+    return None
 
 
 def run_fi_rma_bw(binary: Path, provider: str, xfer_bytes: int, iterations: int, *,

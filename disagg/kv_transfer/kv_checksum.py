@@ -100,8 +100,21 @@ def _page_sum_kernel(shard: PagedKVCache, layer: int, half: int, pages: torch.Te
     return total & _MASK
 
 
+def _rank_layer_sum(shard: PagedKVCache, head_ids: torch.Tensor, layer: int,
+                    pages: torch.Tensor, num_tokens: int, first_position: int, salt: int,
+                    first_row: int = 0, threads: int | None = None) -> int:
+    """One rank's part of one layer (K and V, or the latent rows), in C, mod 2^52."""
+    total = 0
+    for half in range(shard.kv_parts):
+        seed = int(_mix(_mix(salt) + 2 * layer + half))
+        total += _page_sum_kernel(shard, layer, half, pages, num_tokens, seed, first_position,
+                                  head_ids, first_row, threads)
+    return total & _MASK
+
+
 def sums_in_place(kv_cache: KVCache) -> bool:
-    """Whether `layer_sum` can run on `kv_cache`: in host memory, with the C kernels."""
+    """Whether the sums run in C on `kv_cache` (`layer_sum` needs it): in host memory, with
+    the C kernels."""
     return cpu_kernels.ENABLED and kv_cache.device.type == "cpu"
 
 
@@ -116,12 +129,9 @@ def layer_sum(kv_cache: KVCache, layer: int, page_ids: list[int], start: int, en
     pages = torch.tensor(page_ids[start // size:-(-end // size)], dtype=torch.int64)
     sharding, total = kv_cache.sharding, 0
     for rank in sharding.replica_sets()[0]:
-        shard = kv_cache.shards[rank]
         head_ids = torch.tensor(list(sharding.heads_of(rank)), dtype=torch.int64)
-        for half in range(shard.kv_parts):
-            seed = int(_mix(_mix(0) + 2 * layer + half))
-            total += _page_sum_kernel(shard, layer, half, pages, end - start, seed, start,
-                                      head_ids, first_row=start % size, threads=threads)
+        total += _rank_layer_sum(kv_cache.shards[rank], head_ids, layer, pages, end - start,
+                                 start, 0, start % size, threads)
     return total & _MASK
 
 
@@ -131,15 +141,12 @@ def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens
     device = shard.device
     positions = torch.arange(first_position, first_position + num_tokens, device=device)
     head_ids = torch.tensor(list(heads), dtype=torch.int64, device=device)
-    in_c = cpu_kernels.ENABLED and device.type == "cpu"
+    in_c = sums_in_place(shard)
     total: torch.Tensor | int = 0 if in_c else torch.zeros((), dtype=torch.int64, device=device)
     for layer in range(shard.num_layers):
         if in_c:  # the pages read in place
-            for half in range(shard.kv_parts):
-                seed = int(_mix(_mix(salt) + 2 * layer + half))
-                part = _page_sum_kernel(shard, layer, half, pages, num_tokens, seed,
-                                        first_position, head_ids)
-                total = (total + part) & _MASK
+            total = (total + _rank_layer_sum(shard, head_ids, layer, pages, num_tokens,
+                                             first_position, salt)) & _MASK
             continue
         for half, values in enumerate(shard.gather_parts(layer, pages, num_tokens)):
             seed = int(_mix(_mix(salt) + 2 * layer + half))

@@ -40,12 +40,17 @@ print({REPORT!r})
 '''
 
 
-@pytest.fixture
-def fake(tmp_path: Path) -> Path:
-    path = tmp_path / "fi_rma_bw"
+def write_fake_fi_rma_bw(folder: Path) -> Path:
+    """The stand-in, as an executable `fi_rma_bw` in `folder`."""
+    path = folder / "fi_rma_bw"
     path.write_text(FAKE)
     path.chmod(path.stat().st_mode | stat.S_IXUSR)
     return path
+
+
+@pytest.fixture
+def fake(tmp_path: Path) -> Path:
+    return write_fake_fi_rma_bw(tmp_path)
 
 
 def test_the_client_starts_once_the_server_listens(fake: Path) -> None:

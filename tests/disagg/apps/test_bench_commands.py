@@ -9,15 +9,14 @@ server/client pair on loopback, as in test_fi_rma_bw.py.
 from __future__ import annotations
 
 import json
-import stat
 from pathlib import Path
 
 import pytest
 
 import disagg.kv_transfer.messenger_bench
 import transfer_core.bench
-from disagg.apps.cli import main
-from tests.transfer_core.test_fi_rma_bw import FAKE
+from tests.disagg.apps.test_cli import run_cli
+from tests.transfer_core.test_fi_rma_bw import write_fake_fi_rma_bw
 
 
 def _ours(provider: str, num_pages: int, page_bytes: int, **_: object) -> dict:
@@ -26,32 +25,22 @@ def _ours(provider: str, num_pages: int, page_bytes: int, **_: object) -> dict:
             "verified": True}
 
 
-def _run(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str, str]:
-    with pytest.raises(SystemExit) as exit_info:
-        main(argv)
-    out, err = capsys.readouterr()
-    return exit_info.value.code or 0, out, err
-
-
 @pytest.fixture
 def fake_binary(tmp_path: Path) -> Path:
-    path = tmp_path / "fi_rma_bw"
-    path.write_text(FAKE)
-    path.chmod(path.stat().st_mode | stat.S_IXUSR)
-    return path
+    return write_fake_fi_rma_bw(tmp_path)
 
 
 def test_both_batch_sizes_run_each_beside_fi_rma_bw(fake_binary: Path, monkeypatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(transfer_core.bench, "run_transfer_benchmark", _ours)
-    code, out, _ = _run(["bench", "transfer", "--provider", "tcp", "--pages", "2048",
+    code, out, _ = run_cli(["bench", "transfer", "--provider", "tcp", "--pages", "2048",
                          "--small-pages", "64", "--fi-rma-bw", str(fake_binary),
                          "--no-messenger", "--json"], capsys)
     assert code == 0
     results = json.loads(out)
     assert [r["num_pages"] for r in results] == [2048, 64]
     assert all(r["fi_rma_bw_gbps"] == pytest.approx(7.560284346) for r in results)
-    code, out, _ = _run(["bench", "transfer", "--small-pages", "0", "--fi-rma-bw",
+    code, out, _ = run_cli(["bench", "transfer", "--small-pages", "0", "--fi-rma-bw",
                          str(fake_binary), "--no-messenger"], capsys)
     assert code == 0 and "7.56" in out and "0.50" in out  # the ratio: 3.78 / 7.56
 
@@ -60,7 +49,7 @@ def test_a_named_fi_rma_bw_that_is_not_executable_is_a_usage_error(
         tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     plain = tmp_path / "fi_rma_bw"
     plain.write_text("")
-    code, _, err = _run(["bench", "transfer", "--fi-rma-bw", str(plain)], capsys)
+    code, _, err = run_cli(["bench", "transfer", "--fi-rma-bw", str(plain)], capsys)
     assert code == 2
     assert "not an executable" in err
 
@@ -79,12 +68,12 @@ def test_the_messengers_path_is_reported_once_per_provider(
     monkeypatch.setenv("PATH", str(tmp_path))
     monkeypatch.setattr(transfer_core.bench, "run_transfer_benchmark", _ours)
     monkeypatch.setattr(disagg.kv_transfer.messenger_bench, "measure", _messenger)
-    code, out, _ = _run(["bench", "transfer", "--provider", "all", "--json"], capsys)
+    code, out, _ = run_cli(["bench", "transfer", "--provider", "all", "--json"], capsys)
     assert code == 0
     results = json.loads(out)
     assert [("messenger" in r) for r in results] == [True, False, True, False]
     assert results[0]["messenger"]["us_per_write_prepared"] == 13.0
-    code, out, _ = _run(["bench", "transfer", "--small-pages", "0"], capsys)
+    code, out, _ = run_cli(["bench", "transfer", "--small-pages", "0"], capsys)
     assert code == 0 and "1920 x 12288 B" in out and "0.50" in out
 
 
@@ -92,7 +81,7 @@ def test_a_failing_fi_rma_bw_loses_none_of_our_rows(fake_binary: Path, monkeypat
                                                     capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(transfer_core.bench, "run_transfer_benchmark", _ours)
     monkeypatch.setenv("FAKE_SERVER_RC", "3")
-    code, out, _ = _run(["bench", "transfer", "--small-pages", "0", "--fi-rma-bw",
+    code, out, _ = run_cli(["bench", "transfer", "--small-pages", "0", "--fi-rma-bw",
                          str(fake_binary), "--no-messenger", "--json"], capsys)
     assert code == 0
     result = json.loads(out)
