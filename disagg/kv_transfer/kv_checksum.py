@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 # The sum is kept mod 2^52: two checksums (the KV and the draft head's) add exactly in the
 # float64 the context slot carries.
-_MASK = (1 << 52) - 1
+MASK = (1 << 52) - 1
 _PRIME = 2147483647  # 2^31 - 1: a weight's state stays below it, its products below 2^48
 _MULTIPLIER = 48271
 DRAFT_SALT = 1  # the MTP head's cache: its layer 0 weighs unlike the model's layer 0
@@ -64,7 +64,7 @@ def _weighted_sum(values: torch.Tensor, seed: int, positions: torch.Tensor,
     lanes = _lanes(values)  # [heads, num_tokens, width * lanes]
     # |int16 * weight| < 2^31: exact below 2^32 lanes per layer and rank.
     product = lanes * _weights(seed, positions, head_ids, lanes.shape[-1])
-    return product.sum() & _MASK
+    return product.sum() & MASK
 
 
 def _weighted_sum_kernel(values: torch.Tensor, seed: int, first_position: int,
@@ -81,7 +81,7 @@ def _weighted_sum_kernel(values: torch.Tensor, seed: int, first_position: int,
         "disagg::kv_lane_sum", cpu_kernels.lib.kls_lane_sum, values.data_ptr(), lane_bytes,
         heads, tokens, lanes, head_ids.data_ptr(), first_position, seed,
         torch.get_num_threads())
-    return total & _MASK
+    return total & MASK
 
 
 def _page_sum_kernel(shard: PagedKVCache, layer: int, half: int, pages: torch.Tensor,
@@ -97,7 +97,7 @@ def _page_sum_kernel(shard: PagedKVCache, layer: int, half: int, pages: torch.Te
         shard.page_size, first_row, lane_bytes, len(head_ids), num_tokens, lanes, head_stride,
         token_stride, head_ids.data_ptr(), first_position, seed,
         threads or torch.get_num_threads())
-    return total & _MASK
+    return total & MASK
 
 
 def _rank_layer_sum(shard: PagedKVCache, head_ids: torch.Tensor, layer: int,
@@ -109,7 +109,7 @@ def _rank_layer_sum(shard: PagedKVCache, head_ids: torch.Tensor, layer: int,
         seed = int(_mix(_mix(salt) + 2 * layer + half))
         total += _page_sum_kernel(shard, layer, half, pages, num_tokens, seed, first_position,
                                   head_ids, first_row, threads)
-    return total & _MASK
+    return total & MASK
 
 
 def sums_in_place(kv_cache: KVCache) -> bool:
@@ -132,7 +132,7 @@ def layer_sum(kv_cache: KVCache, layer: int, page_ids: list[int], start: int, en
         head_ids = torch.tensor(list(sharding.heads_of(rank)), dtype=torch.int64)
         total += _rank_layer_sum(kv_cache.shards[rank], head_ids, layer, pages, end - start,
                                  start, 0, start % size, threads)
-    return total & _MASK
+    return total & MASK
 
 
 def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens: int,
@@ -146,11 +146,11 @@ def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens
     for layer in range(shard.num_layers):
         if in_c:  # the pages read in place
             total = (total + _rank_layer_sum(shard, head_ids, layer, pages, num_tokens,
-                                             first_position, salt)) & _MASK
+                                             first_position, salt)) & MASK
             continue
         for half, values in enumerate(shard.gather_parts(layer, pages, num_tokens)):
             seed = int(_mix(_mix(salt) + 2 * layer + half))
-            total = (total + _weighted_sum(values, seed, positions, head_ids)) & _MASK  # one sync
+            total = (total + _weighted_sum(values, seed, positions, head_ids)) & MASK  # one sync
     return total
 
 
@@ -161,7 +161,7 @@ def _set_checksums(kv_cache: KVCache, page_ids: list[int], num_tokens: int, firs
     num_tokens = max(0, num_tokens - first_position)
     sharding, shards = kv_cache.sharding, kv_cache.shards
     sums = [sum(_rank_sum(shards[rank], sharding.heads_of(rank), pages, num_tokens,
-                          first_position, salt) for rank in replica_set) & _MASK
+                          first_position, salt) for rank in replica_set) & MASK
             for replica_set in replica_sets]
     return [float(s) for s in sums]
 

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-_MASK = (1 << 52) - 1  # as kv_checksum's: the context slot carries it in a float64
+from disagg.kv_transfer.kv_checksum import MASK
 
 
 @dataclass(slots=True)
@@ -49,7 +49,7 @@ class RunningChecksum:
 
     def add(self, part: int) -> None:
         """Poller thread: one layer's part of a planned range."""
-        self.total = (self.total + part) & _MASK
+        self.total = (self.total + part) & MASK
 
     def finish(self, span: TokenRange) -> None:
         """Poller thread: `span` is summed over every layer."""
