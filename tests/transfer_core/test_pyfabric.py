@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 
@@ -174,3 +175,72 @@ def test_expired_op_is_never_posted(pair: Pair) -> None:
     finally:
         a.close()
         w.free()
+
+
+def test_idle_tcp_worker_sleeps_on_its_fd() -> None:
+    """An idle tcp worker sleeps until its CQ's fd or a submit wakes it: a few sleeps in a
+    third of a second (the fd sleep's cap, 100 ms), where a napping worker would count
+    hundreds (naps of at most 1 ms)."""
+    stack = pf.FabricStack(pf.find_infos("tcp")[0])
+    worker = pf.Worker(stack.endpoint, stack.cq, 8)
+    try:
+        assert stack.cq.waitable and worker.sleeps_on_fd
+        deadline = time.monotonic() + 0.3
+        while time.monotonic() < deadline:
+            assert worker.progress(50_000_000)[2] == 0
+        assert 1 <= worker.stats().sleeps <= 10
+    finally:
+        stack.close()
+        worker.free()
+
+
+def test_shm_worker_naps() -> None:
+    """shm's CQ has no fd to sleep on (libfabric 1.17): its worker naps as before."""
+    stack = pf.FabricStack(pf.find_infos("shm")[0])
+    worker = pf.Worker(stack.endpoint, stack.cq, 8)
+    try:
+        assert not stack.cq.waitable and not worker.sleeps_on_fd
+    finally:
+        stack.close()
+        worker.free()
+
+
+def test_sleeping_tcp_receiver_wakes_for_a_write() -> None:
+    """A receiver asleep on its fd (allowed to sleep a minute) is woken by a write landing:
+    its progress call returns the immediate long before the sleep could have ended."""
+    info = pf.find_infos("tcp")[0]
+    a, b = pf.FabricStack(info), pf.FabricStack(info)
+    wa, wb = pf.Worker(a.endpoint, a.cq, 8), pf.Worker(b.endpoint, b.cq, 8)
+    wb.set_fd_sleep(60_000_000_000)
+    src, dst = np.arange(PAGE, dtype=np.uint8), np.zeros(PAGE, dtype=np.uint8)
+    mr_a = pf.MemoryRegistration(a.domain, src.ctypes.data, PAGE, ACCESS, 1, a.endpoint)
+    mr_b = pf.MemoryRegistration(b.domain, dst.ctypes.data, PAGE, ACCESS, 1, b.endpoint)
+    got: list[list[tuple[int, int]]] = []
+    receiver = threading.Thread(target=lambda: got.append(wb.progress(60_000_000_000)[1]))
+    try:
+        receiver.start()
+        while wb.stats().sleeps == 0:  # asleep on the fd before anything is sent
+            time.sleep(0.01)
+        op = pf.WriteOp(
+            dest=a.av.insert(b.endpoint.name), n=1, length=PAGE, src_addr=src.ctypes.data,
+            src_stride=0, desc=mr_a.desc,
+            dst_addr=dst.ctypes.data if b.info.mr_mode & lib.FI_MR_VIRT_ADDR else 0,
+            dst_stride=0, key=mr_b.key, imm=77,
+        )  # fmt: skip
+        op.op_id = 1
+        wa.submit(op)
+        events, _ = _drive([wa])
+        receiver.join(10.0)  # woken by the fd: at once; by its timer: after a minute
+        assert events == [pf.Event(1, 0, True)]
+        assert not receiver.is_alive() and got == [[(77, 1)]]
+        np.testing.assert_array_equal(dst, src)
+    finally:
+        if receiver.is_alive():
+            wb.interrupt()
+            receiver.join()
+        mr_a.close()
+        mr_b.close()
+        a.close()
+        b.close()
+        wa.free()
+        wb.free()

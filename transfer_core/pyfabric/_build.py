@@ -34,7 +34,7 @@ enum fi_av_type { FI_AV_UNSPEC, FI_AV_MAP, FI_AV_TABLE, ... };
 enum fi_progress { FI_PROGRESS_UNSPEC, FI_PROGRESS_AUTO, FI_PROGRESS_MANUAL, ... };
 enum fi_threading { FI_THREAD_UNSPEC, FI_THREAD_SAFE, FI_THREAD_DOMAIN, ... };
 enum fi_cq_format { FI_CQ_FORMAT_UNSPEC, FI_CQ_FORMAT_DATA, ... };
-enum fi_wait_obj { FI_WAIT_NONE, FI_WAIT_UNSPEC, ... };
+enum fi_wait_obj { FI_WAIT_NONE, FI_WAIT_UNSPEC, FI_WAIT_FD, ... };
 enum fi_hmem_iface { FI_HMEM_SYSTEM, FI_HMEM_CUDA, ... };
 
 struct fi_tx_attr { uint64_t caps; uint64_t mode; uint64_t op_flags; size_t inject_size;
@@ -135,6 +135,7 @@ _INCLUDES = """
 #include <rdma/fi_cm.h>
 #include <rdma/fi_domain.h>
 #include <rdma/fi_endpoint.h>
+#include <rdma/fi_eq.h>
 #include <rdma/fi_errno.h>
 #include <rdma/fi_rma.h>
 """

@@ -141,6 +141,7 @@ class Stats(NamedTuple):
     last_foreign_err: int
     inflight: int
     bytes_written: int = 0  # payload of the writes completed without error
+    sleeps: int = 0  # times the progress thread went to sleep (a nap, or on the CQ's fd)
 
 
 class Worker:
@@ -159,6 +160,9 @@ class Worker:
             raise MemoryError("fabp_worker_new")
         self._handle = handle
         self._freeable = False
+        # An idle worker sleeps on the CQ's fd where it has one, else naps (shim.c.in).
+        self.sleeps_on_fd = cq.waitable and lib.fabp_worker_wait_fd(
+            handle, cq.domain.fabric.handle) == 0
         self._live: dict[int, WriteOp] = {}
         self._events = ffi.new("struct fabp_event[]", MAX_EVENTS)
         self._imms = ffi.new("struct fabp_imm[]", MAX_IMMS)
@@ -168,6 +172,11 @@ class Worker:
         self.dest_cap = min(dest_cap or max_inflight, max_inflight)
         self.timed = timed  # events carry OpTimes, immediates come as ImmArrival
         lib.fabp_set_stamps(handle, int(timed))
+
+    def set_fd_sleep(self, ns: int) -> None:
+        """The longest the idle worker sleeps on its CQ's fd with no op queued (100 ms):
+        arrivals and submits wake it sooner. No effect on a worker that naps."""
+        lib.fabp_set_fd_sleep(self._handle, ns)
 
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op
@@ -257,6 +266,7 @@ class Worker:
             int(out.last_foreign_err),
             int(lib.fabp_inflight(self._handle)),
             int(out.bytes_written),
+            int(out.sleeps),
         )
 
     def free(self) -> None:

@@ -62,19 +62,28 @@ class Domain(_Fid):
 
 
 class CompletionQueue(_Fid):
-    """A CQ of FI_CQ_FORMAT_DATA entries, polled (no wait object): progress is manual."""
+    """A CQ of FI_CQ_FORMAT_DATA entries; progress is manual (the worker reads it).
+
+    With `wait_fd` it is opened with FI_WAIT_FD, so that an idle worker can sleep until a
+    socket has something for it (`waitable`); a provider that refuses FI_WAIT_FD gets a CQ
+    without a wait object, polled as before."""
 
     _kind = "cq"
 
-    def __init__(self, domain: Domain, size: int) -> None:
+    def __init__(self, domain: Domain, size: int, wait_fd: bool = False) -> None:
         attr = ffi.new("struct fi_cq_attr *")
         attr.size = size
         attr.format = lib.FI_CQ_FORMAT_DATA
-        attr.wait_obj = lib.FI_WAIT_NONE
+        attr.wait_obj = lib.FI_WAIT_FD if wait_fd else lib.FI_WAIT_NONE
         out = ffi.new("struct fid_cq **")
-        check("fi_cq_open", lib.fi_cq_open(domain.handle, attr, out, ffi.NULL))
+        rc = lib.fi_cq_open(domain.handle, attr, out, ffi.NULL)
+        if rc != 0 and wait_fd:
+            attr.wait_obj = lib.FI_WAIT_NONE
+            rc = lib.fi_cq_open(domain.handle, attr, out, ffi.NULL)
+        check("fi_cq_open", rc)
         super().__init__(out[0])
         self.domain = domain
+        self.waitable = wait_fd and attr.wait_obj == lib.FI_WAIT_FD
 
     def read(self, max_entries: int = 16) -> list[tuple[int, int, int]]:
         """Reference slow path: up to `max_entries` (op_context, flags, data) tuples.
@@ -232,6 +241,16 @@ class MemoryRegistration(_Fid):
         self.desc = lib.fi_mr_desc(self.handle)
 
 
+# Providers whose CQ wakes a sleeper when a write lands (tcp;ofi_rxm: its sockets' epoll
+# set). shm's CQ in libfabric 1.17 has no wait object but FI_WAIT_YIELD: its workers nap.
+_FD_PROVIDERS = ("tcp",)
+
+
+def sleeps_on_fd(info: Info) -> bool:
+    """Whether a worker on `info`'s provider sleeps on its CQ's fd when idle."""
+    return info.provider.split(";")[0] in _FD_PROVIDERS
+
+
 class FabricStack:
     """fabric -> domain -> CQ + AV -> endpoint for one `Info`, closed children first."""
 
@@ -242,7 +261,8 @@ class FabricStack:
             self.fabric = self._keep(Fabric(info))
             self.domain = self._keep(Domain(self.fabric, info))
             self.cq = self._keep(
-                CompletionQueue(self.domain, cq_size or info.tx_size + info.rx_size)
+                CompletionQueue(self.domain, cq_size or info.tx_size + info.rx_size,
+                                wait_fd=sleeps_on_fd(info))
             )
             self.av = self._keep(AddressVector(self.domain, av_count))
             self.endpoint = self._keep(Endpoint(self.domain, self.cq, self.av))

@@ -88,6 +88,7 @@ struct fabp_stats {
     uint64_t foreign_errors;
     int32_t last_foreign_err;
     uint64_t bytes_written; /* payload of writes completed without error */
+    uint64_t sleeps; /* times the worker's thread went to sleep (a nap, or on its CQ's fd) */
 };
 
 struct fabp_worker;
@@ -97,6 +98,9 @@ struct fabp_worker;
 struct fabp_worker *fabp_worker_new(struct fid_ep *ep, struct fid_cq *cq, uint32_t max_inflight,
                                     uint32_t dest_cap);
 void fabp_worker_free(struct fabp_worker *w);
+/* Sleep on the CQ's wait fd when idle (the CQ must have been opened with FI_WAIT_FD);
+ * 0, or a negative errno. */
+int fabp_worker_wait_fd(struct fabp_worker *w, struct fid_fabric *fabric);
 void fabp_submit(struct fabp_worker *w, struct fabp_op *op);
 /* Fail every accepted op to `dest` that has not failed yet, with `err`: it posts nothing more,
  * is reported by the next loop step and retires when its writes in flight return. */
@@ -104,6 +108,8 @@ void fabp_fail_dest(struct fabp_worker *w, uint64_t dest, int32_t err);
 void fabp_interrupt(struct fabp_worker *w);
 void fabp_set_timing(struct fabp_worker *w, int64_t spin_ns, int64_t idle_sleep_ns,
                      int64_t linger_ns, int64_t quiet_ns);
+/* The longest an idle worker sleeps on its CQ's fd with no op queued (default 100 ms). */
+void fabp_set_fd_sleep(struct fabp_worker *w, int64_t fd_sleep_ns);
 /* Whether reaped immediates are stamped (struct fabp_imm's first_ns and last_ns). */
 void fabp_set_stamps(struct fabp_worker *w, int on);
 void fabp_get_stats(struct fabp_worker *w, struct fabp_stats *out);
