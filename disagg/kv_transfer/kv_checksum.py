@@ -12,8 +12,10 @@ reference and the GPU's path.
 
 from __future__ import annotations
 
+import functools
 import logging
 import math
+from dataclasses import dataclass
 
 import torch
 
@@ -71,7 +73,7 @@ def _weighted_sum_kernel(values: torch.Tensor, seed: int, first_position: int,
                          head_ids: torch.Tensor) -> int:
     """`_weighted_sum` on the CPU in C (`kv_lane_sum.c`), of one contiguous array: the same
     number, with the weights drawn in registers instead of three tensors the size of the
-    values. The checksum itself reads the pages in place (`_page_sum_kernel`); this is the
+    values. The checksum itself reads the pages in place (`_PartRows`); this is the
     entry the kernel's tests hold against the reference, any shape and dtype."""
     values = values.contiguous()
     lane_bytes = 1 if values.element_size() == 1 else 2
@@ -84,55 +86,80 @@ def _weighted_sum_kernel(values: torch.Tensor, seed: int, first_position: int,
     return total & MASK
 
 
-def _page_sum_kernel(shard: PagedKVCache, layer: int, half: int, pages: torch.Tensor,
-                     num_tokens: int, seed: int, first_position: int, head_ids: torch.Tensor,
-                     first_row: int = 0, threads: int | None = None) -> int:
-    """`_weighted_sum` of one layer's part in C, read in place from the pages
-    (`kls_page_sum`): no gather, no copy. The tokens start at row `first_row` of `pages`."""
-    addresses, token_stride, head_stride = shard.part_rows(layer, half, pages)
+@functools.lru_cache(maxsize=1 << 12)
+def _seed(salt: int, layer: int, half: int) -> int:
+    """The seed of one layer's part (K, V or the latent rows)."""
+    return int(_mix(_mix(salt) + 2 * layer + half))
+
+
+@dataclass(frozen=True, slots=True)
+class _PartRows:
+    """One rank's part (K, V or the latent rows) of a token range as `kls_page_sum` reads it
+    in place from the pages (no gather, no copy): layer 0's page addresses and every argument
+    no layer changes; a layer adds its offset (`layer_stride` bytes per layer) and seed."""
+
+    half: int
+    addresses: torch.Tensor  # kept alive: `args` holds its address, as it holds head_ids'
+    head_ids: torch.Tensor
+    layer_stride: int
+    args: tuple[int, ...]
+
+    def layer_sum(self, layer: int, salt: int, threads: int) -> int:
+        return cpu_kernels.named_call(
+            "disagg::kv_page_sum", cpu_kernels.lib.kls_page_sum, self.args[0],
+            layer * self.layer_stride, *self.args[1:], _seed(salt, layer, self.half), threads)
+
+
+def _part_rows(shard: PagedKVCache, head_ids: torch.Tensor, pages: torch.Tensor,
+               num_tokens: int, first_position: int, first_row: int = 0) -> list[_PartRows]:
+    """Every part of one rank's pages, for tokens starting at row `first_row` of `pages`."""
     lane_bytes = 1 if shard.element_size == 1 else 2
     lanes = shard.head_dim * shard.element_size // lane_bytes
-    total = cpu_kernels.named_call(
-        "disagg::kv_page_sum", cpu_kernels.lib.kls_page_sum, addresses.data_ptr(),
-        shard.page_size, first_row, lane_bytes, len(head_ids), num_tokens, lanes, head_stride,
-        token_stride, head_ids.data_ptr(), first_position, seed,
-        threads or torch.get_num_threads())
-    return total & MASK
-
-
-def _rank_layer_sum(shard: PagedKVCache, head_ids: torch.Tensor, layer: int,
-                    pages: torch.Tensor, num_tokens: int, first_position: int, salt: int,
-                    first_row: int = 0, threads: int | None = None) -> int:
-    """One rank's part of one layer (K and V, or the latent rows), in C, mod 2^52."""
-    total = 0
+    parts = []
     for half in range(shard.kv_parts):
-        seed = int(_mix(_mix(salt) + 2 * layer + half))
-        total += _page_sum_kernel(shard, layer, half, pages, num_tokens, seed, first_position,
-                                  head_ids, first_row, threads)
-    return total & MASK
+        addresses, token_stride, head_stride = shard.part_rows(0, half, pages)
+        parts.append(_PartRows(half, addresses, head_ids, shard.layer_nbytes, (
+            addresses.data_ptr(), shard.page_size, first_row, lane_bytes, len(head_ids),
+            num_tokens, lanes, head_stride, token_stride, head_ids.data_ptr(), first_position)))
+    return parts
 
 
 def sums_in_place(kv_cache: KVCache) -> bool:
-    """Whether the sums run in C on `kv_cache` (`layer_sum` needs it): in host memory, with
+    """Whether the sums run in C on `kv_cache` (`LayerSums` needs it): in host memory, with
     the C kernels."""
     return cpu_kernels.ENABLED and kv_cache.device.type == "cpu"
 
 
+class LayerSums:
+    """The parts of `kv_checksum` over tokens [start, end) of `page_ids` (positions from the
+    request's start; one copy of each head), layer by layer, mod 2^52. The checksum is a sum,
+    so a request's is these parts added over its layers and over any split of its tokens: a
+    prefiller adds them as it posts each layer (`running_checksum.py`). What no layer changes
+    (page addresses, strides, head ids) is found once, here; `of(layer)` is then one C call
+    per rank and part, on a thread beside the forward. CPU caches only (`sums_in_place`);
+    one thread by default."""
+
+    def __init__(self, kv_cache: KVCache, page_ids: list[int], start: int, end: int,
+                 threads: int = 1) -> None:
+        size = kv_cache.page_size
+        pages = torch.tensor(page_ids[start // size:-(-end // size)], dtype=torch.int64)
+        sharding = kv_cache.sharding
+        self._threads = threads
+        self._parts = [
+            part for rank in sharding.replica_sets()[0]
+            for part in _part_rows(kv_cache.shards[rank],
+                                   torch.tensor(list(sharding.heads_of(rank)), dtype=torch.int64),
+                                   pages, end - start, start, start % size)]
+
+    def of(self, layer: int) -> int:
+        """Layer `layer`'s part."""
+        return sum(part.layer_sum(layer, 0, self._threads) for part in self._parts) & MASK
+
+
 def layer_sum(kv_cache: KVCache, layer: int, page_ids: list[int], start: int, end: int,
               threads: int = 1) -> int:
-    """Layer `layer`'s part of `kv_checksum` over tokens [start, end) of `page_ids` (positions
-    from the request's start; one copy of each head), mod 2^52. The checksum is a sum, so a
-    request's is these parts added over its layers and over any split of its tokens: a
-    prefiller adds them as it posts each layer (`running_checksum.py`). CPU caches only
-    (`sums_in_place`); one thread by default: it runs beside the forward."""
-    size = kv_cache.page_size
-    pages = torch.tensor(page_ids[start // size:-(-end // size)], dtype=torch.int64)
-    sharding, total = kv_cache.sharding, 0
-    for rank in sharding.replica_sets()[0]:
-        head_ids = torch.tensor(list(sharding.heads_of(rank)), dtype=torch.int64)
-        total += _rank_layer_sum(kv_cache.shards[rank], head_ids, layer, pages, end - start,
-                                 start, 0, start % size, threads)
-    return total & MASK
+    """Layer `layer`'s part of `kv_checksum` over tokens [start, end): `LayerSums` of one."""
+    return LayerSums(kv_cache, page_ids, start, end, threads).of(layer)
 
 
 def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens: int,
@@ -141,16 +168,16 @@ def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens
     device = shard.device
     positions = torch.arange(first_position, first_position + num_tokens, device=device)
     head_ids = torch.tensor(list(heads), dtype=torch.int64, device=device)
-    in_c = sums_in_place(shard)
-    total: torch.Tensor | int = 0 if in_c else torch.zeros((), dtype=torch.int64, device=device)
+    if sums_in_place(shard):  # the pages read in place
+        parts = _part_rows(shard, head_ids, pages, num_tokens, first_position)
+        threads = torch.get_num_threads()
+        return sum(part.layer_sum(layer, salt, threads) for layer in range(shard.num_layers)
+                   for part in parts) & MASK
+    total = torch.zeros((), dtype=torch.int64, device=device)
     for layer in range(shard.num_layers):
-        if in_c:  # the pages read in place
-            total = (total + _rank_layer_sum(shard, head_ids, layer, pages, num_tokens,
-                                             first_position, salt)) & MASK
-            continue
         for half, values in enumerate(shard.gather_parts(layer, pages, num_tokens)):
-            seed = int(_mix(_mix(salt) + 2 * layer + half))
-            total = (total + _weighted_sum(values, seed, positions, head_ids)) & MASK  # one sync
+            total = (total + _weighted_sum(values, _seed(salt, layer, half), positions,
+                                           head_ids)) & MASK  # one sync
     return total
 
 

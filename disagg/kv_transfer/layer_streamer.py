@@ -25,7 +25,7 @@ from collections.abc import Mapping
 
 from disagg.engine.batch import Batch
 from disagg.kv_transfer.forward_writes import Member, PeerWrite, forward_writes
-from disagg.kv_transfer.kv_checksum import layer_sum
+from disagg.kv_transfer.kv_checksum import LayerSums
 from disagg.kv_transfer.layer_writes import layer_writes
 from disagg.kv_transfer.outgoing_kv import ChunkPages, OutgoingKV
 from disagg.kv_transfer.transfer_plan import pages_to_send
@@ -87,7 +87,9 @@ class LayerStreamer:
                 writes = layer_writes(outgoing.page_writes, src_ids, dst_ids, self._page_nbytes,
                                       outgoing.peer.page_nbytes)
                 span = outgoing.kv_sum.plan(chunk.end) if outgoing.kv_sum is not None else None
-                chunks.append(ChunkPages(outgoing, src_ids, dst_ids, writes, span))
+                sums = (None if span is None else
+                        LayerSums(self._kv_cache, request.page_ids, span.start, span.end))
+                chunks.append(ChunkPages(outgoing, src_ids, dst_ids, writes, span, sums))
         merged = forward_writes(chunks)
         with self._lock:
             self._forwards[self._num_forwards] = (chunks, merged)
@@ -165,11 +167,10 @@ class LayerStreamer:
     def _add_checksums(self, chunks: list[ChunkPages], layer: int) -> None:
         """Poller thread (X8d): each chunk's part of its request's KV checksum in `layer`."""
         for chunk in chunks:
-            span, outgoing = chunk.sum_span, chunk.outgoing
-            if span is None or outgoing.kv_sum is None or outgoing.failed:
+            span, sums, outgoing = chunk.sum_span, chunk.layer_sums, chunk.outgoing
+            if span is None or sums is None or outgoing.kv_sum is None or outgoing.failed:
                 continue
-            outgoing.kv_sum.add(layer_sum(self._kv_cache, layer, outgoing.request.page_ids,
-                                          span.start, span.end))
+            outgoing.kv_sum.add(sums.of(layer))
             if layer == self.num_layers - 1:
                 outgoing.kv_sum.finish(span)
 

@@ -18,6 +18,7 @@ from dataclasses import dataclass, field
 
 from disagg.engine.request import FailureCause, Request
 from disagg.kv_transfer.decoder_peer import DecoderPeer
+from disagg.kv_transfer.kv_checksum import LayerSums
 from disagg.kv_transfer.layer_writes import LayerWrite
 from disagg.kv_transfer.running_checksum import RunningChecksum, TokenRange
 from disagg.kv_transfer.transfer_plan import PageWrite
@@ -121,6 +122,7 @@ class ChunkPages:
     dst_page_ids: list[int]
     writes: list[LayerWrite]
     sum_span: TokenRange | None = None  # tokens whose checksum each layer adds (X8d)
+    layer_sums: LayerSums | None = None  # their parts, layer by layer
 
 
 def trace_outgoing(tracer: Tracer, t: OutgoingKV) -> None:

@@ -120,11 +120,13 @@ static int kls_avx512(void)
  * pages[r / page_size]; the row is token_stride * (r % page_size) + head_stride * h bytes
  * further on (NHD: heads side by side in a token; HND: a head's tokens side by side). No
  * gather: the sum does not depend on the order rows are read in, only on each lane's
- * (position, head, lane). first_row lets a token range start inside its first page. */
-uint64_t kls_page_sum(uintptr_t pages, int64_t page_size, int64_t first_row, int lane_bytes,
-                      int64_t heads, int64_t tokens, int64_t lanes, int64_t head_stride,
-                      int64_t token_stride, uintptr_t head_ids, int64_t first_position,
-                      uint64_t seed, int threads)
+ * (position, head, lane). first_row lets a token range start inside its first page; offset
+ * is added to every page's address (a later layer's part lies one layer stride further on, so
+ * one array of addresses serves every layer). */
+uint64_t kls_page_sum(uintptr_t pages, int64_t offset, int64_t page_size, int64_t first_row,
+                      int lane_bytes, int64_t heads, int64_t tokens, int64_t lanes,
+                      int64_t head_stride, int64_t token_stride, uintptr_t head_ids,
+                      int64_t first_position, uint64_t seed, int threads)
 {
     const int64_t *ids = (const int64_t *)head_ids;
     const uintptr_t *page = (const uintptr_t *)pages;
@@ -144,7 +146,7 @@ uint64_t kls_page_sum(uintptr_t pages, int64_t page_size, int64_t first_row, int
             uint32_t x = kls_mix((uint32_t)(seed + (uint64_t)(first_position + t)));
             x = kls_mix(x + (uint32_t)ids[h]);
             int64_t r = first_row + t;
-            const char *row = (const char *)page[r / page_size]
+            const char *row = (const char *)page[r / page_size] + offset
                 + (r % page_size) * token_stride + h * head_stride;
             int64_t sum;
 #if defined(__x86_64__)
@@ -168,7 +170,7 @@ uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t t
                       int threads)
 {
     uintptr_t page = values;
-    return kls_page_sum((uintptr_t)&page, tokens > 0 ? tokens : 1, 0, lane_bytes, heads,
+    return kls_page_sum((uintptr_t)&page, 0, tokens > 0 ? tokens : 1, 0, lane_bytes, heads,
                         tokens, lanes, tokens * lanes * lane_bytes, lanes * lane_bytes, head_ids,
                         first_position, seed, threads);
 }
