@@ -106,6 +106,7 @@ class TransferEngine(ImmCounting):
             raise
         self._router = WriteRouter(self._domains, self._errors.report)
         self._info = self._domains[0].info
+        self._provider = self._info.provider  # read from C on every call otherwise
         self._threads = {w.thread for w in self._domains}
         self._address = EngineAddress(
             self.provider, tuple(w.address for w in self._domains), self._warmup.probes
@@ -115,7 +116,7 @@ class TransferEngine(ImmCounting):
 
     @property
     def provider(self) -> str:
-        return self._domains[0].info.provider
+        return self._provider
 
     @property
     def num_domains(self) -> int:

@@ -18,14 +18,14 @@ against it, member by member.
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, Protocol, runtime_checkable
 
 import numpy as np
 
 from transfer_core.completion import OnDone, OnError
 from transfer_core.imm_counter import ImmTap
-from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_pages
+from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, check_pages, pages_fit
 from transfer_core.pyfabric import Stats
 from transfer_core.write_checks import as_imms, as_indices
 
@@ -62,6 +62,9 @@ class PagedWrite:
     imm: int | None
     domains: Sequence[int] | None = None
     imms: PageIds | None = None
+    # The lowest and highest page id of each side, found by the checks (for `at`).
+    _src_extent: tuple[int, int] = field(init=False, repr=False)
+    _dst_extent: tuple[int, int] = field(init=False, repr=False)
 
     def __post_init__(self) -> None:
         src = as_indices(self.src_page_ids, "src_page_ids")
@@ -78,14 +81,36 @@ class PagedWrite:
                 f"{self.src_page_stride}, {self.dst_page_stride}"
             )
         src_mr, dst_mr = self.src_mr, self.dst_mr
-        check_pages(
+        src_extent = check_pages(
             src_mr.name, src_mr.length, src, self.src_page_stride, self.src_offset, self.nbytes
         )
-        check_pages(
+        dst_extent = check_pages(
             dst_mr.name, dst_mr.length, dst, self.dst_page_stride, self.dst_offset, self.nbytes
         )
         object.__setattr__(self, "src_page_ids", src)  # frozen: set once, here
         object.__setattr__(self, "dst_page_ids", dst)
+        object.__setattr__(self, "_src_extent", src_extent)
+        object.__setattr__(self, "_dst_extent", dst_extent)
+
+    def at(self, src_offset: int, dst_offset: int) -> PagedWrite:
+        """This write from and to other base offsets (a later layer's pages, say), sharing
+        its checked page ids and immediates: only the bounds are checked again, from the
+        lowest and highest ids found when this write was made (`BoundsError` as when made)."""
+        src_mr, dst_mr, nbytes = self.src_mr, self.dst_mr, self.nbytes
+        if not (pages_fit(src_mr.length, self._src_extent, self.src_page_stride, src_offset,
+                          nbytes)
+                and pages_fit(dst_mr.length, self._dst_extent, self.dst_page_stride,
+                              dst_offset, nbytes)):
+            check_pages(src_mr.name, src_mr.length, self.src_page_ids, self.src_page_stride,
+                        src_offset, nbytes)
+            check_pages(dst_mr.name, dst_mr.length, self.dst_page_ids, self.dst_page_stride,
+                        dst_offset, nbytes)
+        moved = object.__new__(PagedWrite)
+        for name in PagedWrite.__slots__:
+            object.__setattr__(moved, name, getattr(self, name))
+        object.__setattr__(moved, "src_offset", src_offset)
+        object.__setattr__(moved, "dst_offset", dst_offset)
+        return moved
 
     @property
     def num_pages(self) -> int:

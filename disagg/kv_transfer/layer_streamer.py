@@ -55,8 +55,10 @@ class LayerStreamer:
         self._stats = stats
         self._tracer = tracer
         self._lock = threading.Condition()
-        # By forward index: its chunks, and their writes merged per peer (`forward_writes`).
-        self._forwards: dict[int, tuple[list[ChunkPages], list[PeerWrite]]] = {}
+        # By forward index: its chunks, and their writes merged per peer (`forward_writes`),
+        # each with its paged write at layer 0 (None: making it failed; each layer raises).
+        self._forwards: dict[int, tuple[list[ChunkPages], list[tuple[PeerWrite,
+                                                                      PagedWrite | None]]]] = {}
         self._num_forwards = 0  # forwards planned
         self._handled = 0  # counter value whose writes have all been posted
         self.counter = counter
@@ -90,7 +92,7 @@ class LayerStreamer:
                 sums = (None if span is None else
                         LayerSums(self._kv_cache, request.page_ids, span.start, span.end))
                 chunks.append(ChunkPages(outgoing, src_ids, dst_ids, writes, span, sums))
-        merged = forward_writes(chunks)
+        merged = [(write, self._layer_zero(write)) for write in forward_writes(chunks)]
         with self._lock:
             self._forwards[self._num_forwards] = (chunks, merged)
             self._num_forwards += 1
@@ -115,8 +117,8 @@ class LayerStreamer:
             now = time.perf_counter()
             for chunk in chunks:
                 chunk.outgoing.layer_post_times.append((layer, now))
-            for write in merged:
-                self._post_layer(write, layer)
+            for write, layer_zero in merged:
+                self._post_layer(write, layer_zero, layer)
             self._add_checksums(chunks, layer)  # the layer is on the wire: now its sum
             self._stats.add(pages=sum(len(c.src_page_ids) for c in chunks
                                       if not c.outgoing.failed))
@@ -130,26 +132,43 @@ class LayerStreamer:
                 self._handled = value
                 self._lock.notify_all()
 
-    def _post_layer(self, merged: PeerWrite, layer: int) -> None:
+    def _paged_write(self, merged: PeerWrite, layer: int) -> PagedWrite:
+        """`merged`'s writes at `layer`'s offsets, each page with its request's immediate."""
+        shape, peer = merged.shape, merged.peer
+        return PagedWrite(self._kv[shape.src_rank].region, merged.src_offsets, 1,
+                          layer * self._layer_nbytes, peer.kv[shape.dst_rank],
+                          merged.dst_offsets, 1, layer * peer.layer_nbytes, shape.nbytes, None,
+                          shape.domains, imms=merged.imms)
+
+    def _layer_zero(self, merged: PeerWrite) -> PagedWrite | None:
+        """Engine thread: `merged` checked once, at layer 0; a layer then moves its offsets
+        (`PagedWrite.at`) instead of checking every page again on the poller's thread."""
+        try:
+            return self._paged_write(merged, 0)
+        except ValueError:
+            return None  # each layer's own attempt raises, and fails the requests there
+
+    def _post_layer(self, merged: PeerWrite, layer_zero: PagedWrite | None, layer: int) -> None:
         """One paged-write call for this layer's writes of every request bound for one peer
         and rank pair, at the layer's offsets, each page with its request's immediate."""
         live = [m for m in merged.members if m.outgoing.begin_write()]
         if not live:
             return  # all stopped or failed: nothing more is posted for them
-        write, shape, peer = merged.only(live), merged.shape, merged.peer
+        write = merged.only(live)
         posted = time.time()  # the layer_writes span runs from here to completion
         try:
+            if write is merged and layer_zero is not None:
+                paged = layer_zero.at(layer * self._layer_nbytes,
+                                      layer * merged.peer.layer_nbytes)
+            else:
+                paged = self._paged_write(write, layer)
             self._transport.post_paged_writes(
-                PagedWrite(self._kv[shape.src_rank].region, write.src_offsets, 1,
-                           layer * self._layer_nbytes, peer.kv[shape.dst_rank],
-                           write.dst_offsets, 1, layer * peer.layer_nbytes, shape.nbytes, None,
-                           shape.domains, imms=write.imms),
-                on_done=lambda: self._layer_done(live, layer, posted),
+                paged, on_done=lambda: self._layer_done(live, layer, posted),
                 on_error=lambda error: self._layer_failed(live, error))
         except (TransferError, ValueError) as error:
             self._layer_failed(live, error)
             return
-        self._stats.add(writes=write.num_writes, bytes=write.num_writes * shape.nbytes)
+        self._stats.add(writes=write.num_writes, bytes=write.num_writes * merged.shape.nbytes)
 
     def _layer_done(self, members: list[Member], layer: int, posted: float) -> None:
         end = time.time()

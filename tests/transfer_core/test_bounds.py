@@ -118,3 +118,27 @@ def test_engine_refuses_mismatched_page_lists(engine: TransferEngine, regions: R
     src, dst = regions
     with pytest.raises(ValueError, match="3 source pages but 2"):
         PagedWrite(src, [0, 1, 2], PAGE, 0, dst, [0, 1], PAGE, 0, PAGE, 1)
+
+
+def test_a_moved_write_shares_its_checked_pages(regions: Regions) -> None:
+    """`PagedWrite.at` moves the base offsets (a later layer's) and keeps the page ids and
+    immediates checked when the write was made."""
+    src, dst = regions
+    write = PagedWrite(src, [3, 1], PAGE, 0, dst, [0, 2], PAGE, PAGE, PAGE, None, imms=[7, 9])
+    moved = write.at(2 * PAGE, 5 * PAGE)
+    assert (moved.src_offset, moved.dst_offset) == (2 * PAGE, 5 * PAGE)
+    assert moved.src_page_ids is write.src_page_ids and moved.imms is write.imms
+    np.testing.assert_array_equal(moved.dst_byte_offsets(), [5 * PAGE, 7 * PAGE])
+    assert (write.src_offset, write.dst_offset) == (0, PAGE)  # the original is unchanged
+
+
+@pytest.mark.parametrize("side", ["src", "dst"])
+def test_a_write_moved_out_of_its_region_is_refused(regions: Regions, side: str) -> None:
+    """Moved so that its highest page passes the region's end, a write raises BoundsError
+    naming the region and that page, as a write made there would."""
+    src, dst = regions
+    write = PagedWrite(src, [0, 4], PAGE, 0, dst, [1, 4], PAGE, 0, PAGE, 1)
+    shift = (NUM_PAGES - 4) * PAGE  # page 4 lands one page past the end
+    with pytest.raises(BoundsError, match=f"'{side}'.*page 4 \\(entry 1\\)"):
+        write.at(shift if side == "src" else 0, shift if side == "dst" else 0)
+    write.at(shift - PAGE, shift - PAGE)  # the last page exactly fits

@@ -87,12 +87,12 @@ def test_a_request_stopped_after_planning_drops_out_of_the_merged_calls(
     streamer, post_layer = h.prefill.streamer, h.prefill.streamer._post_layer
     stopped: list[int] = []
 
-    def stop_second(merged: Any, layer: int) -> None:
+    def stop_second(merged: Any, layer_zero: Any, layer: int) -> None:
         if not stopped and len(merged.members) == 3:
             victim = merged.members[1].outgoing
             victim.stop(FailureCause.CANCELLED, "stopped by the test")
             stopped.append(victim.imm)
-        post_layer(merged, layer)
+        post_layer(merged, layer_zero, layer)
 
     seen: list[set[int]] = []
     post = h.prefill_transfer.post_paged_writes
