@@ -7,7 +7,9 @@ plan cuts a page into (1 with matched TP; K and V, or a segment per token and he
 mismatched TP). By each of three paths:
 - `messenger`: a whole forward's stream, layers back to back, as `LayerStreamer._post_layer`
   posts it (S3b): per layer ONE `post_paged_writes` carrying all R x P x W writes as byte
-  offsets (`layer_writes`), each page with its request's immediate (`forward_writes`; the
+  offsets (`layer_writes`), checked once at layer 0 and moved to each layer (`PagedWrite.at`,
+  made before the timer as the streamer makes it before the forward), each page with its
+  request's immediate (`forward_writes`; the
   outgoing records are stand-ins holding only what it reads, `imm` and `peer`); the receiver
   counts L x P x W per request, as a decoder does (S4c);
 - `ungrouped`: the same writes, one `post_paged_writes` per request and page write of the
@@ -21,12 +23,13 @@ checksum of the receiver's region and its counters. No model, no poller: kv_stre
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import multiprocessing as mp
 import statistics
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from types import SimpleNamespace
 from typing import Any
@@ -172,19 +175,23 @@ class _Sender:
             raise RuntimeError(f"{path} round did not finish: {self.errors}")
         return time.perf_counter() - start
 
-    def _calls(self, merged: bool) -> list[tuple[Any, ...]]:
-        """Every layer's paged writes, merged as `_post_layer` posts them or one per request
-        and write of the plan (as it did before): (src, stride, offset, dst, imm, imms)."""
-        page_nbytes = self.shape.region_shape[2]
+    def _calls(self, merged: bool) -> list[Callable[[], PagedWrite]]:
+        """Every layer's paged write, made as `_post_layer` makes it (the forward's merged
+        write checked once at layer 0, then moved to each layer: `PagedWrite.at`), or one
+        per request and write of the plan, made in full (as it was before)."""
+        page_nbytes, nbytes = self.shape.region_shape[2], self.shape.write_bytes
         if merged:
-            return [(src, 1, offset, dst, None, imms)
-                    for src, dst, imms, offset in self._merged()]
-        return [(src, page_nbytes, offset, dst, IMMS["ungrouped"] + r, None)
+            (src, dst, imms, _), *_ = self._merged()
+            zero = PagedWrite(self.src_mr, src, 1, 0, self.dst, dst, 1, 0, nbytes, None,
+                              imms=imms)
+            return [functools.partial(zero.at, offset, offset)
+                    for _, _, _, offset in self._merged()]
+        return [functools.partial(PagedWrite, self.src_mr, src, page_nbytes, offset, self.dst,
+                                  dst, page_nbytes, offset, nbytes, IMMS["ungrouped"] + r)
                 for r, src, dst, offset in self._paged()]
 
-    def _post_forward(self, calls: list[tuple[Any, ...]]) -> threading.Event:
+    def _post_forward(self, calls: list[Callable[[], PagedWrite]]) -> threading.Event:
         """Post `calls` back to back; the event: all completions in."""
-        nbytes = self.shape.write_bytes
         lock, done = threading.Lock(), threading.Event()
         left = [len(calls)]  # one on_done each
 
@@ -194,11 +201,8 @@ class _Sender:
                 if left[0] == 0:
                     done.set()
 
-        for src, stride, offset, dst, imm, imms in calls:
-            self.engine.post_paged_writes(
-                PagedWrite(self.src_mr, src, stride, offset, self.dst, dst, stride, offset,
-                           nbytes, imm, imms=imms),
-                on_done=on_done, on_error=self.errors.append)
+        for make in calls:
+            self.engine.post_paged_writes(make(), on_done=on_done, on_error=self.errors.append)
         return done
 
     def close(self) -> None:
