@@ -105,6 +105,17 @@ def test_dead_shm_address_is_refused() -> None:
         a.close()
 
 
+def _release(*objects: pf.MemoryRegistration | pf.FabricStack | pf.Worker) -> None:
+    """Close registrations and stacks in order, then free the workers (a C worker may go
+    only once its endpoint is closed)."""
+    for obj in objects:
+        if not isinstance(obj, pf.Worker):
+            obj.close()
+    for obj in objects:
+        if isinstance(obj, pf.Worker):
+            obj.free()
+
+
 def _drive(workers: list[pf.Worker], until: float = 5.0) -> tuple[list[pf.Event], dict[int, int]]:
     """Poll every worker (one thread, so the target progresses too, G17) until an event."""
     events: list[pf.Event] = []
@@ -149,12 +160,7 @@ def test_worker_paged_write_lands_scattered(pair: Pair) -> None:
         assert wa.stats().writes_completed == 32
         assert wa.stats().inflight == 0
     finally:
-        mr_a.close()
-        mr_b.close()
-        a.close()
-        b.close()
-        wa.free()
-        wb.free()
+        _release(mr_a, mr_b, a, b, wa, wb)
 
 
 def test_expired_op_is_never_posted(pair: Pair) -> None:
@@ -238,9 +244,4 @@ def test_sleeping_tcp_receiver_wakes_for_a_write() -> None:
         if receiver.is_alive():
             wb.interrupt()
             receiver.join()
-        mr_a.close()
-        mr_b.close()
-        a.close()
-        b.close()
-        wa.free()
-        wb.free()
+        _release(mr_a, mr_b, a, b, wa, wb)
