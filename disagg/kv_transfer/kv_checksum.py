@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.model import cpu_kernels
-from disagg.model.kv_cache import KVCache, PagedKVCache
+from disagg.model.kv_cache import KVCache, PagedKVCache, PartRows
 
 logger = logging.getLogger(__name__)
 
@@ -73,7 +73,7 @@ def _weighted_sum_kernel(values: torch.Tensor, seed: int, first_position: int,
                          head_ids: torch.Tensor) -> int:
     """`_weighted_sum` on the CPU in C (`kv_lane_sum.c`), of one contiguous array: the same
     number, with the weights drawn in registers instead of three tensors the size of the
-    values. The checksum itself reads the pages in place (`_PartRows`); this is the
+    values. The checksum itself reads the pages in place (`_PartSum`); this is the
     entry the kernel's tests hold against the reference, any shape and dtype."""
     values = values.contiguous()
     lane_bytes = 1 if values.element_size() == 1 else 2
@@ -93,34 +93,33 @@ def _seed(salt: int, layer: int, half: int) -> int:
 
 
 @dataclass(frozen=True, slots=True)
-class _PartRows:
+class _PartSum:
     """One rank's part (K, V or the latent rows) of a token range as `kls_page_sum` reads it
-    in place from the pages (no gather, no copy): layer 0's page addresses and every argument
-    no layer changes; a layer adds its offset (`layer_stride` bytes per layer) and seed."""
+    in place from the pages (no gather, no copy): where layer 0 holds it and every argument
+    no layer changes; a layer adds its offset and seed."""
 
     half: int
-    addresses: torch.Tensor  # kept alive: `args` holds its address, as it holds head_ids'
-    head_ids: torch.Tensor
-    layer_stride: int
-    args: tuple[int, ...]
+    rows: PartRows
+    head_ids: torch.Tensor  # kept alive: `args` holds its address
+    args: tuple[int, ...]  # kls_page_sum's from page_size to first_position
 
     def layer_sum(self, layer: int, salt: int, threads: int) -> int:
         return cpu_kernels.named_call(
-            "disagg::kv_page_sum", cpu_kernels.lib.kls_page_sum, self.args[0],
-            layer * self.layer_stride, *self.args[1:], _seed(salt, layer, self.half), threads)
+            "disagg::kv_page_sum", cpu_kernels.lib.kls_page_sum, self.rows.addresses.data_ptr(),
+            layer * self.rows.layer_stride, *self.args, _seed(salt, layer, self.half), threads)
 
 
-def _part_rows(shard: PagedKVCache, head_ids: torch.Tensor, pages: torch.Tensor,
-               num_tokens: int, first_position: int, first_row: int = 0) -> list[_PartRows]:
+def _part_sums(shard: PagedKVCache, head_ids: torch.Tensor, pages: torch.Tensor,
+               num_tokens: int, first_position: int, first_row: int = 0) -> list[_PartSum]:
     """Every part of one rank's pages, for tokens starting at row `first_row` of `pages`."""
     lane_bytes = 1 if shard.element_size == 1 else 2
     lanes = shard.head_dim * shard.element_size // lane_bytes
     parts = []
     for half in range(shard.kv_parts):
-        addresses, token_stride, head_stride = shard.part_rows(0, half, pages)
-        parts.append(_PartRows(half, addresses, head_ids, shard.layer_nbytes, (
-            addresses.data_ptr(), shard.page_size, first_row, lane_bytes, len(head_ids),
-            num_tokens, lanes, head_stride, token_stride, head_ids.data_ptr(), first_position)))
+        rows = shard.part_rows(half, pages)
+        parts.append(_PartSum(half, rows, head_ids, (
+            shard.page_size, first_row, lane_bytes, len(head_ids), num_tokens, lanes,
+            rows.head_stride, rows.token_stride, head_ids.data_ptr(), first_position)))
     return parts
 
 
@@ -147,7 +146,7 @@ class LayerSums:
         self._threads = threads
         self._parts = [
             part for rank in sharding.replica_sets()[0]
-            for part in _part_rows(kv_cache.shards[rank],
+            for part in _part_sums(kv_cache.shards[rank],
                                    torch.tensor(list(sharding.heads_of(rank)), dtype=torch.int64),
                                    pages, end - start, start, start % size)]
 
@@ -155,11 +154,6 @@ class LayerSums:
         """Layer `layer`'s part."""
         return sum(part.layer_sum(layer, 0, self._threads) for part in self._parts) & MASK
 
-
-def layer_sum(kv_cache: KVCache, layer: int, page_ids: list[int], start: int, end: int,
-              threads: int = 1) -> int:
-    """Layer `layer`'s part of `kv_checksum` over tokens [start, end): `LayerSums` of one."""
-    return LayerSums(kv_cache, page_ids, start, end, threads).of(layer)
 
 
 def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens: int,
@@ -169,7 +163,7 @@ def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens
     positions = torch.arange(first_position, first_position + num_tokens, device=device)
     head_ids = torch.tensor(list(heads), dtype=torch.int64, device=device)
     if sums_in_place(shard):  # the pages read in place
-        parts = _part_rows(shard, head_ids, pages, num_tokens, first_position)
+        parts = _part_sums(shard, head_ids, pages, num_tokens, first_position)
         threads = torch.get_num_threads()
         return sum(part.layer_sum(layer, salt, threads) for layer in range(shard.num_layers)
                    for part in parts) & MASK

@@ -1,7 +1,7 @@
 """A request's KV checksum added up as its layers are posted, off the transfer's tail (X4c, X8d).
 
 The checksum the prefiller packs into the context slot is a sum over layers and tokens
-(`kv_checksum.layer_sum`), so it need not wait for the last layer: as the layer poller posts
+(`kv_checksum.LayerSums`), so it need not wait for the last layer: as the layer poller posts
 a layer's writes for a chunk, it adds that layer's part over the chunk's tokens (and, with the
 first chunk, the tokens the prefiller found cached). After the last forward only the context
 is left to send. Token ranges are planned on the engine thread before each forward (`plan`)

@@ -11,7 +11,7 @@ decides which pages a request owns (`page_allocator.py`).
 from __future__ import annotations
 
 import math
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import torch
 
@@ -20,6 +20,19 @@ from disagg.errors import ConfigError
 from disagg.model.gather_scratch import GatherScratch
 from disagg.model.page_geometry import PageGeometry, Segment
 from disagg.model.sharding import Sharding
+
+
+class PartRows(NamedTuple):
+    """Where one part (K, V or the latent rows) of some pages lies in layer 0, byte by byte:
+    each page's part starts at `addresses[i]` (int64, on the CPU) and a later layer's lies
+    `layer_stride` further on per layer; inside a page, `token_stride` from one token's row to
+    the next and `head_stride` from one head's to the next (NHD keeps a token's heads side by
+    side, HND a head's tokens)."""
+
+    addresses: torch.Tensor
+    layer_stride: int
+    token_stride: int
+    head_stride: int
 
 
 def allocate_kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
@@ -166,20 +179,18 @@ class PagedKVCache:
         What a reader of bytes needs (the KV checksum), whatever the attention."""
         return [part[0, :, :num_tokens] for part in self._gather(layer_idx, page_ids)]
 
-    def part_rows(self, layer_idx: int, part: int, page_ids: torch.Tensor
-                  ) -> tuple[torch.Tensor, int, int]:
+    def part_rows(self, part: int, page_ids: torch.Tensor) -> PartRows:
         """Where part `part` (K, V or the latent rows) of each page lies, for a reader of
-        bytes that walks the pages itself (the KV checksum's kernel): the byte address of
-        each page's part (int64, on the CPU), and the bytes from one token's row to the
-        next and from one head's to the next inside a page. NHD keeps a token's heads side by
-        side, HND a head's tokens."""
+        bytes that walks the pages itself (the KV checksum's kernel): see `PartRows`."""
         elem, dim = self.element_size, self.head_dim
-        first = self.buffer[layer_idx, 0, part]
+        first = self.buffer[0, 0, part]
         page_stride = self.buffer.stride(1) * elem
         addresses = first.data_ptr() + page_ids.to(torch.int64) * page_stride
+        layer_stride = self.buffer.stride(0) * elem
         if self.kv_layout == "NHD":  # [page_size, heads, dim]
-            return addresses, self.num_kv_heads * dim * elem, dim * elem
-        return addresses, dim * elem, self.page_size * dim * elem  # HND: [heads, page_size, dim]
+            return PartRows(addresses, layer_stride, self.num_kv_heads * dim * elem, dim * elem)
+        # HND: [heads, page_size, dim]
+        return PartRows(addresses, layer_stride, dim * elem, self.page_size * dim * elem)
 
     def gather_latent(self, layer_idx: int, page_ids: torch.Tensor, num_tokens: int
                       ) -> torch.Tensor:

@@ -1,6 +1,6 @@
 """The prefiller's KV checksum added up as layers are posted (X4c, X8d).
 
-The parts of `layer_sum` over layers and over any split of the tokens add up to `kv_checksum`
+The parts of `LayerSums` over layers and over any split of the tokens add up to `kv_checksum`
 (the number a decoder recomputes); the running record covers a prompt only once every token is
 summed over every layer; and through the messengers, a prompt prefilled in several chunks
 ships the running total (the whole-KV sum after the last forward is not run) and the decoder,
@@ -16,7 +16,7 @@ import torch
 
 from disagg.config import CacheConfig, ModelConfig
 from disagg.kv_transfer import context_sender
-from disagg.kv_transfer.kv_checksum import kv_checksum, layer_sum
+from disagg.kv_transfer.kv_checksum import LayerSums, kv_checksum
 from disagg.kv_transfer.running_checksum import RunningChecksum
 from disagg.model import cpu_kernels
 from disagg.model.kv_cache import PagedKVCache
@@ -36,7 +36,7 @@ def test_layer_parts_over_any_token_split_add_up_to_the_checksum(name: str,
     cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=torch.Generator().manual_seed(2)))
     pages, num_tokens = [9, 2, 14, 5, 7, 1], 22
     cuts = [4, 5, 6, 11, 16, num_tokens]
-    total = sum(layer_sum(cache, layer, pages, a, b)
+    total = sum(LayerSums(cache, pages, a, b).of(layer)
                 for a, b in zip(cuts, cuts[1:], strict=False) for layer in range(model.num_layers))
     assert float(total & ((1 << 52) - 1)) == kv_checksum(cache, pages, num_tokens, first_page=1)
 
