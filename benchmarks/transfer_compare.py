@@ -190,12 +190,13 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
     ]  # fmt: skip
     try:
         fi_rma_bw = find_fi_rma_bw(also=[PEERS_PYTHON.parent])
-        if fi_rma_bw is None:
-            notes.append("fi_rma_bw not found: skipped (run benchmarks/peers/build_fi_rma_bw.sh)")
     except ReferenceToolError as error:  # $FI_RMA_BW names something that cannot run
         notes.append(f"fi_rma_bw skipped: {error}")
         fi_rma_bw = None
-    else:  # runs under our Python: the harness needs transfer_core and the binary, no venv
+    else:
+        if fi_rma_bw is None:
+            notes.append("fi_rma_bw not found: skipped (run benchmarks/peers/build_fi_rma_bw.sh)")
+    if fi_rma_bw is not None:  # under our Python: the harness needs transfer_core, no venv
         ours += [
             Contender(f"fi_rma_bw{suffix}", p, (
                 sys.executable, "benchmarks/peers/fi_rma_bw_peer.py", "--transport", p,
