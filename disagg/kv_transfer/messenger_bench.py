@@ -36,7 +36,7 @@ from typing import Any
 
 import numpy as np
 
-from disagg.kv_transfer.forward_writes import forward_writes
+from disagg.kv_transfer.forward_writes import PeerWrite, forward_writes
 from disagg.kv_transfer.layer_writes import layer_writes
 from disagg.kv_transfer.transfer_plan import PageWrite
 from transfer_core.engine import TransferEngine
@@ -141,12 +141,11 @@ class _Sender:
                     offset = layer * pages * page_nbytes + w * self.shape.write_bytes
                     yield r, src_ids, dst_ids, offset
 
-    def _merged(self) -> Iterator[tuple[np.ndarray, np.ndarray, np.ndarray, int]]:
+    def _merged(self) -> PeerWrite:
         """As `_post_layer` posts them: per layer ONE write of every request's pages (all to
         one receiver, one rank pair), byte offsets with stride 1 (`layer_writes`), each page
-        with its request's immediate (`forward_writes`): (src, dst, imms, layer offset)."""
-        _, pages, page_nbytes = self.shape.region_shape
-        b = self.shape.write_bytes
+        with its request's immediate (`forward_writes`)."""
+        page_nbytes, b = self.shape.region_shape[2], self.shape.write_bytes
         plan = [PageWrite(0, w * b, 0, w * b, b) for w in range(self.shape.page_writes)]
         receiver = SimpleNamespace(peer_id="receiver")
         chunks = [SimpleNamespace(outgoing=SimpleNamespace(imm=IMMS["messenger"] + r,
@@ -155,8 +154,7 @@ class _Sender:
                                                       page_nbytes))
                   for r, (src_ids, dst_ids) in enumerate(self.pages)]
         (merged,) = forward_writes(chunks)
-        for layer in range(self.shape.num_layers):
-            yield merged.src_offsets, merged.dst_offsets, merged.imms, layer * pages * page_nbytes
+        return merged
 
     def round(self, path: str) -> float:
         """One timed round of `path`; the receiver was armed for it."""
@@ -179,13 +177,15 @@ class _Sender:
         """Every layer's paged write, made as `_post_layer` makes it (the forward's merged
         write checked once at layer 0, then moved to each layer: `PagedWrite.at`), or one
         per request and write of the plan, made in full (as it was before)."""
-        page_nbytes, nbytes = self.shape.region_shape[2], self.shape.write_bytes
+        _, pages, page_nbytes = self.shape.region_shape
+        nbytes = self.shape.write_bytes
         if merged:
-            (src, dst, imms, _), *_ = self._merged()
-            zero = PagedWrite(self.src_mr, src, 1, 0, self.dst, dst, 1, 0, nbytes, None,
-                              imms=imms)
-            return [functools.partial(zero.at, offset, offset)
-                    for _, _, _, offset in self._merged()]
+            write = self._merged()
+            zero = PagedWrite(self.src_mr, write.src_offsets, 1, 0, self.dst, write.dst_offsets,
+                              1, 0, nbytes, None, imms=write.imms)
+            layer_nbytes = pages * page_nbytes
+            return [functools.partial(zero.at, layer * layer_nbytes, layer * layer_nbytes)
+                    for layer in range(self.shape.num_layers)]
         return [functools.partial(PagedWrite, self.src_mr, src, page_nbytes, offset, self.dst,
                                   dst, page_nbytes, offset, nbytes, IMMS["ungrouped"] + r)
                 for r, src, dst, offset in self._paged()]
