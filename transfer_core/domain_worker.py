@@ -29,6 +29,7 @@ import numpy as np
 from transfer_core.completion import OnFinish
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+from transfer_core.peer_table import PeerTable
 from transfer_core.phases import ImmRecord, OpRecord, PhaseLog
 from transfer_core.pyfabric import (
     Event,
@@ -40,7 +41,6 @@ from transfer_core.pyfabric import (
     Stats,
     Worker,
     WriteOp,
-    check_peer_alive,
     lib,
 )
 from transfer_core.pyfabric.errors import fabric_error
@@ -121,7 +121,7 @@ class DomainWorker:
                               timed=phases is not None)
         self._ids = itertools.count(1)
         self._ops: dict[int, OnFinish] = {}
-        self._peers: dict[bytes, int] = {}
+        self._peers = PeerTable(self.stack.av)
         self._lock = threading.Lock()
         self._deferred: deque[Callable[[], None]] = deque()
         self._stopping = False
@@ -168,24 +168,16 @@ class DomainWorker:
                 logger.info("domain %d: memory key %#x is taken, drawing another", self.index, key)
 
     def peer(self, address: bytes) -> int:
-        """fi_addr of a remote endpoint, inserted into the AV on first use. Raises
-        FabricError for a shm peer that is gone (checked on every call: a stat)."""
-        with self._lock:
-            fi_addr = self._peers.get(address)
-            if fi_addr is None:
-                fi_addr = self._peers[address] = self.stack.av.insert(address)
-            else:
-                check_peer_alive(address)
-            return fi_addr
+        """fi_addr of a remote endpoint (`PeerTable.fi_addr`). Raises FabricError for a shm
+        peer that is gone."""
+        return self._peers.fi_addr(address)
 
     def abandon_peer(self, address: bytes) -> bool:
         """Give up on every write submitted so far to the endpoint at `address`: each fails
         with a `PeerError` on this domain's thread now, not at its deadline, and is freed
         once the writes the provider already took have returned (G6). False if this domain
-        never wrote there. The peer stays in the AV: a later write reuses (or re-opens) its
-        connection, and fi_av_remove with writes in flight crashed libfabric 1.17's rxm."""
-        with self._lock:
-            fi_addr = self._peers.get(address)
+        never wrote there. The peer stays in the AV (`peer_table.py` says why)."""
+        fi_addr = self._peers.known(address)
         if fi_addr is None:
             return False
         self._worker.fail_dest(fi_addr)
