@@ -1,6 +1,7 @@
 """cffi out-of-line API-mode builder for `disagg.model._cpu_kernels`, the CPU kernels (X8): the
 decode projections (`small_linear.c`, used by `linear.py`), paged decode attention
-(`decode_attention.c`, used by `decode_attention.py`) and the KV checksum's weighted lane sum
+(`decode_attention.c`, used by `decode_attention.py`), RMSNorm (`rms_norm.c`, `norms.py`) and
+RoPE (`rotary.c`, `rope.py`), and the KV checksum's weighted lane sum
 (`kv_lane_sum.c`, used by `disagg/kv_transfer/kv_checksum.py`, X4c).
 
 cffi releases the GIL around each call, and each kernel splits its work over OpenMP threads.
@@ -24,6 +25,10 @@ int da_decode_attention(int bf16, int layout, uintptr_t q, uintptr_t layer, uint
                         int64_t num_pages, int64_t page_size, int64_t cache_heads,
                         int64_t head_dim, int64_t head_start, int64_t num_kv_heads,
                         int64_t group, float scale, int threads);
+int rn_rms_norm(int dtype, uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows,
+                int64_t width, float eps, int threads);
+int rot_rotate_half(int dtype, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t out,
+                    int64_t tokens, int64_t heads, int64_t dim, int threads);
 uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
                       int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,
                       int threads);
@@ -34,7 +39,7 @@ uint64_t kls_page_sum(uintptr_t pages, int64_t offset, int64_t page_size, int64_
 """
 
 _HERE = pathlib.Path(__file__).resolve().parent
-SOURCES = ("small_linear.c", "decode_attention.c", "kv_lane_sum.c")
+SOURCES = ("small_linear.c", "decode_attention.c", "rms_norm.c", "rotary.c", "kv_lane_sum.c")
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)
@@ -45,7 +50,9 @@ ffibuilder.set_source(
     include_dirs=[str(_HERE)],
     # -fopenmp links libgomp.so.1, the soname of the runtime torch loads first, so the kernels
     # and torch's own operators share one thread pool.
-    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fopenmp"],
+    # No contraction of a product and a sum into an FMA: the norm and RoPE round each op as
+    # PyTorch does (the kernels that want FMAs ask for them by intrinsic).
+    extra_compile_args=["-O3", "-std=gnu11", "-Wall", "-fopenmp", "-ffp-contract=off"],
     extra_link_args=["-fopenmp"],
 )
 

@@ -1,6 +1,8 @@
-/* bfloat16 <-> float32 for the CPU kernels (`small_linear.c`, `decode_attention.c`): a
-   bfloat16 is the top half of a float32, and results are rounded to nearest-even, as torch's
-   own `.to(torch.bfloat16)` rounds. */
+/* bfloat16 <-> float32 for the CPU kernels (`small_linear.c`, `decode_attention.c`,
+   `rms_norm.c`, `rotary.c`): a bfloat16 is the top half of a float32, and results are rounded
+   to nearest-even, as torch's own `.to(torch.bfloat16)` rounds. The `lanes_` helpers do the
+   same for 16 elements at a time with AVX-512, for kernels that take float32 or bfloat16
+   arrays alike (`bf16` says which). */
 
 #ifndef DISAGG_BF16_H
 #define DISAGG_BF16_H
@@ -22,5 +24,50 @@ static inline float sl_bf16_to_f32(uint16_t h) {
     memcpy(&f, &u, sizeof f);
     return f;
 }
+
+#if defined(__x86_64__)
+#include <immintrin.h>
+
+/* Lanes [0, n - i) of 16, for the last step over n elements. */
+static inline __mmask16 lanes_mask(int64_t n, int64_t i) {
+    return n - i >= 16 ? (__mmask16)0xffff : n <= i ? 0 : (__mmask16)((1u << (n - i)) - 1u);
+}
+
+/* Elements i.. (16, fewer under `mask`) of a float32 or bfloat16 array, as float32. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline __m512 lanes_load(const void *p, int64_t i, int bf16, __mmask16 mask) {
+    if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)p + i);
+    __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p + i);
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
+}
+
+/* 16 float32 rounded to bfloat16 as `sl_round_bf16` rounds them (NaNs quieted). Not
+   vcvtneps2bf16: it flushes denormals, which torch keeps. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline __m256i lanes_round_bf16(__m512 f) {
+    __m512i u = _mm512_castps_si512(f);
+    __m512i odd = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+    __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(_mm512_set1_epi32(0x7fff), odd));
+    __mmask16 nan = _mm512_cmp_ps_mask(f, f, _CMP_UNORD_Q);
+    r = _mm512_mask_or_epi32(r, nan, u, _mm512_set1_epi32(0x400000));
+    return _mm512_cvtepi32_epi16(_mm512_srli_epi32(r, 16));
+}
+
+/* `v` as the array's dtype holds it: float32 as is, else rounded to bfloat16 and back, as a
+   PyTorch op on bfloat16 tensors rounds its result before the next op reads it. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline __m512 lanes_as_dtype(__m512 v, int bf16) {
+    if (!bf16) return v;
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(lanes_round_bf16(v)),
+                                                 16));
+}
+
+/* 16 results (fewer under `mask`) stored in the array's dtype. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void lanes_store(void *p, int64_t i, int bf16, __mmask16 mask, __m512 v) {
+    if (bf16) _mm256_mask_storeu_epi16((uint16_t *)p + i, mask, lanes_round_bf16(v));
+    else _mm512_mask_storeu_ps((float *)p + i, mask, v);
+}
+#endif
 
 #endif

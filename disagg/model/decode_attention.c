@@ -46,14 +46,6 @@ typedef struct {
 
 int sl_has_avx512(void); /* small_linear.c: AVX-512 F, BW and VL */
 
-/* 16 elements (fewer under `mask`) as float32, from float32 or bfloat16. */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline __m512 da_load(const void *p, int64_t i, int bf16, __mmask16 mask) {
-    if (!bf16) return _mm512_maskz_loadu_ps(mask, (const float *)p + i);
-    __m256i h = _mm256_maskz_loadu_epi16(mask, (const uint16_t *)p + i);
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(h), 16));
-}
-
 /* Where token `slot` of `page`'s part (0 K, 1 V) for cache head `head` starts, in elements,
    and how far apart consecutive slots' rows are. */
 static inline int64_t da_row(const da_args *a, int64_t page, int part, int64_t head) {
@@ -94,21 +86,21 @@ static void da_softmax(float *row, int64_t len) {
     __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
     __mmask16 nan = 0; /* max drops NaNs: they are tracked apart and poison the peak */
     for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 m = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1u);
+        __mmask16 m = lanes_mask(len, t);
         __m512 x = _mm512_maskz_loadu_ps(m, row + t);
         nan |= _mm512_mask_cmp_ps_mask(m, x, x, _CMP_UNORD_Q);
         top = _mm512_mask_max_ps(top, m, top, x);
     }
     __m512 peak = _mm512_set1_ps(nan ? NAN : _mm512_reduce_max_ps(top));
     for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 m = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1u);
+        __mmask16 m = lanes_mask(len, t);
         __m512 e = da_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t), peak));
         _mm512_mask_storeu_ps(row + t, m, e);
         sum = _mm512_mask_add_ps(sum, m, sum, e);
     }
     __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
     for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 m = len - t >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (len - t)) - 1u);
+        __mmask16 m = lanes_mask(len, t);
         _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t),
                                                         inverse));
     }
@@ -119,8 +111,8 @@ __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
 static inline float da_dot(const float *q, const void *k, int64_t d, int bf16, float scale) {
     __m512 acc = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
-        __mmask16 m = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), da_load(k, i, bf16, m), acc);
+        __mmask16 m = lanes_mask(d, i);
+        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), lanes_load(k, i, bf16, m), acc);
     }
     return _mm512_reduce_add_ps(acc) * scale;
 }
@@ -155,22 +147,22 @@ static int da_task(const da_args *a, int64_t b, int64_t kvh, float *qf, float *s
     for (int64_t g = 0; g < group; g++) { /* values: 16 columns at a time, two sums */
         const float *w = s + g * kv_len;
         for (int64_t i = 0; i < d; i += 16) {
-            __mmask16 m = d - i >= 16 ? (__mmask16)0xffff : (__mmask16)((1u << (d - i)) - 1u);
+            __mmask16 m = lanes_mask(d, i);
             __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
             for (int64_t p = 0, t = 0; p < num_pages; p++) {
                 const char *v = layer + da_row(a, pages[p], 1, head) * itemsize;
                 int64_t slot = 0;
                 for (; slot + 1 < n && t + 1 < kv_len; slot += 2, t += 2) {
                     even = _mm512_fmadd_ps(_mm512_set1_ps(w[t]),
-                                           da_load(v + slot * stride * itemsize, i, bf16, m),
+                                           lanes_load(v + slot * stride * itemsize, i, bf16, m),
                                            even);
                     odd = _mm512_fmadd_ps(_mm512_set1_ps(w[t + 1]),
-                                          da_load(v + (slot + 1) * stride * itemsize, i, bf16,
+                                          lanes_load(v + (slot + 1) * stride * itemsize, i, bf16,
                                                   m), odd);
                 }
                 for (; slot < n && t < kv_len; slot++, t++)
                     even = _mm512_fmadd_ps(_mm512_set1_ps(w[t]),
-                                           da_load(v + slot * stride * itemsize, i, bf16, m),
+                                           lanes_load(v + slot * stride * itemsize, i, bf16, m),
                                            even);
             }
             __m512 sum = _mm512_add_ps(even, odd);

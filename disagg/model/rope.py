@@ -1,6 +1,7 @@
 """Rotary position embeddings with transformers' frequency scalings, by absolute position (S3b, S9).
 
-A forward looks its positions' cos/sin up once, for every layer (`RotaryAngles`, X8c).
+A forward looks its positions' cos/sin up once, for every layer (`RotaryAngles`, X8c), and on
+a CPU rotates queries and keys in one C call (`rotary_kernel.py`, the same bits).
 
 Rotate-half convention: dimension i pairs with i + dim/2. The scalings are those of
 transformers' `rope_parameters` (`RopeScaling`): `linear`, `llama3` and `yarn` change the
@@ -18,6 +19,7 @@ from dataclasses import dataclass
 import torch
 from torch import nn
 
+from disagg.model import rotary_kernel
 from disagg.model.attention import AttentionMetadata
 from disagg.model_config import ModelConfig, RopeScaling
 
@@ -218,4 +220,6 @@ class RotaryAngles:
         """`x` ``[num_tokens, num_heads, rope_dim]`` rotated by each token's position."""
         if x.dtype != self.cast_cos.dtype:
             return RotaryEmbedding.rotate(x, self.cos, self.sin)
+        if rotary_kernel.takes_kernel(x, self.cast_cos):
+            return rotary_kernel.rotate_half(x, self.cast_cos, self.cast_sin)
         return _rotate_half(x, self.cast_cos, self.cast_sin)
