@@ -31,7 +31,7 @@ def takes_kernel(q: torch.Tensor, kv_cache: KVCache) -> bool:
     return (AVX512 and isinstance(kv_cache, PagedKVCache) and kv_cache.kv_parts == 2
             and q.dtype in DTYPE_CODES and kv_cache.dtype == q.dtype
             and kv_cache.buffer.is_contiguous()
-            and q.device.type == "cpu" and kv_cache.device.type == "cpu"
+            and q.is_cpu and kv_cache.buffer.is_cpu
             and not (torch.is_grad_enabled() and q.requires_grad)
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
 

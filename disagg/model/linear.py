@@ -38,12 +38,12 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
     """Whether `linear(x, weight, bias)` runs in C: a CPU tensor of at most `MAX_ROWS` rows in
     the weight's dtype, a plain contiguous 2-D weight, and no gradient to record."""
     return (weight.dtype in _KERNELS and x.dtype == weight.dtype
-            and x.device.type == "cpu" and weight.device.type == "cpu"
+            and x.is_cpu and weight.is_cpu
             and weight.dim() == 2 and weight.is_contiguous()
             and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
             and 0 < x.numel() // weight.shape[1] <= MAX_ROWS
             and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()
-                                  and bias.device.type == "cpu"
+                                  and bias.is_cpu
                                   and bias.shape == weight.shape[:1]))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))

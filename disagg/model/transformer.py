@@ -17,6 +17,8 @@ Only the leader is built with a real counter, and it bumps after the o_proj all-
 
 from __future__ import annotations
 
+from itertools import islice
+
 import torch
 from torch import nn
 
@@ -87,7 +89,8 @@ class Transformer(nn.Module):
         `num_layers`, only the first ones run: an early-exit draft (decoders only, S8)."""
         h = self.embed_tokens(input_ids)
         angles = self.rope.angles(positions, meta, h.dtype)
-        for layer_idx, layer in enumerate(self.layers[:num_layers]):
+        # islice, not self.layers[:num_layers]: slicing builds a new ModuleList every forward.
+        for layer_idx, layer in enumerate(islice(self.layers, num_layers)):
             attn_out = layer.self_attn(layer.input_layernorm(h), angles, kv_cache, layer_idx,
                                        meta)
             # This layer's K/V are in the cache now: let the messenger ship them (S3b).
