@@ -146,24 +146,24 @@ class PrefillNode(NodeBase):
             self.messenger.accept_proof(peer, hello, proof)
             self.inbox.put(DecoderJoined(peer))
         except (ProtocolError, RequestError, TransferError) as error:
-            self._refuse(channel, str(error))
+            self._refuse(channel, str(error), holding=hello.node_id)
             return
         except PeerClosedError:
             channel.close()
             return
         reason = "its reader thread failed"  # kept if an exception escapes (it propagates)
         try:
-            reason = self._read_decoder(channel, peer)
+            reason = self._read_decoder(channel, peer, hello.node_id)
         finally:
             self.inbox.put(DecoderGone(peer, reason))
 
-    def _read_decoder(self, channel: Channel, peer: DecoderPeer) -> str:
+    def _read_decoder(self, channel: Channel, peer: DecoderPeer, node_id: str) -> str:
         """Forward a joined decoder's messages to the inbox; returns why it ended."""
         while True:
             try:
                 message = channel.recv()
             except ProtocolError as error:
-                self._refuse(channel, str(error))
+                self._refuse(channel, str(error), holding=node_id)
                 return f"protocol error: {error}"
             except PeerClosedError as error:
                 return str(error)
@@ -178,10 +178,16 @@ class PrefillNode(NodeBase):
             elif isinstance(message, KVRequest | Cancel | Shutdown):
                 self.inbox.put(FromDecoder(peer, message))
             else:
-                self._refuse(channel, f"unexpected {type(message).__name__} from a decoder")
+                self._refuse(channel, f"unexpected {type(message).__name__} from a decoder",
+                             holding=node_id)
                 return "protocol error"
 
-    def _refuse(self, channel: Channel, reason: str) -> None:
+    def _refuse(self, channel: Channel, reason: str, holding: str | None = None) -> None:
+        """Tell the peer why and close. `holding`: the node id this connection holds, freed
+        before the peer hears the reason, so that it may come straight back under that id
+        (once told, it may reconnect before this thread would otherwise reach the release)."""
+        if holding is not None:
+            self._node_ids.release(holding, channel)
         logger.warning("closing connection to %s: %s", channel.peer, reason)
         try:
             channel.send(Reject(reason))

@@ -4,12 +4,15 @@ claimed again. A prefiller and a decoder in threads, over tcp and libfabric."""
 
 from __future__ import annotations
 
+import dataclasses
 import socket
 
 import pytest
 
 from disagg.control import liveness
 from disagg.control.channel import Channel
+from disagg.control.messages import Heartbeat, Reject
+from disagg.kv_transfer.messages import HelloAck
 from disagg.errors import PeerMismatchError
 from disagg.node.node_ids import NodeIdClaims
 from tests.disagg.node.running_nodes import running
@@ -38,6 +41,27 @@ def test_the_id_of_a_decoder_that_left_can_be_claimed_again() -> None:
     again = make_decode(prefill, node_id="decode-7")
     with running(prefill, again) as router:
         assert len(serve(router, [5, 6, 7, 8, 9])) == 4
+
+
+def test_a_refused_handshake_frees_its_id_before_the_refusal_arrives() -> None:
+    """A decoder told why it was refused may come straight back under its id: the prefiller
+    frees the id before it sends the reason, not after (a reconnect that raced the release
+    was refused as a duplicate)."""
+    prefill = make_prefill()
+    decode = make_decode(prefill, node_id="decode-3")
+    hello = dataclasses.replace(decode.messenger.hello(), node_id="decode-8")
+    channel = Channel.connect(prefill.address)
+    try:
+        channel.send(hello)
+        assert isinstance(channel.recv(), HelloAck)
+        assert "decode-8" in prefill._node_ids._holders
+        channel.send(Heartbeat())  # not the HelloProof the handshake waits for
+        assert isinstance(channel.recv(), Reject)
+        assert "decode-8" not in prefill._node_ids._holders
+    finally:
+        channel.close()
+        decode.close()
+        prefill.close()
 
 
 def test_an_id_whose_holder_is_closed_or_silent_is_free_before_its_release(
