@@ -23,6 +23,10 @@
 /* Below this much work a team of threads costs more to start than it saves (and a node of a
    tiny model would wake its pool for nothing at every layer). */
 #define DA_PARALLEL_MIN (1 << 15)
+/* A pair's keys split for the team's sake: at most this many parts, none under this many keys
+   (a part costs a pass over its query rows and a share of the join). */
+#define DA_MAX_PARTS 8
+#define DA_MIN_PART_KEYS 64
 
 enum { DA_NHD = 0, DA_HND = 1 };
 enum { DA_OK = 0, DA_NO_ISA = -1, DA_BAD_PAGE = -2, DA_BAD_LENGTH = -3, DA_BAD_SHAPE = -4,
@@ -80,9 +84,11 @@ static inline __m512 da_exp(__m512 x) {
     return _mm512_scalef_ps(p, n);
 }
 
-/* row[0..len) <- softmax(row), in float32. */
+/* row[0..len) <- exp(row - peak), in float32; returns the peak (the largest score, NaN if any
+   score is NaN) and the sum of the exponentials. The division comes after the values are
+   summed (`da_combine`), so that a task split into parts divides once. */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static void da_softmax(float *row, int64_t len) {
+static void da_exponentials(float *row, int64_t len, float *peak_out, float *sum_out) {
     __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
     __mmask16 nan = 0; /* max drops NaNs: they are tracked apart and poison the peak */
     for (int64_t t = 0; t < len; t += 16) {
@@ -91,19 +97,16 @@ static void da_softmax(float *row, int64_t len) {
         nan |= _mm512_mask_cmp_ps_mask(m, x, x, _CMP_UNORD_Q);
         top = _mm512_mask_max_ps(top, m, top, x);
     }
-    __m512 peak = _mm512_set1_ps(nan ? NAN : _mm512_reduce_max_ps(top));
+    float peak = nan ? NAN : _mm512_reduce_max_ps(top);
     for (int64_t t = 0; t < len; t += 16) {
         __mmask16 m = lanes_mask(len, t);
-        __m512 e = da_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t), peak));
+        __m512 e = da_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t),
+                                        _mm512_set1_ps(peak)));
         _mm512_mask_storeu_ps(row + t, m, e);
         sum = _mm512_mask_add_ps(sum, m, sum, e);
     }
-    __m512 inverse = _mm512_set1_ps(1.0f / _mm512_reduce_add_ps(sum));
-    for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 m = lanes_mask(len, t);
-        _mm512_mask_storeu_ps(row + t, m, _mm512_mul_ps(_mm512_maskz_loadu_ps(m, row + t),
-                                                        inverse));
-    }
+    *peak_out = peak;
+    *sum_out = _mm512_reduce_add_ps(sum);
 }
 
 /* The dot product of a query row (float32) with a key row, times the scale. */
@@ -135,22 +138,27 @@ static inline void da_prefetch(const da_args *a, const char *layer, int64_t page
     }
 }
 
-/* One (sequence, KV head) task. Each pass runs over one query head at a time, so that its
-   sums stay in registers: written back to memory and read again per token, they stalled
-   on store-to-load forwarding. `s` holds group * kv_len scores, `qf` the group's rows. */
+/* Keys [t0, t1) of one (sequence, KV head) pair: its `group` query heads' scores, their
+   exponentials and the values those weigh. Writes, per query head g, the part's peak score
+   `peak[g]`, its sum of exponentials `sum[g]` and the weighted sum of its values
+   `acc[g * d ..]`, undivided (`da_combine` joins the parts). Each pass runs over one query
+   head at a time, so that its sums stay in registers: written back to memory and read again
+   per token, they stalled on store-to-load forwarding. `s` holds group * (t1 - t0) scores,
+   `qf` the group's query rows. */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
-static int da_task(const da_args *a, int64_t b, int64_t kvh, float *qf, float *s) {
-    const int64_t d = a->head_dim, kv_len = a->kv_lens[b], n = a->page_size;
+static int da_part(const da_args *a, int64_t b, int64_t kvh, int64_t t0, int64_t t1, float *qf,
+                   float *s, float *peak, float *sum, float *acc) {
+    const int64_t d = a->head_dim, n = a->page_size, len = t1 - t0;
     const int64_t group = a->group, stride = da_slot_stride(a), itemsize = a->bf16 ? 2 : 4;
     const int bf16 = a->bf16;
     const float scale = a->scale;
     const int64_t *pages = a->table + b * a->max_pages;
     const int64_t head = a->head_start + kvh, first_q = (b * a->num_kv_heads + kvh) * group * d;
-    const int64_t num_pages = (kv_len + n - 1) / n;
-    for (int64_t p = 0; p < num_pages; p++)
+    const int64_t p0 = t0 / n, p1 = (t1 + n - 1) / n; /* the pages holding keys [t0, t1) */
+    for (int64_t p = p0; p < p1; p++)
         if (pages[p] < 0 || pages[p] >= a->num_pages) return DA_BAD_PAGE;
     const char *layer = (const char *)a->layer;
-    for (int64_t p = 0; p < DA_PREFETCH_PAGES && p < num_pages; p++) {
+    for (int64_t p = p0; p < p0 + DA_PREFETCH_PAGES && p < p1; p++) {
         da_prefetch(a, layer, pages[p], 0, head);
         da_prefetch(a, layer, pages[p], 1, head);
     }
@@ -158,27 +166,27 @@ static int da_task(const da_args *a, int64_t b, int64_t kvh, float *qf, float *s
         qf[i] = bf16 ? sl_bf16_to_f32(((const uint16_t *)a->q)[first_q + i])
                      : ((const float *)a->q)[first_q + i];
     for (int64_t g = 0; g < group; g++) { /* scores, pages in order, slots within each */
-        float *row = s + g * kv_len;
-        for (int64_t p = 0, t = 0; p < num_pages; p++) {
-            if (g == 0 && p + DA_PREFETCH_PAGES < num_pages) {
+        float *row = s + g * len;
+        for (int64_t p = p0, t = t0; p < p1; p++) {
+            if (g == 0 && p + DA_PREFETCH_PAGES < p1) {
                 da_prefetch(a, layer, pages[p + DA_PREFETCH_PAGES], 0, head);
                 da_prefetch(a, layer, pages[p + DA_PREFETCH_PAGES], 1, head);
             }
             const char *k = layer + da_row(a, pages[p], 0, head) * itemsize;
-            for (int64_t slot = 0; slot < n && t < kv_len; slot++, t++)
-                row[t] = da_dot(qf + g * d, k + slot * stride * itemsize, d, bf16, scale);
+            for (int64_t slot = t % n; slot < n && t < t1; slot++, t++)
+                row[t - t0] = da_dot(qf + g * d, k + slot * stride * itemsize, d, bf16, scale);
         }
-        da_softmax(row, kv_len);
+        da_exponentials(row, len, &peak[g], &sum[g]);
     }
     for (int64_t g = 0; g < group; g++) { /* values: 16 columns at a time, two sums */
-        const float *w = s + g * kv_len;
+        const float *w = s + g * len - t0; /* w[t] for t in [t0, t1) */
         for (int64_t i = 0; i < d; i += 16) {
             __mmask16 m = lanes_mask(d, i);
             __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-            for (int64_t p = 0, t = 0; p < num_pages; p++) {
+            for (int64_t p = p0, t = t0; p < p1; p++) {
                 const char *v = layer + da_row(a, pages[p], 1, head) * itemsize;
-                int64_t slot = 0;
-                for (; slot + 1 < n && t + 1 < kv_len; slot += 2, t += 2) {
+                int64_t slot = t % n;
+                for (; slot + 1 < n && t + 1 < t1; slot += 2, t += 2) {
                     even = _mm512_fmadd_ps(_mm512_set1_ps(w[t]),
                                            lanes_load(v + slot * stride * itemsize, i, bf16, m),
                                            even);
@@ -186,24 +194,48 @@ static int da_task(const da_args *a, int64_t b, int64_t kvh, float *qf, float *s
                                           lanes_load(v + (slot + 1) * stride * itemsize, i, bf16,
                                                   m), odd);
                 }
-                for (; slot < n && t < kv_len; slot++, t++)
+                for (; slot < n && t < t1; slot++, t++)
                     even = _mm512_fmadd_ps(_mm512_set1_ps(w[t]),
                                            lanes_load(v + slot * stride * itemsize, i, bf16, m),
                                            even);
             }
-            __m512 sum = _mm512_add_ps(even, odd);
-            int64_t at = first_q + g * d + i;
-            if (bf16) {
-                float lanes[16];
-                _mm512_storeu_ps(lanes, sum);
-                for (int64_t j = 0; j < 16 && i + j < d; j++)
-                    ((uint16_t *)a->out)[at + j] = sl_round_bf16(lanes[j]);
-            } else {
-                _mm512_mask_storeu_ps((float *)a->out + at, m, sum);
-            }
+            _mm512_mask_storeu_ps(acc + g * d + i, m, _mm512_add_ps(even, odd));
         }
     }
     return DA_OK;
+}
+
+/* One (sequence, KV head) pair's output from its `parts` (`da_part`'s peaks, sums and value
+   sums, part after part): each part's exponentials rescaled to the largest peak, then one
+   division. An empty part (no keys) has peak -inf and adds nothing. */
+static void da_combine(const da_args *a, int64_t b, int64_t kvh, int parts, const float *peak,
+                       const float *sum, const float *acc) {
+    const int64_t d = a->head_dim, group = a->group;
+    const int64_t first_q = (b * a->num_kv_heads + kvh) * group * d;
+    for (int64_t g = 0; g < group; g++) {
+        float top = -INFINITY, total = 0.0f, weight[DA_MAX_PARTS];
+        int nan = 0;
+        for (int k = 0; k < parts; k++) {
+            float x = peak[k * group + g];
+            nan |= isnan(x);
+            top = x > top ? x : top;
+        }
+        if (nan) top = NAN;
+        for (int k = 0; k < parts; k++) {
+            float x = peak[k * group + g];
+            weight[k] = x == -INFINITY ? 0.0f : expf(x - top);
+            total += weight[k] * sum[k * group + g];
+        }
+        for (int64_t i = 0; i < d; i++) {
+            float value = 0.0f;
+            for (int k = 0; k < parts; k++)
+                if (weight[k] != 0.0f)
+                    value += weight[k] * acc[(k * group + g) * d + i];
+            value /= total;
+            if (a->bf16) ((uint16_t *)a->out)[first_q + g * d + i] = sl_round_bf16(value);
+            else ((float *)a->out)[first_q + g * d + i] = value;
+        }
+    }
 }
 
 static int da_check(const da_args *a) {
@@ -229,26 +261,60 @@ static int da_run(const da_args *a, int threads) {
     }
     /* Multiply-adds, about: below DA_PARALLEL_MIN one thread is faster. */
     int64_t work = keys * a->num_kv_heads * a->group * a->head_dim * 2;
-    int team = threads < 1 || work < DA_PARALLEL_MIN ? 1
-               : (tasks < threads ? (int)tasks : threads);
+    int team = threads < 1 || work < DA_PARALLEL_MIN ? 1 : threads;
+    /* Fewer pairs than twice the team (a batch of one with 3 KV heads on 2 threads: one
+       thread took two pairs, the other one) split each pair's keys into parts, so that the
+       team shares the keys evenly; a part keeps at least DA_MIN_PART_KEYS of them. */
+    int parts = 1;
+    if (team > 1 && tasks < 2 * team) {
+        parts = (int)((2 * team + tasks - 1) / tasks);
+        int64_t most = longest / DA_MIN_PART_KEYS;
+        parts = parts > most ? (int)(most > 1 ? most : 1) : parts;
+        parts = parts > DA_MAX_PARTS ? DA_MAX_PARTS : parts;
+    }
+    int64_t items = tasks * parts, widest = (longest + parts - 1) / parts;
+    team = items < team ? (int)items : team;
+    float *joined = malloc(sizeof(float) * items * a->group * (a->head_dim + 2));
+    if (!joined) return DA_NO_MEMORY;
+    float *peaks = joined, *sums = joined + items * a->group, *accs = sums + items * a->group;
+    int failed = DA_OK;
 #pragma omp parallel num_threads(team) if (team > 1)
     {
         int64_t rows = a->group * a->head_dim;
-        float *scratch = malloc(sizeof(float) * (rows + a->group * longest));
+        float *scratch = malloc(sizeof(float) * (rows + a->group * widest));
         int mine = scratch ? DA_OK : DA_NO_MEMORY;
 #pragma omp for schedule(static)
-        for (int64_t task = 0; task < tasks; task++) {
+        for (int64_t item = 0; item < items; item++) {
+            int64_t task = item / parts, b = task / a->num_kv_heads, len = a->kv_lens[b];
+            int64_t t0 = len * (item % parts) / parts, t1 = len * (item % parts + 1) / parts;
+            float *peak = peaks + item * a->group, *sum = sums + item * a->group;
             if (mine != DA_OK) continue;
-            mine = da_task(a, task / a->num_kv_heads, task % a->num_kv_heads, scratch,
-                           scratch + rows);
+            if (t0 == t1) { /* a pair too short for every part */
+                for (int64_t g = 0; g < a->group; g++) peak[g] = -INFINITY, sum[g] = 0.0f;
+                continue;
+            }
+            mine = da_part(a, b, task % a->num_kv_heads, t0, t1, scratch, scratch + rows, peak,
+                           sum, accs + item * a->group * a->head_dim);
         }
         free(scratch);
         if (mine != DA_OK) {
 #pragma omp atomic write
-            status = mine;
+            failed = mine;
+        }
+#pragma omp barrier
+        int ok;
+#pragma omp atomic read
+        ok = failed;
+        if (ok == DA_OK) {
+#pragma omp for schedule(static)
+            for (int64_t task = 0; task < tasks; task++)
+                da_combine(a, task / a->num_kv_heads, task % a->num_kv_heads, parts,
+                           peaks + task * parts * a->group, sums + task * parts * a->group,
+                           accs + task * parts * a->group * a->head_dim);
         }
     }
-    return status;
+    free(joined);
+    return failed;
 }
 
 #else

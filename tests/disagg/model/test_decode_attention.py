@@ -58,6 +58,30 @@ CASES = [  # (kv heads, group, head_dim, page size)
 
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kv_len", [130, 333, 600])
+def test_a_lone_sequence_split_over_the_threads_gets_dense_attention(
+        layout: str, dtype: torch.dtype, kv_len: int) -> None:
+    """One sequence of 3 KV heads on 4 threads: each head's keys are split into parts (none
+    under 64 keys) and joined again; the parts' peaks differ, so a join that forgets to rescale
+    them is off by far more than the tolerance. A score scale of 1 spreads the peaks."""
+    config = model(3, 3, 64)
+    cache = random_cache(config, layout, 16, dtype, num_pages=40)
+    pages = list(range(39, 39 - (kv_len + 15) // 16, -1))  # scattered, in reverse
+    g = torch.Generator().manual_seed(5)
+    q = torch.randn(1, 9, 64, generator=g).to(dtype)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        got = decode_attention(q, cache, 1, torch.tensor([pages]), torch.tensor([kv_len]), 1.0)
+    finally:
+        torch.set_num_threads(threads)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got[0].double(), dense(q[0], cache, 1, pages, kv_len, 1.0),
+                               rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("layout", ["NHD", "HND"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize(("kv_heads", "group", "head_dim", "page_size"), CASES)
 def test_each_sequence_gets_dense_attention_over_its_pages(
         layout: str, dtype: torch.dtype, kv_heads: int, group: int, head_dim: int,
