@@ -35,7 +35,7 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (AVX512 and x.dtype in DTYPE_CODES and weight.dtype == x.dtype
             and x.is_cpu and weight.is_cpu
             and x.is_contiguous() and weight.is_contiguous() and x.dim() >= 1
-            and weight.dim() == 1 and weight.shape[0] == x.shape[-1]
+            and weight.dim() == 1 and weight.shape[0] == x.shape[-1] > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
 

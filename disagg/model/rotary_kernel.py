@@ -15,9 +15,10 @@ PROFILER_NAME = "disagg::rotary"
 
 def takes_kernel(x: torch.Tensor, cos: torch.Tensor) -> bool:
     """Whether `rotate_half(x, cos, sin)` runs in C: contiguous CPU rows ``[tokens, heads,
-    dim]`` of float32 or bfloat16, an even dim, angles in their dtype, no gradient to record."""
+    dim]`` of float32 or bfloat16, an even dim above 0, angles in their dtype, no gradient to
+    record."""
     return (AVX512 and x.dtype in DTYPE_CODES and cos.dtype == x.dtype and x.dim() == 3
-            and x.shape[-1] % 2 == 0 and x.is_cpu and x.is_contiguous()
+            and x.shape[-1] % 2 == 0 and x.shape[-1] > 0 and x.is_cpu and x.is_contiguous()
             and not (torch.is_grad_enabled() and x.requires_grad)
             and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
 

@@ -73,7 +73,7 @@ def test_kernel_keeps_leading_axes_and_non_finite_rows() -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("case", ["float16", "grad", "mixed dtypes", "strided rows",
-                                  "short weight"])
+                                  "short weight", "empty rows"])
 def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
     x, weight = _rows(4, 16, torch.float32)
     if case == "float16":
@@ -84,6 +84,8 @@ def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
         x = x.bfloat16()
     elif case == "strided rows":
         x = x.t().contiguous().t()
+    elif case == "empty rows":  # no width to divide by
+        x, weight = x[:, :0], weight[:0]
     else:
         weight = weight[:8]
     assert not takes_kernel(x, weight)

@@ -64,9 +64,10 @@ def test_angles_rotate_through_the_kernel(monkeypatch) -> None:
     assert calls == [(3, 2, 16)]
 
 
-@pytest.mark.parametrize("case", ["float16", "grad", "odd dim", "strided rows", "angles dtype"])
+@pytest.mark.parametrize("case", ["float16", "grad", "odd dim", "strided rows", "angles dtype",
+                                  "empty rows"])
 def test_pytorch_rotates_what_the_kernel_does_not_take(case: str) -> None:
-    x, cos, _ = _inputs(2, 3, 8, torch.float32)
+    x, cos, sin = _inputs(2, 3, 8, torch.float32)
     if case == "float16":
         x, cos = x.half(), cos.half()
     elif case == "grad":
@@ -75,6 +76,9 @@ def test_pytorch_rotates_what_the_kernel_does_not_take(case: str) -> None:
         x = x[..., :7]
     elif case == "strided rows":
         x = x.transpose(0, 1)
+    elif case == "empty rows":  # nothing to rotate: the reference returns the empty rows
+        x, cos, sin = x[..., :0], cos[..., :0], sin[..., :0]
+        assert RotaryAngles.of(cos[:, 0], sin[:, 0], x.dtype).rotate(x).shape == x.shape
     else:
         cos = cos.double()
     assert not takes_kernel(x, cos)
