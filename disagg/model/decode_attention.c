@@ -5,8 +5,10 @@
    and then calls SDPA: the copies, the calls and their thread hand-offs cost more than the
    math. Here each (sequence, KV head) pair is one task: its `group` query heads (the heads
    sharing that KV head, as in `attention.grouped_queries`) are scored against every key of the
-   sequence, read in place from the page table's pages, softmax in float32, then the values
-   are summed with those weights. NHD and HND differ only in where a token's head row sits.
+   sequence, read in place from the page table's pages, exponentiated in float32, the values
+   summed with those weights, and the sums divided once. When there are too few pairs to keep
+   every thread busy, a pair's keys are split into parts that are joined at the end, as a
+   split softmax is (`da_combine`). NHD and HND differ only in where a token's head row sits.
 
    Inputs in float32 or bfloat16 (queries and cache alike); sums, softmax and the output's
    accumulation in float32, rounded once to the output's dtype; a NaN score makes its row's
