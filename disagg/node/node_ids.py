@@ -30,10 +30,10 @@ class NodeIdClaims:
             self._holders[node_id] = channel
             return None
 
-    def release(self, node_id: str, channel: Channel) -> None:
-        """`channel` is done with `node_id` (a newer holder keeps it)."""
+    def release(self, channel: Channel) -> None:
+        """`channel` is done with whatever id it holds (a newer holder keeps its own)."""
         with self._lock:
-            if self._holders.get(node_id) is channel:
+            for node_id in [i for i, holder in self._holders.items() if holder is channel]:
                 del self._holders[node_id]
 
 

@@ -131,7 +131,7 @@ class PrefillNode(NodeBase):
         try:
             self._join(channel, hello)
         finally:
-            self._node_ids.release(hello.node_id, channel)
+            self._node_ids.release(channel)
 
     def _join(self, channel: Channel, hello: Hello) -> None:
         try:
@@ -146,24 +146,24 @@ class PrefillNode(NodeBase):
             self.messenger.accept_proof(peer, hello, proof)
             self.inbox.put(DecoderJoined(peer))
         except (ProtocolError, RequestError, TransferError) as error:
-            self._refuse(channel, str(error), holding=hello.node_id)
+            self._refuse(channel, str(error))
             return
         except PeerClosedError:
             channel.close()
             return
         reason = "its reader thread failed"  # kept if an exception escapes (it propagates)
         try:
-            reason = self._read_decoder(channel, peer, hello.node_id)
+            reason = self._read_decoder(channel, peer)
         finally:
             self.inbox.put(DecoderGone(peer, reason))
 
-    def _read_decoder(self, channel: Channel, peer: DecoderPeer, node_id: str) -> str:
+    def _read_decoder(self, channel: Channel, peer: DecoderPeer) -> str:
         """Forward a joined decoder's messages to the inbox; returns why it ended."""
         while True:
             try:
                 message = channel.recv()
             except ProtocolError as error:
-                self._refuse(channel, str(error), holding=node_id)
+                self._refuse(channel, str(error))
                 return f"protocol error: {error}"
             except PeerClosedError as error:
                 return str(error)
@@ -178,16 +178,14 @@ class PrefillNode(NodeBase):
             elif isinstance(message, KVRequest | Cancel | Shutdown):
                 self.inbox.put(FromDecoder(peer, message))
             else:
-                self._refuse(channel, f"unexpected {type(message).__name__} from a decoder",
-                             holding=node_id)
+                self._refuse(channel, f"unexpected {type(message).__name__} from a decoder")
                 return "protocol error"
 
-    def _refuse(self, channel: Channel, reason: str, holding: str | None = None) -> None:
-        """Tell the peer why and close. `holding`: the node id this connection holds, freed
-        before the peer hears the reason, so that it may come straight back under that id
-        (once told, it may reconnect before this thread would otherwise reach the release)."""
-        if holding is not None:
-            self._node_ids.release(holding, channel)
+    def _refuse(self, channel: Channel, reason: str) -> None:
+        """Tell the peer why and close. Whatever node id the connection holds is freed before
+        the peer hears the reason, so that it may come straight back under that id (once told,
+        it may reconnect before this thread would otherwise reach the release)."""
+        self._node_ids.release(channel)
         logger.warning("closing connection to %s: %s", channel.peer, reason)
         try:
             channel.send(Reject(reason))
