@@ -34,6 +34,12 @@ _profiling = torch._C._autograd._profiler_enabled  # a C call: ~0.1 us per kerne
 T = TypeVar("T")
 
 
+def traced() -> bool:
+    """Whether torch.compile or the JIT tracer is recording: a cffi call would be invisible to
+    either (a graph break or a constant), so every kernel's caller runs PyTorch then."""
+    return torch.compiler.is_compiling() or torch.jit.is_tracing()
+
+
 def named_call(name: str, kernel: Callable[..., T], *args: object) -> T:
     """`kernel(*args)`; while torch.profiler records, as a span called `name`: a cffi call is
     no torch op, and would otherwise vanish into the profile's time outside ops."""

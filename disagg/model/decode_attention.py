@@ -15,7 +15,7 @@ from __future__ import annotations
 import torch
 
 from disagg.errors import KernelError
-from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call
+from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call, traced
 from disagg.model.kv_cache import KVCache, PagedKVCache
 
 PROFILER_NAME = "disagg::decode_attention"
@@ -32,8 +32,7 @@ def takes_kernel(q: torch.Tensor, kv_cache: KVCache) -> bool:
             and q.dtype in DTYPE_CODES and kv_cache.dtype == q.dtype
             and kv_cache.buffer.is_contiguous()
             and q.is_cpu and kv_cache.buffer.is_cpu
-            and not (torch.is_grad_enabled() and q.requires_grad)
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+            and not (torch.is_grad_enabled() and q.requires_grad) and not traced())
 
 
 def decode_attention(q: torch.Tensor, kv_cache: PagedKVCache, layer_idx: int,

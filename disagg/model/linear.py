@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.errors import KernelError
-from disagg.model.cpu_kernels import AVX512, AVX512_BF16, DTYPE_CODES, lib, named_call
+from disagg.model.cpu_kernels import AVX512, AVX512_BF16, DTYPE_CODES, lib, named_call, traced
 
 MAX_ROWS = 8
 # How the kernel's calls appear in torch.profiler's tables (`benchmarks/profile_engine.py`).
@@ -47,7 +47,7 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | Non
                                   and bias.shape == weight.shape[:1]))
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad
                                                   or (bias is not None and bias.requires_grad)))
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+            and not traced())
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,

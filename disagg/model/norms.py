@@ -12,7 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.errors import KernelError
-from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call
+from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call, traced
 
 PROFILER_NAME = "disagg::rms_norm"
 
@@ -37,7 +37,7 @@ def takes_kernel(x: torch.Tensor, weight: torch.Tensor) -> bool:
             and x.is_contiguous() and weight.is_contiguous() and x.dim() >= 1
             and weight.dim() == 1 and weight.shape[0] == x.shape[-1] > 0
             and not (torch.is_grad_enabled() and (x.requires_grad or weight.requires_grad))
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+            and not traced())
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

@@ -8,7 +8,7 @@ from __future__ import annotations
 import torch
 
 from disagg.errors import KernelError
-from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call
+from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call, traced
 
 PROFILER_NAME = "disagg::rotary"
 
@@ -19,8 +19,7 @@ def takes_kernel(x: torch.Tensor, cos: torch.Tensor) -> bool:
     record."""
     return (AVX512 and x.dtype in DTYPE_CODES and cos.dtype == x.dtype and x.dim() == 3
             and x.shape[-1] % 2 == 0 and x.shape[-1] > 0 and x.is_cpu and x.is_contiguous()
-            and not (torch.is_grad_enabled() and x.requires_grad)
-            and not torch.compiler.is_compiling() and not torch.jit.is_tracing())
+            and not (torch.is_grad_enabled() and x.requires_grad) and not traced())
 
 
 def rotate_half(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
