@@ -12,6 +12,7 @@ from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.linear import MAX_ROWS, kernel_dtypes, linear, takes_kernel
 from disagg.model.transformer import Transformer
+from tests.disagg.model.counting_lib import CountingLib
 
 needs_f32 = pytest.mark.skipif(torch.float32 not in kernel_dtypes(),
                                reason="no AVX-512 (or the kernel is not built)")
@@ -98,24 +99,13 @@ def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
         torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
 
 
-class _CountingLib:
-    """`linear.py`'s cffi library, counting the calls that reach C."""
-
-    def __init__(self, lib) -> None:
-        self._lib, self.calls = lib, []
-
-    def sl_linear(self, *args):
-        self.calls.append(args[5:8])  # (rows, out features, in features)
-        return self._lib.sl_linear(*args)
-
-
 @needs_f32
 def test_a_decode_step_runs_every_projection_through_the_kernel(monkeypatch) -> None:
     config = ModelConfig.from_name("tiny")
     torch.manual_seed(0)
     model = Transformer(config).eval()
     cache = PagedKVCache(config, CacheConfig(page_size=4, num_pages=8))
-    counting = _CountingLib(linear_module.lib)
+    counting = CountingLib(linear_module.lib, "sl_linear", slice(5, 8))  # rows, out, in
     monkeypatch.setattr(linear_module, "lib", counting)
     # One decode: the token at position 2 of a request on page 0.
     meta = AttentionMetadata(torch.tensor([0]), torch.tensor([2]),

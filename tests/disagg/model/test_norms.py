@@ -14,6 +14,7 @@ from disagg.model.cpu_kernels import AVX512
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.norms import RMSNorm, reference_rms_norm, rms_norm, takes_kernel
 from disagg.model.transformer import Transformer
+from tests.disagg.model.counting_lib import CountingLib
 
 needs_kernel = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernel is not built)")
 
@@ -96,24 +97,13 @@ def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
         assert torch.equal(rms_norm(x, weight, 1e-6), reference_rms_norm(x, weight, 1e-6))
 
 
-class _CountingLib:
-    """`norms.py`'s cffi library, counting the rows each call normalises."""
-
-    def __init__(self, lib) -> None:
-        self._lib, self.calls = lib, []
-
-    def rn_rms_norm(self, *args):
-        self.calls.append(args[4:6])  # (rows, width)
-        return self._lib.rn_rms_norm(*args)
-
-
 @needs_kernel
 def test_a_decode_step_runs_every_norm_through_the_kernel(monkeypatch) -> None:
     config = ModelConfig.from_name("tiny")
     torch.manual_seed(0)
     model = Transformer(config).eval()
     cache = PagedKVCache(config, CacheConfig(page_size=4, num_pages=8))
-    counting = _CountingLib(norms.lib)
+    counting = CountingLib(norms.lib, "rn_rms_norm", slice(4, 6))  # rows, width
     monkeypatch.setattr(norms, "lib", counting)
     meta = AttentionMetadata(torch.tensor([0]), torch.tensor([2]),
                              [SequenceSlice(0, 1, 2, torch.tensor([0]))])

@@ -10,6 +10,7 @@ from disagg.model import rotary_kernel
 from disagg.model.cpu_kernels import AVX512
 from disagg.model.rope import RotaryAngles, _rotate_half
 from disagg.model.rotary_kernel import rotate_half, takes_kernel
+from tests.disagg.model.counting_lib import CountingLib
 
 pytestmark = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernel is not built)")
 
@@ -48,20 +49,13 @@ def test_signed_zeros_and_non_finite_values_as_pytorch(dtype: torch.dtype) -> No
 
 
 def test_angles_rotate_through_the_kernel(monkeypatch) -> None:
-    calls = []
-    real = rotary_kernel.lib
-
-    class Counting:
-        def rot_rotate_half(self, *args):
-            calls.append(args[5:8])  # (tokens, heads, dim)
-            return real.rot_rotate_half(*args)
-
-    monkeypatch.setattr(rotary_kernel, "lib", Counting())
+    counting = CountingLib(rotary_kernel.lib, "rot_rotate_half", slice(5, 8))  # tokens, heads, dim
+    monkeypatch.setattr(rotary_kernel, "lib", counting)
     x, cos, sin = _inputs(3, 2, 16, torch.float32)
     angles = RotaryAngles.of(cos[:, 0], sin[:, 0], torch.float32)
     with torch.inference_mode():
         assert torch.equal(angles.rotate(x), _rotate_half(x, cos, sin))
-    assert calls == [(3, 2, 16)]
+    assert counting.calls == [(3, 2, 16)]
 
 
 @pytest.mark.parametrize("case", ["float16", "grad", "odd dim", "strided rows", "angles dtype",
