@@ -183,7 +183,7 @@ class Attack:
                     probes=((secrets.randbits(64), 0),)).to_bytes(),
                 kv_descriptors=[_rekeyed(d) for d in hello.kv_descriptors],
                 context_descriptor=_rekeyed(hello.context_descriptor))
-        follow_up = (KVRequest("evil", 1, list(range(3, 12)), [0, 1], 0, nonce=new_nonce())
+        follow_up = (KVRequest("evil", 1, 2, list(range(3, 12)), [0, 1], 0, nonce=new_nonce())
                      if variant == 0 else HelloProof(new_nonce()))
         self.counts["forged_hellos"] += 1
         try:

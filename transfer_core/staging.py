@@ -146,14 +146,16 @@ class RegisteredKV:
         if self.shadow is not None:
             self._copy([(self.tensor[layer], self.shadow[layer])], page_ids, wait_for_compute)
 
-    def stage_in(self, page_ids: Sequence[int] | np.ndarray) -> None:
-        """Receiver: copy every layer of pages `page_ids` from the shadow into the tensor.
+    def stage_in(self, page_ids: Sequence[int] | np.ndarray, layers: range | None = None
+                 ) -> None:
+        """Receiver: copy `layers` (None: every layer) of pages `page_ids` from the shadow
+        into the tensor.
 
         On CUDA the copy stream first waits for the compute stream, so no kernel queued
         earlier can still read those pages while they are overwritten.
         """
         if self.shadow is not None:
-            layers = range(self.tensor.shape[0])
+            layers = range(self.tensor.shape[0]) if layers is None else layers
             self._copy([(self.shadow[i], self.tensor[i]) for i in layers], page_ids, True)
 
     def _copy(self, layers: list[tuple[torch.Tensor, torch.Tensor]],

@@ -92,10 +92,17 @@ class PagedWrite:
         object.__setattr__(self, "_src_extent", src_extent)
         object.__setattr__(self, "_dst_extent", dst_extent)
 
-    def at(self, src_offset: int, dst_offset: int) -> PagedWrite:
+    def at(self, src_offset: int, dst_offset: int, *, imms: PageIds | None = None
+           ) -> PagedWrite:
         """This write from and to other base offsets (a later layer's pages, say), sharing
         its checked page ids and immediates: only the bounds are checked again, from the
-        lowest and highest ids found when this write was made (`BoundsError` as when made)."""
+        lowest and highest ids found when this write was made (`BoundsError` as when made).
+        `imms`: other per-page values for a write that carries per-page values (checked as
+        when made), e.g. a request's last layer, counted under a value of its own."""
+        if imms is not None:
+            if self.imms is None:
+                raise ValueError("only a write with per-page imms can take other imms")
+            imms = as_imms(imms, self.num_pages)
         src_mr, dst_mr, nbytes = self.src_mr, self.dst_mr, self.nbytes
         if not (pages_fit(src_mr.length, self._src_extent, self.src_page_stride, src_offset,
                           nbytes)
@@ -110,6 +117,8 @@ class PagedWrite:
             object.__setattr__(moved, name, getattr(self, name))
         object.__setattr__(moved, "src_offset", src_offset)
         object.__setattr__(moved, "dst_offset", dst_offset)
+        if imms is not None:
+            object.__setattr__(moved, "imms", imms)
         return moved
 
     @property

@@ -6,7 +6,8 @@ state and logits of the last prefilled position, the KV checksum of the pages it
 decoder's nonce into one of its registered context slots and writes it to the slot the decoder
 named; that write is the request's last, so when the decoder's counter fires its context is
 there. A decoder drafting with an MTP head also gets the head's pages, written just before the
-slot; the draft plug-in is built when a decoder first asks for it (`plugins.py`).
+slot; the draft plug-in is built when a decoder first asks for it (`plugins.py`). Both count
+under the request's tail immediate, with its last layer's pages (S4c).
 """
 
 from __future__ import annotations
@@ -64,7 +65,7 @@ class ContextSender:
             return  # stopped: nothing more is posted
         draft = self.draft if self.draft is not None and self.draft.wants(outgoing) else None
         if draft is not None and outgoing.begin_write():
-            draft.post(outgoing, lambda error=None, n=0: outgoing.write_done(error, n))
+            draft.post(outgoing, lambda error=None, n=0: outgoing.write_done(error, n, tail=True))
         slot, request = self.slots.take(self._wait_timeout_s), outgoing.request
         # Added up as the layers were posted (X8d), else summed here; held pages: neither sent
         # nor summed.
@@ -73,8 +74,8 @@ class ContextSender:
             self._kv_cache, request.page_ids, request.num_prompt_tokens, outgoing.num_held_pages)
         checksum += draft.checksum(outgoing) if draft is not None else 0.0
         pack_context(self.slots.buffer[slot], hidden, logits, checksum, outgoing.nonce)
-        if self.slots.post(slot, outgoing.imm, outgoing.peer.context, outgoing.context_slot,
-                           lambda error: outgoing.write_done(error, 1)):
+        if self.slots.post(slot, outgoing.tail_imm, outgoing.peer.context, outgoing.context_slot,
+                           lambda error: outgoing.write_done(error, 1, tail=True)):
             self._stats.add(writes=1, bytes=self.slots.slot_nbytes)
 
     def close(self) -> None:

@@ -2,12 +2,14 @@
 S2c, S4c).
 
 A request arrives at the decoder (`admit`). The messenger pins pages for its whole prompt,
-arms an immediate counter expecting pages x layers x writes per page + 1 context writes, and
-asks a prefiller to fill them. Until the counter fires the request stays out of the decode
-schedule. When it fires, the messenger checks the KV (checksum and nonce, S5), unpins the
-pages, gives back the context slot and hands the request to the engine with every prompt token
-but the last already computed; the engine's next step runs the last prompt token as an
-ordinary decode step (S8). No message says "done": the writes' immediates do. KV memory the NIC
+arms two immediate counters, one for the body (pages x every layer but the last x writes per
+page) and one for the tail (the last layer's writes, a draft head's and the context write),
+and asks a prefiller to fill them. Until both fire the request stays out of the decode
+schedule. When the body's fires, the messenger sums it while the last layer is still computed
+on the prefiller (X8d); when the tail's has fired too, it checks the KV (checksum and nonce,
+S5), unpins the pages, gives back the context slot and hands the request to the engine with
+every prompt token but the last already computed; the engine's next step runs the last prompt
+token as an ordinary decode step (S8). No message says "done": the writes' immediates do. KV memory the NIC
 cannot reach is staged (S5): writes land in a host shadow, copied into the cache when the
 counter fires, before the checksum. With prefix caching (X2b) the request first takes the pages
 of its longest cached prefix; the prefiller is asked only for the rest, or not at all.
@@ -41,7 +43,7 @@ from disagg.kv_transfer.pending_kv import Outcome, PendingKV, PendingTable
 from disagg.kv_transfer.plugins import DraftSink
 from disagg.kv_transfer.prefiller_pool import PrefillerPool
 from disagg.kv_transfer.quarantine import PageQuarantine, Verdict
-from disagg.kv_transfer.transfer_plan import expected_write_count, num_pages, rank_descriptors
+from disagg.kv_transfer.transfer_plan import expected_writes, num_pages, rank_descriptors
 from disagg.model.page_geometry import PageGeometry
 from transfer_core.imm_counter import random_imm
 from transfer_core.staging import register_kv
@@ -71,11 +73,13 @@ class DecodeMessenger:
         self.draft_kv = draft_sink  # the MTP head's cache, when this decoder drafts with one
         self.pool = PrefillerPool(cache.sharding, PageGeometry.of(cache))
         self.pending = PendingTable(self.pool, self.slots)
-        self.arrival = KVArrival(parts, self.kv, self.slots, draft_sink)
+        reliability = reliability or ReliabilityConfig()
+        self.arrival = KVArrival(parts, self.kv, self.slots, draft_sink, reliability.verify_kv)
         self.recovery = KVRecovery(transport, parts.allocator, self.pending, self.pool,
-                                   reliability or ReliabilityConfig())
+                                   reliability)
         self.waiting: deque[Request] = deque()  # no pages (or no context slot) yet
-        self._ready: queue.SimpleQueue[str] = queue.SimpleQueue()
+        # (request id, immediate value) of each counter that fired, for the engine thread.
+        self._landed: queue.SimpleQueue[tuple[str, int]] = queue.SimpleQueue()
         self._outcomes: list[Outcome] = []  # decided outside poll(), reported by the next one
         self._wake = wake  # the node's "something happened" bell
 
@@ -148,45 +152,63 @@ class DecodeMessenger:
             self._outcomes.append(dropped(request, Verdict(
                 RequestState.FINISHED_FAILED, FailureCause.NO_PREFILLER, "no prefiller is alive")))
             return
-        imm = random_imm(lambda v: v in self.quarantine or self.transport.imm_counted(v) > 0
-                         or self.pending.uses_imm(v))
-        expected = expected_write_count(
+        imm = random_imm(self._imm_in_use)
+        tail_imm = random_imm(lambda v: v == imm or self._imm_in_use(v))
+        expected = expected_writes(
             request.num_prompt_tokens, self._parts.kv_cache.page_size,
             self._parts.model.config.num_layers, self.pool.link(index).writes_per_page,
             request.num_cached_tokens)
         if self.draft_kv is not None:
-            expected += self.draft_kv.expected_writes(request.num_prompt_tokens)
+            expected = expected.plus_tail(self.draft_kv.expected_writes(request.num_prompt_tokens))
         now = time.monotonic()
-        pending = PendingKV(request, imm, self.slots.take(), expected, index, new_nonce(), now,
-                            now + self.recovery.reliability.kv_timeout_s)
+        pending = PendingKV(request, imm, tail_imm, self.slots.take(), expected, index,
+                            new_nonce(), now, now + self.recovery.reliability.kv_timeout_s)
         self.pending.add(pending)
         self.pool.take(index)
-        # Arm the counter before asking: writes may land before this line would otherwise run.
-        self.transport.expect_imm_count(imm, expected, lambda: self._on_ready(request.request_id))
-        message = KVRequest(request.request_id, imm, request.prompt_token_ids, request.page_ids,
-                            pending.context_slot, request.num_cached_tokens,
+        # Arm the counters before asking: writes may land before this line would otherwise run.
+        rid = request.request_id
+        if expected.body:
+            self.transport.expect_imm_count(imm, expected.body, lambda: self._on_landed(rid, imm))
+        else:  # one layer: all of it is the tail
+            self.arrival.body_landed(pending)
+        self.transport.expect_imm_count(tail_imm, expected.tail,
+                                        lambda: self._on_landed(rid, tail_imm))
+        message = KVRequest(request.request_id, imm, tail_imm, request.prompt_token_ids,
+                            request.page_ids, pending.context_slot, request.num_cached_tokens,
                             request.kv_attempts, pending.nonce, request.traceparent)
         if not self.pool.send(index, message):
             self.recovery.prefiller_gone(index, "unreachable")
 
-    def _on_ready(self, request_id: str) -> None:
+    def _imm_in_use(self, value: int) -> bool:
+        """Whether a request may still count `value`: held, waiting or with arrivals."""
+        return (value in self.quarantine or self.transport.imm_counted(value) > 0
+                or self.pending.uses_imm(value))
+
+    def _on_landed(self, request_id: str, imm: int) -> None:
         """Transfer-engine thread: a counter fired; the engine thread takes it from here."""
-        self._ready.put(request_id)
+        self._landed.put((request_id, imm))
         self._wake()
 
     def poll(self) -> list[Outcome]:
-        """Release requests whose counter fired to the engine (S2c), enforce deadlines, carry
-        out the verdicts of quarantined requests. Returns what happened."""
+        """Sum the bodies that landed, release requests whose tail landed too to the engine
+        (S2c), enforce deadlines, carry out the verdicts of quarantined requests. Returns what
+        happened."""
         outcomes, self._outcomes = self._outcomes, []
         while True:
             try:
-                pending = self.pending.get(self._ready.get_nowait())
+                request_id, imm = self._landed.get_nowait()
             except queue.Empty:
                 break
-            if pending is None or pending.cancel is not None:
-                continue  # abandoned meanwhile: the quarantine's fence takes it from here
-            self.arrival.stage_in(pending.request)  # the checksum reads the cache
-            if self.recovery.reliability.verify_kv and not self.arrival.verified(pending):
+            pending = self.pending.get(request_id)
+            if pending is None or pending.cancel is not None or imm not in pending.imms:
+                continue  # abandoned meanwhile (the quarantine's fence takes it), or retried
+            if imm == pending.imm:
+                self.arrival.body_landed(pending)  # while its last layer is computed (X8d)
+            else:
+                pending.tail_landed = True
+            if not pending.landed:
+                continue
+            if not self.arrival.verified(pending):
                 self.recovery.reject(pending, FailureCause.CHECKSUM, "KV checksum mismatch")
                 continue
             receipt = self.arrival.release(pending)
@@ -228,7 +250,11 @@ class DecodeMessenger:
         pending = self.pending.get(request_id)
         if pending is None:
             return 0, 0
-        return self.transport.imm_counted(pending.imm), pending.expected_writes
+        parts = ((pending.imm, pending.expected.body, pending.body_landed),
+                 (pending.tail_imm, pending.expected.tail, pending.tail_landed))
+        counted = sum(armed if landed else self.transport.imm_counted(imm)
+                      for imm, armed, landed in parts)
+        return counted, pending.expected_writes
 
     def idle(self) -> bool:
         """Nothing waiting, in flight or quarantined."""

@@ -6,9 +6,9 @@ position but the last one: positions `[0, P - 2)` of a P-token prompt. It does, 
 for requests of decoders that asked (`Hello.draft_kv_descriptor`), into a one-layer cache
 indexed by the request's own page ids. After the last chunk it writes those pages (one write
 each: the head is unsharded, on the leader) and then the context slot, whose KV checksum now
-covers them too. The decoder expects `draft_kv_pages` more writes, runs position P - 2 from the
-shipped hidden state, and position P - 1 after the ordinary decode step of the last prompt
-token (S8). The early-exit draft needs none of this: its KV is the target's own. The MTP cache
+covers them too. The decoder expects `draft_kv_pages` more writes under the request's tail
+immediate, runs position P - 2 from the shipped hidden state, and position P - 1 after the
+ordinary decode step of the last prompt token (S8). The early-exit draft needs none of this: its KV is the target's own. The MTP cache
 takes the same memory path as the target's KV (staged: copied out before its write, copied in
 before the checksum; `transfer_core.staging`). Both classes are the messengers' plug-ins
 (`plugins.py`); a node's builder creates them, and only when drafting needs them.
@@ -134,7 +134,7 @@ class DraftKVSource:
             self.transport.post_paged_writes(
                 PagedWrite(self.kv.region, page_ids, nbytes, 0,
                            self._peers[outgoing.peer.peer_id], outgoing.dst_page_ids[:count],
-                           nbytes, 0, nbytes, outgoing.imm),
+                           nbytes, 0, nbytes, outgoing.tail_imm),
                 on_done=lambda: done(None, count), on_error=done)
         except (TransferError, ValueError) as error:
             done(error)

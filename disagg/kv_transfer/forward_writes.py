@@ -1,9 +1,10 @@
 """A forward's writes to one decoder, one paged write per rank pair and layer (S3b, S4c, S6).
 
 Every request a forward prefills has its own layer writes (`layer_writes`) and its own
-immediate value, which the decoder counts. The requests bound for the same decoder, rank pair,
-write size and domains go out together: ONE paged write per layer whose pages are all their
-writes, each page carrying its own request's immediate (`PagedWrite.imms`). The decoder counts
+immediate values, which the decoder counts: one for every layer but the last, one for the last
+(the tail, S4c). The requests bound for the same decoder, rank pair, write size and domains go
+out together: ONE paged write per layer whose pages are all their writes, each page carrying
+its own request's immediate (`PagedWrite.imms`, or `tail_imms` in the last layer). The decoder counts
 exactly what it counted before, request by request; the layer poller makes one call per peer
 and rank pair instead of one per request (S3b). Merged once per forward; a layer drops the
 requests that stopped since (their writes are not posted, as before). The members of a call
@@ -35,21 +36,31 @@ class Member:
 @dataclass(frozen=True, slots=True, eq=False)  # arrays inside: compared by identity
 class PeerWrite:
     """The writes of `members` (same peer, ranks, size and domains), concatenated in order;
-    page i carries `imms[i]`, its request's immediate."""
+    page i carries `imms[i]`, its request's immediate, or `tail_imms[i]` in the last layer."""
 
     peer: DecoderPeer
     members: tuple[Member, ...]
     src_offsets: np.ndarray
     dst_offsets: np.ndarray
     imms: np.ndarray
+    tail_imms: np.ndarray
 
     @classmethod
     def of(cls, peer: DecoderPeer, members: Sequence[Member]) -> PeerWrite:
         writes = [m.write for m in members]
-        imms = np.repeat(np.array([m.outgoing.imm for m in members], dtype=np.uint32),
-                         [w.num_writes for w in writes])
+        counts = [w.num_writes for w in writes]
+
+        def per_page(values: list[int]) -> np.ndarray:
+            return np.repeat(np.array(values, dtype=np.uint32), counts)
+
         return cls(peer, tuple(members), np.concatenate([w.src_offsets for w in writes]),
-                   np.concatenate([w.dst_offsets for w in writes]), imms)
+                   np.concatenate([w.dst_offsets for w in writes]),
+                   per_page([m.outgoing.imm for m in members]),
+                   per_page([m.outgoing.tail_imm for m in members]))
+
+    def imms_of(self, layer: int, num_layers: int) -> np.ndarray:
+        """What its pages carry in `layer`: the tail's values in the last one."""
+        return self.tail_imms if layer == num_layers - 1 else self.imms
 
     @property
     def shape(self) -> LayerWrite:
@@ -72,10 +83,11 @@ def forward_writes(chunks: Sequence[ChunkPages]) -> list[PeerWrite]:
     >>> peer = NS(peer_id="d0")
     >>> writes = {5: LayerWrite(0, 0, 8, None, np.array([0, 16]), np.array([32, 48])),
     ...           9: LayerWrite(0, 0, 8, None, np.array([64]), np.array([96]))}
-    >>> chunks = [NS(outgoing=NS(imm=imm, peer=peer), writes=[w]) for imm, w in writes.items()]
+    >>> chunks = [NS(outgoing=NS(imm=imm, tail_imm=imm + 1, peer=peer), writes=[w])
+    ...           for imm, w in writes.items()]
     >>> (merged,) = forward_writes(chunks)
-    >>> merged.imms.tolist(), merged.dst_offsets.tolist()
-    ([5, 5, 9], [32, 48, 96])
+    >>> merged.imms.tolist(), merged.tail_imms.tolist(), merged.dst_offsets.tolist()
+    ([5, 5, 9], [6, 6, 10], [32, 48, 96])
     """
     groups: dict[tuple[int, int, int, int, tuple[int, ...] | None], list[Member]] = {}
     for chunk in chunks:

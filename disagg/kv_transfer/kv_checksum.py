@@ -157,34 +157,35 @@ class LayerSums:
 
 
 def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens: int,
-              first_position: int, salt: int) -> torch.Tensor | int:
-    """One rank's heads (global ids `heads`) of the tokens in `pages`, summed mod 2^52."""
+              first_position: int, salt: int, layers: range) -> torch.Tensor | int:
+    """One rank's heads (global ids `heads`) of the tokens in `pages` in `layers`, summed
+    mod 2^52."""
     device = shard.device
     positions = torch.arange(first_position, first_position + num_tokens, device=device)
     head_ids = torch.tensor(list(heads), dtype=torch.int64, device=device)
     if sums_in_place(shard):  # the pages read in place
         parts = _part_sums(shard, head_ids, pages, num_tokens, first_position)
         threads = torch.get_num_threads()
-        return sum(part.layer_sum(layer, salt, threads) for layer in range(shard.num_layers)
+        return sum(part.layer_sum(layer, salt, threads) for layer in layers
                    for part in parts) & MASK
     total = torch.zeros((), dtype=torch.int64, device=device)
-    for layer in range(shard.num_layers):
+    for layer in layers:
         for half, values in enumerate(shard.gather_parts(layer, pages, num_tokens)):
             total = (total + _weighted_sum(values, _seed(salt, layer, half), positions,
                                            head_ids)) & MASK  # one sync
     return total
 
 
-def _set_checksums(kv_cache: KVCache, page_ids: list[int], num_tokens: int, first_page: int,
-                   salt: int, replica_sets: list[list[int]]) -> list[float]:
+def _set_sums(kv_cache: KVCache, page_ids: list[int], num_tokens: int, first_page: int,
+              salt: int, replica_sets: list[list[int]], layers: range | None) -> list[int]:
     pages = torch.tensor(page_ids[first_page:], dtype=torch.int64, device=kv_cache.device)
     first_position = first_page * kv_cache.page_size
     num_tokens = max(0, num_tokens - first_position)
     sharding, shards = kv_cache.sharding, kv_cache.shards
-    sums = [sum(_rank_sum(shards[rank], sharding.heads_of(rank), pages, num_tokens,
-                          first_position, salt) for rank in replica_set) & MASK
+    layers = range(kv_cache.num_layers) if layers is None else layers
+    return [int(sum(_rank_sum(shards[rank], sharding.heads_of(rank), pages, num_tokens,
+                              first_position, salt, layers) for rank in replica_set) & MASK)
             for replica_set in replica_sets]
-    return [float(s) for s in sums]
 
 
 def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
@@ -203,24 +204,37 @@ def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
     0.0
     """
     first_set = kv_cache.sharding.replica_sets()[:1]
-    return _set_checksums(kv_cache, page_ids, num_tokens, first_page, salt, first_set)[0]
+    return float(_set_sums(kv_cache, page_ids, num_tokens, first_page, salt, first_set,
+                           None)[0])
 
 
 def replica_checksums(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
                       first_page: int = 0, salt: int = 0) -> list[float]:
     """`kv_checksum` of each replica set's copy (`Sharding.replica_sets`), in order. Every
     rank is in one set, so together they read every copy of every head."""
-    return _set_checksums(kv_cache, page_ids, num_tokens, first_page, salt,
-                          kv_cache.sharding.replica_sets())
+    return [float(s) for s in replica_sums(kv_cache, page_ids, num_tokens, first_page, salt)]
+
+
+def replica_sums(kv_cache: KVCache, page_ids: list[int], num_tokens: int, first_page: int = 0,
+                 salt: int = 0, layers: range | None = None) -> list[int]:
+    """`replica_checksums` as integers mod 2^52, over `layers` only (None: all). The checksum
+    is a sum over layers, so a decoder adds the sums of a request's body (every layer but the
+    last), taken when the body landed, to its last layer's (X8d)."""
+    return _set_sums(kv_cache, page_ids, num_tokens, first_page, salt,
+                     kv_cache.sharding.replica_sets(), layers)
 
 
 def agreed_kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
                        first_page: int = 0, salt: int = 0) -> float:
     """The checksum every replica set agrees on, or NaN (which equals no prefiller's) if one
     differs: a decoder's check of every rank's copy, not only of each head's first holder."""
-    sums = replica_checksums(kv_cache, page_ids, num_tokens, first_page, salt)
+    return agreed(kv_cache, replica_sums(kv_cache, page_ids, num_tokens, first_page, salt))
+
+
+def agreed(kv_cache: KVCache, sums: list[int]) -> float:
+    """The value of `replica_sums` every set agrees on, or NaN if one differs."""
     if any(s != sums[0] for s in sums):
         logger.warning("KV copies disagree: checksums %s of replica sets %s", sums,
                        kv_cache.sharding.replica_sets())
         return float("nan")
-    return sums[0]
+    return float(sums[0])

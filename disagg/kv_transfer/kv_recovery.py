@@ -6,7 +6,8 @@ handed to the `PageQuarantine` with a `Verdict`: retried (`WAITING_FOR_KV` again
 aborted. Its pages wait there until no write of it can still land (the counted fence of
 `quarantine.py`), and only then is the verdict carried out (`released`). Paths here:
 - a deadline passes: cancel at the prefiller, retry once (`check_deadlines`);
-- the prefiller gives up or confirms a cancel (`on_kv_failed`): its `writes_posted` is the fence;
+- the prefiller gives up or confirms a cancel (`on_kv_failed`): the writes it posted under each
+  of the request's immediates are the fence;
 - a cancel is never confirmed: quarantine with a grace period;
 - the prefiller dies (`prefiller_gone`): every request it held, with a grace period, then
   retried on another prefiller while one is alive, or failed;
@@ -87,7 +88,7 @@ class KVRecovery:
 
     def on_kv_failed(self, message: KVFailed) -> None:
         """The prefiller gave up on (or was told to drop) a request; nothing of it is in flight
-        there, and `writes_posted` of its writes were sent: that count is the fence."""
+        there, and the writes it posted under each immediate are the fence."""
         pending = self._pending.get(message.request_id)
         if pending is None:
             return  # already handled (e.g. the counter fired first)
@@ -96,8 +97,9 @@ class KVRecovery:
         verdict = pending.cancel or self.verdict(
             pending.request, message.cause, f"prefiller: {message.reason}",
             retry=message.cause is FailureCause.WRITE_FAILED)
-        posted = message.writes_posted if message.writes_posted >= 0 else None
-        self._hold(pending, posted, verdict, self.reliability.quarantine_timeout_s)
+        posted = (message.writes_posted, message.tail_writes_posted)
+        self._hold(pending, posted if min(posted) >= 0 else None, verdict,
+                   self.reliability.quarantine_timeout_s)
 
     def prefiller_gone(self, index: int, reason: str) -> None:
         """A prefiller died or stopped answering: hold its requests' pages for a grace period,
@@ -134,8 +136,8 @@ class KVRecovery:
         if not self._pool.send(pending.prefiller, Cancel(pending.request.request_id)):
             self.prefiller_gone(pending.prefiller, "unreachable")
 
-    def _hold(self, pending: PendingKV, writes_posted: int | None, verdict: Verdict,
-              grace_s: float) -> None:
+    def _hold(self, pending: PendingKV, writes_posted: tuple[int, int] | None,
+              verdict: Verdict, grace_s: float) -> None:
         self._pending.forget(pending)
-        self.quarantine.hold(pending.request, pending.imm, writes_posted, verdict, grace_s,
-                             expected_writes=pending.expected_writes)
+        self.quarantine.hold(pending.request, pending.imms, writes_posted, verdict, grace_s,
+                             expected_writes=pending.armed)

@@ -6,7 +6,7 @@ request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter
 after each layer's attention output projection; a `CounterPoller` thread sees every bump and,
 for that layer, posts the writes of every planned request at once, while the forward moves on
 (S3b): one paged write per decoder and rank pair, each page carrying its request's immediate
-(`forward_writes`). So layer l's KV is on the wire while layer l + 1 computes, and after the
+(`forward_writes`; the last layer's pages carry the request's tail immediate, S4c). So layer l's KV is on the wire while layer l + 1 computes, and after the
 forward only the last layer's writes are left. `wait_posted` is the engine thread's barrier:
 the forward returned, and every one of its bumps has been handled.
 
@@ -133,12 +133,13 @@ class LayerStreamer:
                 self._lock.notify_all()
 
     def _paged_write(self, merged: PeerWrite, layer: int) -> PagedWrite:
-        """`merged`'s writes at `layer`'s offsets, each page with its request's immediate."""
+        """`merged`'s writes at `layer`'s offsets, each page with its request's immediate
+        (the tail's in the last layer)."""
         shape, peer = merged.shape, merged.peer
         return PagedWrite(self._kv[shape.src_rank].region, merged.src_offsets, 1,
                           layer * self._layer_nbytes, peer.kv[shape.dst_rank],
                           merged.dst_offsets, 1, layer * peer.layer_nbytes, shape.nbytes, None,
-                          shape.domains, imms=merged.imms)
+                          shape.domains, imms=merged.imms_of(layer, self.num_layers))
 
     def _layer_zero(self, merged: PeerWrite) -> PagedWrite | None:
         """Engine thread: `merged` checked once, at layer 0; a layer then moves its offsets
@@ -158,8 +159,9 @@ class LayerStreamer:
         posted = time.time()  # the layer_writes span runs from here to completion
         try:
             if write is merged and layer_zero is not None:
+                tail = merged.tail_imms if layer == self.num_layers - 1 else None
                 paged = layer_zero.at(layer * self._layer_nbytes,
-                                      layer * merged.peer.layer_nbytes)
+                                      layer * merged.peer.layer_nbytes, imms=tail)
             else:
                 paged = self._paged_write(write, layer)
             self._transport.post_paged_writes(
@@ -172,11 +174,12 @@ class LayerStreamer:
 
     def _layer_done(self, members: list[Member], layer: int, posted: float) -> None:
         end = time.time()
+        tail = layer == self.num_layers - 1  # counted under the tail's immediate
         for m in members:
             self._tracer.complete("layer_writes", posted, end, parent=m.outgoing.traceparent,
                                   layer=layer, writes=m.write.num_writes,
                                   request_id=m.outgoing.request_id)
-            m.outgoing.write_done(None, m.write.num_writes)
+            m.outgoing.write_done(None, m.write.num_writes, tail=tail)
 
     @staticmethod
     def _layer_failed(members: list[Member], error: BaseException) -> None:

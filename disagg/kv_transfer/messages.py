@@ -76,10 +76,14 @@ class KVRequest(Message):
 
     TYPE: ClassVar[int] = 4
     BOUNDS: ClassVar[dict[str, Bounds]] = {
-        "imm": U32, "prompt_token_ids": NATURAL, "dst_page_ids": NATURAL,
+        "imm": U32, "tail_imm": U32, "prompt_token_ids": NATURAL, "dst_page_ids": NATURAL,
         "context_slot": NATURAL, "num_cached_tokens": NATURAL, "attempt": POSITIVE, "nonce": U64}
     request_id: str
-    imm: int  # carried by every write of this request; the decoder counts it (S4c)
+    # The decoder counts the request's writes under two values (S4c): `imm` for its pages in
+    # every layer but the last (the body, checked while the last layer is computed), `tail_imm`
+    # for the last layer's pages, a draft head's and the context slot.
+    imm: int
+    tail_imm: int
     prompt_token_ids: list[int]  # the whole prompt; the prefiller computes all but the last
     dst_page_ids: list[int]  # one per page of the prefilled tokens, the held ones included
     context_slot: int
@@ -97,17 +101,20 @@ class KVFailed(Message):
     """Prefiller -> decoder: this request's KV will not (all) arrive.
 
     Sent only once the prefiller has no write of the request in flight. `writes_posted` is how
-    many of its writes completed at the sender: once the decoder has counted that many arrivals,
-    no write of the request can still land, and its pages may be reused (the counted fence).
-    -1 means the prefiller does not know the request.
+    many of its writes under `imm` completed at the sender, `tail_writes_posted` under
+    `tail_imm`: once the decoder has counted that many arrivals of each, no write of the
+    request can still land, and its pages may be reused (the counted fence). -1 means the
+    prefiller does not know the request (or what landed).
     """
 
     TYPE: ClassVar[int] = 5
-    BOUNDS: ClassVar[dict[str, Bounds]] = {"writes_posted": (-1, None)}
+    BOUNDS: ClassVar[dict[str, Bounds]] = {"writes_posted": (-1, None),
+                                           "tail_writes_posted": (-1, None)}
     request_id: str
     cause: FailureCause
     reason: str
     writes_posted: int = -1
+    tail_writes_posted: int = -1
 
 
 @register

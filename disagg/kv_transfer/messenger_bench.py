@@ -148,7 +148,10 @@ class _Sender:
         page_nbytes, b = self.shape.region_shape[2], self.shape.write_bytes
         plan = [PageWrite(0, w * b, 0, w * b, b) for w in range(self.shape.page_writes)]
         receiver = SimpleNamespace(peer_id="receiver")
+        # One value per request for every layer (the receiver counts a request under one):
+        # the streamer's last layer only swaps in other values of the same shape.
         chunks = [SimpleNamespace(outgoing=SimpleNamespace(imm=IMMS["messenger"] + r,
+                                                           tail_imm=IMMS["messenger"] + r,
                                                            peer=receiver),
                                   writes=layer_writes(plan, src_ids, dst_ids, page_nbytes,
                                                       page_nbytes))

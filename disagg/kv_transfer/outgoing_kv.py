@@ -2,7 +2,9 @@
 (S2b, S4b).
 
 Every write call posted for the request is begun here (`begin_write`) and ends here
-(`write_done`, on the transfer engine's thread). The record ends exactly once: when it has
+(`write_done`, on the transfer engine's thread), counted under the immediate it carried: the
+body's (`imm`, every layer but the last) or the tail's (`tail_imm`: the last layer, the draft
+pages and the context, S4c). The record ends exactly once: when it has
 been fully posted (`all_posted`) or stopped, and no write is in flight, because until then the
 NIC may still read its source pages. Its end is handed to `on_end` (the messenger's queue for
 the engine thread, which frees the pages). A failure is recorded once: the first cause is the
@@ -33,7 +35,8 @@ class OutgoingKV:
     request_id: str  # as the decoder named it
     request: Request
     peer: DecoderPeer
-    imm: int
+    imm: int  # carried by its pages in every layer but the last
+    tail_imm: int  # ... in the last layer, and by its draft pages and context slot
     dst_page_ids: list[int]
     context_slot: int
     page_writes: list[PageWrite]  # how every page of every layer is written (S6)
@@ -41,7 +44,9 @@ class OutgoingKV:
     nonce: int = 0  # the decoder's, packed next to the KV checksum (S5)
     num_held_pages: int = 0  # leading pages the decoder holds already (its prefix cache)
     num_planned_pages: int = 0  # pages below this one are held there or planned here
-    writes_ok: int = 0  # writes completed at the sender (the fence a decoder waits for)
+    # Writes completed at the sender under `imm` and `tail_imm`: the fence a decoder waits for.
+    writes_ok: int = 0
+    tail_writes_ok: int = 0
     writes_unknown: bool = False  # a failed call may have placed some of its writes
     error: str | None = None  # what went wrong, for logs and the decoder
     cause: FailureCause | None = None  # ... and why, as the decoder's metrics count it
@@ -72,12 +77,16 @@ class OutgoingKV:
             self._in_flight += 1
             return True
 
-    def write_done(self, error: BaseException | None, writes: int = 0) -> None:
-        """A write call completed (`writes` writes landed when it succeeded) or failed."""
+    def write_done(self, error: BaseException | None, writes: int = 0, *,
+                   tail: bool = False) -> None:
+        """A write call completed (`writes` writes landed when it succeeded, under `tail_imm`
+        if `tail`, else under `imm`) or failed."""
         with self._lock:
             self._in_flight -= 1
             self.done_at = time.time()
-            if error is None:
+            if error is None and tail:
+                self.tail_writes_ok += writes
+            elif error is None:
                 self.writes_ok += writes
             else:
                 self.writes_unknown = True
@@ -98,9 +107,10 @@ class OutgoingKV:
             self._end_if_done()
 
     @property
-    def writes_posted(self) -> int:
-        """What the decoder may count on as this request's fence: -1 when unknown."""
-        return -1 if self.writes_unknown else self.writes_ok
+    def writes_posted(self) -> tuple[int, int]:
+        """What the decoder may count on as this request's fence, under `imm` and `tail_imm`:
+        -1 each when unknown."""
+        return (-1, -1) if self.writes_unknown else (self.writes_ok, self.tail_writes_ok)
 
     def _fail(self, cause: FailureCause, reason: str) -> None:
         if self.error is None:

@@ -1,22 +1,24 @@
 """The decoder's record of one request waiting for its KV, and the table of them (S2a, S4c).
 
-`PendingKV` owns what the request waits for: the immediate value every write of it carries,
-the number of writes that make it complete (pages x layers x writes per page, plus the context
-slot, S4c, S6b), the deadline by which they must have landed, the nonce its context slot must
-carry back (S5), and, once given up on, what becomes of it after the prefiller confirms the
-cancel. `PendingTable` holds the records and gives back what each holds (its prefiller's
+`PendingKV` owns what the request waits for: the two immediate values its writes carry and how
+many writes land under each (its pages in every layer but the last under `imm`, the body; the
+last layer's, a draft head's and the context slot under `tail_imm`, the tail: S4c, S6b), the
+checksum of the body once it landed (summed while the tail is still on its way, X8d), the
+deadline by which it all must have landed, the nonce its context slot must carry back (S5),
+and, once given up on, what becomes of it after the prefiller confirms the cancel. `PendingTable` holds the records and gives back what each holds (its prefiller's
 load, its context slot) when it leaves. `Outcome` is what became of a request in one poll.
 """
 
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.kv_transfer.context_slot import LandingSlots
 from disagg.kv_transfer.prefiller_pool import PrefillerPool
 from disagg.kv_transfer.quarantine import Verdict
+from disagg.kv_transfer.transfer_plan import ExpectedWrites
 
 
 @dataclass
@@ -24,15 +26,37 @@ class PendingKV:
     """A request waiting for its KV: the decoder-side transfer context."""
 
     request: Request
-    imm: int
+    imm: int  # the body's writes carry it
+    tail_imm: int  # the tail's writes carry it
     context_slot: int
-    expected_writes: int
+    expected: ExpectedWrites
     prefiller: int  # index in the prefiller pool
     nonce: int  # sent with the request; its context slot must carry it back (S5)
     started_at: float  # time.monotonic() when the prefiller was asked
     deadline: float  # time.monotonic() by which the KV must have arrived
     cancel: Verdict | None = None  # what happens once the Cancel sent is answered
     cancel_deadline: float = float("inf")  # by when the prefiller must have answered it
+    body_landed: bool = False  # the body's counter fired and the body was staged in
+    body_sums: list[int] = field(default_factory=list)  # its checksum per replica set
+    tail_landed: bool = False  # the tail's counter fired
+
+    @property
+    def imms(self) -> tuple[int, int]:
+        return self.imm, self.tail_imm
+
+    @property
+    def armed(self) -> tuple[int, int]:
+        """What each value's counter was armed for (0: not armed, nothing to count)."""
+        return self.expected.body, self.expected.tail
+
+    @property
+    def expected_writes(self) -> int:
+        return self.expected.total
+
+    @property
+    def landed(self) -> bool:
+        """Both counters fired (and the body was taken in): ready to be checked."""
+        return self.body_landed and self.tail_landed
 
     def overdue(self, now: float) -> bool:
         """Still awaited past its deadline (a request being cancelled is not)."""
@@ -104,7 +128,7 @@ class PendingTable:
 
     def uses_imm(self, imm: int) -> bool:
         """Whether a waiting request carries immediate value `imm`."""
-        return any(p.imm == imm for p in self._by_id.values())
+        return any(imm in p.imms for p in self._by_id.values())
 
     def values(self) -> list[PendingKV]:
         """A snapshot of the records (safe to change the table while iterating it)."""

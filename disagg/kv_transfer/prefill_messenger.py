@@ -95,7 +95,8 @@ class PrefillMessenger:
         self._in_flight: dict[str, OutgoingKV] = {}  # by key; the engine thread's alone
         self._forward_started = 0.0  # wall clock of the forward under way, for its spans
         self._ended: queue.SimpleQueue[OutgoingKV] = queue.SimpleQueue()
-        self._ended_writes: OrderedDict[str, int] = OrderedDict()  # for a late Cancel
+        # Writes completed under each immediate of ended requests, for a late Cancel.
+        self._ended_writes: OrderedDict[str, tuple[int, int]] = OrderedDict()
         self.recent: deque[OutgoingKV] = deque(maxlen=64)  # ended requests, for tools
         self._wake = wake  # the node's "something happened" bell
         # The latest handshake per decoder engine address, and the lock that orders a
@@ -166,7 +167,8 @@ class PrefillMessenger:
         page_writes = plan_request(self.kv_cache.sharding, peer.sharding,
                                    PageGeometry.of(self.kv_cache), self._rng, self._rank_domains)
         self._in_flight[key] = OutgoingKV(
-            key, message.request_id, request, peer, message.imm, list(message.dst_page_ids),
+            key, message.request_id, request, peer, message.imm, message.tail_imm,
+            list(message.dst_page_ids),
             message.context_slot, page_writes, self._on_end, nonce=message.nonce,
             num_held_pages=held, num_planned_pages=held, received_at=time.time(),
             kv_sum=(RunningChecksum.from_token(held * self.kv_cache.page_size)
@@ -185,7 +187,7 @@ class PrefillMessenger:
         # Ended already (its counter should have fired: a lost immediate?) or unknown.
         self._tell(peer, KVFailed(request_id, FailureCause.CANCELLED,
                                   "not in flight at the prefiller",
-                                  self._ended_writes.get(key, -1)))
+                                  *self._ended_writes.get(key, (-1, -1))))
 
     def fail_peer(self, peer: DecoderPeer, reason: str) -> None:
         """The decoder is gone: nothing more is written to it, what is queued for it is
@@ -289,14 +291,14 @@ class PrefillMessenger:
                 logger.warning("request %s failed: %s", outgoing.key, outgoing.error)
                 assert outgoing.cause is not None, "a failed request names its cause"
                 self._tell(outgoing.peer, KVFailed(outgoing.request_id, outgoing.cause,
-                                                   outgoing.error, outgoing.writes_posted))
+                                                   outgoing.error, *outgoing.writes_posted))
             ended.append(outgoing)
         return ended
 
     def _remember(self, outgoing: OutgoingKV) -> None:
         self.stats.add(requests=1)
         self.recent.append(outgoing)
-        self._ended_writes[outgoing.key] = outgoing.writes_ok
+        self._ended_writes[outgoing.key] = outgoing.writes_posted
         while len(self._ended_writes) > FORGET_AFTER:
             self._ended_writes.popitem(last=False)
 

@@ -4,20 +4,23 @@ A request the decoder gives up on (deadline, client abort, failed or dead prefil
 have writes in flight towards its pages. Reusing those pages for another request would let a
 late write corrupt it and decode garbage with a success status. So the pages wait here.
 
-NOTE (the counted fence). Every write of a request carries its immediate value, and the
-prefiller answers a cancellation only once none of its writes is in flight, telling how many
-completed (`KVFailed.writes_posted`). When the decoder has counted that many arrivals of the
-immediate, no write of the request can still land: the pages are released. When the number is
+NOTE (the counted fence). Every write of a request carries one of its two immediate values
+(the body's or the tail's, S4c), and the prefiller answers a cancellation only once none of its
+writes is in flight, telling how many completed under each (`KVFailed.writes_posted`,
+`tail_writes_posted`). When the decoder has counted that many arrivals of each value, no write
+of the request can still land: the pages are released. When the number is
 unknown (the prefiller died, or lost track) the pages are held for a grace period instead; a
 fence that is never reached (a lost immediate) is released at a deadline, with a warning.
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import queue
 import time
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 
 from disagg.engine.page_allocator import PageAllocator
 from disagg.engine.request import FailureCause, Request, RequestState
@@ -50,11 +53,16 @@ class Quarantined:
 
     request: Request
     page_ids: list[int]
-    imm: int
+    imms: tuple[int, ...]
     release_at: float  # time.monotonic(): release even if the fence was not reached
     verdict: Verdict
     fence_known: bool  # False: the writes posted are unknown, a grace period stands in
-    fenced: bool = False
+    unfenced: set[int] = field(default_factory=set)  # values whose fence is still armed
+
+    @property
+    def fenced(self) -> bool:
+        """Every value's fence was reached."""
+        return self.fence_known and not self.unfenced
 
 
 class PageQuarantine:
@@ -65,44 +73,49 @@ class PageQuarantine:
         self.transfer = transfer
         self.allocator = allocator
         self.timeout_s = timeout_s
-        self._held: dict[int, Quarantined] = {}  # by imm
+        self._held: dict[int, Quarantined] = {}  # by each of its imms
         self._fenced: queue.SimpleQueue[int] = queue.SimpleQueue()
         self.forced_releases = 0  # fences never reached: the lost-immediate case
 
     def __len__(self) -> int:
-        return len(self._held)
+        return len({id(entry) for entry in self._held.values()})
 
     def __contains__(self, imm: object) -> bool:
         """Whether a request with immediate value `imm` is held here (its value is in use)."""
         return imm in self._held
 
-    def hold(self, request: Request, imm: int, writes_posted: int | None, verdict: Verdict,
-             grace_s: float = 0.0, expected_writes: int = 0) -> None:
+    def hold(self, request: Request, imms: Sequence[int], writes_posted: Sequence[int] | None,
+             verdict: Verdict, grace_s: float = 0.0,
+             expected_writes: Sequence[int] = ()) -> None:
         """Take over `request`'s pinned pages (and free the others, prefix-cache hits); its
-        counter for `imm` becomes the fence.
+        counter for each value of `imms` becomes a fence, and the pages wait for all of them.
 
-        `writes_posted` None: unknown, hold for `grace_s` (a dead peer's bytes in flight).
-        `expected_writes`: what the request's counter was armed for. A counter that is gone
-        has fired (nothing else removes it), consuming that many arrivals: they count too.
+        `writes_posted`: the writes that completed under each value; None: unknown, hold for
+        `grace_s` (a dead peer's bytes in flight). `expected_writes`: what each counter was
+        armed for (0: none was). A counter that is gone has fired (nothing else removes it),
+        consuming that many arrivals: they count too.
         """
-        armed = self.transfer.remove_imm_count(imm)
-        counted = expected_writes if armed is None else armed[0]
+        counted = []
+        for imm, expected in itertools.zip_longest(imms, expected_writes, fillvalue=0):
+            armed = self.transfer.remove_imm_count(imm)
+            counted.append(expected if armed is None else armed[0])
         now = time.monotonic()
         known = writes_posted is not None
         # Pages from the prefix cache are never written by a prefiller: they go back at once.
         pinned = [p for p in request.page_ids if self.allocator.is_pinned(p)]
         self.allocator.free([p for p in request.page_ids if not self.allocator.is_pinned(p)])
-        entry = Quarantined(request, pinned, imm, now + (self.timeout_s if known else grace_s),
-                            verdict, known)
+        entry = Quarantined(request, pinned, tuple(imms),
+                            now + (self.timeout_s if known else grace_s), verdict, known)
         request.page_ids, request.page_digests = [], []
-        self._held[imm] = entry
+        for imm in imms:
+            self._held[imm] = entry
         if writes_posted is None:
             return
-        remaining = writes_posted - counted
-        if remaining <= 0:
-            entry.fenced = True
-        else:
-            self.transfer.expect_imm_count(imm, remaining, lambda: self._fenced.put(imm))
+        for imm, posted, seen in zip(imms, writes_posted, counted, strict=True):
+            if posted > seen:
+                entry.unfenced.add(imm)
+                self.transfer.expect_imm_count(imm, posted - seen,
+                                               lambda imm=imm: self._fenced.put(imm))
 
     def release_due(self) -> list[Quarantined]:
         """Free the pages whose fence fired or whose time is up; returns those entries."""
@@ -112,13 +125,16 @@ class PageQuarantine:
             except queue.Empty:
                 break
             if imm in self._held:
-                self._held[imm].fenced = True
+                self._held[imm].unfenced.discard(imm)
         now = time.monotonic()
-        released = [e for e in self._held.values() if e.fenced or now >= e.release_at]
+        released = list({id(e): e for e in self._held.values()
+                         if e.fenced or now >= e.release_at}.values())
         for entry in released:
-            del self._held[entry.imm]
+            for imm in entry.imms:
+                del self._held[imm]
             if not entry.fenced:
-                self.transfer.remove_imm_count(entry.imm)
+                for imm in entry.imms:  # a fence still armed, or arrivals nobody counts on
+                    self.transfer.remove_imm_count(imm)
                 if entry.fence_known:
                     self.forced_releases += 1
                     logger.warning("fence of %s never reached (a lost immediate?): pages "

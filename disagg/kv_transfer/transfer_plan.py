@@ -4,7 +4,9 @@ X2b).
 A page is written once, when it is complete: either all its tokens are computed, or it holds
 the last prefilled token. So the number of writes depends only on the prompt length, never on
 how the prefiller chunked it, and the decoder can compute its expected count up front.
-Writes per request = pages of the prefilled tokens x layers + one context write (S4a, S8).
+Writes per request = pages of the prefilled tokens x layers + one context write (S4a, S8),
+counted under two immediate values: the body (every layer but the last) and the tail (the last
+layer and the context), so a decoder can check the body while the tail is still computed.
 With prefix caching the decoder says how many leading tokens (whole pages) it holds already;
 those pages are never written, and the count drops by them. Pages the prefiller found in its
 own cache are sent with the request's first chunk, as complete pages.
@@ -65,6 +67,39 @@ def pages_to_send(num_sent: int, start: int, end: int, num_prefill_tokens: int,
                                                     page_size).stop)
 
 
+@dataclass(frozen=True, slots=True)
+class ExpectedWrites:
+    """A request's writes under each of its two immediates (S4c, X8d): `body`, its pages in
+    every layer but the last; `tail`, its pages in the last layer plus what follows the forward
+    (the context slot; a draft head's pages, added by the decoder that wants them)."""
+
+    body: int
+    tail: int
+
+    @property
+    def total(self) -> int:
+        return self.body + self.tail
+
+    def plus_tail(self, writes: int) -> ExpectedWrites:
+        """With `writes` more in the tail."""
+        return ExpectedWrites(self.body, self.tail + writes)
+
+
+def expected_writes(num_prompt_tokens: int, page_size: int, num_layers: int,
+                    page_writes: int = 1, num_cached_tokens: int = 0) -> ExpectedWrites:
+    """`expected_write_count`, split between the body and the tail.
+
+    >>> expected_writes(num_prompt_tokens=33, page_size=16, num_layers=30)  # 2 pages
+    ExpectedWrites(body=58, tail=3)
+    """
+    num_prefill_tokens = num_prompt_tokens - 1
+    if num_prefill_tokens <= num_cached_tokens:
+        return ExpectedWrites(0, 0)
+    pages = num_pages(num_prefill_tokens, page_size) - num_cached_tokens // page_size
+    return ExpectedWrites(pages * (num_layers - 1) * page_writes,
+                          pages * page_writes + CONTEXT_WRITES)
+
+
 def expected_write_count(num_prompt_tokens: int, page_size: int, num_layers: int,
                          page_writes: int = 1, num_cached_tokens: int = 0) -> int:
     """Writes a decoder counts before a request is ready: the prefill covers every prompt
@@ -77,11 +112,8 @@ def expected_write_count(num_prompt_tokens: int, page_size: int, num_layers: int
     >>> expected_write_count(33, 16, 30, num_cached_tokens=16)  # the first page is held
     31
     """
-    num_prefill_tokens = num_prompt_tokens - 1
-    if num_prefill_tokens <= num_cached_tokens:
-        return 0
-    pages = num_pages(num_prefill_tokens, page_size) - num_cached_tokens // page_size
-    return pages * num_layers * page_writes + CONTEXT_WRITES
+    return expected_writes(num_prompt_tokens, page_size, num_layers, page_writes,
+                           num_cached_tokens).total
 
 
 # Sharded transfers (S6, S7): which bytes of a page go from which source rank to which

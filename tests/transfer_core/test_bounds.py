@@ -132,6 +132,20 @@ def test_a_moved_write_shares_its_checked_pages(regions: Regions) -> None:
     assert (write.src_offset, write.dst_offset) == (0, PAGE)  # the original is unchanged
 
 
+def test_a_moved_write_can_carry_other_immediates(regions: Regions) -> None:
+    """`at(..., imms=)` keeps the pages and takes other per-page values, checked as when a
+    write is made; a write with one value for every page takes none."""
+    src, dst = regions
+    write = PagedWrite(src, [3, 1], PAGE, 0, dst, [0, 2], PAGE, 0, PAGE, None, imms=[7, 9])
+    moved = write.at(PAGE, PAGE, imms=[11, 13])
+    assert moved.imms.tolist() == [11, 13] and write.imms.tolist() == [7, 9]
+    assert moved.src_page_ids is write.src_page_ids
+    with pytest.raises(ValueError, match="imms has 1 values for 2 pages"):
+        write.at(0, 0, imms=[11])
+    with pytest.raises(ValueError, match="per-page imms"):
+        PagedWrite(src, [0], PAGE, 0, dst, [0], PAGE, 0, PAGE, 5).at(0, 0, imms=[6])
+
+
 @pytest.mark.parametrize("side", ["src", "dst"])
 def test_a_write_moved_out_of_its_region_is_refused(regions: Regions, side: str) -> None:
     """Moved so that its highest page passes the region's end, a write raises BoundsError

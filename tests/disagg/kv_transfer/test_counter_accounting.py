@@ -1,17 +1,20 @@
-"""The decoder's immediate counter fires on exactly the request's last write (S4c, S6b).
+"""The decoder's immediate counters fire on exactly the request's planned writes (S4c, S6b).
 
-No message says "done": the decoder arms a counter for the writes it expects, pages x layers x
-writes per page + 1 context write, and the prefiller must send exactly that many. Here the
-decoder's transfer engine is watched where the counter is armed and where it fires: when the
-ready callback runs, every write the plan names has landed and none more, and once the request
-has ended no further write lands for it. A decoder that armed one write too few (it would
-decode before the context landed), or a prefiller that sent one too many or too few, fails.
+No message says "done": the decoder arms two counters for the writes it expects, the body's
+(pages x every layer but the last x writes per page) and the tail's (pages x the last layer x
+writes per page + 1 context write), and the prefiller must send exactly that many under each
+value. Here the decoder's transfer engine is watched where the counters are armed and where
+they fire: when a counter's callback runs, every write of its part the plan names has landed
+and none more, and once the request has ended no further write lands for it. A decoder that
+armed one write too few (it would decode before the context landed), or a prefiller that sent
+one too many or too few, or the last layer under the body's value, fails.
 The TP cases split one side's KV over two in-process shards (`sharded_stand_in`), so a page
 costs several writes.
 """
 
 from __future__ import annotations
 
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field
 
@@ -26,24 +29,20 @@ from tests.disagg.kv_transfer.messenger_harness import (
     single_node_tokens,
     tiny_model,
 )
+from transfer_core.imm_counter import ImmBatch
 from transfer_core.testing.loopback import LoopbackEngine
 
 # A missing write shows as a missed deadline, quickly; a whole request takes milliseconds.
 QUICK = ReliabilityConfig(kv_timeout_s=2.0, quarantine_timeout_s=0.5, max_attempts=1)
 
 
-def imms_landed(transfer: LoopbackEngine) -> int:
-    """Immediates (one per write) that have landed on any of the engine's domains."""
-    return sum(s.imms_received for s in transfer.stats())
-
-
 @dataclass
 class CounterWatch:
-    """For each immediate armed on a transfer engine: writes landed by then, and since then
-    when its counter fired."""
+    """Arrivals of each immediate value on a transfer engine (seen before they are counted),
+    and for each counter armed there, the arrivals of its value when it fired."""
 
     transfer: LoopbackEngine
-    landed_before: dict[int, int] = field(default_factory=dict)
+    arrivals: Counter[int] = field(default_factory=Counter)
     landed_at_fire: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
@@ -51,17 +50,18 @@ class CounterWatch:
 
         def expect_imm_count(imm: int, count: int, on_reached: Callable[[], None]
                              ) -> tuple[int, int] | None:
-            self.landed_before[imm] = imms_landed(self.transfer)
-
             def reached() -> None:
-                self.landed_at_fire[imm] = self.landed_since_armed(imm)
+                self.landed_at_fire[imm] = self.arrivals[imm]
                 on_reached()
             return arm(imm, count, reached)
 
-        self.transfer.expect_imm_count = expect_imm_count  # type: ignore[method-assign]
+        def tap(batch: ImmBatch) -> ImmBatch:
+            for imm, n in batch:
+                self.arrivals[imm] += n
+            return batch
 
-    def landed_since_armed(self, imm: int) -> int:
-        return imms_landed(self.transfer) - self.landed_before[imm]
+        self.transfer.tap_imms(tap)
+        self.transfer.expect_imm_count = expect_imm_count  # type: ignore[method-assign]
 
 
 @pytest.mark.parametrize(("prefill_tp", "decode_tp", "kv_layout", "writes_per_page"), [
@@ -72,24 +72,27 @@ class CounterWatch:
 def test_the_counter_fires_on_exactly_the_planned_writes(
         make_harness: MakeHarness, prefill_tp: int, decode_tp: int, kv_layout: str,
         writes_per_page: int) -> None:
-    """A 10-token prompt (9 prefilled: 3 pages in 2 chunks): when the decoder's counter fires,
-    3 pages x 2 layers x writes per page + 1 context write have landed, none more; after the
-    request ends nothing else lands for it, and it decodes the single-node tokens."""
+    """A 10-token prompt (9 prefilled: 3 pages in 2 chunks): when the body's counter fires, 3
+    pages x (2 - 1) layers x writes per page have landed under its value, and when the tail's
+    fires, 3 pages x 1 layer x writes per page + 1 context write under the tail's; none more
+    after the request ends, and it decodes the single-node tokens."""
     h = make_harness(prefill_tp=prefill_tp, decode_tp=decode_tp, kv_layout=kv_layout,
                      reliability=QUICK)
     watch = CounterWatch(h.decode_transfer)
     prompt = random_prompt(10, seed=7)
-    planned = 3 * tiny_model().config.num_layers * writes_per_page + 1
+    num_layers = tiny_model().config.num_layers
     assert CACHE.page_size == 4  # 9 prefilled tokens: 3 pages
     request = h.submit(prompt)
+    pending = h.decode.pending["r0"]
+    planned = {pending.imm: 3 * (num_layers - 1) * writes_per_page,
+               pending.tail_imm: 3 * writes_per_page + 1}
     h.run_to_end(request)
-    (imm,) = watch.landed_before
-    assert watch.landed_at_fire == {imm: planned}, (
-        f"the counter fired with {watch.landed_at_fire.get(imm)} of {planned} planned writes "
-        "landed" if watch.landed_at_fire else f"the counter never fired ({planned} planned)")
+    assert watch.landed_at_fire == planned, (
+        f"the counters fired with {watch.landed_at_fire} of {planned} planned writes landed")
     assert h.fabric.quiesce(5.0)
-    assert watch.landed_since_armed(imm) == planned, "writes landed after the counter fired"
-    assert (h.decode_transfer.imm_counted(imm), h.decode_transfer.dropped_imms) == (0, 0)
+    assert dict(watch.arrivals) == planned, "writes landed after a counter fired"
+    assert h.decode_transfer.dropped_imms == 0
+    assert [h.decode_transfer.imm_counted(imm) for imm in planned] == [0, 0]
     assert request.state is RequestState.FINISHED_LENGTH
     assert request.output_token_ids == single_node_tokens(prompt)
     h.check_clean()

@@ -12,7 +12,8 @@ import pytest
 from disagg.config import ReliabilityConfig
 from disagg.engine.request import FailureCause, RequestState
 from disagg.kv_transfer.messages import Cancel, KVFailed, KVRequest
-from disagg.kv_transfer.transfer_plan import expected_write_count
+from disagg.kv_transfer.transfer_plan import ExpectedWrites, expected_write_count
+from disagg.kv_transfer.transfer_plan import expected_writes as plan_writes
 from tests.disagg.kv_transfer.conftest import MakeHarness
 from tests.disagg.kv_transfer.messenger_harness import (
     CACHE,
@@ -34,6 +35,11 @@ PATIENT = ReliabilityConfig(quarantine_timeout_s=30.0)  # a fence must free page
 def expected_writes(prompt_len: int) -> int:
     """Page writes of every layer plus the context write, for the tiny model."""
     return expected_write_count(prompt_len, CACHE.page_size, tiny_model().config.num_layers)
+
+
+def split_writes(prompt_len: int) -> ExpectedWrites:
+    """`expected_writes` under the body's immediate and under the tail's."""
+    return plan_writes(prompt_len, CACHE.page_size, tiny_model().config.num_layers)
 
 
 def decoder_pages_in_use(h: Harness) -> int:
@@ -78,12 +84,12 @@ def test_lost_immediates_miss_the_deadline_and_the_retry_succeeds(
         make_harness: MakeHarness) -> None:
     """Every immediate of the first attempt is lost: its deadline cancels it, its pages wait in
     quarantine (the fence is never reached, so they go at the quarantine deadline) and the
-    retry, with a new immediate, decodes the right tokens."""
+    retry, with new immediates, decodes the right tokens."""
     h = make_harness(reliability=FAST)
     prompt = random_prompt(11, seed=1)
     request = h.submit(prompt)
-    first_imm = h.decode.pending["r0"].imm
-    h.decode_transfer.drop_imm(lambda imm: imm == first_imm)
+    first_imms = h.decode.pending["r0"].imms
+    h.decode_transfer.drop_imm(lambda imm: imm in first_imms)
     h.run_until(lambda: len(h.decode.quarantine) == 1)
     assert decoder_pages_in_use(h) == 3  # held, not reused, while writes might still land
     assert any(isinstance(m, Cancel) for m in h.to_prefiller)
@@ -119,7 +125,7 @@ def test_prefiller_failure_cause_reaches_the_outcome(make_harness: MakeHarness) 
     h.run_to_end(request)
     (failed,) = [m for m in h.to_decoder if isinstance(m, KVFailed)]
     assert failed.cause is FailureCause.LEASE_EXPIRED
-    assert 0 < failed.writes_posted < expected_writes(13)
+    assert 0 < failed.writes_posted + failed.tail_writes_posted < expected_writes(13)
     assert h.outcomes_of("r0") == [(FAILED, FailureCause.LEASE_EXPIRED)]
     assert h.prefill.stats["expired_leases"] == 1
     assert h.decode.quarantine.forced_releases == 0
@@ -134,7 +140,7 @@ def test_failure_cause_is_the_enum_not_the_reason_text(make_harness: MakeHarness
     request = h.submit(random_prompt(6, seed=5))
     (asked,) = receive_ready(h.prefill_channel, h.decode_channel)  # intercepted: the prefiller never starts it
     assert isinstance(asked, KVRequest)
-    h.prefill_channel.send(KVFailed("r0", cause, "deadline: KV checksum mismatch", 0))
+    h.prefill_channel.send(KVFailed("r0", cause, "deadline: KV checksum mismatch", 0, 0))
     h.run_to_end(request)
     outcome = h.outcomes[0]
     # A failed write is retried (then served), a refusal is final.
@@ -167,7 +173,9 @@ def test_abort_mid_transfer_holds_pages_until_written_ones_land(
     h.run_to_end(request, timeout_s=3.0)
     assert h.outcomes_of("r0") == [(ABORTED, FailureCause.ABORTED)]
     (failed,) = [m for m in h.to_decoder if isinstance(m, KVFailed)]
-    assert (failed.cause, failed.writes_posted) == (FailureCause.CANCELLED, 2)
+    # Page 0 in layer 0 (the body) and in layer 1 (the tiny model's last: the tail).
+    assert (failed.cause, failed.writes_posted, failed.tail_writes_posted) == (
+        FailureCause.CANCELLED, 1, 1)
     assert h.decode.quarantine.forced_releases == 0
     h.check_clean()
 
@@ -187,7 +195,8 @@ def test_abort_after_every_write_was_posted_frees_pages_at_the_fence(
     h.run_until(lambda: bool(h.to_decoder))
     (failed,) = h.to_decoder
     assert isinstance(failed, KVFailed)
-    assert (failed.cause, failed.writes_posted) == (FailureCause.CANCELLED, expected_writes(9))
+    assert (failed.cause, failed.writes_posted, failed.tail_writes_posted) == (
+        FailureCause.CANCELLED, split_writes(9).body, split_writes(9).tail)
     for _ in range(3):
         h.pump()
     assert h.decode.quarantine.forced_releases == 0

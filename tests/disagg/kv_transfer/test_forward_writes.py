@@ -26,7 +26,9 @@ QUICK = ReliabilityConfig(kv_timeout_s=2.0, quarantine_timeout_s=0.5, max_attemp
 
 
 def _chunk(imm: int, peer: Any, *writes: LayerWrite) -> Any:
-    return SimpleNamespace(outgoing=SimpleNamespace(imm=imm, peer=peer), writes=list(writes))
+    """A request's chunk whose tail immediate is its body's + 100."""
+    return SimpleNamespace(outgoing=SimpleNamespace(imm=imm, tail_imm=imm + 100, peer=peer),
+                           writes=list(writes))
 
 
 def _write(dst_rank: int, *offsets: int) -> LayerWrite:
@@ -35,7 +37,7 @@ def _write(dst_rank: int, *offsets: int) -> LayerWrite:
 
 def test_requests_merge_per_peer_and_rank_pair() -> None:
     """Two decoders, one of them with two ranks: three merged writes, each page carrying its
-    own request's immediate, in the order the requests came."""
+    own request's immediate (the tail's in the last layer), in the order the requests came."""
     d0, d1 = SimpleNamespace(peer_id="d0"), SimpleNamespace(peer_id="d1")
     chunks = [_chunk(5, d0, _write(0, 0, 8), _write(1, 16)), _chunk(6, d1, _write(0, 24)),
               _chunk(7, d0, _write(0, 32), _write(1, 40, 48))]
@@ -44,6 +46,9 @@ def test_requests_merge_per_peer_and_rank_pair() -> None:
             for m in merged] == [("d0", 0, [5, 5, 7], [0, 8, 32]),
                                  ("d0", 1, [5, 7, 7], [16, 40, 48]), ("d1", 0, [6], [24])]
     assert merged[0].dst_offsets.tolist() == [1000, 1008, 1032]
+    assert merged[0].tail_imms.tolist() == [105, 105, 107]
+    assert merged[0].imms_of(2, num_layers=3) is merged[0].tail_imms
+    assert merged[0].imms_of(1, num_layers=3) is merged[0].imms
 
 
 def test_a_stopped_request_drops_out_of_the_merged_write() -> None:
@@ -51,8 +56,8 @@ def test_a_stopped_request_drops_out_of_the_merged_write() -> None:
     (merged,) = forward_writes([_chunk(5, d0, _write(0, 0)), _chunk(6, d0, _write(0, 8, 16))])
     live = merged.members[1:]
     assert merged.only(merged.members) is merged
-    assert (merged.only(live).imms.tolist(), merged.only(live).src_offsets.tolist()) == (
-        [6, 6], [8, 16])
+    assert (merged.only(live).imms.tolist(), merged.only(live).tail_imms.tolist(),
+            merged.only(live).src_offsets.tolist()) == ([6, 6], [106, 106], [8, 16])
 
 
 def test_one_call_per_layer_carries_every_request_of_a_forward(make_harness: MakeHarness
@@ -91,7 +96,8 @@ def test_a_request_stopped_after_planning_drops_out_of_the_merged_calls(
         if not stopped and len(merged.members) == 3:
             victim = merged.members[1].outgoing
             victim.stop(FailureCause.CANCELLED, "stopped by the test")
-            stopped.append(victim.imm)
+            stopped.extend(victim_imms := (victim.imm, victim.tail_imm))
+            assert len(set(victim_imms)) == 2
         post_layer(merged, layer_zero, layer)
 
     seen: list[set[int]] = []
@@ -108,7 +114,7 @@ def test_a_request_stopped_after_planning_drops_out_of_the_merged_calls(
     requests = [h.submit(p, f"r{i}") for i, p in enumerate(prompts)]
     h.run_until(lambda: all(r.is_finished for r in requests) and h.idle())
     assert stopped, "the three requests never shared a forward"
-    assert all(stopped[0] not in s for s in seen)
+    assert all(imm not in s for imm in stopped for s in seen)
     assert sum(len(s) == 2 for s in seen) >= 2  # the two others, every layer
     for i in (0, 2):
         assert requests[i].output_token_ids == single_node_tokens(prompts[i])

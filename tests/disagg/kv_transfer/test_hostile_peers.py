@@ -58,7 +58,7 @@ def attacker_of() -> Iterator[Attacker]:
 
 def test_zero_byte_immediates_firing_a_counter_are_refused(make_harness: MakeHarness,
         attacker_of: Attacker) -> None:
-    """Knowing a request's immediate, the attacker fires its counter with zero-byte writes
+    """Knowing a request's immediates, the attacker fires its counters with zero-byte writes
     before any KV was written: zero pages under a zero context slot sum to a zero checksum, but
     the slot lacks the request's nonce, so the decoder refuses it (CHECKSUM) and retries
     instead of decoding garbage; the retry decodes the single-node tokens."""
@@ -67,8 +67,9 @@ def test_zero_byte_immediates_firing_a_counter_are_refused(make_harness: MakeHar
     request = h.submit(prompt)  # its KVRequest waits, unread, in the prefiller's channel
     pending = h.decode.pending["r0"]
     attacker, context = attacker_of(h)
-    for _ in range(pending.expected_writes):
-        attacker.post_imm(pending.imm, context)
+    for imm, writes in zip(pending.imms, pending.armed, strict=True):
+        for _ in range(writes):
+            attacker.post_imm(imm, context)
     h.step_decoder()
     assert "r0" not in h.decode.pending and len(h.decode.quarantine) == 1  # refused, held
     assert (request.state, request.output_token_ids) == (WAITING_FOR_KV, [])
@@ -110,7 +111,7 @@ def test_a_forged_hello_gets_no_request_and_writes_nothing(make_harness: MakeHar
     for guess in (0, 1, new_nonce()):
         with pytest.raises(RequestError, match="wrong ownership proof"):
             h.prefill.accept_proof(peer, forged, HelloProof(guess))
-    evil = KVRequest("evil", 7, random_prompt(9, seed=33), [0, 1, 2], 0, nonce=new_nonce())
+    evil = KVRequest("evil", 7, 8, random_prompt(9, seed=33), [0, 1, 2], 0, nonce=new_nonce())
     with pytest.raises(RequestError, match="has not proved"):
         h.prefill.start_request(evil, peer)
     assert h.prefill.num_in_flight == 0
@@ -137,17 +138,18 @@ def test_sources_are_not_writable_by_peers(make_harness: MakeHarness,
 def test_requests_get_random_imms_fresh_nonces_and_never_the_proof_slot(
         make_harness: MakeHarness) -> None:
     """Twenty requests at once: fifteen get one of the sixteen context slots (the last is the
-    proof slot), with immediates that are random (not 1, 2, 3, ...) and distinct, and a fresh
+    proof slot), with immediates (two each) that are random (not 1, 2, 3, ...) and distinct, and a fresh
     nonce each, sent in their KVRequest; all then decode the single-node tokens."""
     h = make_harness()
     prompts = [random_prompt(3, seed=40 + i) for i in range(20)]
     requests = [h.submit(p, f"r{i}") for i, p in enumerate(prompts)]
     pending = list(h.decode.pending.values())
     assert len(pending) == 15 and max(p.context_slot for p in pending) < 15
-    imms = [p.imm for p in pending]
-    assert len(set(imms)) == 15 and 0 not in imms and max(imms) > 2**20
+    imms = [imm for p in pending for imm in p.imms]
+    assert len(set(imms)) == 30 and 0 not in imms and max(imms) > 2**20
     sent = receive_ready(h.prefill_channel, h.decode_channel)
     assert [m.nonce for m in sent] == [p.nonce for p in pending]
+    assert [(m.imm, m.tail_imm) for m in sent] == [p.imms for p in pending]
     assert len({m.nonce for m in sent}) == 15 and 0 not in {m.nonce for m in sent}
     for message in sent:  # the prefiller gets them as if read by `pump`
         assert h.peer is not None

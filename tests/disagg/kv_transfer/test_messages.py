@@ -26,7 +26,7 @@ def test_round_trip_keeps_every_field() -> None:
     """Encode then decode gives the same message, bytes fields included."""
     hello = Hello("d0", "tiny-abc", "float32", 16, "HND", 2, 4, 8, b"\x00addr", [b"kv0", b"kv1"],
                   b"ctx", 4096, tp=2, replicated_kv=True)
-    request = KVRequest("r1", 7, [1, 2, 3], [9, 4], 2)
+    request = KVRequest("r1", 7, 8, [1, 2, 3], [9, 4], 2)
     assert decode(encode(hello)) == hello
     assert decode(encode(request)) == request
 
@@ -114,7 +114,7 @@ def test_defaults_may_be_omitted() -> None:
 
 VALID_FRAMES = [
     encode(Hello("d0", "m", "float32", 16, "HND", 2, 4, 8, b"addr", [b"kv"], b"ctx", 64, 2)),
-    encode(KVRequest("r1", 7, [1, 2, 3], [9, 4], 2)),
+    encode(KVRequest("r1", 7, 8, [1, 2, 3], [9, 4], 2)),
     encode(Submit("r", [5, 6], 3, 0.5, 0.9, 4, 1)),
 ]
 
@@ -153,11 +153,13 @@ SUBMIT = {"request_id": "r1", "prompt_token_ids": [1, 2], "max_tokens": 4}
     (Submit, {**SUBMIT, "temperature": -1.0}, "Submit.temperature"),
     (Submit, {**SUBMIT, "top_p": 1.5}, "Submit.top_p"),
     (Submit, {**SUBMIT, "prompt_token_ids": [1, -2]}, "Submit.prompt_token_ids"),
-    (KVRequest, {"request_id": "r1", "imm": 2**32, "prompt_token_ids": [1, 2],
+    (KVRequest, {"request_id": "r1", "imm": 2**32, "tail_imm": 6, "prompt_token_ids": [1, 2],
                  "dst_page_ids": [0], "context_slot": 0}, "KVRequest.imm"),
-    (KVRequest, {"request_id": "r1", "imm": 5, "prompt_token_ids": [1, 2],
+    (KVRequest, {"request_id": "r1", "imm": 5, "tail_imm": -1, "prompt_token_ids": [1, 2],
+                 "dst_page_ids": [0], "context_slot": 0}, "KVRequest.tail_imm"),
+    (KVRequest, {"request_id": "r1", "imm": 5, "tail_imm": 6, "prompt_token_ids": [1, 2],
                  "dst_page_ids": [-1], "context_slot": 0}, "KVRequest.dst_page_ids"),
-    (KVRequest, {"request_id": "r1", "imm": 5, "prompt_token_ids": [1, 2],
+    (KVRequest, {"request_id": "r1", "imm": 5, "tail_imm": 6, "prompt_token_ids": [1, 2],
                  "dst_page_ids": [0], "context_slot": 0, "attempt": 0}, "KVRequest.attempt"),
     (RequestEvent, {"request_id": "r1", "state": "running", "kv_bytes": -5},
      "RequestEvent.kv_bytes"),

@@ -13,7 +13,7 @@ from disagg.control.framing import Message
 from disagg.engine.request import FailureCause, RequestState
 from disagg.kv_transfer.draft_kv import DraftKVSource, draft_kv_pages
 from disagg.kv_transfer.messages import KVFailed, KVRequest
-from disagg.kv_transfer.transfer_plan import expected_write_count
+from disagg.kv_transfer.transfer_plan import expected_write_count, expected_writes
 from tests.disagg.kv_transfer.conftest import MakeHarness
 from tests.disagg.kv_transfer.messenger_harness import (
     CACHE,
@@ -31,10 +31,17 @@ def prefill_pages_in_use(h: Harness) -> int:
     return h.free_pages[0] - h.prefill_parts.allocator.num_free
 
 
-def kv_failures(messages: list[Message]) -> list[tuple[str, FailureCause, int]]:
-    """(request id, cause, writes posted) of every KVFailed in `messages`."""
-    return [(m.request_id, m.cause, m.writes_posted) for m in messages
+def kv_failures(messages: list[Message]) -> list[tuple[str, FailureCause, tuple[int, int]]]:
+    """(request id, cause, writes posted under the body's and the tail's immediates) of every
+    KVFailed in `messages`."""
+    return [(m.request_id, m.cause, (m.writes_posted, m.tail_writes_posted)) for m in messages
             if isinstance(m, KVFailed)]
+
+
+def split_writes(prompt_len: int) -> tuple[int, int]:
+    """A tiny-model request's writes under its body's and its tail's immediates."""
+    e = expected_writes(prompt_len, CACHE.page_size, tiny_model().config.num_layers)
+    return e.body, e.tail
 
 
 def test_decoder_without_draft_kv_never_builds_the_draft_source(
@@ -78,7 +85,7 @@ def test_cancel_posts_nothing_more_and_frees_pages_once_writes_completed(
     the count of writes that completed."""
     h = make_harness()
     h.submit(random_prompt(13, seed=3))
-    imm = h.decode.pending["r0"].imm
+    imms = h.decode.pending["r0"].imms
     h.prefill_transfer.hold()
     h.run_until(lambda: h.prefill_transfer.held_writes() > 0)
     posted, in_use = h.prefill.stats["writes"], prefill_pages_in_use(h)
@@ -99,9 +106,10 @@ def test_cancel_posts_nothing_more_and_frees_pages_once_writes_completed(
     assert (h.prefill.num_in_flight, prefill_pages_in_use(h)) == (0, 0)
     (ended,) = h.prefill.recent
     assert (ended.request.state, ended.cause) == (FAILED, FailureCause.CANCELLED)
-    assert h.decode_transfer.imm_counted(imm) == posted  # the parked ones, nothing more
+    # The parked ones, nothing more: page 0 in layer 0 (the body), in layer 1 (the tail).
+    assert [h.decode_transfer.imm_counted(imm) for imm in imms] == [1, 1]
     h.deliver_to_decoder()
-    assert kv_failures(h.to_decoder) == [("r0", FailureCause.CANCELLED, posted)]
+    assert kv_failures(h.to_decoder) == [("r0", FailureCause.CANCELLED, (1, 1))]
 
 
 def test_late_cancel_is_answered_with_the_writes_completed(make_harness: MakeHarness) -> None:
@@ -113,9 +121,9 @@ def test_late_cancel_is_answered_with_the_writes_completed(make_harness: MakeHar
     assert h.peer is not None
     h.prefill.cancel(h.peer, "r0")
     h.prefill.cancel(h.peer, "never-sent")
-    writes = expected_write_count(7, CACHE.page_size, tiny_model().config.num_layers)
     assert kv_failures(receive_ready(h.decode_channel, h.prefill_channel)) == [
-        ("r0", FailureCause.CANCELLED, writes), ("never-sent", FailureCause.CANCELLED, -1)]
+        ("r0", FailureCause.CANCELLED, split_writes(7)),
+        ("never-sent", FailureCause.CANCELLED, (-1, -1))]
 
 
 def test_fail_peer_ends_every_request_of_that_peer_only(make_harness: MakeHarness) -> None:
@@ -126,7 +134,7 @@ def test_fail_peer_ends_every_request_of_that_peer_only(make_harness: MakeHarnes
     h.submit(random_prompt(9, seed=6), "r1")
     other, other_channel = h.extra_peer(replace(h.decode.hello(), node_id="decode-1"))
     other_prompt = random_prompt(10, seed=7)
-    h.prefill.start_request(KVRequest("x0", 999, other_prompt, [60, 61, 62], 15), other)
+    h.prefill.start_request(KVRequest("x0", 999, 1000, other_prompt, [60, 61, 62], 15), other)
     h.deliver_to_prefiller()
     h.step_prefiller()  # r0's first chunk
     assert h.prefill.num_in_flight == 3
@@ -141,8 +149,8 @@ def test_fail_peer_ends_every_request_of_that_peer_only(make_harness: MakeHarnes
     assert h.prefill.stats["failed"] == 2
     assert sorted(r for r, _, _ in kv_failures(h.to_decoder)) == ["r0", "r1"]
     assert receive_ready(other_channel, other.channel) == []  # the other decoder is told nothing
-    assert h.decode_transfer.imm_counted(999) == expected_write_count(
-        10, CACHE.page_size, tiny_model().config.num_layers)
+    assert (h.decode_transfer.imm_counted(999),
+            h.decode_transfer.imm_counted(1000)) == split_writes(10)
 
 
 def test_a_prefiller_short_of_pages_never_frees_pages_it_is_still_sending(

@@ -123,7 +123,7 @@ def test_a_bad_num_cached_tokens_is_refused_by_the_prefiller(make_harness: MakeH
     assert h.peer is not None
     prompt = random_prompt(9, seed=8)
     for cached in (3, 8, -4):
-        message = KVRequest("x", 7, prompt, list(range(2)), 0, num_cached_tokens=cached)
+        message = KVRequest("x", 7, 8, prompt, list(range(2)), 0, num_cached_tokens=cached)
         with pytest.raises(RequestError, match="num_cached_tokens"):
             h.prefill.start_request(message, h.peer)
     assert not h.prefill_engine.has_unfinished()

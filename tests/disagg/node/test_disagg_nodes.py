@@ -144,7 +144,7 @@ def rogue_channel(pair: Pair) -> Channel:
 def test_pages_outside_the_decoder_region_are_refused(pair: Pair) -> None:
     """A request naming page ids past the decoder's region fails with a reason; no write."""
     channel = rogue_channel(pair)
-    channel.send(KVRequest("evil", 12345, [1, 2, 3, 4, 5, 6], [3, 10**6], 0))
+    channel.send(KVRequest("evil", 12345, 12346, [1, 2, 3, 4, 5, 6], [3, 10**6], 0))
     reply = channel.recv()
     assert isinstance(reply, KVFailed)
     assert "outside the decoder's region of 256 pages" in reply.reason

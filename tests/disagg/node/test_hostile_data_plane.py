@@ -161,7 +161,7 @@ def _forge_hellos(nodes: Nodes) -> list[str]:
     writing the decoder's pages, one guesses the proof. Returns the prefiller's refusals."""
     reasons = []
     forged = dataclasses.replace(nodes.hello, node_id="attacker")
-    evil = KVRequest("evil", 1, list(range(3, 12)), [0, 1], 0, nonce=new_nonce())
+    evil = KVRequest("evil", 1, 2, list(range(3, 12)), [0, 1], 0, nonce=new_nonce())
     for follow_up in (evil, HelloProof(new_nonce())):
         channel = Channel.connect(nodes.prefill_address)
         channel.send(forged)
