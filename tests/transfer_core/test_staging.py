@@ -176,6 +176,18 @@ def test_stage_in_copies_every_layer_of_those_pages(staged: RegisteredKV) -> Non
     assert torch.equal(staged.tensor[:, keep], before[:, keep])
 
 
+def test_stage_in_of_some_layers_leaves_the_others(staged: RegisteredKV) -> None:
+    """stage_in(pages, layers) overwrites those pages in those layers only: a receiver takes a
+    request's body in while its last layer is still landing in the shadow."""
+    assert staged.shadow is not None
+    before = staged.tensor.clone()
+    staged.shadow.fill_(-1.0)
+    staged.stage_in([4, 3], range(NUM_LAYERS - 1))
+    assert (staged.tensor[:-1, 3:5] == -1.0).all()
+    assert torch.equal(staged.tensor[-1], before[-1])
+    assert torch.equal(staged.tensor[:, :3], before[:, :3])
+
+
 def test_pages_outside_the_tensor_are_refused(staged: RegisteredKV) -> None:
     """A page id past the end is a BoundsError, not a silently shorter copy."""
     with pytest.raises(BoundsError, match="outside"):
