@@ -18,7 +18,7 @@ from __future__ import annotations
 from disagg.engine.llm_engine import EngineParts
 from disagg.engine.request import Request
 from disagg.kv_transfer.context_slot import LandingSlots, context_slot_nbytes, slot_matches
-from disagg.kv_transfer.kv_checksum import MASK, agreed, replica_sums
+from disagg.kv_transfer.kv_checksum import MASK, ReplicaSums, agreed
 from disagg.kv_transfer.pending_kv import KVReceipt, PendingKV
 from disagg.kv_transfer.plugins import DraftSink
 from disagg.kv_transfer.transfer_plan import num_pages
@@ -45,9 +45,12 @@ class KVArrival:
     def body_landed(self, pending: PendingKV) -> None:
         """The body's counter fired (or it had nothing to count): take its layers in and sum
         them, on every rank's copy, before the tail lands."""
-        self._stage_in(pending.request, self._body)
-        if self.verify:
-            pending.body_sums = self._sums(pending.request, self._body)
+        request = pending.request
+        self._stage_in(request, self._body)
+        if self.verify:  # the pages' rows found once: the last layer reuses them
+            pending.sums = ReplicaSums(self._parts.kv_cache, request.page_ids,
+                                       request.num_prompt_tokens - 1, self.held_pages(request))
+            pending.body_sums = pending.sums.over(self._body)
         pending.body_landed = True
 
     def verified(self, pending: PendingKV) -> bool:
@@ -60,8 +63,9 @@ class KVArrival:
             self._draft_kv.stage_in(request)
         if not self.verify:
             return True
+        assert pending.sums is not None, "the body was summed before the tail"
         sums = [(body + tail) & MASK
-                for body, tail in zip(pending.body_sums, self._sums(request, self._tail),
+                for body, tail in zip(pending.body_sums, pending.sums.over(self._tail),
                                       strict=True)]
         # Every replica of every head must match (NaN when copies disagree: no match).
         got = agreed(self._parts.kv_cache, sums)
@@ -76,11 +80,6 @@ class KVArrival:
         pages = num_pages(request.num_prompt_tokens - 1, self._parts.kv_cache.page_size)
         for kv in self._kv:
             kv.stage_in(request.page_ids[self.held_pages(request):pages], layers)
-
-    def _sums(self, request: Request, layers: range) -> list[int]:
-        """Each replica set's checksum of the written pages in `layers`."""
-        return replica_sums(self._parts.kv_cache, request.page_ids, request.num_prompt_tokens - 1,
-                            self.held_pages(request), layers=layers)
 
     def release(self, pending: PendingKV) -> KVReceipt:
         """Hand the request to the engine (its pages unpinned, all but the last prompt token

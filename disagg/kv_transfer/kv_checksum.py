@@ -131,7 +131,8 @@ def sums_in_place(kv_cache: KVCache) -> bool:
 
 class LayerSums:
     """The parts of `kv_checksum` over tokens [start, end) of `page_ids` (positions from the
-    request's start; one copy of each head), layer by layer, mod 2^52. The checksum is a sum,
+    request's start; one copy of each head: `ranks`, by default the first replica set's),
+    layer by layer, mod 2^52. The checksum is a sum,
     so a request's is these parts added over its layers and over any split of its tokens: a
     prefiller adds them as it posts each layer (`running_checksum.py`). What no layer changes
     (page addresses, strides, head ids) is found once, here; `of(layer)` is then one C call
@@ -139,13 +140,13 @@ class LayerSums:
     one thread by default."""
 
     def __init__(self, kv_cache: KVCache, page_ids: list[int], start: int, end: int,
-                 threads: int = 1) -> None:
+                 threads: int = 1, ranks: list[int] | None = None) -> None:
         size = kv_cache.page_size
         pages = torch.tensor(page_ids[start // size:-(-end // size)], dtype=torch.int64)
         sharding = kv_cache.sharding
         self._threads = threads
         self._parts = [
-            part for rank in sharding.replica_sets()[0]
+            part for rank in (sharding.replica_sets()[0] if ranks is None else ranks)
             for part in _part_sums(kv_cache.shards[rank],
                                    torch.tensor(list(sharding.heads_of(rank)), dtype=torch.int64),
                                    pages, end - start, start, start % size)]
@@ -154,6 +155,28 @@ class LayerSums:
         """Layer `layer`'s part."""
         return sum(part.layer_sum(layer, 0, self._threads) for part in self._parts) & MASK
 
+
+
+class ReplicaSums:
+    """`replica_sums` of one request's written pages over any range of layers, with what no
+    layer changes found once: a decoder sums a request's body, then its last layer (X8d). In
+    place on caches `sums_in_place` reads, else the PyTorch sum on each call."""
+
+    def __init__(self, kv_cache: KVCache, page_ids: list[int], num_tokens: int,
+                 first_page: int = 0) -> None:
+        self._args = (kv_cache, page_ids, num_tokens, first_page)
+        self._sets: list[LayerSums] | None = None
+        if sums_in_place(kv_cache):
+            start = first_page * kv_cache.page_size
+            self._sets = [LayerSums(kv_cache, page_ids, start, max(start, num_tokens),
+                                    torch.get_num_threads(), ranks)
+                          for ranks in kv_cache.sharding.replica_sets()]
+
+    def over(self, layers: range) -> list[int]:
+        """Each replica set's sum over `layers`."""
+        if self._sets is None:
+            return replica_sums(*self._args, layers=layers)
+        return [sum(s.of(layer) for layer in layers) & MASK for s in self._sets]
 
 
 def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens: int,

@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 
 from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.kv_transfer.context_slot import LandingSlots
+from disagg.kv_transfer.kv_checksum import ReplicaSums
 from disagg.kv_transfer.prefiller_pool import PrefillerPool
 from disagg.kv_transfer.quarantine import Verdict
 from disagg.kv_transfer.transfer_plan import ExpectedWrites
@@ -38,6 +39,7 @@ class PendingKV:
     cancel_deadline: float = float("inf")  # by when the prefiller must have answered it
     body_landed: bool = False  # the body's counter fired and the body was staged in
     body_sums: list[int] = field(default_factory=list)  # its checksum per replica set
+    sums: ReplicaSums | None = None  # how its pages are summed, found with the body's sum
     tail_landed: bool = False  # the tail's counter fired
 
     @property

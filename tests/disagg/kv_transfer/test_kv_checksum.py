@@ -9,7 +9,15 @@ import pytest
 import torch
 
 from disagg.config import CacheConfig, ModelConfig
-from disagg.kv_transfer.kv_checksum import agreed_kv_checksum, kv_checksum, replica_checksums
+from disagg.kv_transfer.kv_checksum import (
+    MASK,
+    ReplicaSums,
+    agreed_kv_checksum,
+    kv_checksum,
+    replica_checksums,
+    replica_sums,
+)
+from disagg.model import cpu_kernels
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.sharded_kv_cache import ShardedKVCache, shard_config
 from disagg.model.sharding import Sharding
@@ -119,3 +127,24 @@ def test_a_corrupted_replica_on_one_rank_fails_the_decoders_check(sharding: Shar
     assert checksum(cache) == intact  # the first replica set is untouched
     assert len(set(replica_checksums(cache, PAGE_IDS, NUM_TOKENS))) == 2
     assert math.isnan(agreed_kv_checksum(cache, PAGE_IDS, NUM_TOKENS))
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["in-place", "pytorch"])
+@pytest.mark.parametrize("sharding", [None, Sharding(8, 4), Sharding(2, 4, replicated=True)],
+                         ids=["one-rank", "heads-on-pairs", "replicated"])
+def test_layer_ranges_add_up_to_the_checksum_of_every_copy(
+        sharding: Sharding | None, kernels: bool, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A decoder's sums of the body (layers before the last) and of the last layer, per
+    replica set, in place or in PyTorch, add up to each set's checksum (held first page left
+    out), a copy changed in its last layer included; no layers sum to zero."""
+    monkeypatch.setattr(cpu_kernels, "ENABLED", kernels and cpu_kernels.ENABLED)
+    cache = filled("HND", sharding)
+    last_rank = cache.shards[-1] if isinstance(cache, ShardedKVCache) else cache
+    last_rank.buffer[-1, 3, 0, 0, 2, 5] += 1.0  # the last copy's last layer, page 3
+    sums = ReplicaSums(cache, PAGE_IDS, NUM_TOKENS, first_page=1)
+    body, last = range(MODEL.num_layers - 1), range(MODEL.num_layers - 1, MODEL.num_layers)
+    added = [(b + t) & MASK for b, t in zip(sums.over(body), sums.over(last), strict=True)]
+    whole = replica_sums(cache, PAGE_IDS, NUM_TOKENS, first_page=1)
+    assert added == whole and whole[0] == int(checksum(cache, first_page=1))
+    assert len(set(whole)) == len(cache.sharding.replica_sets())  # the last set differs
+    assert sums.over(range(0)) == [0] * len(whole)
