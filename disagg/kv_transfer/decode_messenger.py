@@ -1,18 +1,18 @@
-"""The decoder's KV messenger: pages reserved, request sent, counter armed, then decode (S2a,
+"""The decoder's KV messenger: pages reserved, request sent, counters armed, then decode (S2a,
 S2c, S4c).
 
-A request arrives at the decoder (`admit`). The messenger pins pages for its whole prompt,
-arms two immediate counters, one for the body (pages x every layer but the last x writes per
-page) and one for the tail (the last layer's writes, a draft head's and the context write),
-and asks a prefiller to fill them. Until both fire the request stays out of the decode
-schedule. When the body's fires, the messenger sums it while the last layer is still computed
-on the prefiller (X8d); when the tail's has fired too, it checks the KV (checksum and nonce,
-S5), unpins the pages, gives back the context slot and hands the request to the engine with
-every prompt token but the last already computed; the engine's next step runs the last prompt
-token as an ordinary decode step (S8). No message says "done": the writes' immediates do. KV memory the NIC
-cannot reach is staged (S5): writes land in a host shadow, copied into the cache when the
-counter fires, before the checksum. With prefix caching (X2b) the request first takes the pages
-of its longest cached prefix; the prefiller is asked only for the rest, or not at all.
+A request arrives at the decoder (`admit`). The messenger pins pages for its whole prompt, arms
+two immediate counters, one for the body (pages x every layer but the last x writes per page)
+and one for the tail (the last layer's writes, a draft head's and the context write), and asks a
+prefiller to fill them. Until both fire the request stays out of the decode schedule. When the
+body's fires, the messenger sums it while the last layer is still computed on the prefiller
+(X8d); when the tail's has fired too, it checks the KV (checksum and nonce, S5), unpins the
+pages, gives back the context slot and hands the request to the engine with every prompt token
+but the last already computed; the engine's next step runs the last prompt token as an ordinary
+decode step (S8). No message says "done": the writes' immediates do. KV memory the NIC cannot
+reach is staged (S5): writes land in a host shadow, copied into the cache when their counter
+fires, before the checksum. With prefix caching (X2b) the request first takes the pages of its
+longest cached prefix; the prefiller is asked only for the rest, or not at all.
 
 Collaborators, wired once by the node's builder: the `PrefillerPool` (liveness, choice,
 reconnection), the `PendingTable` of `PendingKV` records, `KVRecovery` (deadlines, cancels,

@@ -8,10 +8,11 @@ indexed by the request's own page ids. After the last chunk it writes those page
 each: the head is unsharded, on the leader) and then the context slot, whose KV checksum now
 covers them too. The decoder expects `draft_kv_pages` more writes under the request's tail
 immediate, runs position P - 2 from the shipped hidden state, and position P - 1 after the
-ordinary decode step of the last prompt token (S8). The early-exit draft needs none of this: its KV is the target's own. The MTP cache
-takes the same memory path as the target's KV (staged: copied out before its write, copied in
-before the checksum; `transfer_core.staging`). Both classes are the messengers' plug-ins
-(`plugins.py`); a node's builder creates them, and only when drafting needs them.
+ordinary decode step of the last prompt token (S8). The early-exit draft needs none of this: its
+KV is the target's own. The MTP cache takes the same memory path as the target's KV (staged:
+copied out before its write, copied in before the checksum; `transfer_core.staging`). Both
+classes are the messengers' plug-ins (`plugins.py`); a node's builder creates them, and only
+when drafting needs them.
 """
 
 from __future__ import annotations

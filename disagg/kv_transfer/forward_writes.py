@@ -1,16 +1,16 @@
 """A forward's writes to one decoder, one paged write per rank pair and layer (S3b, S4c, S6).
 
-Every request a forward prefills has its own layer writes (`layer_writes`) and its own
-immediate values, which the decoder counts: one for every layer but the last, one for the last
-(the tail, S4c). The requests bound for the same decoder, rank pair, write size and domains go
-out together: ONE paged write per layer whose pages are all their writes, each page carrying
-its own request's immediate (`PagedWrite.imms`, or `tail_imms` in the last layer). The decoder counts
-exactly what it counted before, request by request; the layer poller makes one call per peer
-and rank pair instead of one per request (S3b). Merged once per forward; a layer drops the
-requests that stopped since (their writes are not posted, as before). The members of a call
-share its fate: a failed call (a stripe past its deadline, a peer gone, a fault plan's
-`fail_write`, which is now drawn per call) fails every request in it. Requests drawn onto
-different domains (S9a) do not merge.
+Every request a forward prefills has its own layer writes (`layer_writes`) and its own immediate
+values, which the decoder counts: one for every layer but the last, one for the last (the tail,
+S4c). The requests bound for the same decoder, rank pair, write size and domains go out
+together: ONE paged write per layer whose pages are all their writes, each page carrying its own
+request's immediate (`PagedWrite.imms`, or `tail_imms` in the last layer). The decoder counts
+exactly what it counted before, request by request; the layer poller makes one call per peer and
+rank pair instead of one per request (S3b). Merged once per forward; a layer drops the requests
+that stopped since (their writes are not posted, as before). The members of a call share its
+fate: a failed call (a stripe past its deadline, a peer gone, a fault plan's `fail_write`, which
+is now drawn per call) fails every request in it. Requests drawn onto different domains (S9a) do
+not merge.
 """
 
 from __future__ import annotations

@@ -1,16 +1,16 @@
 """What the decoder does with a request whose counters fired: stage the KV in, check it, hand
 the request to the engine (S2c, S4c, S5, S8, X8d).
 
-A request's writes are counted under two immediates. The body's counter fires when its pages
-in every layer but the last have landed: a staged cache copies those layers in from its host
-shadow (S5) and they are summed at once, while the prefiller still computes the last layer.
-The tail's fires when the last layer, the draft pages and the context slot have: those are
-staged in and the last layer summed. Before the request decodes, the KV checksum (the two
-sums added) and the request's nonce in the context slot must match (a duplicated immediate
-can fire a counter early; a corrupted page or a slot nobody wrote must never decode). Released, the request has
-every prompt token but the last computed: the engine's next step runs the last one as an
-ordinary decode step and samples the first token (S8). Pages found in this node's prefix cache
-(X2b) were never written by a prefiller: they are neither staged nor summed.
+A request's writes are counted under two immediates. The body's counter fires when its pages in
+every layer but the last have landed: a staged cache copies those layers in from its host shadow
+(S5) and they are summed at once, while the prefiller still computes the last layer. The tail's
+fires when the last layer, the draft pages and the context slot have: those are staged in and
+the last layer summed. Before the request decodes, the KV checksum (the two sums added) and the
+request's nonce in the context slot must match (a duplicated immediate can fire a counter early;
+a corrupted page or a slot nobody wrote must never decode). Released, the request has every
+prompt token but the last computed: the engine's next step runs the last one as an ordinary
+decode step and samples the first token (S8). Pages found in this node's prefix cache (X2b) were
+never written by a prefiller: they are neither staged nor summed.
 """
 
 from __future__ import annotations
@@ -34,7 +34,7 @@ class KVArrival:
         self._kv = kv
         self._slots = slots
         self._draft_kv = draft_kv
-        self.verify = verify  # check the checksum and nonce before release (S5)
+        self._verify = verify  # check the checksum and nonce before release (S5)
         num_layers = parts.kv_cache.num_layers
         self._body, self._tail = range(num_layers - 1), range(num_layers - 1, num_layers)
 
@@ -47,7 +47,7 @@ class KVArrival:
         them, on every rank's copy, before the tail lands."""
         request = pending.request
         self._stage_in(request, self._body)
-        if self.verify:  # the pages' rows found once: the last layer reuses them
+        if self._verify:  # the pages' rows found once: the last layer reuses them
             pending.sums = ReplicaSums(self._parts.kv_cache, request.page_ids,
                                        request.num_prompt_tokens - 1, self.held_pages(request))
             pending.body_sums = pending.sums.over(self._body)
@@ -61,7 +61,7 @@ class KVArrival:
         self._stage_in(request, self._tail)
         if self._draft_kv is not None:
             self._draft_kv.stage_in(request)
-        if not self.verify:
+        if not self._verify:
             return True
         assert pending.sums is not None, "the body was summed before the tail"
         sums = [(body + tail) & MASK

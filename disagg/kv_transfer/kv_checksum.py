@@ -132,12 +132,12 @@ def sums_in_place(kv_cache: KVCache) -> bool:
 class LayerSums:
     """The parts of `kv_checksum` over tokens [start, end) of `page_ids` (positions from the
     request's start; one copy of each head: `ranks`, by default the first replica set's),
-    layer by layer, mod 2^52. The checksum is a sum,
-    so a request's is these parts added over its layers and over any split of its tokens: a
-    prefiller adds them as it posts each layer (`running_checksum.py`). What no layer changes
-    (page addresses, strides, head ids) is found once, here; `of(layer)` is then one C call
-    per rank and part, on a thread beside the forward. CPU caches only (`sums_in_place`);
-    one thread by default."""
+    layer by layer, mod 2^52. The checksum is a sum, so a request's is these parts added over
+    its layers and over any split of its tokens: a prefiller adds them as it posts each layer
+    (`running_checksum.py`), a decoder over a request's body, then its last layer
+    (`ReplicaSums`). What no layer changes (page addresses, strides, head ids) is found once,
+    here; `of(layer)` is then one C call per rank and part. CPU caches only
+    (`sums_in_place`); one thread by default."""
 
     def __init__(self, kv_cache: KVCache, page_ids: list[int], start: int, end: int,
                  threads: int = 1, ranks: list[int] | None = None) -> None:

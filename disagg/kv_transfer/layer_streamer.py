@@ -2,13 +2,14 @@
 (S3, S3a, S3b, S6a, S9a, X8d).
 
 NOTE (the streaming invariant). Before a forward runs, the streamer plans the pages each
-request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter
-after each layer's attention output projection; a `CounterPoller` thread sees every bump and,
-for that layer, posts the writes of every planned request at once, while the forward moves on
-(S3b): one paged write per decoder and rank pair, each page carrying its request's immediate
-(`forward_writes`; the last layer's pages carry the request's tail immediate, S4c). So layer l's KV is on the wire while layer l + 1 computes, and after the
-forward only the last layer's writes are left. `wait_posted` is the engine thread's barrier:
-the forward returned, and every one of its bumps has been handled.
+request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter after each
+layer's attention output projection; a `CounterPoller` thread sees every bump and, for that
+layer, posts the writes of every planned request at once, while the forward moves on (S3b): one
+paged write per decoder and rank pair, each page carrying its request's immediate
+(`forward_writes`; the last layer's pages carry the request's tail immediate, S4c). So layer l's
+KV is on the wire while layer l + 1 computes, and after the forward only the last layer's writes
+are left. `wait_posted` is the engine thread's barrier: the forward returned, and every one of
+its bumps has been handled.
 
 Each write leaves through its source rank's domains (`PageWrite.domains`, S6a, S9a); KV memory
 the NIC cannot read is staged first: a layer's pages are copied to a host shadow just before

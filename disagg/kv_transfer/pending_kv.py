@@ -4,9 +4,10 @@
 many writes land under each (its pages in every layer but the last under `imm`, the body; the
 last layer's, a draft head's and the context slot under `tail_imm`, the tail: S4c, S6b), the
 checksum of the body once it landed (summed while the tail is still on its way, X8d), the
-deadline by which it all must have landed, the nonce its context slot must carry back (S5),
-and, once given up on, what becomes of it after the prefiller confirms the cancel. `PendingTable` holds the records and gives back what each holds (its prefiller's
-load, its context slot) when it leaves. `Outcome` is what became of a request in one poll.
+deadline by which it all must have landed, the nonce its context slot must carry back (S5), and,
+once given up on, what becomes of it after the prefiller confirms the cancel. `PendingTable`
+holds the records and gives back what each holds (its prefiller's load, its context slot) when
+it leaves. `Outcome` is what became of a request in one poll.
 """
 
 from __future__ import annotations

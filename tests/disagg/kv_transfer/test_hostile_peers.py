@@ -138,8 +138,8 @@ def test_sources_are_not_writable_by_peers(make_harness: MakeHarness,
 def test_requests_get_random_imms_fresh_nonces_and_never_the_proof_slot(
         make_harness: MakeHarness) -> None:
     """Twenty requests at once: fifteen get one of the sixteen context slots (the last is the
-    proof slot), with immediates (two each) that are random (not 1, 2, 3, ...) and distinct, and a fresh
-    nonce each, sent in their KVRequest; all then decode the single-node tokens."""
+    proof slot), with immediates (two each) that are random (not 1, 2, 3, ...) and distinct,
+    and a fresh nonce each, sent in their KVRequest; all then decode the single-node tokens."""
     h = make_harness()
     prompts = [random_prompt(3, seed=40 + i) for i in range(20)]
     requests = [h.submit(p, f"r{i}") for i, p in enumerate(prompts)]
