@@ -257,6 +257,11 @@ class DomainWorker:
     def stats(self) -> Stats:
         return self._worker.stats()
 
+    def set_eager(self, on: bool) -> None:
+        """Short naps while on (`TransferEngine.expect_soon`); safe after `stop`: the C
+        worker lives as long as this object."""
+        self._worker.set_eager(on)
+
     def _run(self) -> None:
         try:
             if self._cpus is not None:

@@ -83,7 +83,7 @@ class TransferEngine(ImmCounting):
         self.timeout_s = timeout_s
         self.phases = phases
         self._errors = OwnerErrors()
-        self.imm_counters = ImmCounterMap(fire=self._fire)
+        self.imm_counters = ImmCounterMap(fire=self._fire, on_soon=self._set_eager)
         self._regions: list[MemoryRegion] = []
         self._repeated = RepeatedWrites()
         self._names = itertools.count()
@@ -363,6 +363,11 @@ class TransferEngine(ImmCounting):
         if self._closed:
             raise TransferError("engine is closed")
         self._errors.raise_first()
+
+    def _set_eager(self, on: bool) -> None:
+        """Writes are due (`expect_soon`), or no longer: every domain's naps follow."""
+        for worker in self._domains:
+            worker.set_eager(on)
 
     def _fire(self, callback: OnDone) -> None:
         if threading.current_thread() in self._threads:

@@ -58,6 +58,7 @@ class ImmCounterMap:
         max_unarmed: int = MAX_UNARMED_IMMS,
         unarmed_ttl_s: float = UNARMED_IMM_TTL_S,
         clock: Callable[[], float] = time.monotonic,
+        on_soon: Callable[[bool], None] = lambda _: None,
     ) -> None:
         if max_unarmed < 0 or unarmed_ttl_s < 0:
             raise ValueError(f"max_unarmed and unarmed_ttl_s must be >= 0, got "
@@ -73,6 +74,10 @@ class ImmCounterMap:
         self._unarmed: OrderedDict[int, float] = OrderedDict()
         self.dropped = 0  # arrivals thrown away: over the bound, or kept past their time
         self._taps: list[ImmTap] = []
+        # Armed values whose arrivals are due soon (`soon`); `on_soon(True)` as the first one
+        # comes, `on_soon(False)` as the last one goes (fired, removed or replaced).
+        self._soon: set[int] = set()
+        self._on_soon = on_soon
 
     def expect(self, imm: int, count: int, on_reached: Callback) -> tuple[int, int] | None:
         """Fire `on_reached` once `count` arrivals of `imm` have been seen (including any that
@@ -90,6 +95,7 @@ class ImmCounterMap:
             replaced = None
             if previous is not None:
                 replaced = (self._counts.pop(imm, 0), previous[0])
+                self._not_soon(imm)
             reached = self._counts.get(imm, 0) >= count
             if reached:
                 self._take(imm, count)
@@ -107,7 +113,25 @@ class ImmCounterMap:
             counted = self._counts.pop(imm, 0)
             self._unarmed.pop(imm, None)
             previous = self._expected.pop(imm, None)
+            self._not_soon(imm)
         return None if previous is None else (counted, previous[0])
+
+    def soon(self, imm: int) -> bool:
+        """The arrivals the expectation of `imm` waits for are due soon: it counts among the
+        `on_soon` values until it fires or is removed. False (and nothing changes) when `imm`
+        has no expectation (it fired already, or never was armed)."""
+        with self._lock:
+            if imm not in self._expected:
+                return False
+            if not self._soon:
+                self._on_soon(True)
+            self._soon.add(imm)
+            return True
+
+    def soon_count(self) -> int:
+        """Expectations marked `soon` and not yet fired or removed."""
+        with self._lock:
+            return len(self._soon)
 
     def tap(self, tap: ImmTap) -> None:
         """Pass every batch `on_imms` gets through `tap` (after the taps added before)."""
@@ -132,6 +156,7 @@ class ImmCounterMap:
                 return
             del self._expected[imm]
             self._take(imm, target[0])
+            self._not_soon(imm)
         self._fire(target[1])
 
     def counted(self, imm: int) -> int:
@@ -161,6 +186,13 @@ class ImmCounterMap:
                 return False
             self._unarmed[imm] = self._clock()
         return True
+
+    def _not_soon(self, imm: int) -> None:
+        """Lock held: `imm` no longer waits; the last such value turns `on_soon` off."""
+        if imm in self._soon:
+            self._soon.discard(imm)
+            if not self._soon:
+                self._on_soon(False)
 
     def _expire(self) -> None:
         """Lock held: drop the arrivals of unexpected values kept longer than the TTL."""

@@ -32,6 +32,13 @@ class ImmCounting:
         self._check_open()
         return self.imm_counters.expect(imm, count, on_reached)
 
+    def expect_soon(self, imm: int) -> bool:
+        """The writes the counter of `imm` waits for are due within milliseconds (a request's
+        last layer): until it fires or is removed, this engine's idle domain workers that
+        nap (those with no completion fd to sleep on: shm) nap briefly, so they notice the
+        writes sooner, for more wake-ups meanwhile. False when `imm` has no armed counter."""
+        return self.imm_counters.soon(imm)
+
     def remove_imm_count(self, imm: int) -> tuple[int, int] | None:
         """Drop the counter of `imm` (e.g. a cancelled request): (counted, expected) or None."""
         return self.imm_counters.remove(imm)

@@ -257,6 +257,11 @@ class Transport(Protocol):
         """Call `on_reached` once `count` writes carrying `imm` have landed here."""
         ...
 
+    def expect_soon(self, imm: int) -> bool:
+        """The writes the counter of `imm` waits for are due within milliseconds: the engine
+        notices arrivals sooner until it fires or is removed. False if none is armed."""
+        ...
+
     def remove_imm_count(self, imm: int) -> tuple[int, int] | None:
         """Drop the counter of `imm`: (counted, expected) if one was armed, else None."""
         ...

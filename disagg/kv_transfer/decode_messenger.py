@@ -204,6 +204,9 @@ class DecodeMessenger:
                 continue  # abandoned meanwhile (the quarantine's fence takes it), or retried
             if imm == pending.imm:
                 self.arrival.body_landed(pending)  # while its last layer is computed (X8d)
+                # The last layer is one layer's compute away: a napping receiver (shm) naps
+                # briefly until it lands (nothing to do if it landed first).
+                self.transport.expect_soon(pending.tail_imm)
             else:
                 pending.tail_landed = True
             if not pending.landed:

@@ -295,3 +295,18 @@ def test_unexpected_immediates_are_bounded_and_counted(monkeypatch: pytest.Monke
         reached = threading.Event()
         b.expect_imm_count(3, 1, reached.set)
         _wait(reached)
+
+
+def test_expect_soon_keeps_every_domains_naps_short_until_the_counter_fires() -> None:
+    """shm workers nap up to 1 ms when long idle; once an armed counter's writes are due
+    (`expect_soon`), every domain naps 100 us, until that counter fires."""
+    with TransferEngine("shm", num_domains=2) as engine:
+        def naps() -> list[int]:
+            return [d._worker.idle_nap_ns(50_000_000) for d in engine._domains]
+
+        engine.expect_imm_count(9, 2, lambda: None)
+        assert naps() == [1_000_000] * 2
+        assert engine.expect_soon(9) and naps() == [100_000] * 2
+        engine.imm_counters.on_imm(9, 2)
+        assert naps() == [1_000_000] * 2
+        assert not engine.expect_soon(9)  # fired: nothing is due any more

@@ -228,3 +228,30 @@ def test_random_imm_is_never_zero_and_avoids_values_in_use() -> None:
     assert random_imm(taken.__contains__) not in taken
     with pytest.raises(RuntimeError, match="no free immediate"):
         random_imm(lambda _: True)
+
+
+def test_soon_values_turn_the_hook_on_until_the_last_one_goes() -> None:
+    """`on_soon(True)` when the first armed value is marked soon, `on_soon(False)` when the
+    last one leaves, whichever way: fired, removed or replaced by a new expectation."""
+    seen: list[bool] = []
+    counters = ImmCounterMap(on_soon=seen.append)
+    for imm in (1, 2, 3):
+        counters.expect(imm, 2, _Recorder())
+    assert [counters.soon(imm) for imm in (1, 2, 3, 1)] == [True] * 4
+    assert (seen, counters.soon_count()) == ([True], 3)
+    counters.on_imm(1, 2)  # fired
+    counters.remove(2)
+    assert (seen, counters.soon_count()) == ([True], 1)
+    counters.expect(3, 5, _Recorder())  # replaced: the new expectation is not soon
+    assert (seen, counters.soon_count()) == ([True, False], 0)
+
+
+def test_soon_ignores_a_value_with_no_expectation() -> None:
+    """A value that fired already (its last writes came first) or was never armed changes
+    nothing."""
+    seen: list[bool] = []
+    counters = ImmCounterMap(on_soon=seen.append)
+    counters.expect(4, 1, _Recorder())
+    counters.on_imm(4)
+    assert (counters.soon(4), counters.soon(5), seen, counters.soon_count()) == (
+        False, False, [], 0)

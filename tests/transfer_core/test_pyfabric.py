@@ -211,6 +211,23 @@ def test_shm_worker_naps() -> None:
         worker.free()
 
 
+def test_an_eager_worker_naps_its_shortest() -> None:
+    """A worker that naps (shm's, no CQ fd) naps longer the longer it is idle, up to 1 ms;
+    eager (writes are due), it naps 100 us however long it was idle, and grows again after."""
+    stack = pf.FabricStack(pf.find_infos("shm")[0])
+    worker = pf.Worker(stack.endpoint, stack.cq, 8)
+    try:
+        long_idle = 50_000_000
+        assert worker.idle_nap_ns(long_idle) == 1_000_000
+        worker.set_eager(True)
+        assert worker.idle_nap_ns(long_idle) == worker.idle_nap_ns(0) == 100_000
+        worker.set_eager(False)
+        assert worker.idle_nap_ns(long_idle) == 1_000_000
+    finally:
+        stack.close()
+        worker.free()
+
+
 def test_sleeping_tcp_receiver_wakes_for_a_write() -> None:
     """A receiver asleep on its fd (allowed to sleep a minute) is woken by a write landing:
     its progress call returns the immediate long before the sleep could have ended."""

@@ -71,6 +71,7 @@ def test_the_protocol_names_what_messengers_use() -> None:
             "write_and_wait",
             "abandon_peer",
             "expect_imm_count",
+            "expect_soon",
             "remove_imm_count",
             "pending_imm_counts",
             "imm_counted",

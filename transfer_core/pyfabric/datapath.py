@@ -178,6 +178,14 @@ class Worker:
         arrivals and submits wake it sooner. No effect on a worker that naps."""
         lib.fabp_set_fd_sleep(self._handle, ns)
 
+    def set_eager(self, on: bool) -> None:
+        """While on, an idle worker that naps (no CQ fd) naps its shortest: writes are due."""
+        lib.fabp_set_eager(self._handle, int(on))
+
+    def idle_nap_ns(self, idle_ns: int) -> int:
+        """How long this worker would nap after `idle_ns` without activity (no CQ fd)."""
+        return int(lib.fabp_idle_nap_ns(self._handle, idle_ns))
+
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op
         if self.timed:
