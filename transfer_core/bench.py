@@ -88,6 +88,7 @@ def _receiver_main(provider: str, num_pages: int, page_bytes: int, conn: Any) ->
                 _, imm = msg
                 region[:] = 0
                 engine.expect_imm_count(imm, num_pages, lambda imm=imm: engine.post_imm(imm, ack))
+                engine.expect_soon(imm)  # the sender posts as soon as it hears "armed"
                 conn.send(("armed",))
             elif msg[0] == "digest":
                 conn.send(("digest", _digest(region[msg[1]])))
@@ -109,6 +110,7 @@ class _Sender:
     def paged_rep(self, dst: MemoryRegionDescriptor, imm: int, timeout_s: float) -> float:
         acked, done = threading.Event(), threading.Event()
         self.engine.expect_imm_count(imm, 1, acked.set)
+        self.engine.expect_soon(imm)  # the ack follows the batch
         num_pages, page_bytes = self.src.shape
         start = time.perf_counter()
         write = PagedWrite(
