@@ -52,18 +52,24 @@ class PerfettoFile(SpanExporter):
         for span in spans:
             attributes = dict(span.attributes or {})
             start_ns = span.start_time or 0
-            start = _us(start_ns)
-            dur = _us(max(0, (span.end_time or start_ns) - start_ns))
             args = {key: value for key, value in attributes.items() if key not in HIDDEN}
-            if attributes.get(INSTANT):
-                event = {"name": span.name, "ph": "i", "s": "t", "ts": start, "args": args}
-            else:
-                event = {"name": span.name, "ph": "X", "ts": start, "dur": dur,
-                         "args": args}
             track = attributes.get(TRACK)
-            self._add(event, str(track) if track is not None else None,
-                      int(attributes.get(THREAD_ID, 0)), str(attributes.get(THREAD_NAME, "")))
+            self.event(span.name, start_ns, span.end_time or start_ns, args,
+                       bool(attributes.get(INSTANT)), str(track) if track is not None else None,
+                       int(attributes.get(THREAD_ID, 0)), str(attributes.get(THREAD_NAME, "")))
         return SpanExportResult.SUCCESS
+
+    def event(self, name: str, start_ns: int, end_ns: int, args: dict[str, Any],
+              instant: bool, track: str | None, thread_id: int, thread_name: str) -> None:
+        """One span as an event: what `export` makes of a span, and what the tracer writes
+        here directly for a span no other destination takes (`Tracer`)."""
+        start = _us(start_ns)
+        if instant:
+            event = {"name": name, "ph": "i", "s": "t", "ts": start, "args": args}
+        else:
+            event = {"name": name, "ph": "X", "ts": start,
+                     "dur": _us(max(0, end_ns - start_ns)), "args": args}
+        self._add(event, track, thread_id, thread_name)
 
     def counter(self, name: str, ts_us: float, values: dict[str, float], thread_id: int,
                 thread_name: str) -> None:

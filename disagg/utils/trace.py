@@ -13,7 +13,10 @@ process's own spans (an engine step, a layer's counter bump) have none; they are
 Perfetto file, not exported over OTLP (a trace per engine step would bury the requests).
 
 Spans are recorded after the fact from `time.time()` seconds, as the nodes measure them, or
-held open while a request lives (`open`/`end`). A disabled tracer (no destination) costs a
+held open while a request lives (`open`/`end`). A process's own span that only the Perfetto
+file takes (no exporter or processor was handed in; OTLP never takes them) skips the SDK and is
+written there directly: the SDK's span costs about 100 us on a busy node, and a prefiller
+records two a layer. A disabled tracer (no destination) costs a
 function call, and `open` hands the incoming context on, so the prefiller's spans still join
 the front door's trace through a decoder that records nothing.
 """
@@ -95,6 +98,9 @@ class Tracer:
         self._perfetto: PerfettoFile | None = None
         self._provider: TracerProvider | None = None
         self._otel: trace.Tracer | None = None
+        # Where process spans go without the SDK: the Perfetto file, when nothing else of
+        # the caller's would see them.
+        self._direct: PerfettoFile | None = None
         if path is None and otlp_endpoint is None and not exporters and not processors:
             return
         # Closed by its owner (`close`), not at exit: by then a Perfetto file's directory may
@@ -105,6 +111,8 @@ class Tracer:
         if path is not None:
             self._perfetto = PerfettoFile(path, process_name, self.pid)
             self._provider.add_span_processor(SimpleSpanProcessor(self._perfetto))
+            if not exporters and not processors:
+                self._direct = self._perfetto
         for exporter in exporters:  # each sees every span, as it ends
             self._provider.add_span_processor(SimpleSpanProcessor(exporter))
         for processor in processors:
@@ -131,16 +139,31 @@ class Tracer:
         """A span from `start_s` to `end_s` (`time.time()` seconds), in the trace of
         `parent` (a traceparent) if given, else of the current context, if any."""
         if (otel := self._otel) is not None:  # read once: `close` may run on another thread
-            span = self._start(otel, name, start_s, track, parent, args)
-            span.end(end_time=_ns(max(start_s, end_s)))
+            if not self._wrote_directly(name, start_s, max(start_s, end_s), False, track,
+                                        parent, args):
+                span = self._start(otel, name, start_s, track, parent, args)
+                span.end(end_time=_ns(max(start_s, end_s)))
 
     def instant(self, name: str, *, at_s: float | None = None, track: str | None = None,
                 parent: str | None = None, **args: Any) -> None:
         """A point in time: `at_s` (`time.time()` seconds), or now."""
         if (otel := self._otel) is not None:
             at = time.time() if at_s is None else at_s
-            span = self._start(otel, name, at, track, parent, {**args, INSTANT: True})
-            span.end(end_time=_ns(at))
+            if not self._wrote_directly(name, at, at, True, track, parent, args):
+                span = self._start(otel, name, at, track, parent, {**args, INSTANT: True})
+                span.end(end_time=_ns(at))
+
+    def _wrote_directly(self, name: str, start_s: float, end_s: float, instant: bool,
+                        track: str | None, parent: str | None, args: dict[str, Any]) -> bool:
+        """A process span (no parent, no current request span) only the Perfetto file takes:
+        written there as the SDK's span would be; False for any other."""
+        direct = self._direct
+        if direct is None or parent is not None or (
+                trace.get_current_span().get_span_context().is_valid):
+            return False
+        direct.event(name, _ns(start_s), _ns(end_s), _attributes(args), instant, track,
+                     threading.get_native_id(), threading.current_thread().name)
+        return True
 
     def counter(self, name: str, *, at_s: float | None = None, **values: float) -> None:
         """Counter values at `at_s` (or now), for the Perfetto file (one series per key)."""

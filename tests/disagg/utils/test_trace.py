@@ -63,6 +63,47 @@ def test_the_perfetto_file_holds_the_same_spans(tmp_path: Path) -> None:
     assert next(e for e in events if e["name"] == "layer")["ph"] == "i"
 
 
+def _file_events(path: Path) -> list[dict[str, object]]:
+    return [e for e in json.loads(path.read_text())["traceEvents"] if e["ph"] != "M"]
+
+
+def _process_and_request_spans(tracer: Tracer) -> None:
+    tracer.complete("step", T0, T0 + 0.003, num_tokens=5, track="steps")
+    tracer.instant("layer", at_s=T0 + 0.001, layer=3, forward=None)
+    parent = tracer.open("r1", "kv_request", start_s=T0, request_id="r1")
+    tracer.complete("layer_writes", T0, T0 + 0.002, parent=parent, layer=3)
+    tracer.end("r1", end_s=T0 + 0.004)
+    tracer.close()
+
+
+def test_process_spans_written_directly_match_the_sdks(tmp_path: Path) -> None:
+    """With the Perfetto file the only taker of process spans, they skip the SDK and land as
+    the SDK's spans do (same events, times, args, tracks), next to the request's spans."""
+    direct, through_sdk = tmp_path / "direct.json", tmp_path / "sdk.json"
+    _process_and_request_spans(Tracer(str(direct), "prefill-0"))
+    # Any processor handed in sees every span: the tracer then takes the SDK's way for all.
+    _process_and_request_spans(Tracer(str(through_sdk), "prefill-0",
+                                      processors=[SimpleSpanProcessor(InMemorySpanExporter())]))
+    by_name = {e["name"]: e for e in _file_events(through_sdk)}
+    assert {e["name"]: e for e in _file_events(direct)} == by_name
+    assert by_name["layer"]["ph"] == "i" and by_name["step"]["dur"] == 3000
+
+
+def test_process_spans_skip_the_sdk_and_request_spans_do_not(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A process span written directly makes no SDK span; a span in a request's trace does."""
+    made: list[str] = []
+    start = Tracer._start
+
+    def counting(*args: object, **kwargs: object) -> object:
+        made.append(str(args[1]))
+        return start(*args, **kwargs)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(Tracer, "_start", staticmethod(counting))
+    _process_and_request_spans(Tracer(str(tmp_path / "t.json"), "prefill-0"))
+    assert made == ["kv_request", "layer_writes"]
+
+
 def test_a_malformed_traceparent_starts_a_new_trace() -> None:
     """A peer's bad context costs its link, nothing else: the span is a root."""
     tracer, spans = _recording("decode-0")
