@@ -16,9 +16,9 @@ Spans are recorded after the fact from `time.time()` seconds, as the nodes measu
 held open while a request lives (`open`/`end`). A process's own span that only the Perfetto
 file takes (no exporter or processor was handed in; OTLP never takes them) skips the SDK and is
 written there directly: the SDK's span costs about 100 us on a busy node, and a prefiller
-records two a layer. A disabled tracer (no destination) costs a
-function call, and `open` hands the incoming context on, so the prefiller's spans still join
-the front door's trace through a decoder that records nothing.
+records two a layer. A disabled tracer (no destination) costs a function call, and `open`
+hands the incoming context on, so the prefiller's spans still join the front door's trace
+through a decoder that records nothing.
 """
 
 from __future__ import annotations
