@@ -96,9 +96,8 @@ class LoopbackEngine(ImmCounting):
         self._drop: Callable[[int], bool] | None = None
         self._errors = OwnerErrors("loopback engine")
         self._lock = threading.Lock()
-        # Deliveries never nap here: `expect_soon` only records that writes are due.
-        self.eager = False
-        self.imm_counters = ImmCounterMap(fire=self._fire, on_soon=self._set_eager)
+        # Deliveries never nap here: `expect_soon` changes nothing but the map's soon values.
+        self.imm_counters = ImmCounterMap(fire=self._fire)
         self._round_robin = itertools.count()
         self._stats = [[0, 0, 0, 0] for _ in range(num_domains)]  # posted, done, imms, bytes
         self._closed = False
@@ -360,9 +359,6 @@ class LoopbackEngine(ImmCounting):
         if self._closed:
             raise TransferError("engine is closed")
         self._errors.raise_first()
-
-    def _set_eager(self, on: bool) -> None:
-        self.eager = on
 
     def _fire(self, callback: OnDone) -> None:
         """Counter callbacks run on our delivery thread, as the real engine's on its own."""

@@ -53,28 +53,28 @@ def test_the_body_is_summed_while_the_tail_is_still_on_its_way(
                                              layers=body)
     assert len(pending.body_sums) == 1 and pending.body_sums[0] != 0  # one copy of 2 shards
     assert (h.decode.pending.get("r0"), request.state) == (pending, RequestState.WAITING_FOR_KV)
-    assert h.decode_transfer.eager, "the last layer is due: the receiver should nap short"
+    assert h.decode_transfer.imm_counters.soon_count() == 1, "the last layer is due"
     deliver(h, pending.tail_imm, pending.expected.tail)
     h.run_to_end(request)
     assert h.outcomes_of("r0") == [(RequestState.RUNNING, None)]
     assert request.output_token_ids == single_node_tokens(prompt)
-    assert not h.decode_transfer.eager
+    assert h.decode_transfer.imm_counters.soon_count() == 0
     h.check_clean()
 
 
-def test_a_request_given_up_while_its_tail_is_due_leaves_no_eager_receiver(
+def test_a_request_given_up_while_its_tail_is_due_leaves_nothing_marked_due(
         make_harness: MakeHarness) -> None:
-    """Aborted after its body landed, with its tail's immediates lost: the receiver stops
-    napping short once the request is quarantined (its tail's counter is removed there)."""
+    """Aborted after its body landed, with its tail's immediates lost: its tail is marked due
+    (`expect_soon`: a napping receiver naps short) until the request is quarantined, where its
+    tail's counter is removed and the mark with it."""
     h = make_harness(reliability=PATIENT)
     request = h.submit(random_prompt(11, seed=53))
     pending = h.decode.pending["r0"]
     h.decode_transfer.drop_imm(lambda imm: imm == pending.tail_imm)
     h.run_until(lambda: pending.body_landed)
-    assert h.decode_transfer.eager
+    assert h.decode_transfer.imm_counters.soon_count() == 1
     assert h.decode.abort("r0")
     h.run_until(lambda: "r0" not in h.decode.pending)
-    assert not h.decode_transfer.eager
     assert h.decode_transfer.imm_counters.soon_count() == 0
 
 
