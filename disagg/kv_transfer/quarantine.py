@@ -15,7 +15,6 @@ fence that is never reached (a lost immediate) is released at a deadline, with a
 
 from __future__ import annotations
 
-import itertools
 import logging
 import queue
 import time
@@ -73,20 +72,20 @@ class PageQuarantine:
         self.transfer = transfer
         self.allocator = allocator
         self.timeout_s = timeout_s
-        self._held: dict[int, Quarantined] = {}  # by each of its imms
-        self._fenced: queue.SimpleQueue[int] = queue.SimpleQueue()
+        self._held: dict[int, Quarantined] = {}  # by the first of its imms
+        # (entry's key, value) of each fence reached, from the transfer engine's thread.
+        self._fenced: queue.SimpleQueue[tuple[int, int]] = queue.SimpleQueue()
         self.forced_releases = 0  # fences never reached: the lost-immediate case
 
     def __len__(self) -> int:
-        return len({id(entry) for entry in self._held.values()})
+        return len(self._held)
 
     def __contains__(self, imm: object) -> bool:
         """Whether a request with immediate value `imm` is held here (its value is in use)."""
-        return imm in self._held
+        return any(imm in entry.imms for entry in self._held.values())
 
     def hold(self, request: Request, imms: Sequence[int], writes_posted: Sequence[int] | None,
-             verdict: Verdict, grace_s: float = 0.0,
-             expected_writes: Sequence[int] = ()) -> None:
+             verdict: Verdict, grace_s: float, expected_writes: Sequence[int]) -> None:
         """Take over `request`'s pinned pages (and free the others, prefix-cache hits); its
         counter for each value of `imms` becomes a fence, and the pages wait for all of them.
 
@@ -96,7 +95,7 @@ class PageQuarantine:
         consuming that many arrivals: they count too.
         """
         counted = []
-        for imm, expected in itertools.zip_longest(imms, expected_writes, fillvalue=0):
+        for imm, expected in zip(imms, expected_writes, strict=True):
             armed = self.transfer.remove_imm_count(imm)
             counted.append(expected if armed is None else armed[0])
         now = time.monotonic()
@@ -107,31 +106,29 @@ class PageQuarantine:
         entry = Quarantined(request, pinned, tuple(imms),
                             now + (self.timeout_s if known else grace_s), verdict, known)
         request.page_ids, request.page_digests = [], []
-        for imm in imms:
-            self._held[imm] = entry
+        key = entry.imms[0]
+        self._held[key] = entry
         if writes_posted is None:
             return
         for imm, posted, seen in zip(imms, writes_posted, counted, strict=True):
             if posted > seen:
                 entry.unfenced.add(imm)
                 self.transfer.expect_imm_count(imm, posted - seen,
-                                               lambda imm=imm: self._fenced.put(imm))
+                                               lambda imm=imm: self._fenced.put((key, imm)))
 
     def release_due(self) -> list[Quarantined]:
         """Free the pages whose fence fired or whose time is up; returns those entries."""
         while True:
             try:
-                imm = self._fenced.get_nowait()
+                key, imm = self._fenced.get_nowait()
             except queue.Empty:
                 break
-            if imm in self._held:
-                self._held[imm].unfenced.discard(imm)
+            if (entry := self._held.get(key)) is not None:
+                entry.unfenced.discard(imm)
         now = time.monotonic()
-        released = list({id(e): e for e in self._held.values()
-                         if e.fenced or now >= e.release_at}.values())
+        released = [e for e in self._held.values() if e.fenced or now >= e.release_at]
         for entry in released:
-            for imm in entry.imms:
-                del self._held[imm]
+            del self._held[entry.imms[0]]
             if not entry.fenced:
                 for imm in entry.imms:  # a fence still armed, or arrivals nobody counts on
                     self.transfer.remove_imm_count(imm)

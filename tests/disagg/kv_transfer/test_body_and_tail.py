@@ -109,7 +109,7 @@ def test_abandoned_pages_wait_for_the_fences_of_both_immediates() -> None:
         for first, then in (((11, 2), (12, 1)), ((12, 1), (11, 2))):
             request = Request("r0", [1, 2, 3], SamplingParams())
             request.page_ids = allocator.allocate(2, pinned=True)
-            quarantine.hold(request, (11, 12), (2, 1), verdict, expected_writes=(0, 0))
+            quarantine.hold(request, (11, 12), (2, 1), verdict, 0.0, expected_writes=(0, 0))
             assert 11 in quarantine and 12 in quarantine and len(quarantine) == 1
             engine.arrive(0, *first)
             assert quarantine.release_due() == [] and allocator.num_free == 6
