@@ -5,7 +5,8 @@ that were corrupted or misplaced. Each value counts with a weight drawn from its
 (layer, K or V or MLA's latent, token position, head, dim), so swapped pages, tokens or heads
 change the sum, and the sum is over the values' bits in integers, so it is exact: any layout,
 sharding, device or thread count gives the same number. It is not a cryptographic hash (that is
-the nonce's job, `context_slot.py`); a decoder checks every rank's copy (`agreed_kv_checksum`).
+the nonce's job, `context_slot.py`); a decoder checks every rank's copy (`ReplicaSums`,
+`agreed`).
 On the CPU the weighted sum runs in C (`kv_lane_sum.c`, X8d); the PyTorch sum here is its
 reference and the GPU's path.
 """
@@ -231,31 +232,21 @@ def kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
                            None)[0])
 
 
-def replica_checksums(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
-                      first_page: int = 0, salt: int = 0) -> list[float]:
-    """`kv_checksum` of each replica set's copy (`Sharding.replica_sets`), in order. Every
-    rank is in one set, so together they read every copy of every head."""
-    return [float(s) for s in replica_sums(kv_cache, page_ids, num_tokens, first_page, salt)]
-
-
 def replica_sums(kv_cache: KVCache, page_ids: list[int], num_tokens: int, first_page: int = 0,
                  salt: int = 0, layers: range | None = None) -> list[int]:
-    """`replica_checksums` as integers mod 2^52, over `layers` only (None: all). The checksum
-    is a sum over layers, so a decoder adds the sums of a request's body (every layer but the
-    last), taken when the body landed, to its last layer's (X8d)."""
+    """`kv_checksum` of each replica set's copy (`Sharding.replica_sets`), in order, as
+    integers mod 2^52, over `layers` only (None: all). Every rank is in one set, so together
+    they read every copy of every head. The checksum is a sum over layers, so a decoder adds
+    the sums of a request's body (every layer but the last), taken when the body landed, to
+    its last layer's (X8d)."""
     return _set_sums(kv_cache, page_ids, num_tokens, first_page, salt,
                      kv_cache.sharding.replica_sets(), layers)
 
 
-def agreed_kv_checksum(kv_cache: KVCache, page_ids: list[int], num_tokens: int,
-                       first_page: int = 0, salt: int = 0) -> float:
-    """The checksum every replica set agrees on, or NaN (which equals no prefiller's) if one
-    differs: a decoder's check of every rank's copy, not only of each head's first holder."""
-    return agreed(kv_cache, replica_sums(kv_cache, page_ids, num_tokens, first_page, salt))
-
-
 def agreed(kv_cache: KVCache, sums: list[int]) -> float:
-    """The value of `replica_sums` every set agrees on, or NaN if one differs."""
+    """The value of `replica_sums` every set agrees on, or NaN (which equals no prefiller's)
+    if one differs: a decoder's check of every rank's copy, not only of each head's first
+    holder."""
     if any(s != sums[0] for s in sums):
         logger.warning("KV copies disagree: checksums %s of replica sets %s", sums,
                        kv_cache.sharding.replica_sets())

@@ -12,9 +12,8 @@ from disagg.config import CacheConfig, ModelConfig
 from disagg.kv_transfer.kv_checksum import (
     MASK,
     ReplicaSums,
-    agreed_kv_checksum,
+    agreed,
     kv_checksum,
-    replica_checksums,
     replica_sums,
 )
 from disagg.model import cpu_kernels
@@ -120,13 +119,13 @@ def test_a_corrupted_replica_on_one_rank_fails_the_decoders_check(sharding: Shar
     it, the decoder's check of every copy can (NaN matches no prefiller's checksum)."""
     cache = filled("NHD", sharding)
     assert isinstance(cache, ShardedKVCache)
-    intact = agreed_kv_checksum(cache, PAGE_IDS, NUM_TOKENS)
+    intact = agreed(cache, replica_sums(cache, PAGE_IDS, NUM_TOKENS))
     assert intact == checksum(cache) == checksum(filled())
-    assert len(set(replica_checksums(cache, PAGE_IDS, NUM_TOKENS))) == 1
+    assert len(set(replica_sums(cache, PAGE_IDS, NUM_TOKENS))) == 1
     cache.shards[-1].buffer[1, 3, 0, 2, 0, 5] += 1.0
     assert checksum(cache) == intact  # the first replica set is untouched
-    assert len(set(replica_checksums(cache, PAGE_IDS, NUM_TOKENS))) == 2
-    assert math.isnan(agreed_kv_checksum(cache, PAGE_IDS, NUM_TOKENS))
+    assert len(set(replica_sums(cache, PAGE_IDS, NUM_TOKENS))) == 2
+    assert math.isnan(agreed(cache, replica_sums(cache, PAGE_IDS, NUM_TOKENS)))
 
 
 @pytest.mark.parametrize("kernels", [True, False], ids=["in-place", "pytorch"])
