@@ -4,11 +4,11 @@
 Every write call posted for the request is begun here (`begin_write`) and ends here
 (`write_done`, on the transfer engine's thread), counted under the immediate it carried: the
 body's (`imm`, every layer but the last) or the tail's (`tail_imm`: the last layer, the draft
-pages and the context, S4c). The record ends exactly once: when it has
-been fully posted (`all_posted`) or stopped, and no write is in flight, because until then the
-NIC may still read its source pages. Its end is handed to `on_end` (the messenger's queue for
-the engine thread, which frees the pages). A failure is recorded once: the first cause is the
-cause. Also here: `ChunkPages`, the pages of one request one forward completes.
+pages and the context, S4c). The record ends exactly once: when it has been fully posted
+(`all_posted`) or stopped, and no write is in flight, because until then the NIC may still read
+its source pages. Its end is handed to `on_end` (the messenger's queue for the engine thread,
+which frees the pages). A failure is recorded once: the first cause is the cause. Also here:
+`ChunkPages`, the pages of one request one forward completes.
 """
 
 from __future__ import annotations

@@ -168,9 +168,9 @@ class PrefillMessenger:
                                    PageGeometry.of(self.kv_cache), self._rng, self._rank_domains)
         self._in_flight[key] = OutgoingKV(
             key, message.request_id, request, peer, message.imm, message.tail_imm,
-            list(message.dst_page_ids),
-            message.context_slot, page_writes, self._on_end, nonce=message.nonce,
-            num_held_pages=held, num_planned_pages=held, received_at=time.time(),
+            list(message.dst_page_ids), message.context_slot, page_writes, self._on_end,
+            nonce=message.nonce, num_held_pages=held, num_planned_pages=held,
+            received_at=time.time(),
             kv_sum=(RunningChecksum.from_token(held * self.kv_cache.page_size)
                     if sums_in_place(self.kv_cache) else None),
             traceparent=self.tracer.open(key, "kv_request", parent=message.traceparent,
