@@ -17,6 +17,7 @@ from __future__ import annotations
 import select
 import socket
 import time
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 
@@ -48,6 +49,7 @@ from disagg.node.builder import decode_parts, prefill_parts, wire_decode_side, w
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.rank_placement import NodePlacement, plan_placement
 from disagg.utils.trace import Tracer
+from transfer_core.imm_counter import ImmBatch
 from transfer_core.testing.loopback import LoopbackEngine, LoopbackFabric
 from transfer_core.topology import detect_topology
 
@@ -69,6 +71,20 @@ def random_prompt(length: int, seed: int = 0) -> list[int]:
     generator = torch.Generator().manual_seed(seed)
     return torch.randint(3, tiny_model().config.vocab_size, (length,),
                          generator=generator).tolist()
+
+
+def arrivals_of(transfer: LoopbackEngine) -> Counter[int]:
+    """Arrivals of each immediate value on `transfer` from now on, as its counters get them
+    (a tap): unlike `imm_counted`, not consumed when a counter fires."""
+    arrivals: Counter[int] = Counter()
+
+    def tap(batch: ImmBatch) -> ImmBatch:
+        for imm, n in batch:
+            arrivals[imm] += n
+        return batch
+
+    transfer.tap_imms(tap)
+    return arrivals
 
 
 def single_node_tokens(prompt: list[int], max_tokens: int = MAX_TOKENS) -> list[int]:

@@ -25,11 +25,11 @@ from disagg.engine.request import RequestState
 from tests.disagg.kv_transfer.conftest import MakeHarness
 from tests.disagg.kv_transfer.messenger_harness import (
     CACHE,
+    arrivals_of,
     random_prompt,
     single_node_tokens,
     tiny_model,
 )
-from transfer_core.imm_counter import ImmBatch
 from transfer_core.testing.loopback import LoopbackEngine
 
 # A missing write shows as a missed deadline, quickly; a whole request takes milliseconds.
@@ -42,10 +42,11 @@ class CounterWatch:
     and for each counter armed there, the arrivals of its value when it fired."""
 
     transfer: LoopbackEngine
-    arrivals: Counter[int] = field(default_factory=Counter)
+    arrivals: Counter[int] = field(init=False)
     landed_at_fire: dict[int, int] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
+        self.arrivals = arrivals_of(self.transfer)
         arm = self.transfer.expect_imm_count
 
         def expect_imm_count(imm: int, count: int, on_reached: Callable[[], None]
@@ -55,12 +56,6 @@ class CounterWatch:
                 on_reached()
             return arm(imm, count, reached)
 
-        def tap(batch: ImmBatch) -> ImmBatch:
-            for imm, n in batch:
-                self.arrivals[imm] += n
-            return batch
-
-        self.transfer.tap_imms(tap)
         self.transfer.expect_imm_count = expect_imm_count  # type: ignore[method-assign]
 
 

@@ -10,7 +10,6 @@ the forward ended would fail it.
 from __future__ import annotations
 
 import time
-from collections import Counter
 from typing import Any
 
 from disagg.kv_transfer.messages import KVRequest
@@ -20,10 +19,10 @@ from tests.disagg.kv_transfer.messenger_harness import (
     CACHE,
     PREFILL_CHUNK,
     Harness,
+    arrivals_of,
     random_prompt,
     single_node_tokens,
 )
-from transfer_core.imm_counter import ImmBatch
 
 WAIT_S = 2.0  # how long the last layer waits for the first layer's writes
 
@@ -40,12 +39,7 @@ def count_at_last_layer(h: Harness, request_id: str) -> list[tuple[int, int]]:
     write of `request_id`; the list gets the arrivals under the body's and the tail's
     immediates each forward saw when it went on."""
     counts: list[tuple[int, int]] = []
-    arrivals: Counter[int] = Counter()
-
-    def tap(batch: ImmBatch) -> ImmBatch:
-        for imm, n in batch:
-            arrivals[imm] += n
-        return batch
+    arrivals = arrivals_of(h.decode_transfer)
 
     def before_last_layer(*_: Any) -> None:
         body, tail = kv_request_imms(h, request_id)
@@ -53,8 +47,6 @@ def count_at_last_layer(h: Harness, request_id: str) -> list[tuple[int, int]]:
         while arrivals[body] == 0 and time.monotonic() < deadline:
             time.sleep(0.001)  # the poller thread posts; give it the core
         counts.append((arrivals[body], arrivals[tail]))
-
-    h.decode_transfer.tap_imms(tap)
 
     h.prefill_engine.model.layers[-1].self_attn.register_forward_pre_hook(before_last_layer)
     return counts
