@@ -13,16 +13,17 @@ from __future__ import annotations
 import cffi
 
 CDEF = """
-int tc_poll_wait(int64_t **words, const int64_t *last, int64_t *seen, int n,
-                 const int *stop, int64_t spin_ns, int64_t sleep_min_ns,
+int tc_poll_wait(int64_t **words, const int64_t *last, const int64_t *wake_at, int64_t *seen,
+                 int n, const int *stop, int64_t spin_ns, int64_t sleep_min_ns,
                  int64_t sleep_max_ns, int64_t timeout_ns);
 int64_t tc_load_acquire(int64_t *word);
+void tc_store_release(int64_t *word, int64_t value);
 int64_t tc_fetch_add_release(int64_t *word, int64_t delta);
 void tc_store_flag(int *flag, int value);
 int tc_set_timer_slack_ns(unsigned long ns);
 void tc_ring(uint32_t *bell);
-int tc_bell_wait(int64_t **words, const int64_t *last, int64_t *seen, int n,
-                 const int *stop, uint32_t *bell, int64_t timeout_ns);
+int tc_bell_wait(int64_t **words, const int64_t *last, const int64_t *wake_at, int64_t *seen,
+                 int n, const int *stop, uint32_t *bell, int64_t timeout_ns);
 """
 
 SOURCE = r"""
@@ -53,13 +54,17 @@ static inline int64_t tc_now_ns(void) {
 }
 
 /* One pass over every word. An acquire load per word: whatever the writer published before
-   its store of this value is visible to this thread after the load (see poller.py NOTE). */
-static inline int tc_scan(int64_t **words, const int64_t *last, int64_t *seen, int n) {
+   its store of this value is visible to this thread after the load (see poller.py NOTE). A
+   word counts as changed once it differs from its last report and has reached its wake_at
+   (the owner's "nothing to do below this value"); a held word's seen[] is its last report. */
+static inline int tc_scan(int64_t **words, const int64_t *last, const int64_t *wake_at,
+                          int64_t *seen, int n) {
     int changed = 0;
     for (int i = 0; i < n; i++) {
         int64_t v = __atomic_load_n(words[i], __ATOMIC_ACQUIRE);
-        seen[i] = v;
-        changed += (v != last[i]);
+        int moved = v != last[i] && v >= __atomic_load_n(&wake_at[i], __ATOMIC_ACQUIRE);
+        seen[i] = moved ? v : last[i];
+        changed += moved;
     }
     return changed;
 }
@@ -67,15 +72,15 @@ static inline int tc_scan(int64_t **words, const int64_t *last, int64_t *seen, i
 /* Wait until some words[i] != last[i]. Returns how many words differ (seen[] then holds one
    consistent-per-word snapshot of all of them), 0 on timeout, -1 when *stop became nonzero.
    Spins for spin_ns, then sleeps sleep_min_ns doubling up to sleep_max_ns per round. */
-int tc_poll_wait(int64_t **words, const int64_t *last, int64_t *seen, int n,
-                 const int *stop, int64_t spin_ns, int64_t sleep_min_ns,
+int tc_poll_wait(int64_t **words, const int64_t *last, const int64_t *wake_at, int64_t *seen,
+                 int n, const int *stop, int64_t spin_ns, int64_t sleep_min_ns,
                  int64_t sleep_max_ns, int64_t timeout_ns) {
     const int64_t start = tc_now_ns();
     int64_t sleep_ns = sleep_min_ns;
     for (;;) {
         if (__atomic_load_n(stop, __ATOMIC_ACQUIRE))
             return -1;
-        int changed = tc_scan(words, last, seen, n);
+        int changed = tc_scan(words, last, wake_at, seen, n);
         if (changed)
             return changed;
         const int64_t elapsed = tc_now_ns() - start;
@@ -115,14 +120,14 @@ void tc_ring(uint32_t *bell) {
 }
 
 /* tc_poll_wait's contract (changed words, 0 on timeout, -1 on stop), waiting on `bell`. */
-int tc_bell_wait(int64_t **words, const int64_t *last, int64_t *seen, int n,
-                 const int *stop, uint32_t *bell, int64_t timeout_ns) {
+int tc_bell_wait(int64_t **words, const int64_t *last, const int64_t *wake_at, int64_t *seen,
+                 int n, const int *stop, uint32_t *bell, int64_t timeout_ns) {
     const int64_t start = tc_now_ns();
     for (;;) {
         uint32_t rung = __atomic_load_n(bell, __ATOMIC_SEQ_CST);
         if (__atomic_load_n(stop, __ATOMIC_ACQUIRE))
             return -1;
-        int changed = tc_scan(words, last, seen, n);
+        int changed = tc_scan(words, last, wake_at, seen, n);
         if (changed)
             return changed;
         const int64_t left = timeout_ns - (tc_now_ns() - start);
@@ -140,6 +145,10 @@ int64_t tc_load_acquire(int64_t *word) {
 /* A CPU-side bump with release order, for writers on weakly ordered CPUs (see poller.py). */
 int64_t tc_fetch_add_release(int64_t *word, int64_t delta) {
     return __atomic_fetch_add(word, delta, __ATOMIC_RELEASE) + delta;
+}
+
+void tc_store_release(int64_t *word, int64_t value) {
+    __atomic_store_n(word, value, __ATOMIC_RELEASE);
 }
 
 void tc_store_flag(int *flag, int value) {

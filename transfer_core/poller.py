@@ -94,6 +94,7 @@ if TYPE_CHECKING:
 OnChange = Callable[[int, int, int], None]
 # The C wait returns to Python this often when nothing moves; it only bounds a C call.
 _WAIT_SLICE_S = 0.25
+_NEVER_HELD = -(2**63)  # a wake_at every value reaches
 
 
 @dataclass(frozen=True, slots=True)
@@ -210,6 +211,7 @@ class CounterPoller:
         self._words = ffi.new("int64_t *[]", [ffi.cast("int64_t *", a) for a in addresses])
         self._last = ffi.new("int64_t[]", n)
         self._seen = ffi.new("int64_t[]", n)
+        self._wake_at = ffi.new("int64_t[]", [_NEVER_HELD] * n)  # see report_from
         self._stop = ffi.new("int *", 0)
         self._thread: threading.Thread | None = None
         self._error: BaseException | None = None
@@ -233,6 +235,18 @@ class CounterPoller:
         """The `new` of the latest report for counter `index` (its start value before any)."""
         with self._lock:
             return int(self._last[index])
+
+    def report_from(self, index: int, value: int) -> None:
+        """Hold the reports of counter `index` until it reads at least `value`; then one report
+        covers the whole jump since the last (the contract above: nothing is lost). For a
+        counter that only grows, whose owner has nothing to do below `value`: the thread then
+        stays in C, without the GIL, through the moves below it. Any thread may call it; a
+        held counter is released by a `value` at or below its current one."""
+        if not 0 <= index < len(self._counters):
+            raise IndexError(f"no counter {index}: the poller watches {len(self._counters)}")
+        lib.tc_store_release(ffi.addressof(self._wake_at, index), value)
+        if self._doorbell is not None:
+            self._doorbell.ring()  # a waiter asleep on the bell re-reads the threshold
 
     def start(self) -> None:
         """Read every counter's current value as the baseline and start the thread."""
@@ -314,11 +328,13 @@ class CounterPoller:
         slice_ns = int(_WAIT_SLICE_S * 1e9)
         while True:
             if self._doorbell is not None:
-                changed = lib.tc_bell_wait(self._words, self._last, self._seen, n, self._stop,
+                changed = lib.tc_bell_wait(self._words, self._last, self._wake_at, self._seen, n,
+                                           self._stop,
                                            self._doorbell.word, slice_ns)
             else:
                 wait = (spin_ns, sleep_min_ns, sleep_max_ns, slice_ns)
-                changed = lib.tc_poll_wait(self._words, self._last, self._seen, n, self._stop,
+                changed = lib.tc_poll_wait(self._words, self._last, self._wake_at, self._seen, n,
+                                           self._stop,
                                            *wait)
             if changed < 0:
                 return

@@ -71,6 +71,9 @@ RetryOption = Annotated[bool, typer.Option(
     help="Decoder: retry a dead prefiller's requests on another prefiller (else they fail)")]
 LeaseOption = Annotated[float, typer.Option(
     help="Prefiller: seconds after which a transfer is stopped and its pages freed")]
+MinPostOption = Annotated[int, typer.Option(
+    min=0, help="Prefiller: KiB a group of layers carries before it is posted (smaller layers "
+                "ride with the next ones; 0: every layer alone, as soon as it is done)")]
 ListenOption = Annotated[str, typer.Option(
     help="host:port for control connections (port 0: any free port)")]
 NodeIdOption = Annotated[str | None, typer.Option(
@@ -118,7 +121,7 @@ NODE_FLAGS: dict[str, object] = {
     "fabric_node": FabricNodeOption, "domains_per_rank": DomainsPerRankOption,
     "device": DeviceOption, "kv_memory_path": MemoryPathOption, "threads": ThreadsOption,
     "trace": TraceOption, "otlp_endpoint": OtlpOption, "faults": FaultsOption,
-    "lease": LeaseOption,
+    "lease": LeaseOption, "min_post_kib": MinPostOption,
     "metrics_port": MetricsPortOption, "kv_timeout": KVTimeoutOption, "retry": RetryOption,
     "speculative": SpeculativeOption, "num_draft_tokens": DraftTokensOption,
     "draft_layers": DraftLayersOption, "cuda_graph": CudaGraphOption, "dtype": DtypeOption,
@@ -128,8 +131,8 @@ NODE_FLAGS: dict[str, object] = {
 # per node itself, and only decoders keep DECODER's.
 SHARED = ("kv_layout", "page_size", "num_pages", "prefix_caching", "chunk_size",
           "replicated_kv", "provider", "fabric_node", "domains_per_rank", "device",
-          "kv_memory_path", "threads", "trace", "otlp_endpoint", "faults", "lease", "dtype",
-          "kv_dtype")
+          "kv_memory_path", "threads", "trace", "otlp_endpoint", "faults", "lease",
+          "min_post_kib", "dtype", "kv_dtype")
 ONE_NODE = ("node_id", "listen", "tp", "metrics_port")
 DECODER = ("kv_timeout", "retry", "speculative", "num_draft_tokens", "draft_layers",
            "cuda_graph")

@@ -65,7 +65,7 @@ class ContextSender:
             return  # stopped: nothing more is posted
         draft = self.draft if self.draft is not None and self.draft.wants(outgoing) else None
         if draft is not None and outgoing.begin_write():
-            draft.post(outgoing, lambda error=None, n=0: outgoing.write_done(error, n, tail=True))
+            draft.post(outgoing, lambda error=None, n=0: outgoing.write_done(error, tail=n))
         slot, request = self.slots.take(self._wait_timeout_s), outgoing.request
         # Added up as the layers were posted (X8d), else summed here; held pages: neither sent
         # nor summed.
@@ -75,7 +75,7 @@ class ContextSender:
         checksum += draft.checksum(outgoing) if draft is not None else 0.0
         pack_context(self.slots.buffer[slot], hidden, logits, checksum, outgoing.nonce)
         if self.slots.post(slot, outgoing.tail_imm, outgoing.peer.context, outgoing.context_slot,
-                           lambda error: outgoing.write_done(error, 1, tail=True)):
+                           lambda error: outgoing.write_done(error, tail=1)):
             self._stats.add(writes=1, bytes=self.slots.slot_nbytes)
 
     def close(self) -> None:

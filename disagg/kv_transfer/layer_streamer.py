@@ -1,15 +1,17 @@
 """Layer-by-layer KV streaming on the prefiller: counter bumps become that layer's page writes
-(S3, S3a, S3b, S6a, S9a, X8d).
+(S3, S3a, S3b, S6a, S9a, X8d, X9a).
 
 NOTE (the streaming invariant). Before a forward runs, the streamer plans the pages each
-request's chunks complete (`plan_forward`, S3a). The model bumps a layer counter after each
-layer's attention output projection; a `CounterPoller` thread sees every bump and, for that
-layer, posts the writes of every planned request at once, while the forward moves on (S3b): one
-paged write per decoder and rank pair, each page carrying its request's immediate
-(`forward_writes`; the last layer's pages carry the request's tail immediate, S4c). So layer l's
-KV is on the wire while layer l + 1 computes, and after the forward only the last layer's writes
-are left. `wait_posted` is the engine thread's barrier: the forward returned, and every one of
-its bumps has been handled.
+request's chunks complete (`plan_forward`, S3a) and the groups its layers post in
+(`layer_groups`, X9a: a layer of a short prompt rides with the next ones until together they
+carry `min_post_bytes`; every layer is its own group when they are large, or with 0). The model
+bumps a layer counter after each layer's attention output projection; a `CounterPoller` thread
+sees every bump and, at the last layer of a group, posts the group's writes of every planned
+request at once, while the forward moves on (S3b): one paged write per decoder and rank pair,
+each page carrying its request's immediate (`forward_writes`; the last layer's pages carry the
+request's tail immediate, S4c). So layer l's KV is on the wire while layer l + 1 computes, and
+after the forward only the last group's writes are left. `wait_posted` is the engine thread's
+barrier: the forward returned, and every one of its bumps has been handled.
 
 Each write leaves through its source rank's domains (`PageWrite.domains`, S6a, S9a); KV memory
 the NIC cannot read is staged first: a layer's pages are copied to a host shadow just before
@@ -23,10 +25,14 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Mapping
+from dataclasses import dataclass
+
+import numpy as np
 
 from disagg.engine.batch import Batch
 from disagg.kv_transfer.forward_writes import Member, PeerWrite, forward_writes
 from disagg.kv_transfer.kv_checksum import LayerSums
+from disagg.kv_transfer.layer_groups import layer_groups
 from disagg.kv_transfer.layer_writes import layer_writes
 from disagg.kv_transfer.outgoing_kv import ChunkPages, OutgoingKV
 from disagg.kv_transfer.transfer_plan import pages_to_send
@@ -40,12 +46,34 @@ from transfer_core.staging import RegisteredKV
 from transfer_core.transport import PagedWrite, Transport
 
 
+@dataclass(frozen=True, slots=True)
+class PlannedForward:
+    """One forward's chunks, their writes merged per peer (`forward_writes`), each with its
+    paged write at layer 0 (None: making it failed; each post raises), and the groups its
+    layers post in (`layer_groups`)."""
+
+    chunks: list[ChunkPages]
+    merged: list[tuple[PeerWrite, PagedWrite | None]]
+    groups: tuple[range, ...]
+
+    def ending_at(self, layer: int) -> tuple[range | None, range | None]:
+        """The group whose last layer is `layer` (None: it rides with a later one), and the
+        group after it (None: the forward's last)."""
+        for i, group in enumerate(self.groups):
+            if group[-1] == layer:
+                return group, self.groups[i + 1] if i + 1 < len(self.groups) else None
+        return None, None
+
+
 class LayerStreamer:
-    """Posts each layer's page writes as soon as the model's counter says the layer is done."""
+    """Posts each layer's page writes as soon as the model's counter says the layer is done
+    (with the next layers', while together they carry under `min_post_bytes`: X9a)."""
 
     def __init__(self, transport: Transport, kv: list[RegisteredKV], kv_cache: KVCache,
                  counter: LayerCounter, stats: Tally, tracer: Tracer,
-                 poller_cpus: tuple[int, ...] | None = None) -> None:
+                 poller_cpus: tuple[int, ...] | None, min_post_bytes: int) -> None:
+        if min_post_bytes < 0:
+            raise ValueError(f"min_post_bytes must be >= 0, got {min_post_bytes}")
         self._transport = transport
         self._kv = kv  # one registered region per TP rank (S5a)
         self._kv_cache = kv_cache
@@ -55,13 +83,11 @@ class LayerStreamer:
         self.num_layers = kv_cache.num_layers
         self._stats = stats
         self._tracer = tracer
+        self.min_post_bytes = min_post_bytes
         self._lock = threading.Condition()
-        # By forward index: its chunks, and their writes merged per peer (`forward_writes`),
-        # each with its paged write at layer 0 (None: making it failed; each layer raises).
-        self._forwards: dict[int, tuple[list[ChunkPages], list[tuple[PeerWrite,
-                                                                      PagedWrite | None]]]] = {}
+        self._forwards: dict[int, PlannedForward] = {}  # by forward index
         self._num_forwards = 0  # forwards planned
-        self._handled = 0  # counter value whose writes have all been posted
+        self._handled = 0  # counter value up to which every layer's writes have been posted
         self.counter = counter
         # A CPU counter rings its doorbell after each bump and the poller sleeps until then: a
         # poller that naps wakes the core the forward runs on (S3b); a GPU's counter is polled.
@@ -94,9 +120,13 @@ class LayerStreamer:
                         LayerSums(self._kv_cache, request.page_ids, span.start, span.end))
                 chunks.append(ChunkPages(outgoing, src_ids, dst_ids, writes, span, sums))
         merged = [(write, self._layer_zero(write)) for write in forward_writes(chunks)]
+        layer_bytes = sum(write.num_writes * write.shape.nbytes for write, _ in merged)
+        groups = layer_groups(layer_bytes, self.num_layers, self.min_post_bytes)
         with self._lock:
-            self._forwards[self._num_forwards] = (chunks, merged)
+            forward = self._num_forwards
+            self._forwards[forward] = PlannedForward(chunks, merged, groups)
             self._num_forwards += 1
+        self._hold_until(forward, groups[0][-1])
 
     def wait_posted(self, timeout_s: float) -> None:
         """Engine thread, after a forward: block until every layer's writes are posted;
@@ -109,78 +139,110 @@ class LayerStreamer:
             raise TimeoutError(f"layer poller saw {self._handled} of {target} bumps")
 
     def _on_counter(self, index: int, old: int, new: int) -> None:
-        """Poller thread (S3b): post the writes of every layer that finished since `old`."""
+        """Poller thread (S3b): post the writes of every group whose last layer finished since
+        `old` (X9a)."""
         for value in range(old + 1, new + 1):
             forward, layer = LayerCounter.decode(value, self.num_layers)
-            with self._lock:
-                chunks, merged = self._forwards.get(forward, ([], []))
-            self._stage_out(chunks, layer)  # no-op unless staged
-            now = time.perf_counter()
-            for chunk in chunks:
-                chunk.outgoing.layer_post_times.append((layer, now))
-            for write, layer_zero in merged:
-                self._post_layer(write, layer_zero, layer)
-            self._add_checksums(chunks, layer)  # the layer is on the wire: now its sum
-            self._stats.add(pages=sum(len(c.src_page_ids) for c in chunks
-                                      if not c.outgoing.failed))
             self._tracer.instant("layer", forward=forward, layer=layer)  # every counter bump
-            if chunks:
-                self._tracer.instant("layer_writes_posted", forward=forward, layer=layer,
-                                     requests=len(chunks))
+            with self._lock:
+                planned = self._forwards.get(forward)
+            if planned is None:  # unplanned: nothing to post
+                group, after = range(layer, layer + 1), None
+            else:
+                group, after = planned.ending_at(layer)
+            if group is None:
+                continue  # it rides with a later layer of its group
+            if planned is not None:
+                self._post_group(forward, planned, group)
+            if after is not None:  # before `_handled` moves: the next plan holds after this
+                self._hold_until(forward, after[-1])
             with self._lock:
                 if layer == self.num_layers - 1:
                     self._forwards.pop(forward, None)
                 self._handled = value
                 self._lock.notify_all()
 
-    def _paged_write(self, merged: PeerWrite, layer: int) -> PagedWrite:
-        """`merged`'s writes at `layer`'s offsets, each page with its request's immediate
-        (the tail's in the last layer)."""
+    def _hold_until(self, forward: int, layer: int) -> None:
+        """Nothing is posted before `layer` of `forward` is done: until then the poller's
+        thread stays in its C wait, off the GIL the forward needs (X9a)."""
+        self._poller.report_from(0, forward * self.num_layers + layer + 1)
+
+    def _post_group(self, forward: int, planned: PlannedForward, group: range) -> None:
+        """Stage, post and sum the layers of `group` for every request `forward` plans."""
+        chunks = planned.chunks
+        for layer in group:
+            self._stage_out(chunks, layer)  # no-op unless staged
+        now = time.perf_counter()
+        for chunk in chunks:
+            chunk.outgoing.layer_post_times.extend((layer, now) for layer in group)
+        for write, layer_zero in planned.merged:
+            self._post_layers(write, layer_zero, group)
+        for layer in group:
+            self._add_checksums(chunks, layer)  # the layer is on the wire: now its sum
+        self._stats.add(pages=len(group) * sum(len(c.src_page_ids) for c in chunks
+                                               if not c.outgoing.failed))
+        for layer in group if chunks else ():
+            self._tracer.instant("layer_writes_posted", forward=forward, layer=layer,
+                                 requests=len(chunks))
+    def _paged_write(self, merged: PeerWrite, group: range) -> PagedWrite:
+        """`merged`'s writes in every layer of `group`, each page with its request's immediate
+        (the tail's in the last layer): one paged write whose "page ids" are byte offsets from
+        the group's first layer."""
         shape, peer = merged.shape, merged.peer
-        return PagedWrite(self._kv[shape.src_rank].region, merged.src_offsets, 1,
-                          layer * self._layer_nbytes, peer.kv[shape.dst_rank],
-                          merged.dst_offsets, 1, layer * peer.layer_nbytes, shape.nbytes, None,
-                          shape.domains, imms=merged.imms_of(layer, self.num_layers))
+        first = group[0]
+        src = [merged.src_offsets + (layer - first) * self._layer_nbytes for layer in group]
+        dst = [merged.dst_offsets + (layer - first) * peer.layer_nbytes for layer in group]
+        imms = [merged.imms_of(layer, self.num_layers) for layer in group]
+        return PagedWrite(self._kv[shape.src_rank].region, np.concatenate(src), 1,
+                          first * self._layer_nbytes, peer.kv[shape.dst_rank],
+                          np.concatenate(dst), 1, first * peer.layer_nbytes, shape.nbytes, None,
+                          shape.domains, imms=np.concatenate(imms))
 
     def _layer_zero(self, merged: PeerWrite) -> PagedWrite | None:
         """Engine thread: `merged` checked once, at layer 0; a layer then moves its offsets
         (`PagedWrite.at`) instead of checking every page again on the poller's thread."""
         try:
-            return self._paged_write(merged, 0)
+            return self._paged_write(merged, range(1))
         except ValueError:
             return None  # each layer's own attempt raises, and fails the requests there
 
-    def _post_layer(self, merged: PeerWrite, layer_zero: PagedWrite | None, layer: int) -> None:
-        """One paged-write call for this layer's writes of every request bound for one peer
-        and rank pair, at the layer's offsets, each page with its request's immediate."""
+    def _post_layers(self, merged: PeerWrite, layer_zero: PagedWrite | None,
+                     group: range) -> None:
+        """One paged-write call for `group`'s writes of every request bound for one peer and
+        rank pair, at its layers' offsets, each page with its request's immediate."""
         live = [m for m in merged.members if m.outgoing.begin_write()]
         if not live:
             return  # all stopped or failed: nothing more is posted for them
         write = merged.only(live)
+        layer = group[0]
         posted = time.time()  # the layer_writes span runs from here to completion
         try:
-            if write is merged and layer_zero is not None:
+            if write is merged and layer_zero is not None and len(group) == 1:
                 tail = merged.tail_imms if layer == self.num_layers - 1 else None
                 paged = layer_zero.at(layer * self._layer_nbytes,
                                       layer * merged.peer.layer_nbytes, imms=tail)
             else:
-                paged = self._paged_write(write, layer)
+                paged = self._paged_write(write, group)
             self._transport.post_paged_writes(
-                paged, on_done=lambda: self._layer_done(live, layer, posted),
+                paged, on_done=lambda: self._group_done(live, group, posted),
                 on_error=lambda error: self._layer_failed(live, error))
         except (TransferError, ValueError) as error:
             self._layer_failed(live, error)
             return
-        self._stats.add(writes=write.num_writes, bytes=write.num_writes * merged.shape.nbytes)
+        writes = write.num_writes * len(group)
+        self._stats.add(writes=writes, bytes=writes * merged.shape.nbytes)
 
-    def _layer_done(self, members: list[Member], layer: int, posted: float) -> None:
+    def _group_done(self, members: list[Member], group: range, posted: float) -> None:
         end = time.time()
-        tail = layer == self.num_layers - 1  # counted under the tail's immediate
+        # The last layer's writes are counted under the tail's immediate, the others the body's.
+        tail_layers = int(group[-1] == self.num_layers - 1)
         for m in members:
             self._tracer.complete("layer_writes", posted, end, parent=m.outgoing.traceparent,
-                                  layer=layer, writes=m.write.num_writes,
+                                  layer=group[0], layers=len(group),
+                                  writes=m.write.num_writes * len(group),
                                   request_id=m.outgoing.request_id)
-            m.outgoing.write_done(None, m.write.num_writes, tail=tail)
+            m.outgoing.write_done(None, body=m.write.num_writes * (len(group) - tail_layers),
+                                  tail=m.write.num_writes * tail_layers)
 
     @staticmethod
     def _layer_failed(members: list[Member], error: BaseException) -> None:

@@ -5,7 +5,7 @@ A round moves L x R x P x W writes of B bytes (`Shape`; default: SmolLM2's fp32 
 tokens, 30 x 1 x 32 x 2 of 12,288) into a spawned receiver's region; W is how many writes the
 plan cuts a page into (1 with matched TP; K and V, or a segment per token and head with
 mismatched TP). By each of three paths:
-- `messenger`: a whole forward's stream, layers back to back, as `LayerStreamer._post_layer`
+- `messenger`: a whole forward's stream, layers back to back, as `LayerStreamer._post_layers`
   posts it (S3b): per layer ONE `post_paged_writes` carrying all R x P x W writes as byte
   offsets (`layer_writes`), checked once at layer 0 and moved to each layer (`PagedWrite.at`,
   made before the timer as the streamer makes it before the forward), each page with its
@@ -142,7 +142,7 @@ class _Sender:
                     yield r, src_ids, dst_ids, offset
 
     def _merged(self) -> PeerWrite:
-        """As `_post_layer` posts them: per layer ONE write of every request's pages (all to
+        """As `_post_layers` posts them: per layer ONE write of every request's pages (all to
         one receiver, one rank pair), byte offsets with stride 1 (`layer_writes`), each page
         with its request's immediate (`forward_writes`)."""
         page_nbytes, b = self.shape.region_shape[2], self.shape.write_bytes
@@ -177,7 +177,7 @@ class _Sender:
         return time.perf_counter() - start
 
     def _calls(self, merged: bool) -> list[Callable[[], PagedWrite]]:
-        """Every layer's paged write, made as `_post_layer` makes it (the forward's merged
+        """Every layer's paged write, made as `_post_layers` makes it (the forward's merged
         write checked once at layer 0, then moved to each layer: `PagedWrite.at`), or one
         per request and write of the plan, made in full (as it was before)."""
         _, pages, page_nbytes = self.shape.region_shape

@@ -77,17 +77,15 @@ class OutgoingKV:
             self._in_flight += 1
             return True
 
-    def write_done(self, error: BaseException | None, writes: int = 0, *,
-                   tail: bool = False) -> None:
-        """A write call completed (`writes` writes landed when it succeeded, under `tail_imm`
-        if `tail`, else under `imm`) or failed."""
+    def write_done(self, error: BaseException | None, *, body: int = 0, tail: int = 0) -> None:
+        """A write call completed (`body` writes landed under `imm` and `tail` under
+        `tail_imm` when it succeeded: a call may carry both, X9a) or failed."""
         with self._lock:
             self._in_flight -= 1
             self.done_at = time.time()
-            if error is None and tail:
-                self.tail_writes_ok += writes
-            elif error is None:
-                self.writes_ok += writes
+            if error is None:
+                self.writes_ok += body
+                self.tail_writes_ok += tail
             else:
                 self.writes_unknown = True
                 self._fail(FailureCause.WRITE_FAILED, f"write failed: {error}")

@@ -72,7 +72,7 @@ class PrefillMessenger:
                  tracer: Tracer | None = None, lease_s: float = 300.0,
                  kv_memory_path: str | None = None,
                  rank_domains: list[tuple[int, ...]] | None = None,
-                 poller_cpus: tuple[int, ...] | None = None) -> None:
+                 poller_cpus: tuple[int, ...] | None = None, min_post_bytes: int) -> None:
         self._parts = parts
         self.transport = transport
         self.kv_cache = parts.kv_cache
@@ -86,7 +86,7 @@ class PrefillMessenger:
                                remote_write=False)
                    for rank, shard in enumerate(self.kv_cache.shards)]
         self.streamer = LayerStreamer(transport, self.kv, self.kv_cache, counter, self.stats,
-                                      self.tracer, poller_cpus)
+                                      self.tracer, poller_cpus, min_post_bytes)
         self.context = ContextSender(
             ContextSlots(transport, parts.model.config, num_context_slots), self.kv_cache,
             self.stats, make_draft_source, wait_timeout_s)

@@ -165,7 +165,8 @@ def wire_prefill_side(config: NodeConfig, parts: EngineParts, counter: LayerCoun
     messenger = PrefillMessenger(parts, transport, counter, wake=inbox.wake,
                                  make_draft_source=partial(DraftKVSource, parts, transport),
                                  tracer=tracer, lease_s=config.lease_s,
-                                 rank_domains=rank_domains, poller_cpus=poller_cpus)
+                                 rank_domains=rank_domains, poller_cpus=poller_cpus,
+                                 min_post_bytes=config.min_post_bytes)
     return LLMEngine(parts, observers=[messenger]), messenger
 
 

@@ -45,6 +45,7 @@ CASES: dict[str, tuple[list[str], Check]] = {
                       lambda c: c.otlp_endpoint == "http://127.0.0.1:4318"),
     "faults": (["--faults", "seed=1,drop_imm=0.01"], lambda c: c.faults == "seed=1,drop_imm=0.01"),
     "lease": (["--lease", "5"], lambda c: c.lease_s == 5.0),
+    "min_post_kib": (["--min-post-kib", "3"], lambda c: c.min_post_bytes == 3 * 1024),
     "metrics_port": (["--metrics-port", "9100"], lambda c: c.metrics_port == 9100),
     "kv_timeout": (["--kv-timeout", "5"], lambda c: c.reliability.kv_timeout_s == 5.0),
     "retry": (["--no-retry"], lambda c: not c.reliability.retry_on_prefiller_failure),

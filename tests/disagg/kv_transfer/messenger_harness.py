@@ -131,6 +131,8 @@ class Harness:
 
     reliability: ReliabilityConfig = field(default_factory=ReliabilityConfig)
     lease_s: float = 300.0
+    # Each layer posts alone (S3 as written) unless a test groups them (X9a)
+    min_post_bytes: int = 0
     draft_kv: bool = False  # give the decoder an MTP cache (its Hello then asks for draft KV)
     inline: bool = True  # loopback delivery in the caller's thread (deterministic)
     connect: bool = True  # shake hands at construction
@@ -159,6 +161,7 @@ class Harness:
                                               num_domains=decode_placement.num_domains)
         prefill_config = NodeConfig(
             "tiny", role=NodeRole.PREFILL, node_id="prefill-0", lease_s=self.lease_s,
+            min_post_bytes=self.min_post_bytes,
             cache=replace(CACHE, kv_layout=self.kv_layout, num_pages=self.prefill_num_pages,
                           prefix_caching=self.prefill_prefix_caching),
             scheduler=SchedulerConfig(chunk_size=PREFILL_CHUNK,

@@ -89,16 +89,16 @@ def test_a_request_stopped_after_planning_drops_out_of_the_merged_calls(
     is about to be posted: no call carries its immediate, the other two share every call and
     decode their single-node tokens, and nothing is left behind."""
     h = make_harness(reliability=QUICK)
-    streamer, post_layer = h.prefill.streamer, h.prefill.streamer._post_layer
+    streamer, post_layers = h.prefill.streamer, h.prefill.streamer._post_layers
     stopped: list[int] = []
 
-    def stop_second(merged: Any, layer_zero: Any, layer: int) -> None:
+    def stop_second(merged: Any, layer_zero: Any, group: range) -> None:
         if not stopped and len(merged.members) == 3:
             victim = merged.members[1].outgoing
             victim.stop(FailureCause.CANCELLED, "stopped by the test")
             stopped.extend(victim_imms := (victim.imm, victim.tail_imm))
             assert len(set(victim_imms)) == 2
-        post_layer(merged, layer_zero, layer)
+        post_layers(merged, layer_zero, group)
 
     seen: list[set[int]] = []
     post = h.prefill_transfer.post_paged_writes
@@ -108,7 +108,7 @@ def test_a_request_stopped_after_planning_drops_out_of_the_merged_calls(
         seen.append(set(np.asarray(values).tolist()))
         post(write, *args, **kwargs)
 
-    streamer._post_layer = stop_second  # type: ignore[method-assign]
+    streamer._post_layers = stop_second  # type: ignore[method-assign]
     h.prefill_transfer.post_paged_writes = spy  # type: ignore[method-assign]
     prompts = [random_prompt(2, seed=40 + i) for i in range(3)]
     requests = [h.submit(p, f"r{i}") for i, p in enumerate(prompts)]

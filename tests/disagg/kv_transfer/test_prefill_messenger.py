@@ -9,6 +9,8 @@ from __future__ import annotations
 
 from dataclasses import replace
 
+import pytest
+
 from disagg.control.framing import Message
 from disagg.engine.request import FailureCause, RequestState
 from disagg.kv_transfer.draft_kv import DraftKVSource, draft_kv_pages
@@ -112,10 +114,13 @@ def test_cancel_posts_nothing_more_and_frees_pages_once_writes_completed(
     assert kv_failures(h.to_decoder) == [("r0", FailureCause.CANCELLED, (1, 1))]
 
 
-def test_late_cancel_is_answered_with_the_writes_completed(make_harness: MakeHarness) -> None:
+@pytest.mark.parametrize("min_post_bytes", [0, 1 << 20], ids=["layer_by_layer", "grouped"])
+def test_late_cancel_is_answered_with_the_writes_completed(make_harness: MakeHarness,
+                                                           min_post_bytes: int) -> None:
     """A Cancel for a transfer that already finished (its counter should have fired) gets
-    KVFailed with the writes it completed, the decoder's fence; an unknown id gets -1."""
-    h = make_harness()
+    KVFailed with the writes it completed under each value, the decoder's fence (a group
+    of layers counts its last layer's under the tail's, X9a); an unknown id gets -1."""
+    h = make_harness(min_post_bytes=min_post_bytes)
     request = h.submit(random_prompt(7, seed=4))
     h.run_to_end(request)
     assert h.peer is not None
