@@ -40,16 +40,17 @@ def kv_request_imms(h: Harness, request_id: str) -> tuple[int, int]:
     return imms
 
 
-def count_at_last_layer(h: Harness, request_id: str) -> list[tuple[int, int]]:
-    """Before each prefiller forward's last layer, wait (bounded) until the decoder counted a
-    write of `request_id`; the list gets the arrivals under the body's and the tail's
-    immediates each forward saw when it went on."""
+def count_at_last_layer(h: Harness, request_id: str, wait_s: float = WAIT_S
+                        ) -> list[tuple[int, int]]:
+    """Before each prefiller forward's last layer, wait (up to `wait_s`) until the decoder
+    counted a write of `request_id`; the list gets the arrivals under the body's and the
+    tail's immediates each forward saw when it went on."""
     counts: list[tuple[int, int]] = []
     arrivals = arrivals_of(h.decode_transfer)
 
     def before_last_layer(*_: Any) -> None:
         body, tail = kv_request_imms(h, request_id)
-        deadline = time.monotonic() + WAIT_S
+        deadline = time.monotonic() + wait_s
         while arrivals[body] == 0 and time.monotonic() < deadline:
             time.sleep(0.001)  # the poller thread posts; give it the core
         counts.append((arrivals[body], arrivals[tail]))
@@ -84,7 +85,7 @@ def test_small_layers_leave_together_after_the_last_layer(make_harness: MakeHarn
     decodes the single-node tokens."""
     h = make_harness(min_post_bytes=GROUPED)
     prompt = random_prompt(PREFILL_CHUNK + 1, seed=4)  # one chunk
-    counts = count_at_last_layer(h, "r0")
+    counts = count_at_last_layer(h, "r0", wait_s=0.2)  # ungrouped, layer 0 lands in ms
     posts: list[PagedWrite] = []
     post = h.prefill_transfer.post_paged_writes
 
@@ -121,6 +122,10 @@ def test_the_poller_reports_a_group_once(make_harness: MakeHarness) -> None:
         on_change(index, old, new)
 
     poller._on_change = record  # type: ignore[method-assign]
+    # The last layer starts late, so a poller that reported each bump would have reported the
+    # first one alone by then.
+    h.prefill_engine.model.layers[-1].self_attn.register_forward_pre_hook(
+        lambda *_: time.sleep(0.05))
     prompts = [random_prompt(PREFILL_CHUNK + 1, seed=s) for s in (5, 6)]
     for i, prompt in enumerate(prompts):
         request = h.submit(prompt, f"r{i}")
