@@ -19,7 +19,7 @@ response id without `cmpl-`) line up across them:
 Each part starts where the one before it ends, so a request's parts add up to its TTFT.
 Prints p50 per part and mode, and the difference disagg - mixed part by part. Run:
 `python benchmarks/ttft_breakdown.py [--model smollm2-135m] [--lengths 6 400] [--reps 3]
-[--json PATH]` (about 2 min).
+[--min-post-kib K] [--json PATH]` (about 2 min).
 """
 
 from __future__ import annotations
@@ -86,8 +86,10 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[list[int]]
     """Serve `prompts` one at a time (the first of each length a warm-up); a row per request
     measured: its length, client TTFT and parts."""
     with tempfile.TemporaryDirectory(prefix=f"ttft-{mode}-") as scratch:
-        server = Server(args, MODE_FLAGS[mode], Path(scratch) / "server.log",
-                        Path(scratch) / "trace")
+        flags = MODE_FLAGS[mode]
+        if mode == "disagg" and args.min_post_kib is not None:
+            flags = [*flags, "--min-post-kib", str(args.min_post_kib)]
+        server = Server(args, flags, Path(scratch) / "server.log", Path(scratch) / "trace")
         measured: list[tuple[str, int, float]] = []
         try:
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused",
@@ -167,6 +169,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--cores", default="0,1", help="the two cores the two nodes are pinned to")
     add("--malloc-defaults", action="store_true", help="leave glibc's malloc thresholds alone")
     add("--seed", type=int, default=0)
+    add("--min-post-kib", type=int, help="the prefiller's --min-post-kib (X9a; 0: each layer "
+        "posted alone; default: the node's)")
     add("--json", type=Path, help="write the rows and the summary here")
     args = parser.parse_args(argv)
     args.cores = two_cores(parser, args.cores)

@@ -50,7 +50,9 @@ def test_a_mixed_node_s_prefill_is_one_part() -> None:
 @pytest.mark.fabric
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins two nodes to two cores")
 def test_both_modes_run_end_to_end() -> None:
-    summary = ttft_breakdown.main(["--model", "tiny", "--lengths", "8", "--reps", "1"])
+    """`--min-post-kib` reaches the prefiller's command line (0: each layer posted alone)."""
+    summary = ttft_breakdown.main(["--model", "tiny", "--lengths", "8", "--reps", "1",
+                                   "--min-post-kib", "0"])
     assert {row["mode"] for row in summary} == {"disagg", "mixed"}
     for row in summary:
         parts = sum(row[p] for p in ttft_breakdown.PARTS)

@@ -146,16 +146,13 @@ class LayerStreamer:
             self._tracer.instant("layer", forward=forward, layer=layer)  # every counter bump
             with self._lock:
                 planned = self._forwards.get(forward)
-            if planned is None:  # unplanned: nothing to post
-                group, after = range(layer, layer + 1), None
-            else:
+            if planned is not None:  # else unplanned: nothing to post
                 group, after = planned.ending_at(layer)
-            if group is None:
-                continue  # it rides with a later layer of its group
-            if planned is not None:
+                if group is None:
+                    continue  # it rides with a later layer of its group
                 self._post_group(forward, planned, group)
-            if after is not None:  # before `_handled` moves: the next plan holds after this
-                self._hold_until(forward, after[-1])
+                if after is not None:
+                    self._hold_until(forward, after[-1])
             with self._lock:
                 if layer == self.num_layers - 1:
                     self._forwards.pop(forward, None)
@@ -184,6 +181,7 @@ class LayerStreamer:
         for layer in group if chunks else ():
             self._tracer.instant("layer_writes_posted", forward=forward, layer=layer,
                                  requests=len(chunks))
+
     def _paged_write(self, merged: PeerWrite, group: range) -> PagedWrite:
         """`merged`'s writes in every layer of `group`, each page with its request's immediate
         (the tail's in the last layer): one paged write whose "page ids" are byte offsets from
