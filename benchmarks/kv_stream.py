@@ -106,7 +106,9 @@ def sample_of(prefill: list[Event], decode: list[Event], receipt: RequestEvent,
     """Read one request's milestones from the two traces (µs epoch) and its receipt."""
     request_id = receipt.request_id
     writes = of_request(prefill, "layer_writes", request_id)
-    last_start = max(e["ts"] for e in writes if e["args"]["layer"] == num_layers - 1)
+    # The post that carried the last layer (with the layers that rode along with it, X9a).
+    last_start = max(e["ts"] for e in writes
+                     if e["args"]["layer"] + e["args"].get("layers", 1) == num_layers)
     # The instant follows the posts of every request the forward carried: requests here run
     # alone, so the first one at or after this request's last post is its forward's.
     last_posted = min(e["ts"] for e in prefill if e["name"] == "layer_writes_posted"
