@@ -17,7 +17,9 @@ response id without `cmpl-`) line up across them:
 - back: `first_token_sent` until the front door's `first_token`; client: the rest of the TTFT
   the client measured (HTTP, the stream's first chunk, this process).
 Each part starts where the one before it ends, so a request's parts add up to its TTFT.
-Prints p50 per part and mode, and the difference disagg - mixed part by part. Run:
+Prints p50 per part and mode, and the difference disagg - mixed part by part; then each node
+thread's CPU time and time waiting for a CPU per measured request, by length (`thread_times`:
+the scheduler's own accounting, so a forward slowed by its node's other threads shows there). Run:
 `python benchmarks/ttft_breakdown.py [--model smollm2-135m] [--lengths 6 400] [--reps 3]
 [--min-post-kib K] [--json PATH]` (about 2 min).
 """
@@ -39,6 +41,7 @@ from rich.console import Console
 from rich.table import Table
 from serving import MODE_FLAGS, Server, two_cores
 from step_times import read_events
+from thread_times import per_unit, snapshot
 
 PARTS = ("front_door", "to_node", "admission", "to_prefiller", "prefill_queue", "prefill",
          "tail", "first_step", "node_prefill", "back", "client")
@@ -82,19 +85,24 @@ def breakdown(spans: dict[str, dict[str, Any]], post: dict[str, Any], ttft_ms: f
 
 
 def run_mode(args: argparse.Namespace, mode: str, prompts: list[list[int]]
-             ) -> list[dict[str, Any]]:
+             ) -> tuple[list[dict[str, Any]], list[dict[str, Any]]]:
     """Serve `prompts` one at a time (the first of each length a warm-up); a row per request
-    measured: its length, client TTFT and parts."""
+    measured (its length, client TTFT and parts), and per length each node thread's CPU and
+    wait for a CPU per measured request (`thread_times`)."""
     with tempfile.TemporaryDirectory(prefix=f"ttft-{mode}-") as scratch:
         flags = MODE_FLAGS[mode]
         if mode == "disagg" and args.min_post_kib is not None:
             flags = [*flags, "--min-post-kib", str(args.min_post_kib)]
         server = Server(args, flags, Path(scratch) / "server.log", Path(scratch) / "trace")
         measured: list[tuple[str, int, float]] = []
+        threads: list[dict[str, Any]] = []
+        block = args.reps + 1  # a warm-up, then the measured requests of one length
         try:
             client = openai.OpenAI(base_url=f"{server.url}/v1", api_key="unused",
                                    max_retries=0, timeout=600)
             for index, prompt in enumerate(prompts):
+                if index % block == 1:
+                    before = snapshot(server.nodes)
                 start, request_id = time.perf_counter(), None
                 for chunk in client.completions.create(
                         model="bench", prompt=prompt, max_tokens=2, temperature=0,
@@ -102,8 +110,12 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[list[int]]
                     ids = chunk.choices and (chunk.choices[0].model_extra or {}).get("token_ids")
                     if ids and request_id is None:
                         ttft, request_id = (time.perf_counter() - start) * 1e3, chunk.id
-                if index % (args.reps + 1):  # the first of each length warms up
+                if index % block:  # the first of each length warms up
                     measured.append((request_id.removeprefix("cmpl-"), len(prompt), ttft))
+                if index % block == block - 1 and block > 1:
+                    threads += [{"mode": mode, "tokens": len(prompt), "thread": t.thread,
+                                 "cpu_ms": t.cpu_ms, "wait_ms": t.wait_ms}
+                                for t in per_unit(before, snapshot(server.nodes), args.reps)]
         finally:
             if server.stop():
                 raise RuntimeError(f"{mode}: the server did not stop cleanly")
@@ -119,7 +131,7 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[list[int]]
         post = max((p for p in posts if p["ts"] <= mine["route"]["ts"]), key=lambda p: p["ts"])
         rows.append({"mode": mode, "tokens": length, "ttft_ms": ttft,
                      **breakdown(mine, post, ttft)})
-    return rows
+    return rows, threads
 
 
 def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
@@ -156,6 +168,17 @@ def print_table(summary: list[dict[str, Any]]) -> None:
     Console().print(table)
 
 
+def print_threads(threads: list[dict[str, Any]]) -> None:
+    """Each node thread's CPU and wait for a CPU, ms per measured request."""
+    table = Table(title="node threads, ms per request: on a CPU / waiting for one")
+    for column in ("mode", "tokens", "thread", "cpu", "wait"):
+        table.add_column(column, justify="left" if column == "thread" else "right")
+    for t in threads:
+        table.add_row(t["mode"], str(t["tokens"]), t["thread"], f"{t['cpu_ms']:.2f}",
+                      f"{t['wait_ms']:.2f}")
+    Console().print(table)
+
+
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     add = parser.add_argument
@@ -183,16 +206,19 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
 
     vocab = load_model(args.model).config.vocab_size
     rng = random.Random(args.seed)
-    rows = []
+    rows, threads = [], []
     for mode in args.modes:
         # Fresh random tokens per request: no prefix is ever shared (no cache hit).
         prompts = [[rng.randrange(min(16, vocab - 1), vocab) for _ in range(n)]
                    for n in args.lengths for _ in range(args.reps + 1)]
-        rows += run_mode(args, mode, prompts)
+        measured, used = run_mode(args, mode, prompts)
+        rows, threads = rows + measured, threads + used
     summary = summarize(rows)
     print_table(summary)
+    print_threads(threads)
     if args.json is not None:
-        args.json.write_text(json.dumps({"rows": rows, "summary": summary}, indent=1) + "\n")
+        args.json.write_text(json.dumps({"rows": rows, "summary": summary,
+                                         "threads": threads}, indent=1) + "\n")
     return summary
 
 

@@ -4,6 +4,7 @@ real run of both modes at tiny size."""
 
 from __future__ import annotations
 
+import json
 import os
 import sys
 from pathlib import Path
@@ -49,10 +50,15 @@ def test_a_mixed_node_s_prefill_is_one_part() -> None:
 @pytest.mark.slow
 @pytest.mark.fabric
 @pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins two nodes to two cores")
-def test_both_modes_run_end_to_end() -> None:
-    """`--min-post-kib` reaches the prefiller's command line (0: each layer posted alone)."""
+def test_both_modes_run_end_to_end(tmp_path: Path) -> None:
+    """`--min-post-kib` reaches the prefiller's command line (0: each layer posted alone); the
+    JSON holds the node threads' time, the prefiller's named transfer thread among them."""
+    out = tmp_path / "ttft.json"
     summary = ttft_breakdown.main(["--model", "tiny", "--lengths", "8", "--reps", "1",
-                                   "--min-post-kib", "0"])
+                                   "--min-post-kib", "0", "--json", str(out)])
+    threads = {(t["mode"], t["thread"]) for t in json.loads(out.read_text())["threads"]}
+    assert {("disagg", "prefill-0/main"), ("disagg", "prefill-0/tc-domain-0")} <= threads
+    assert any(mode == "mixed" and t.endswith("/main") for mode, t in threads)
     assert {row["mode"] for row in summary} == {"disagg", "mixed"}
     for row in summary:
         parts = sum(row[p] for p in ttft_breakdown.PARTS)

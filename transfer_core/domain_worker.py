@@ -44,6 +44,7 @@ from transfer_core.pyfabric import (
     lib,
 )
 from transfer_core.pyfabric.errors import fabric_error
+from transfer_core.thread_name import name_current_thread
 from transfer_core.topology import pin_current_thread
 
 logger = logging.getLogger(__name__)
@@ -263,6 +264,8 @@ class DomainWorker:
         self._worker.set_eager(on)
 
     def _run(self) -> None:
+        # The OS keeps 15 bytes of a name: "transfer-domain-N" would lose its N.
+        name_current_thread(f"tc-domain-{self.index}")
         try:
             if self._cpus is not None:
                 try:

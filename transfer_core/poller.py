@@ -21,6 +21,7 @@ from typing import TYPE_CHECKING, Protocol, TypeAlias
 from transfer_core.doorbell import Doorbell
 from transfer_core.errors import TransferTimeoutError
 from transfer_core.placement import check_cpus
+from transfer_core.thread_name import name_current_thread
 from transfer_core.topology import pin_current_thread
 
 try:
@@ -314,6 +315,7 @@ class CounterPoller:
                 self._progress.notify_all()
 
     def _prepare_thread(self) -> None:
+        name_current_thread(self._name)
         if self._config.cpu_affinity is not None:
             pin_current_thread(self._config.cpu_affinity)
         if lib.tc_set_timer_slack_ns(1000) != 0:
