@@ -93,6 +93,14 @@ def _seed(salt: int, layer: int, half: int) -> int:
     return int(_mix(_mix(salt) + 2 * layer + half))
 
 
+@functools.lru_cache(maxsize=64)
+def _layer_seeds(num_layers: int, half: int) -> torch.Tensor:
+    """Every layer's seed of one part at salt 0 (what a `LayerSums` sums with), for
+    `kls_layers_sum`; kept alive by the cache while the C call reads it."""
+    return torch.tensor([_seed(0, layer, half) for layer in range(num_layers)],
+                        dtype=torch.int64)
+
+
 @dataclass(frozen=True, slots=True)
 class _PartSum:
     """One rank's part (K, V or the latent rows) of a token range as `kls_page_sum` reads it
@@ -108,6 +116,16 @@ class _PartSum:
         return cpu_kernels.named_call(
             "disagg::kv_page_sum", cpu_kernels.lib.kls_page_sum, self.rows.addresses.data_ptr(),
             layer * self.rows.layer_stride, *self.args, _seed(salt, layer, self.half), threads)
+
+    def layers_sum(self, layers: range, seeds: torch.Tensor, threads: int) -> int:
+        """The parts of consecutive `layers` added, in one C call; `seeds`: every layer's."""
+        if layers.step != 1 or not 0 <= layers.start <= layers.stop <= len(seeds):
+            raise ValueError(f"{layers} is not a run of the cache's {len(seeds)} layers")
+        stride = self.rows.layer_stride
+        return cpu_kernels.named_call(
+            "disagg::kv_page_sum", cpu_kernels.lib.kls_layers_sum,
+            self.rows.addresses.data_ptr(), layers.start * stride, stride, len(layers),
+            seeds.data_ptr() + seeds.element_size() * layers.start, *self.args, threads)
 
 
 def _part_sums(shard: PagedKVCache, head_ids: torch.Tensor, pages: torch.Tensor,
@@ -137,8 +155,8 @@ class LayerSums:
     its layers and over any split of its tokens: a prefiller adds them as it posts each layer
     (`running_checksum.py`), a decoder over a request's body, then its last layer
     (`ReplicaSums`). What no layer changes (page addresses, strides, head ids) is found once,
-    here; `of(layer)` is then one C call per rank and part. CPU caches only
-    (`sums_in_place`); one thread by default."""
+    here; `over(layers)` is then one C call per rank and part, whatever the layers. CPU caches
+    only (`sums_in_place`); one thread by default."""
 
     def __init__(self, kv_cache: KVCache, page_ids: list[int], start: int, end: int,
                  threads: int = 1, ranks: list[int] | None = None) -> None:
@@ -146,6 +164,7 @@ class LayerSums:
         pages = torch.tensor(page_ids[start // size:-(-end // size)], dtype=torch.int64)
         sharding = kv_cache.sharding
         self._threads = threads
+        self._num_layers = kv_cache.num_layers
         self._parts = [
             part for rank in (sharding.replica_sets()[0] if ranks is None else ranks)
             for part in _part_sums(kv_cache.shards[rank],
@@ -154,7 +173,12 @@ class LayerSums:
 
     def of(self, layer: int) -> int:
         """Layer `layer`'s part."""
-        return sum(part.layer_sum(layer, 0, self._threads) for part in self._parts) & MASK
+        return self.over(range(layer, layer + 1))
+
+    def over(self, layers: range) -> int:
+        """The parts of consecutive `layers`, added."""
+        return sum(part.layers_sum(layers, _layer_seeds(self._num_layers, part.half),
+                                   self._threads) for part in self._parts) & MASK
 
 
 
@@ -177,7 +201,7 @@ class ReplicaSums:
         """Each replica set's sum over `layers`."""
         if self._sets is None:
             return replica_sums(*self._args, layers=layers)
-        return [sum(s.of(layer) for layer in layers) & MASK for s in self._sets]
+        return [s.over(layers) for s in self._sets]
 
 
 def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens: int,

@@ -174,8 +174,7 @@ class LayerStreamer:
             chunk.outgoing.layer_post_times.extend((layer, now) for layer in group)
         for write, layer_zero in planned.merged:
             self._post_layers(write, layer_zero, group)
-        for layer in group:
-            self._add_checksums(chunks, layer)  # the layer is on the wire: now its sum
+        self._add_checksums(chunks, group)  # the layers are on the wire: now their sum
         self._stats.add(pages=len(group) * sum(len(c.src_page_ids) for c in chunks
                                                if not c.outgoing.failed))
         for layer in group if chunks else ():
@@ -247,14 +246,14 @@ class LayerStreamer:
         for m in members:
             m.outgoing.write_done(error)
 
-    def _add_checksums(self, chunks: list[ChunkPages], layer: int) -> None:
-        """Poller thread (X8d): each chunk's part of its request's KV checksum in `layer`."""
+    def _add_checksums(self, chunks: list[ChunkPages], layers: range) -> None:
+        """Poller thread (X8d): each chunk's part of its request's KV checksum in `layers`."""
         for chunk in chunks:
             span, sums, outgoing = chunk.sum_span, chunk.layer_sums, chunk.outgoing
             if span is None or sums is None or outgoing.kv_sum is None or outgoing.failed:
                 continue
-            outgoing.kv_sum.add(sums.of(layer))
-            if layer == self.num_layers - 1:
+            outgoing.kv_sum.add(sums.over(layers))
+            if layers[-1] == self.num_layers - 1:
                 outgoing.kv_sum.finish(span)
 
     def _stage_out(self, chunks: list[ChunkPages], layer: int) -> None:

@@ -48,7 +48,7 @@ class RunningChecksum:
         return span
 
     def add(self, part: int) -> None:
-        """Poller thread: one layer's part of a planned range."""
+        """Poller thread: the part of some layers (those a post carried) of a planned range."""
         self.total = (self.total + part) & MASK
 
     def finish(self, span: TokenRange) -> None:

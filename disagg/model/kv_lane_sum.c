@@ -164,6 +164,25 @@ uint64_t kls_page_sum(uintptr_t pages, int64_t offset, int64_t page_size, int64_
     return total;
 }
 
+/* kls_page_sum over layers_n consecutive layers in one call: layer i's part lies at offset +
+ * i * layer_stride and counts with seeds[i]. A range of layers is what a caller sums at once
+ * (a group of layers as the prefiller posts it, a request's body on the decoder), and each
+ * layer through Python would cost a call's overhead for a few rows' work. */
+uint64_t kls_layers_sum(uintptr_t pages, int64_t offset, int64_t layer_stride, int64_t layers_n,
+                        uintptr_t seeds, int64_t page_size, int64_t first_row, int lane_bytes,
+                        int64_t heads, int64_t tokens, int64_t lanes, int64_t head_stride,
+                        int64_t token_stride, uintptr_t head_ids, int64_t first_position,
+                        int threads)
+{
+    const uint64_t *seed = (const uint64_t *)seeds;
+    uint64_t total = 0;
+    for (int64_t i = 0; i < layers_n; i++)
+        total += kls_page_sum(pages, offset + i * layer_stride, page_size, first_row, lane_bytes,
+                              heads, tokens, lanes, head_stride, token_stride, head_ids,
+                              first_position, seed[i], threads);
+    return total;
+}
+
 /* values: [heads, tokens, lanes] contiguous, i.e. one page holding every token. */
 uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
                       int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,

@@ -41,6 +41,24 @@ def test_layer_parts_over_any_token_split_add_up_to_the_checksum(name: str,
     assert float(total & ((1 << 52) - 1)) == kv_checksum(cache, pages, num_tokens, first_page=1)
 
 
+@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
+def test_a_run_of_layers_in_one_call_adds_up_as_its_layers_do(kv_layout: str) -> None:
+    """`over(layers)` (one C call per part, X9a's groups) over any split of a 4-layer model's
+    layers: the same number as the checksum, which sums layer by layer."""
+    model = ModelConfig.from_name("small")
+    cache = PagedKVCache(model, CacheConfig(page_size=4, num_pages=16, kv_layout=kv_layout))
+    cache.buffer.copy_(torch.randn(cache.buffer.shape, generator=torch.Generator().manual_seed(3)))
+    pages, num_tokens = [9, 2, 14, 5], 14
+    sums = LayerSums(cache, pages, 0, num_tokens)
+    want = kv_checksum(cache, pages, num_tokens)
+    for cuts in ([0, 4], [0, 1, 4], [0, 3, 4], [0, 1, 2, 3, 4]):
+        total = sum(sums.over(range(a, b)) for a, b in zip(cuts, cuts[1:], strict=False))
+        assert float(total & ((1 << 52) - 1)) == want, cuts
+    assert sums.over(range(2, 2)) == 0
+    with pytest.raises(ValueError, match="not a run"):
+        sums.over(range(0, 4, 2))
+
+
 def test_the_running_total_counts_only_once_every_token_is_summed() -> None:
     running = RunningChecksum.from_token(4)
     first = running.plan(9)
