@@ -134,9 +134,10 @@ class RegisteredKV:
         """Whether the fabric reads and writes a host shadow rather than the tensor."""
         return self.shadow is not None
 
-    def stage_out(self, layer: int, page_ids: Sequence[int] | np.ndarray, *,
+    def stage_out(self, layer: int | range, page_ids: Sequence[int] | np.ndarray, *,
                   wait_for_compute: bool = False) -> None:
-        """Sender: copy pages `page_ids` of `layer` into the shadow and wait for the copies.
+        """Sender: copy pages `page_ids` of `layer` (or of a run of layers posted together)
+        into the shadow and wait once for the copies.
 
         On CUDA they run on the copy stream and do not wait for the compute stream: the layer
         counter is the fence (the host saw layer `layer` finish, see the NOTE in `poller.py`).
@@ -144,7 +145,9 @@ class RegisteredKV:
         `wait_for_compute=True` to order the copies after the work already queued.
         """
         if self.shadow is not None:
-            self._copy([(self.tensor[layer], self.shadow[layer])], page_ids, wait_for_compute)
+            layers = range(layer, layer + 1) if isinstance(layer, int) else layer
+            self._copy([(self.tensor[i], self.shadow[i]) for i in layers], page_ids,
+                       wait_for_compute)
 
     def stage_in(self, page_ids: Sequence[int] | np.ndarray, layers: range | None = None
                  ) -> None:

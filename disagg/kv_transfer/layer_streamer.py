@@ -167,8 +167,7 @@ class LayerStreamer:
     def _post_group(self, forward: int, planned: PlannedForward, group: range) -> None:
         """Stage, post and sum the layers of `group` for every request `forward` plans."""
         chunks = planned.chunks
-        for layer in group:
-            self._stage_out(chunks, layer)  # no-op unless staged
+        self._stage_out(chunks, group)  # no-op unless staged
         now = time.perf_counter()
         for chunk in chunks:
             chunk.outgoing.layer_post_times.extend((layer, now) for layer in group)
@@ -256,9 +255,9 @@ class LayerStreamer:
             if layers[-1] == self.num_layers - 1:
                 outgoing.kv_sum.finish(span)
 
-    def _stage_out(self, chunks: list[ChunkPages], layer: int) -> None:
-        """Copy the pages `chunks` send of `layer` into the host shadow of every staged rank
-        they are read from, one copy call per rank (S5)."""
+    def _stage_out(self, chunks: list[ChunkPages], layers: range) -> None:
+        """Copy the pages `chunks` send of `layers` into the host shadow of every staged rank
+        they are read from, one copy call (and one wait) per rank (S5)."""
         pages: dict[int, list[int]] = {}
         for chunk in chunks:
             for rank in {w.src_rank for w in chunk.outgoing.page_writes}:
@@ -266,7 +265,7 @@ class LayerStreamer:
                     pages.setdefault(rank, []).extend(chunk.src_page_ids)
         for rank, page_ids in pages.items():
             before = self._kv[rank].staged_bytes
-            self._kv[rank].stage_out(layer, page_ids)
+            self._kv[rank].stage_out(layers, page_ids)
             self._stats.add(staged_bytes=self._kv[rank].staged_bytes - before)
 
     def close(self) -> None:

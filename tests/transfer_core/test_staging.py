@@ -164,6 +164,17 @@ def test_stage_out_copies_only_those_pages_of_that_layer(staged: RegisteredKV) -
     assert staged.staged_bytes == 3 * PAGE_NUMEL * 4
 
 
+def test_stage_out_of_a_run_of_layers_copies_those_pages_of_each(staged: RegisteredKV) -> None:
+    """stage_out(range(1, 3), pages): those pages of layers 1 and 2, nothing else."""
+    staged.stage_out(range(1, 3), [0, 4])
+    assert staged.shadow is not None
+    touched = torch.zeros(NUM_LAYERS, NUM_PAGES, dtype=torch.bool)
+    touched[1:3, [0, 4]] = True
+    assert torch.equal(staged.shadow[touched], staged.tensor[touched])
+    assert not staged.shadow[~touched].any()
+    assert staged.staged_bytes == 4 * PAGE_NUMEL * 4
+
+
 def test_stage_in_copies_every_layer_of_those_pages(staged: RegisteredKV) -> None:
     """stage_in(pages) overwrites those pages in every layer of the tensor, nothing else."""
     assert staged.shadow is not None
