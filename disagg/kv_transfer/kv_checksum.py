@@ -94,10 +94,10 @@ def _seed(salt: int, layer: int, half: int) -> int:
 
 
 @functools.lru_cache(maxsize=64)
-def _layer_seeds(num_layers: int, half: int) -> torch.Tensor:
-    """Every layer's seed of one part at salt 0 (what a `LayerSums` sums with), for
-    `kls_layers_sum`; kept alive by the cache while the C call reads it."""
-    return torch.tensor([_seed(0, layer, half) for layer in range(num_layers)],
+def _layer_seeds(num_layers: int, half: int, salt: int = 0) -> torch.Tensor:
+    """Every layer's seed of one part, for `kls_layers_sum`; kept alive by the cache while
+    the C call reads it."""
+    return torch.tensor([_seed(salt, layer, half) for layer in range(num_layers)],
                         dtype=torch.int64)
 
 
@@ -111,11 +111,6 @@ class _PartSum:
     rows: PartRows
     head_ids: torch.Tensor  # kept alive: `args` holds its address
     args: tuple[int, ...]  # kls_page_sum's from page_size to first_position
-
-    def layer_sum(self, layer: int, salt: int, threads: int) -> int:
-        return cpu_kernels.named_call(
-            "disagg::kv_page_sum", cpu_kernels.lib.kls_page_sum, self.rows.addresses.data_ptr(),
-            layer * self.rows.layer_stride, *self.args, _seed(salt, layer, self.half), threads)
 
     def layers_sum(self, layers: range, seeds: torch.Tensor, threads: int) -> int:
         """The parts of consecutive `layers` added, in one C call; `seeds`: every layer's."""
@@ -214,8 +209,8 @@ def _rank_sum(shard: PagedKVCache, heads: range, pages: torch.Tensor, num_tokens
     if sums_in_place(shard):  # the pages read in place
         parts = _part_sums(shard, head_ids, pages, num_tokens, first_position)
         threads = torch.get_num_threads()
-        return sum(part.layer_sum(layer, salt, threads) for layer in layers
-                   for part in parts) & MASK
+        return sum(part.layers_sum(layers, _layer_seeds(shard.num_layers, part.half, salt),
+                                   threads) for part in parts) & MASK
     total = torch.zeros((), dtype=torch.int64, device=device)
     for layer in layers:
         for half, values in enumerate(shard.gather_parts(layer, pages, num_tokens)):

@@ -32,10 +32,6 @@ int rot_rotate_half(int dtype, uintptr_t x, uintptr_t cos, uintptr_t sin, uintpt
 uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
                       int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,
                       int threads);
-uint64_t kls_page_sum(uintptr_t pages, int64_t offset, int64_t page_size, int64_t first_row,
-                      int lane_bytes, int64_t heads, int64_t tokens, int64_t lanes,
-                      int64_t head_stride, int64_t token_stride, uintptr_t head_ids,
-                      int64_t first_position, uint64_t seed, int threads);
 uint64_t kls_layers_sum(uintptr_t pages, int64_t offset, int64_t layer_stride, int64_t layers_n,
                         uintptr_t seeds, int64_t page_size, int64_t first_row, int lane_bytes,
                         int64_t heads, int64_t tokens, int64_t lanes, int64_t head_stride,
