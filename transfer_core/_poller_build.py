@@ -54,7 +54,7 @@ static inline int64_t tc_now_ns(void) {
 }
 
 /* One pass over every word. An acquire load per word: whatever the writer published before
-   its store of this value is visible to this thread after the load (see poller.py NOTE). A
+   its store of this value is visible to this thread after the load (counter_word.py's NOTE). A
    word counts as changed once it differs from its last report and has reached its wake_at
    (the owner's "nothing to do below this value"); a held word's seen[] is its last report. */
 static inline int tc_scan(int64_t **words, const int64_t *last, const int64_t *wake_at,

@@ -140,7 +140,7 @@ class RegisteredKV:
         into the shadow and wait once for the copies.
 
         On CUDA they run on the copy stream and do not wait for the compute stream: the layer
-        counter is the fence (the host saw layer `layer` finish, see the NOTE in `poller.py`).
+        counter is the fence (the host saw layer `layer` finish, see the NOTE in `counter_word.py`).
         With no counter to vouch for the data (e.g. pages written after the forward), pass
         `wait_for_compute=True` to order the copies after the work already queued.
         """

@@ -11,8 +11,9 @@ import pytest
 import torch
 
 from transfer_core import poller as poller_module
+from transfer_core.counter_word import bump_release
 from transfer_core.doorbell import Doorbell
-from transfer_core.poller import CounterPoller, PollerConfig, bump_release
+from transfer_core.poller import CounterPoller, PollerConfig
 
 
 def switches(thread: threading.Thread) -> int:

@@ -9,14 +9,9 @@ import numpy as np
 import pytest
 import torch
 
+from transfer_core.counter_word import bump_release, counter_address, load_acquire
 from transfer_core.errors import TransferTimeoutError
-from transfer_core.poller import (
-    CounterPoller,
-    PollerConfig,
-    bump_release,
-    counter_address,
-    load_acquire,
-)
+from transfer_core.poller import CounterPoller, PollerConfig
 
 
 class _Recorder:

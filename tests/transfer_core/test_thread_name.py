@@ -30,7 +30,8 @@ def test_a_thread_names_itself_and_the_os_keeps_15_bytes() -> None:
     thread = threading.Thread(target=run)
     thread.start()
     try:
-        assert named.wait(5) and seen == [True]
+        assert named.wait(5)
+        assert seen == [True]
         assert os_name(thread) == "a-rather-long-t"
     finally:
         done.set()

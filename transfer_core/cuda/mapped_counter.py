@@ -21,7 +21,7 @@ class MappedCounter:
     `host_address` is what `CounterPoller` watches; `device_tensor` (shape ``[1]``, int64,
     on ``cuda:device``) is what the model bumps with `add_(1)`, also inside a captured graph;
     `host_tensor` is a CPU view of the same word. The memory is never write-combined, since
-    the CPU reads it (see the ordering NOTE in `poller.py`). `close()` frees it at once and
+    the CPU reads it (see the ordering NOTE in `counter_word.py`). `close()` frees it at once and
     must come after the views are dropped; otherwise it is freed when the last view goes.
     """
 

@@ -132,5 +132,6 @@ def test_the_poller_reports_a_group_once(make_harness: MakeHarness) -> None:
         h.run_to_end(request)
         assert request.output_token_ids == single_node_tokens(prompt)
     num_layers = tiny_model().config.num_layers
-    assert len(reports) == 2 and all(new - old == num_layers for old, new in reports), reports
+    assert len(reports) == 2, reports
+    assert all(new - old == num_layers for old, new in reports), reports
     h.check_clean()
