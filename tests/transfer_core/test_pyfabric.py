@@ -163,6 +163,50 @@ def test_worker_paged_write_lands_scattered(pair: Pair) -> None:
         _release(mr_a, mr_b, a, b, wa, wb)
 
 
+def test_submitting_thread_posts_at_once(pair: Pair) -> None:
+    """With nobody stepping the worker (no progress call running), the writes of a submitted
+    op are with the provider when `submit` returns, posted by the caller (posting on submit,
+    within its time bound: a tcp write is a syscall, so it may stop short of all four); the
+    worker's steps post the rest and reap, and the pages land as always. (The first op to a
+    peer connects it: the provider refuses writes until the worker's progress did.)"""
+    a, b = pair
+    src = np.arange(4 * PAGE, dtype=np.uint32).view(np.uint8)[: 4 * PAGE].reshape(4, PAGE)
+    dst = np.zeros_like(src)
+    mr_a = pf.MemoryRegistration(a.domain, src.ctypes.data, src.nbytes, ACCESS, 1, a.endpoint)
+    mr_b = pf.MemoryRegistration(b.domain, dst.ctypes.data, dst.nbytes, ACCESS, 1, b.endpoint)
+    wa, wb = pf.Worker(a.endpoint, a.cq, 8), pf.Worker(b.endpoint, b.cq, 8)
+    virt = bool(b.info.mr_mode & lib.FI_MR_VIRT_ADDR)
+    dest = a.av.insert(b.endpoint.name)
+
+    def write(op_id: int, imm: int) -> pf.WriteOp:
+        op = pf.WriteOp(
+            dest=dest, n=4, length=PAGE, src_addr=src.ctypes.data, src_stride=PAGE,
+            desc=mr_a.desc, dst_addr=dst.ctypes.data if virt else 0, dst_stride=PAGE,
+            key=mr_b.key, imm=imm,
+        )  # fmt: skip
+        op.op_id = op_id
+        return op
+
+    try:
+        wa.submit(write(1, 4))  # connects
+        assert _drive([wa, wb])[0] == [pf.Event(1, 0, True)]
+        _drive([wb], until=0.2)
+        dst[:] = 0
+        before = wa.stats()
+        wa.submit(write(2, 5))
+        after = wa.stats()
+        by_caller = after.posted_on_submit - before.posted_on_submit
+        assert by_caller >= 1  # all 4 unless the post's time bound cut it short
+        assert after.writes_posted - before.writes_posted == by_caller
+        events, imms = _drive([wa, wb])
+        _, more = _drive([wb], until=0.2)
+        assert events == [pf.Event(2, 0, True)]
+        assert imms.get(5, 0) + more.get(5, 0) == 4
+        np.testing.assert_array_equal(dst, src)
+    finally:
+        _release(mr_a, mr_b, a, b, wa, wb)
+
+
 def test_expired_op_is_never_posted(pair: Pair) -> None:
     """An op whose deadline has passed fails with -FI_ETIMEDOUT and posts no write."""
     a, b = pair

@@ -142,6 +142,7 @@ class Stats(NamedTuple):
     inflight: int
     bytes_written: int = 0  # payload of the writes completed without error
     sleeps: int = 0  # times the progress thread went to sleep (a nap, or on the CQ's fd)
+    posted_on_submit: int = 0  # writes the submitting thread posted itself (`submit`)
 
 
 class Worker:
@@ -275,6 +276,7 @@ class Worker:
             int(lib.fabp_inflight(self._handle)),
             int(out.bytes_written),
             int(out.sleeps),
+            int(out.posted_on_submit),
         )
 
     def free(self) -> None:

@@ -89,6 +89,7 @@ struct fabp_stats {
     int32_t last_foreign_err;
     uint64_t bytes_written; /* payload of writes completed without error */
     uint64_t sleeps; /* times the worker's thread went to sleep (a nap, or on its CQ's fd) */
+    uint64_t posted_on_submit; /* writes the submitting thread posted itself (fabp_submit) */
 };
 
 struct fabp_worker;
