@@ -9,16 +9,14 @@ must run even on a pure receiver: progress is manual (the target's polling moves
 Every submitted op reaches its `on_finish` exactly once, also on close or fatal error
 (`completion.py` folds the ops of one transfer into one on_done/on_error).
 One peer's writes never hold up another's (X5c): each peer endpoint gets its own share of the
-slots, and `abandon_peer` fails what is queued for a peer given up (X4). Memory keys are
-random (or the provider's own), never sequential: a key is all a peer needs to write a region.
+slots, and `abandon_peer` fails what is queued for a peer given up (X4). Its registrations
+take keys nobody can guess (`memory_keys.py`).
 """
 
 from __future__ import annotations
 
-import errno
 import itertools
 import logging
-import secrets
 import threading
 import time
 from collections import deque
@@ -29,6 +27,7 @@ import numpy as np
 from transfer_core.completion import OnFinish
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
+from transfer_core.memory_keys import register_unguessable
 from transfer_core.peer_table import PeerTable
 from transfer_core.phases import ImmRecord, OpRecord, PhaseLog
 from transfer_core.pyfabric import (
@@ -62,10 +61,6 @@ PEER_SHARES = 4
 # close()'s interrupt (submissions are taken inside it), so the budget only bounds how often an
 # idle thread comes back for the GIL, which it would take from the engine thread.
 _BUDGET_NS = 1_000_000_000
-# A requested key already in use: libfabric 1.17 says FI_ENOKEY on every provider here; EEXIST
-# is what a provider keeping keys in a plain map may say. Each retry draws a fresh random key.
-_DUPLICATE_KEY = {lib.FI_ENOKEY, errno.EEXIST}
-_KEY_ATTEMPTS = 8
 _OP_WAITED = lib.FABP_OP_WAITED
 _PEER_ERRNOS = {
     lib.FI_ENOTCONN,
@@ -76,11 +71,6 @@ _PEER_ERRNOS = {
     lib.FI_ECANCELED,
     lib.FI_EACCES,
 }
-
-
-def random_key(key_size: int) -> int:
-    """A random memory key of `key_size` bytes (at most 64 bits), from `secrets`."""
-    return secrets.randbits(8 * min(key_size, 8))
 
 
 def error_for(err: int, what: str) -> TransferError:
@@ -147,26 +137,8 @@ class DomainWorker:
     def register(
         self, ptr: int, length: int, access: int, cuda_device: int | None
     ) -> MemoryRegistration:
-        """Register with this domain under a key nobody can guess: the provider's own under
-        FI_MR_PROV_KEY, else a random one of the provider's key size. Sequential keys let any
-        process on the fabric write a peer's KV (key 1, offset 0), so they are never used.
-        Keys must be unique per domain: a duplicate (FI_ENOKEY, or EEXIST) draws another."""
-        if self.info.mr_mode & lib.FI_MR_PROV_KEY:
-            return MemoryRegistration(
-                self.stack.domain, ptr, length, access, 0, self.stack.endpoint, cuda_device
-            )
-        attempts = 0
-        while True:
-            key = random_key(self.info.mr_key_size)
-            attempts += 1
-            try:
-                return MemoryRegistration(
-                    self.stack.domain, ptr, length, access, key, self.stack.endpoint, cuda_device
-                )
-            except FabricError as exc:
-                if exc.errno not in _DUPLICATE_KEY or attempts == _KEY_ATTEMPTS:
-                    raise
-                logger.info("domain %d: memory key %#x is taken, drawing another", self.index, key)
+        """Register with this domain under a key nobody can guess (`memory_keys.py`)."""
+        return register_unguessable(self.stack, self.info, ptr, length, access, cuda_device)
 
     def peer(self, address: bytes) -> int:
         """fi_addr of a remote endpoint (`PeerTable.fi_addr`). Raises FabricError for a shm

@@ -3,7 +3,7 @@
 Each domain (NIC) registers the buffer under its own key, so a descriptor carries one
 (endpoint, key) pair per domain and a peer's domain d writes through ours d modulo our count.
 All or nothing: a failed registration closes the ones made before it. Key choice (random, or
-the provider's own) is `DomainWorker.register`.
+the provider's own) is `memory_keys.py`.
 """
 
 from __future__ import annotations

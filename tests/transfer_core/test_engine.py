@@ -225,28 +225,6 @@ def test_memory_keys_are_random_64_bit(provider: str) -> None:
     assert max(keys) > 2**40  # sequential keys from 1 stay tiny (odds of failing: 2^-144)
 
 
-def test_a_duplicate_key_draws_another(monkeypatch: pytest.MonkeyPatch) -> None:
-    """A key the provider reports as taken (FI_ENOKEY) is redrawn; the region registers."""
-    draws = iter([0xC0FFEE, 0xC0FFEE, 0xBEEF])
-    with TransferEngine("tcp") as a:
-        monkeypatch.setattr(domain_worker, "random_key", lambda _size: next(draws))
-        _, first = a.register_memory(np.zeros(PAGE, np.uint8))
-        _, second = a.register_memory(np.zeros(PAGE, np.uint8))
-    assert (first.domains[0][1], second.domains[0][1]) == (0xC0FFEE, 0xBEEF)
-
-
-def test_provider_chosen_keys_are_kept(monkeypatch: pytest.MonkeyPatch) -> None:
-    """Under FI_MR_PROV_KEY the binding requests key 0 and uses what fi_mr_key says."""
-    requested: list[int] = []
-    monkeypatch.setattr(domain_worker, "MemoryRegistration",
-                        lambda *args: requested.append(args[4]) or SimpleNamespace(key=77))
-    worker = SimpleNamespace(info=SimpleNamespace(mr_mode=lib.FI_MR_PROV_KEY),
-                             stack=SimpleNamespace(domain=None, endpoint=None))
-    register = domain_worker.DomainWorker.register
-    registration = register(worker, 4096, 64, 0, None)  # type: ignore[arg-type]
-    assert (requested, registration.key) == ([0], 77)
-
-
 @pytest.mark.parametrize("provider", ["tcp", "shm"])
 def test_source_without_remote_write_cannot_be_written(provider: str) -> None:
     """A region registered with remote_write=False says read-only, and a peer that writes it

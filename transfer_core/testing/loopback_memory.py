@@ -20,7 +20,7 @@ from typing import Any
 import numpy as np
 
 from transfer_core.completion import Completion
-from transfer_core.domain_worker import random_key
+from transfer_core.memory_keys import random_key
 from transfer_core.errors import PeerError, TransferError
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor, resolve_buffer
 
