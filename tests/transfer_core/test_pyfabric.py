@@ -272,6 +272,39 @@ def test_an_eager_worker_naps_its_shortest() -> None:
         worker.free()
 
 
+def test_a_sender_with_nothing_due_takes_its_longest_nap_at_once() -> None:
+    """On shm (no CQ fd) a worker spins for 1 ms after activity and then naps from 100 us up,
+    so that what comes next is seen soon. Once a sender's writes have all completed and
+    nothing arrives, nothing is due to it: it naps its longest (1 ms) at once, a few naps in
+    3 ms where spinning and then short naps would count none for a millisecond and then a
+    dozen. The receiver of those writes keeps spinning (more of a burst may follow)."""
+    info = pf.find_infos("shm")[0]
+    a, b = pf.FabricStack(info), pf.FabricStack(info)
+    wa, wb = pf.Worker(a.endpoint, a.cq, 8), pf.Worker(b.endpoint, b.cq, 8)
+    src, dst = np.arange(PAGE, dtype=np.uint8), np.zeros(PAGE, dtype=np.uint8)
+    mr_a = pf.MemoryRegistration(a.domain, src.ctypes.data, PAGE, ACCESS, 1, a.endpoint)
+    mr_b = pf.MemoryRegistration(b.domain, dst.ctypes.data, PAGE, ACCESS, 1, b.endpoint)
+    try:
+        op = pf.WriteOp(
+            dest=a.av.insert(b.endpoint.name), n=1, length=PAGE, src_addr=src.ctypes.data,
+            src_stride=0, desc=mr_a.desc,
+            dst_addr=dst.ctypes.data if b.info.mr_mode & lib.FI_MR_VIRT_ADDR else 0,
+            dst_stride=0, key=mr_b.key, imm=9,
+        )  # fmt: skip
+        op.op_id = 1
+        wa.submit(op)
+        events, imms = _drive([wa, wb])
+        assert events == [pf.Event(1, 0, True)] and imms.get(9) == 1
+        receiver = wb.stats().sleeps
+        assert wb.progress(200_000)[2] == 0  # well within its 1 ms of spinning
+        assert wb.stats().sleeps == receiver
+        sender = wa.stats().sleeps
+        assert wa.progress(3_000_000)[2] == 0
+        assert 1 <= wa.stats().sleeps - sender <= 4
+    finally:
+        _release(mr_a, mr_b, a, b, wa, wb)
+
+
 def test_sleeping_tcp_receiver_wakes_for_a_write() -> None:
     """A receiver asleep on its fd (allowed to sleep a minute) is woken by a write landing:
     its progress call returns the immediate long before the sleep could have ended."""
