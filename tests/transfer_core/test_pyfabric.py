@@ -5,6 +5,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from dataclasses import dataclass
 
 import numpy as np
 import pytest
@@ -129,6 +130,44 @@ def _drive(workers: list[pf.Worker], until: float = 5.0) -> tuple[list[pf.Event]
             for imm, n in got:
                 imms[imm] = imms.get(imm, 0) + n
     return events, imms
+
+
+@dataclass
+class _OnePage:
+    """Two endpoints of one provider, a C worker each, one registered page on each side."""
+
+    a: pf.FabricStack
+    b: pf.FabricStack
+    wa: pf.Worker
+    wb: pf.Worker
+    src: np.ndarray
+    dst: np.ndarray
+    mr_a: pf.MemoryRegistration
+    mr_b: pf.MemoryRegistration
+
+    @classmethod
+    def open(cls, provider: str) -> _OnePage:
+        info = pf.find_infos(provider)[0]
+        a, b = pf.FabricStack(info), pf.FabricStack(info)
+        src, dst = np.arange(PAGE, dtype=np.uint8), np.zeros(PAGE, dtype=np.uint8)
+        return cls(a, b, pf.Worker(a.endpoint, a.cq, 8), pf.Worker(b.endpoint, b.cq, 8), src,
+                   dst, pf.MemoryRegistration(a.domain, src.ctypes.data, PAGE, ACCESS, 1,
+                                              a.endpoint),
+                   pf.MemoryRegistration(b.domain, dst.ctypes.data, PAGE, ACCESS, 1, b.endpoint))
+
+    def op(self, imm: int) -> pf.WriteOp:
+        """a's page onto b's, carrying `imm` (op id 1)."""
+        op = pf.WriteOp(
+            dest=self.a.av.insert(self.b.endpoint.name), n=1, length=PAGE,
+            src_addr=self.src.ctypes.data, src_stride=0, desc=self.mr_a.desc,
+            dst_addr=self.dst.ctypes.data if self.b.info.mr_mode & lib.FI_MR_VIRT_ADDR else 0,
+            dst_stride=0, key=self.mr_b.key, imm=imm,
+        )  # fmt: skip
+        op.op_id = 1
+        return op
+
+    def close(self) -> None:
+        _release(self.mr_a, self.mr_b, self.a, self.b, self.wa, self.wb)
 
 
 def test_worker_paged_write_lands_scattered(pair: Pair) -> None:
@@ -278,21 +317,10 @@ def test_a_sender_with_nothing_due_takes_its_longest_nap_at_once() -> None:
     nothing arrives, nothing is due to it: it naps its longest (1 ms) at once, a few naps in
     3 ms where spinning and then short naps would count none for a millisecond and then a
     dozen. The receiver of those writes keeps spinning (more of a burst may follow)."""
-    info = pf.find_infos("shm")[0]
-    a, b = pf.FabricStack(info), pf.FabricStack(info)
-    wa, wb = pf.Worker(a.endpoint, a.cq, 8), pf.Worker(b.endpoint, b.cq, 8)
-    src, dst = np.arange(PAGE, dtype=np.uint8), np.zeros(PAGE, dtype=np.uint8)
-    mr_a = pf.MemoryRegistration(a.domain, src.ctypes.data, PAGE, ACCESS, 1, a.endpoint)
-    mr_b = pf.MemoryRegistration(b.domain, dst.ctypes.data, PAGE, ACCESS, 1, b.endpoint)
+    page = _OnePage.open("shm")
+    wa, wb = page.wa, page.wb
     try:
-        op = pf.WriteOp(
-            dest=a.av.insert(b.endpoint.name), n=1, length=PAGE, src_addr=src.ctypes.data,
-            src_stride=0, desc=mr_a.desc,
-            dst_addr=dst.ctypes.data if b.info.mr_mode & lib.FI_MR_VIRT_ADDR else 0,
-            dst_stride=0, key=mr_b.key, imm=9,
-        )  # fmt: skip
-        op.op_id = 1
-        wa.submit(op)
+        wa.submit(page.op(9))
         events, imms = _drive([wa, wb])
         assert events == [pf.Event(1, 0, True)] and imms.get(9) == 1
         receiver = wb.stats().sleeps
@@ -302,40 +330,29 @@ def test_a_sender_with_nothing_due_takes_its_longest_nap_at_once() -> None:
         assert wa.progress(3_000_000)[2] == 0
         assert 1 <= wa.stats().sleeps - sender <= 4
     finally:
-        _release(mr_a, mr_b, a, b, wa, wb)
+        page.close()
 
 
 def test_sleeping_tcp_receiver_wakes_for_a_write() -> None:
     """A receiver asleep on its fd (allowed to sleep a minute) is woken by a write landing:
     its progress call returns the immediate long before the sleep could have ended."""
-    info = pf.find_infos("tcp")[0]
-    a, b = pf.FabricStack(info), pf.FabricStack(info)
-    wa, wb = pf.Worker(a.endpoint, a.cq, 8), pf.Worker(b.endpoint, b.cq, 8)
+    page = _OnePage.open("tcp")
+    wa, wb = page.wa, page.wb
     wb.set_fd_sleep(60_000_000_000)
-    src, dst = np.arange(PAGE, dtype=np.uint8), np.zeros(PAGE, dtype=np.uint8)
-    mr_a = pf.MemoryRegistration(a.domain, src.ctypes.data, PAGE, ACCESS, 1, a.endpoint)
-    mr_b = pf.MemoryRegistration(b.domain, dst.ctypes.data, PAGE, ACCESS, 1, b.endpoint)
     got: list[list[tuple[int, int]]] = []
     receiver = threading.Thread(target=lambda: got.append(wb.progress(60_000_000_000)[1]))
     try:
         receiver.start()
         while wb.stats().sleeps == 0:  # asleep on the fd before anything is sent
             time.sleep(0.01)
-        op = pf.WriteOp(
-            dest=a.av.insert(b.endpoint.name), n=1, length=PAGE, src_addr=src.ctypes.data,
-            src_stride=0, desc=mr_a.desc,
-            dst_addr=dst.ctypes.data if b.info.mr_mode & lib.FI_MR_VIRT_ADDR else 0,
-            dst_stride=0, key=mr_b.key, imm=77,
-        )  # fmt: skip
-        op.op_id = 1
-        wa.submit(op)
+        wa.submit(page.op(77))
         events, _ = _drive([wa])
         receiver.join(10.0)  # woken by the fd: at once; by its timer: after a minute
         assert events == [pf.Event(1, 0, True)]
         assert not receiver.is_alive() and got == [[(77, 1)]]
-        np.testing.assert_array_equal(dst, src)
+        np.testing.assert_array_equal(page.dst, page.src)
     finally:
         if receiver.is_alive():
             wb.interrupt()
             receiver.join()
-        _release(mr_a, mr_b, a, b, wa, wb)
+        page.close()
