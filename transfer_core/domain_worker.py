@@ -1,8 +1,10 @@
 """`DomainWorker`: one domain (NIC) of a `TransferEngine`, with its own progress thread (S5).
 
-It owns the fabric stack and the C worker of one endpoint. Its thread calls the C progress
-loop (GIL released), which posts queued writes, reaps completions and counts immediates; the
-thread then runs finished ops' callbacks and hands immediate counts to the engine. A caller
+It owns the fabric stack and the C worker of one endpoint. A submitting thread posts its
+writes itself when it can (shim_post.c.in's NOTE on posting on submit); this domain's thread
+calls the C progress loop (GIL released), which posts what is left, reaps completions and
+counts immediates; the thread then runs finished ops' callbacks and hands immediate counts to
+the engine. A caller
 waiting for its own write (`write_and_wait`) runs that loop itself instead, in its own thread,
 and its op's result reaches it without a hand-off (shim.c.in's NOTE on waited ops). The thread
 must run even on a pure receiver: progress is manual (the target's polling moves the data).
