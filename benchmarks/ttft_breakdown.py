@@ -21,7 +21,10 @@ Prints p50 per part and mode, and the difference disagg - mixed part by part; th
 thread's CPU time and time waiting for a CPU per measured request, by length (`thread_times`:
 the scheduler's own accounting, so a forward slowed by its node's other threads shows there). Run:
 `python benchmarks/ttft_breakdown.py [--model smollm2-135m] [--lengths 6 400] [--reps 3]
-[--min-post-kib K] [--json PATH]` (about 2 min).
+[--min-post-kib K] [--provider P] [--untraced] [--json PATH]` (about 2 min). `--untraced` runs
+without `--trace` and reports the client's TTFT and the threads' times only: the parts need
+the traces, and tracing costs the disaggregated side more than the mixed one (its per-layer
+spans).
 """
 
 from __future__ import annotations
@@ -93,7 +96,10 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[list[int]]
         flags = MODE_FLAGS[mode]
         if mode == "disagg" and args.min_post_kib is not None:
             flags = [*flags, "--min-post-kib", str(args.min_post_kib)]
-        server = Server(args, flags, Path(scratch) / "server.log", Path(scratch) / "trace")
+        if mode == "disagg" and args.provider is not None:
+            flags = [*flags, "--provider", args.provider]
+        trace = None if args.untraced else Path(scratch) / "trace"
+        server = Server(args, flags, Path(scratch) / "server.log", trace)
         measured: list[tuple[str, int, float]] = []
         threads: list[dict[str, Any]] = []
         block = args.reps + 1  # a warm-up, then the measured requests of one length
@@ -119,7 +125,10 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[list[int]]
         finally:
             if server.stop():
                 raise RuntimeError(f"{mode}: the server did not stop cleanly")
-        events, missing = read_events(sorted((Path(scratch) / "trace").glob("*.json")))
+        if trace is None:  # the client's TTFT is all there is
+            return [{"mode": mode, "tokens": length, "ttft_ms": ttft}
+                    for _, length, ttft in measured], threads
+        events, missing = read_events(sorted(trace.glob("*.json")))
         if missing:
             raise RuntimeError(f"{mode}: traces missing: {missing}")
     spans = spans_by_request(events)
@@ -134,19 +143,21 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[list[int]]
     return rows, threads
 
 
-def summarize(rows: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """p50 of every part per (mode, length)."""
+def summarize(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("ttft_ms", *PARTS)
+              ) -> list[dict[str, Any]]:
+    """p50 of every part in `keys` per (mode, length)."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
         groups.setdefault((row["mode"], row["tokens"]), []).append(row)
     return [{"mode": mode, "tokens": tokens, "reps": len(group),
-             **{key: statistics.median(r.get(key, 0.0) for r in group)
-                for key in ("ttft_ms", *PARTS)}}
+             **{key: statistics.median(r.get(key, 0.0) for r in group) for key in keys}}
             for (mode, tokens), group in sorted(groups.items())]
 
 
-def print_table(summary: list[dict[str, Any]]) -> None:
-    """One row per part, a column per mode and length, and disagg - mixed where both ran."""
+def print_table(summary: list[dict[str, Any]], keys: tuple[str, ...] = ("ttft_ms", *PARTS)
+                ) -> None:
+    """One row per part in `keys`, a column per mode and length, and disagg - mixed where
+    both ran."""
     by = {(s["mode"], s["tokens"]): s for s in summary}
     columns = [(mode, tokens) for tokens in sorted({s["tokens"] for s in summary})
                for mode in ("disagg", "mixed", "diff")
@@ -163,7 +174,7 @@ def print_table(summary: list[dict[str, Any]]) -> None:
             return f"{by['disagg', tokens][key] - by['mixed', tokens][key]:+.1f}"
         return f"{by[mode, tokens][key]:.1f}"
 
-    for key in ("ttft_ms", *PARTS):
+    for key in keys:
         table.add_row(key, *(cell(key, mode, tokens) for mode, tokens in columns))
     Console().print(table)
 
@@ -194,6 +205,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     add("--seed", type=int, default=0)
     add("--min-post-kib", type=int, help="the prefiller's --min-post-kib (X9a; 0: each layer "
         "posted alone; default: the node's)")
+    add("--provider", help="the disaggregated nodes' libfabric provider (default: the node's, "
+        "tcp)")
+    add("--untraced", action="store_true", help="no tracing: the client's TTFT and the "
+        "threads' times only (tracing costs the disaggregated side more: its per-layer spans)")
     add("--json", type=Path, help="write the rows and the summary here")
     args = parser.parse_args(argv)
     args.cores = two_cores(parser, args.cores)
@@ -213,8 +228,9 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    for n in args.lengths for _ in range(args.reps + 1)]
         measured, used = run_mode(args, mode, prompts)
         rows, threads = rows + measured, threads + used
-    summary = summarize(rows)
-    print_table(summary)
+    keys = ("ttft_ms",) if args.untraced else ("ttft_ms", *PARTS)
+    summary = summarize(rows, keys)
+    print_table(summary, keys)
     print_threads(threads)
     if args.json is not None:
         args.json.write_text(json.dumps({"rows": rows, "summary": summary,

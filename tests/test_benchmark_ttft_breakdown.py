@@ -64,3 +64,32 @@ def test_both_modes_run_end_to_end(tmp_path: Path) -> None:
         parts = sum(row[p] for p in ttft_breakdown.PARTS)
         assert parts == pytest.approx(row["ttft_ms"], rel=1e-6)
         assert all(row[p] >= 0 for p in ttft_breakdown.PARTS if p != "client"), row
+
+
+@pytest.mark.slow
+@pytest.mark.fabric
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="pins two nodes to two cores")
+def test_untraced_runs_over_the_provider_asked_for(tmp_path: Path,
+                                                   monkeypatch: pytest.MonkeyPatch) -> None:
+    """`--untraced` starts the cluster without tracing and reports the client's TTFT alone
+    (and the threads' times); `--provider` reaches the disaggregated cluster, not the mixed."""
+    started: list[tuple[list[str], Path | None]] = []
+    real = ttft_breakdown.Server
+
+    def server(args: object, flags: list[str], log: Path, trace: Path | None) -> object:
+        started.append((flags, trace))
+        return real(args, flags, log, trace)
+
+    monkeypatch.setattr(ttft_breakdown, "Server", server)
+    out = tmp_path / "ttft.json"
+    summary = ttft_breakdown.main(["--model", "tiny", "--lengths", "8", "--reps", "1",
+                                   "--untraced", "--provider", "shm", "--json", str(out)])
+    assert [trace for _, trace in started] == [None, None]
+    disagg, mixed = (flags for flags, _ in started)
+    assert "--provider" in disagg and disagg[disagg.index("--provider") + 1] == "shm"
+    assert "--provider" not in mixed
+    assert {row["mode"] for row in summary} == {"disagg", "mixed"}
+    assert all(set(row) == {"mode", "tokens", "reps", "ttft_ms"} and row["ttft_ms"] > 0
+               for row in summary)
+    threads = {(t["mode"], t["thread"]) for t in json.loads(out.read_text())["threads"]}
+    assert ("disagg", "prefill-0/tc-domain-0") in threads
