@@ -184,7 +184,9 @@ class Worker:
         lib.fabp_set_eager(self._handle, int(on))
 
     def idle_nap_ns(self, idle_ns: int) -> int:
-        """How long this worker would nap after `idle_ns` without activity (no CQ fd)."""
+        """How long this worker would nap after `idle_ns` without activity (no CQ fd): its
+        longest nap at once when nothing is due to it (no writes in flight, no recent
+        arrivals)."""
         return int(lib.fabp_idle_nap_ns(self._handle, idle_ns))
 
     def submit(self, op: WriteOp) -> None:
