@@ -48,6 +48,7 @@ from thread_times import per_unit, snapshot
 
 PARTS = ("front_door", "to_node", "admission", "to_prefiller", "prefill_queue", "prefill",
          "tail", "first_step", "node_prefill", "back", "client")
+TRACED = ("ttft_ms", *PARTS)  # what a traced run reports; an untraced one, the TTFT alone
 
 
 def spans_by_request(events: list[dict[str, Any]]) -> dict[str, dict[str, dict[str, Any]]]:
@@ -143,8 +144,7 @@ def run_mode(args: argparse.Namespace, mode: str, prompts: list[list[int]]
     return rows, threads
 
 
-def summarize(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("ttft_ms", *PARTS)
-              ) -> list[dict[str, Any]]:
+def summarize(rows: list[dict[str, Any]], keys: tuple[str, ...] = TRACED) -> list[dict[str, Any]]:
     """p50 of every part in `keys` per (mode, length)."""
     groups: dict[tuple[str, int], list[dict[str, Any]]] = {}
     for row in rows:
@@ -154,8 +154,7 @@ def summarize(rows: list[dict[str, Any]], keys: tuple[str, ...] = ("ttft_ms", *P
             for (mode, tokens), group in sorted(groups.items())]
 
 
-def print_table(summary: list[dict[str, Any]], keys: tuple[str, ...] = ("ttft_ms", *PARTS)
-                ) -> None:
+def print_table(summary: list[dict[str, Any]], keys: tuple[str, ...] = TRACED) -> None:
     """One row per part in `keys`, a column per mode and length, and disagg - mixed where
     both ran."""
     by = {(s["mode"], s["tokens"]): s for s in summary}
@@ -228,7 +227,7 @@ def main(argv: list[str] | None = None) -> list[dict[str, Any]]:
                    for n in args.lengths for _ in range(args.reps + 1)]
         measured, used = run_mode(args, mode, prompts)
         rows, threads = rows + measured, threads + used
-    keys = ("ttft_ms",) if args.untraced else ("ttft_ms", *PARTS)
+    keys = ("ttft_ms",) if args.untraced else TRACED
     summary = summarize(rows, keys)
     print_table(summary, keys)
     print_threads(threads)
