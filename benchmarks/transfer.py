@@ -1,7 +1,8 @@
 """Transfer benchmark CLI: the issue-3 peer workload over tcp and/or shm (S5).
 
     python benchmarks/transfer.py [--provider tcp|shm|all|NAME] [--pages N] [--page-size B]
-                                  [--reps R] [--json] [--no-wait-idle]
+                                  [--reps R] [--json] [--no-wait-idle] [--verify-each-rep]
+                                  [--one-buffer]
 
 Prints a rich table, or with --json one JSON object on one line (for `--provider all`, an
 object keyed by provider). Exits 1 if a run failed checksum verification. The logic lives in
@@ -60,6 +61,16 @@ def main() -> int:
     parser.add_argument("--reps", type=int, default=5)
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-wait-idle", action="store_true", help="skip waiting for idle CPUs")
+    parser.add_argument(
+        "--verify-each-rep",
+        action="store_true",
+        help="zero and verify the receiver's region around every rep (cold batches), not once",
+    )
+    parser.add_argument(
+        "--one-buffer",
+        action="store_true",
+        help="every write from one page to one page, as fi_rma_bw writes (stays in cache)",
+    )
     args = parser.parse_args()
     providers = ["tcp", "shm"] if args.provider == "all" else [args.provider]
     results = [
@@ -69,6 +80,8 @@ def main() -> int:
             page_bytes=args.page_size,
             reps=args.reps,
             wait_idle=not args.no_wait_idle,
+            verify_each_rep=args.verify_each_rep,
+            one_buffer=args.one_buffer,
         )
         for p in providers
     ]

@@ -197,6 +197,15 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
         if fi_rma_bw is None:
             notes.append("fi_rma_bw not found: skipped (run benchmarks/peers/build_fi_rma_bw.sh)")
     if fi_rma_bw is not None:  # under our Python: the harness needs transfer_core, no venv
+        # fi_rma_bw writes one cached page to one page: ours on that same pattern beside it
+        ours += [
+            Contender(f"ours-1buf{suffix}", p, (
+                sys.executable, "benchmarks/transfer.py", "--json", "--provider", p,
+                "--no-wait-idle", "--one-buffer", *work(pages),
+            ), pages=pages)
+            for suffix, pages in _sizes(args)
+            for p in ("tcp", "shm")
+        ]  # fmt: skip
         ours += [
             Contender(f"fi_rma_bw{suffix}", p, (
                 sys.executable, "benchmarks/peers/fi_rma_bw_peer.py", "--transport", p,
@@ -239,7 +248,8 @@ def summarise(runs: list[Run], c: Contender, quiet_only: bool) -> Summary:
 
 def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
     """ours/peer per transport class, each peer against ours at the same batch size ("ours",
-    "ours-small"; the latency-only "ours-MODE" paths against the full-size peers): > 1 on gbps
+    "ours-small"; the latency-only "ours-MODE" paths against the full-size peers; `fi_rma_bw`
+    also against "ours-1buf", ours writing its one-page pattern): > 1 on gbps
     and < 1 on latency means we are ahead. Keys: class -> "peer" (ours), "peer vs ours-MODE",
     or "ours-messenger vs ours-prepared" (per write, from one run of messenger_path.py)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
@@ -252,6 +262,8 @@ def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
             continue
         small = s.engine.endswith("-small")
         mine_all = ["ours-small"] if small else ["ours", *(f"ours-{m}" for m in SMALL_MODES)]
+        if s.engine.startswith("fi_rma_bw"):  # and ours on its one-buffer pattern
+            mine_all.append("ours-1buf-small" if small else "ours-1buf")
         for mine in mine_all:
             ours = by_key.get((mine, s.transport))
             if ours is None or not ours.median:

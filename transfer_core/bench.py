@@ -3,8 +3,15 @@
 A sender writes `num_pages` pages of `page_bytes` to shuffled slots of a receiver's region
 with `post_paged_writes`, one immediate value per request. A rep is timed from submit until
 the receiver's counter fires and its acknowledging immediate is back at the sender (the
-target's count is the truth of placement). Every rep is verified by a checksum of the
-receiver's pages read in the shuffled order. Then `latency_iters` single 4 KiB writes are
+target's count is the truth of placement). By default the reps run back to back, as the peers'
+harnesses and `fi_rma_bw` run theirs: the receiver arms every rep's counter up front, and the
+region, zeroed once before the first rep, is verified once after the last by a checksum of
+the receiver's pages read in the shuffled order. With `verify_each_rep` the receiver zeroes
+its region before every rep and verifies it after: each rep then meets a receiver that has
+just spent ~10 ms hashing (a cold batch, as a request's first layer meets an idle decoder).
+With `one_buffer` every write reads the sender's one page and lands on
+the receiver's one page, as libfabric's `fi_rma_bw` does (source and target stay in cache): the
+provider's limit through our engine, to set beside `fi_rma_bw`'s. Then `latency_iters` single 4 KiB writes are
 timed one at a time, submit to sender completion; each carries an immediate like every KV
 write does (on shm a write without one takes the sender-side copy path, whose tail depends on
 the idle target's naps). Waits for an idle machine first and reports
@@ -72,10 +79,12 @@ def _digest(pages: np.ndarray) -> str:
     return hashlib.blake2b(np.ascontiguousarray(pages).data, digest_size=16).hexdigest()
 
 
-def _receiver_main(provider: str, num_pages: int, page_bytes: int, conn: Any) -> None:
+def _receiver_main(
+    provider: str, num_pages: int, region_pages: int, page_bytes: int, conn: Any
+) -> None:
     """Spawned target: owns the destination region, counts immediates, acknowledges."""
     with TransferEngine(provider) as engine:
-        region = np.zeros((num_pages, page_bytes), dtype=np.uint8)
+        region = np.zeros((region_pages, page_bytes), dtype=np.uint8)
         _, desc = engine.register_memory(region, name="bench-dst")
         conn.send((desc.to_bytes(),))
         (ack_bytes,) = conn.recv()
@@ -85,10 +94,11 @@ def _receiver_main(provider: str, num_pages: int, page_bytes: int, conn: Any) ->
             if msg[0] == "stop":
                 break
             if msg[0] == "arm":
-                _, imm = msg
+                _, imms = msg
                 region[:] = 0
-                engine.expect_imm_count(imm, num_pages, lambda imm=imm: engine.post_imm(imm, ack))
-                engine.expect_soon(imm)  # the sender posts as soon as it hears "armed"
+                for imm in imms:
+                    engine.expect_imm_count(imm, num_pages, lambda i=imm: engine.post_imm(i, ack))
+                    engine.expect_soon(imm)  # the sender posts as soon as it hears "armed"
                 conn.send(("armed",))
             elif msg[0] == "digest":
                 conn.send(("digest", _digest(region[msg[1]])))
@@ -97,11 +107,16 @@ def _receiver_main(provider: str, num_pages: int, page_bytes: int, conn: Any) ->
 class _Sender:
     """The sending side's engine and regions; each rep waits for the receiver's ack."""
 
-    def __init__(self, provider: str, num_pages: int, page_bytes: int, seed: int) -> None:
+    def __init__(
+        self, provider: str, num_pages: int, page_bytes: int, seed: int, one_buffer: bool
+    ) -> None:
         self.engine = TransferEngine(provider)
         rng = np.random.default_rng(seed)
-        self.src = rng.integers(0, 256, size=(num_pages, page_bytes), dtype=np.uint8)
-        self.perm = rng.permutation(num_pages)
+        region_pages = 1 if one_buffer else num_pages
+        self.src = rng.integers(0, 256, size=(region_pages, page_bytes), dtype=np.uint8)
+        # source page i lands in slot perm[i]
+        self.src_ids = np.arange(num_pages) % region_pages
+        self.perm = self.src_ids if one_buffer else rng.permutation(num_pages)
         self.src_mr, _ = self.engine.register_memory(self.src, name="bench-src", remote_write=False)
         self.ack = np.zeros(8, dtype=np.uint8)
         _, self.ack_desc = self.engine.register_memory(self.ack, name="bench-ack")
@@ -111,11 +126,11 @@ class _Sender:
         acked, done = threading.Event(), threading.Event()
         self.engine.expect_imm_count(imm, 1, acked.set)
         self.engine.expect_soon(imm)  # the ack follows the batch
-        num_pages, page_bytes = self.src.shape
+        page_bytes = self.src.shape[1]
         start = time.perf_counter()
         write = PagedWrite(
             src_mr=self.src_mr,
-            src_page_ids=np.arange(num_pages),
+            src_page_ids=self.src_ids,
             src_page_stride=page_bytes,
             src_offset=0,
             dst_mr=dst,
@@ -165,32 +180,41 @@ def run_transfer_benchmark(
     wait_idle: bool = True,
     seed: int = 0,
     timeout_s: float = 120.0,
+    verify_each_rep: bool = False,
+    one_buffer: bool = False,
 ) -> dict[str, Any]:
     """Run the peer workload between this process and a spawned receiver; returns medians:
-    keys provider, gbps, us_per_page, latency_us_p50, latency_us_p99, verified, and more."""
+    keys provider, gbps, us_per_page, latency_us_p50, latency_us_p99, verified, and more.
+    `verify_each_rep`: zero and verify the receiver's region around every rep (cold batches)
+    instead of once around all of them (back to back, the peers' protocol). `one_buffer`: all
+    writes from one page to one page (`fi_rma_bw`'s pattern), not distinct shuffled pages."""
     busy = wait_for_idle() if wait_idle else cpu_busy_fraction(0.2)
     copy_gbps = memcpy_gbps(num_pages * page_bytes)
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
-    proc = ctx.Process(target=_receiver_main, args=(provider, num_pages, page_bytes, child))
+    region_pages = 1 if one_buffer else num_pages
+    proc = ctx.Process(
+        target=_receiver_main, args=(provider, num_pages, region_pages, page_bytes, child)
+    )
     proc.start()
     sender = None
     try:
         if not parent.poll(timeout_s):
             raise TimeoutError("receiver did not start")
         dst = MemoryRegionDescriptor.from_bytes(parent.recv()[0])
-        sender = _Sender(provider, num_pages, page_bytes, seed)
+        sender = _Sender(provider, num_pages, page_bytes, seed, one_buffer)
         parent.send((sender.ack_desc.to_bytes(),))
-        want = _digest(sender.src)
+        want = _digest(sender.src[sender.src_ids])
+        imms = list(range(1, warmup + reps + 1))
+        rounds = [[imm] for imm in imms] if verify_each_rep else [imms]
         seconds, verified = [], True
-        for rep in range(warmup + reps):
-            parent.send(("arm", rep + 1))
+        for armed in rounds:
+            parent.send(("arm", armed))
             parent.recv()
-            elapsed = sender.paged_rep(dst, rep + 1, timeout_s)
+            seconds += [sender.paged_rep(dst, imm, timeout_s) for imm in armed]
             parent.send(("digest", sender.perm))
             verified &= parent.recv()[1] == want
-            if rep >= warmup:
-                seconds.append(elapsed)
+        seconds = seconds[warmup:]
         lat = sender.latencies_us(dst, latency_bytes, latency_iters)
         parent.send(("stop",))
         proc.join(timeout_s)
@@ -207,6 +231,8 @@ def run_transfer_benchmark(
         "num_pages": num_pages,
         "page_bytes": page_bytes,
         "reps": reps,
+        "verify_each_rep": verify_each_rep,
+        "one_buffer": one_buffer,
         "gbps": statistics.median(gbps),
         "gbps_min": min(gbps),
         "gbps_max": max(gbps),

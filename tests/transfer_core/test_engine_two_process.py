@@ -297,15 +297,25 @@ def test_dead_peer_reports_every_op_once(provider: str) -> None:
     assert all(isinstance(cb.errors[0], TransferError) for cb in callbacks)
 
 
-def test_benchmark_runs_and_verifies(provider: str) -> None:
-    """run_transfer_benchmark (what `disagg bench transfer` calls) on a tiny workload: the
-    checksum verifies and the reported keys are there."""
+@pytest.mark.parametrize("verify_each_rep", [False, True], ids=["back-to-back", "each-rep"])
+def test_benchmark_runs_and_verifies(provider: str, verify_each_rep: bool) -> None:
+    """run_transfer_benchmark (what `disagg bench transfer` calls) on a tiny workload, its
+    reps back to back (every counter armed at once) or each verified: the checksum verifies,
+    every timed rep is reported, and the reported keys are there."""
     from transfer_core.bench import run_transfer_benchmark
 
     result = run_transfer_benchmark(
-        provider, num_pages=16, page_bytes=4096, reps=1, latency_iters=5, wait_idle=False
+        provider,
+        num_pages=16,
+        page_bytes=4096,
+        reps=2,
+        latency_iters=5,
+        wait_idle=False,
+        verify_each_rep=verify_each_rep,
     )
     assert result["verified"] is True
+    assert len(result["gbps_reps"]) == 2
+    assert result["verify_each_rep"] is verify_each_rep
     assert result["gbps"] > 0
     assert result["latency_us_p99"] >= result["latency_us_p50"] > 0
     assert result["provider"].startswith(provider)
