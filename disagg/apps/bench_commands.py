@@ -70,7 +70,8 @@ def _fi_rma_bw(explicit: str | None) -> Path | None:
 def measure_transfer(providers: list[str], sizes: list[int], page_size: int,
                      fi_rma_bw: Path | None = None, messenger: bool = False) -> list[dict]:
     """One run of the peer workload per provider and batch size, each with `fi_rma_bw`'s GB/s
-    at the same size when a binary is given, and with `messenger` the messengers' path on
+    at the same size when a binary is given (and ours on its pattern, one page written again
+    and again: `one_buffer_gbps`), and with `messenger` the messengers' path on
     each provider's first row (`messenger`: per write against prepared writes); progress on
     stderr."""
     from disagg.apps.progress import StartupProgress
@@ -91,6 +92,11 @@ def measure_transfer(providers: list[str], sizes: list[int], page_size: int,
                     result = run_transfer_benchmark(provider=name, num_pages=pages,
                                                     page_bytes=page_size)
                 if fi_rma_bw is not None:
+                    with progress.phase(f"{name}: ours on fi_rma_bw's pattern (one page)",
+                                        done=f"[green]✓[/green] {name}, one page measured"):
+                        result["one_buffer_gbps"] = run_transfer_benchmark(
+                            provider=name, num_pages=pages, page_bytes=page_size,
+                            one_buffer=True)["gbps"]
                     with progress.phase(f"{name}: fi_rma_bw, {pages} writes of {page_size} B",
                                         done=f"[green]✓[/green] {name}, fi_rma_bw run"):
                         try:  # the yardstick failing loses no row of ours
@@ -131,13 +137,16 @@ def transfer_table(results: list[dict], page_size: int) -> Table:
     table = Table(title=f"transfer: pages of {page_size} B to shuffled slots")
     with_ref = any("fi_rma_bw_gbps" in r or "fi_rma_bw_error" in r for r in results)
     columns = ["provider", "pages", "GB/s", "µs/page", "4 KiB p50 µs", "4 KiB p99 µs", "verified"]
-    for column in columns + (["fi_rma_bw GB/s", "ours / fi_rma_bw"] if with_ref else []):
+    ref_columns = ["fi_rma_bw GB/s", "ours / fi_rma_bw", "ours, one page GB/s",
+                   "one page / fi_rma_bw"]
+    for column in columns + (ref_columns if with_ref else []):
         table.add_column(column)
     for r in results:
         row = [r["provider"], str(r["num_pages"]), f"{r['gbps']:.2f}", f"{r['us_per_page']:.2f}",
                f"{r['latency_us_p50']:.1f}", f"{r['latency_us_p99']:.1f}", str(r["verified"])]
         if with_ref:
-            ref = r.get("fi_rma_bw_gbps")
+            ref, one = r.get("fi_rma_bw_gbps"), r.get("one_buffer_gbps")
             row += [f"{ref:.2f}", f"{r['gbps'] / ref:.2f}"] if ref else ["-", "-"]
+            row += [f"{one:.2f}" if one else "-", f"{one / ref:.2f}" if one and ref else "-"]
         table.add_row(*row)
     return table

@@ -19,10 +19,11 @@ from tests.disagg.apps.test_cli import run_cli
 from tests.transfer_core.test_fi_rma_bw import write_fake_fi_rma_bw
 
 
-def _ours(provider: str, num_pages: int, page_bytes: int, **_: object) -> dict:
+def _ours(provider: str, num_pages: int, page_bytes: int, one_buffer: bool = False,
+          **_: object) -> dict:
     return {"provider": provider, "num_pages": num_pages, "page_bytes": page_bytes,
-            "gbps": 3.78, "us_per_page": 1.0, "latency_us_p50": 20.0, "latency_us_p99": 40.0,
-            "verified": True}
+            "gbps": 6.05 if one_buffer else 3.78, "us_per_page": 1.0, "latency_us_p50": 20.0,
+            "latency_us_p99": 40.0, "verified": True}
 
 
 @pytest.fixture
@@ -30,7 +31,7 @@ def fake_binary(tmp_path: Path) -> Path:
     return write_fake_fi_rma_bw(tmp_path)
 
 
-def test_both_batch_sizes_run_each_beside_fi_rma_bw(fake_binary: Path, monkeypatch,
+def test_both_batch_sizes_run_each_beside_fi_rma_bw_and_ours_on_its_pattern(fake_binary: Path, monkeypatch,
                                                    capsys: pytest.CaptureFixture[str]) -> None:
     monkeypatch.setattr(transfer_core.bench, "run_transfer_benchmark", _ours)
     code, out, _ = run_cli(["bench", "transfer", "--provider", "tcp", "--pages", "2048",
@@ -40,9 +41,11 @@ def test_both_batch_sizes_run_each_beside_fi_rma_bw(fake_binary: Path, monkeypat
     results = json.loads(out)
     assert [r["num_pages"] for r in results] == [2048, 64]
     assert all(r["fi_rma_bw_gbps"] == pytest.approx(7.560284346) for r in results)
+    assert all(r["one_buffer_gbps"] == 6.05 and r["gbps"] == 3.78 for r in results)
     code, out, _ = run_cli(["bench", "transfer", "--small-pages", "0", "--fi-rma-bw",
                          str(fake_binary), "--no-messenger"], capsys)
     assert code == 0 and "7.56" in out and "0.50" in out  # the ratio: 3.78 / 7.56
+    assert "6.05" in out and "0.80" in out  # one page: 6.05 / 7.56
 
 
 def test_a_named_fi_rma_bw_that_is_not_executable_is_a_usage_error(
