@@ -53,9 +53,12 @@ def tokens(spec: str, tp: int, kv_layout: str, replicated: bool = False) -> list
         engine.close()
 
 
-@pytest.mark.parametrize("kv_layout", ["NHD", "HND"])
-@pytest.mark.parametrize(("num_kv_heads", "tp"), [(2, 2), (2, 4), (1, 2), (1, 4)],
-                         ids=["gqa-tp2", "gqa-tp4-replicated-heads", "mqa-tp2", "mqa-tp4"])
+# Each layout meets GQA and MQA, TP 2 and TP 4 (heads split, and replicated when the ranks
+# outnumber the KV heads): pairs, not the full product, since every case starts 2-4 ranks.
+@pytest.mark.parametrize(("num_kv_heads", "tp", "kv_layout"),
+                         [(2, 2, "NHD"), (2, 4, "HND"), (1, 2, "HND"), (1, 4, "NHD")],
+                         ids=["gqa-tp2-NHD", "gqa-tp4-replicated-heads-HND", "mqa-tp2-HND",
+                              "mqa-tp4-NHD"])
 def test_random_checkpoints_match_one_process(make_hf_llama_checkpoint: Any, num_kv_heads: int,
                                               tp: int, kv_layout: str) -> None:
     """8 query heads over 2 (GQA) or 1 (MQA) KV heads: TP 2 and 4 give TP 1's tokens."""
