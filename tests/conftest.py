@@ -4,6 +4,9 @@ from __future__ import annotations
 
 import os
 import sys
+from collections.abc import Iterator
+
+import pytest
 
 # pytest rewrites the asserts of every test module it imports (about 500 here) and keeps the
 # result in __pycache__ only where Python may write bytecode. Where PYTHONDONTWRITEBYTECODE is
@@ -12,3 +15,30 @@ import sys
 # the tests spawn inherit the environment, so they keep their bytecode too.
 sys.dont_write_bytecode = False
 os.environ.pop("PYTHONDONTWRITEBYTECODE", None)
+
+
+def pytest_configure(config: object) -> None:
+    """Under xdist, each worker's torch gets its share of the cores, not all of them: two
+    workers of two threads each on two cores made every GEMM-heavy test wait on the other's
+    threads (the HF reference tests ran 5 s alone and 26 s beside another worker). Only this
+    process: the node processes a test spawns choose their own threads."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    if workers > 1:
+        import torch
+
+        torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
+
+
+@pytest.fixture
+def several_threads() -> Iterator[int]:
+    """torch's thread count at 4 for one test, restored after: the C kernels split their rows
+    over that many OpenMP threads, and a test of the split must not depend on how many xdist
+    workers share the machine (each gets its share above). Returns the count."""
+    import torch
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        yield 4
+    finally:
+        torch.set_num_threads(before)

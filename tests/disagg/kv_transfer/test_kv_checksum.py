@@ -100,15 +100,14 @@ def test_every_layout_and_sharding_gives_the_same_value(first_page: int, dtype: 
     assert checksum(filled(), 1) != checksum(filled(), 2)  # a held page is left out
 
 
-def test_it_does_not_depend_on_the_thread_count() -> None:
+def test_it_does_not_depend_on_the_thread_count(several_threads: int) -> None:
     """Integer sums: one thread or several, the same bits (float sums split by thread)."""
     cache = filled("HND")
-    threads = torch.get_num_threads()
     try:
         torch.set_num_threads(1)
         one = checksum(cache)
     finally:
-        torch.set_num_threads(threads)
+        torch.set_num_threads(several_threads)
     assert checksum(cache) == one
 
 

@@ -14,6 +14,9 @@ from disagg.model.linear import MAX_ROWS, kernel_dtypes, linear, takes_kernel
 from disagg.model.transformer import Transformer
 from tests.disagg.model.counting_lib import CountingLib
 
+# The kernels split rows over torch's threads: test them with several, whatever xdist left.
+pytestmark = pytest.mark.usefixtures("several_threads")
+
 needs_f32 = pytest.mark.skipif(torch.float32 not in kernel_dtypes(),
                                reason="no AVX-512 (or the kernel is not built)")
 needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in kernel_dtypes(),

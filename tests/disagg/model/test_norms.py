@@ -16,6 +16,9 @@ from disagg.model.norms import RMSNorm, reference_rms_norm, rms_norm, takes_kern
 from disagg.model.transformer import Transformer
 from tests.disagg.model.counting_lib import CountingLib
 
+# The kernels split rows over torch's threads: test them with several, whatever xdist left.
+pytestmark = pytest.mark.usefixtures("several_threads")
+
 needs_kernel = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernel is not built)")
 
 

@@ -12,7 +12,9 @@ from disagg.model.rope import RotaryAngles, _rotate_half
 from disagg.model.rotary_kernel import rotate_half, takes_kernel
 from tests.disagg.model.counting_lib import CountingLib
 
-pytestmark = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernel is not built)")
+# The kernel splits tokens over torch's threads: test it with several, whatever xdist left.
+pytestmark = [pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernel is not built)"),
+              pytest.mark.usefixtures("several_threads")]
 
 
 def _inputs(tokens: int, heads: int, dim: int, dtype: torch.dtype, seed: int = 0):
