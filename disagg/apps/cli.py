@@ -311,7 +311,7 @@ def main(argv: list[str] | None = None) -> None:
     from transfer_core.errors import TransferError
 
     try:
-        app(args=argv)
+        app(args=argv, prog_name="disagg")  # not argv[0]'s (`python -m pytest`)
     except (DisaggError, TransferError, ValueError) as error:
         # Escaped: messages quote user text and brackets ('disagg[figures]', '[::1]:7000')
         # that rich would otherwise swallow as markup tags. soft_wrap: one line, not wrapped

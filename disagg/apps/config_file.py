@@ -99,9 +99,8 @@ def config_defaults(ctx: typer.Context, path: str, data: dict[str, Any]) -> dict
         if param is None:
             close = difflib.get_close_matches(str(key).replace("-", "_"), options, n=1)
             hint = f"; did you mean {close[0].replace('_', '-')!r}?" if close else ""
-            command = "disagg " + ctx.command_path.partition(" ")[2]  # not argv[0]'s name
-            raise ConfigError(f"--config {path}: unknown key {key!r} for `{command}`{hint} "
-                              "(see --help for its flags)")
+            raise ConfigError(f"--config {path}: unknown key {key!r} for "
+                              f"`{ctx.command_path}`{hint} (see --help for its flags)")
         expected = _check_type(param, value)
         if expected is not None:
             raise ConfigError(f"--config {path}: {key}: expected {expected}, got {value!r}")
