@@ -9,14 +9,13 @@ region, zeroed once before the first rep, is verified once after the last by a c
 the receiver's pages read in the shuffled order. With `verify_each_rep` the receiver zeroes
 its region before every rep and verifies it after: each rep then meets a receiver that has
 just spent ~10 ms hashing (a cold batch, as a request's first layer meets an idle decoder).
-With `one_buffer` every write reads the sender's one page and lands on
-the receiver's one page, as libfabric's `fi_rma_bw` does (source and target stay in cache): the
-provider's limit through our engine, to set beside `fi_rma_bw`'s. Then `latency_iters` single 4 KiB writes are
+With `one_buffer` every write reads the sender's one page and lands on the receiver's one
+page, as libfabric's `fi_rma_bw` does (source and target stay in cache): the provider's limit
+through our engine, to set beside `fi_rma_bw`'s. Then `latency_iters` single 4 KiB writes are
 timed one at a time, submit to sender completion; each carries an immediate like every KV
 write does (on shm a write without one takes the sender-side copy path, whose tail depends on
-the idle target's naps). Waits for an idle machine first and reports
-medians; `run_transfer_benchmark` is what `benchmarks/transfer.py` and `disagg bench transfer`
-call.
+the idle target's naps). Waits for an idle machine first and reports medians;
+`run_transfer_benchmark` is what `benchmarks/transfer.py` and `disagg bench transfer` call.
 """
 
 from __future__ import annotations
