@@ -112,8 +112,8 @@ void fabp_set_timing(struct fabp_worker *w, int64_t spin_ns, int64_t idle_sleep_
 /* The longest an idle worker sleeps on its CQ's fd with no op queued (default 100 ms). */
 void fabp_set_fd_sleep(struct fabp_worker *w, int64_t fd_sleep_ns);
 /* Nonzero: writes the caller knows are imminent are due. An idle worker that naps (no CQ fd)
- * naps idle_sleep_ns at most; one that sleeps on its CQ's fd polls for 200 us after activity
- * before it sleeps. 0: naps grow with idleness up to a millisecond again. */
+ * naps idle_sleep_ns at most; one that sleeps on its CQ's fd polls for a millisecond after
+ * activity before it sleeps. 0: naps grow with idleness up to a millisecond again. */
 void fabp_set_eager(struct fabp_worker *w, int on);
 /* How long the worker would nap (no CQ fd) after idle_ns without activity: what the two
  * settings above decide, for tests and for reading. */
