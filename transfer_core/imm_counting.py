@@ -35,10 +35,8 @@ class ImmCounting:
     def expect_soon(self, imm: int) -> bool:
         """The writes the counter of `imm` waits for are due within milliseconds (a request's
         last layer): until it fires or is removed, this engine's idle domain workers that
-        nap (those with no completion fd to sleep on: shm) nap briefly, and those that sleep
-        on their fd (tcp) poll for a millisecond after activity before they sleep, so they
-        notice the writes sooner, for more CPU meanwhile. False when `imm` has no armed
-        counter."""
+        nap (those with no completion fd to sleep on: shm) nap briefly, so they notice the
+        writes sooner, for more wake-ups meanwhile. False when `imm` has no armed counter."""
         return self.imm_counters.soon(imm)
 
     def remove_imm_count(self, imm: int) -> tuple[int, int] | None:

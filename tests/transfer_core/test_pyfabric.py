@@ -283,26 +283,6 @@ def test_idle_tcp_worker_sleeps_on_its_fd() -> None:
         worker.free()
 
 
-def test_an_eager_tcp_worker_polls_a_millisecond_before_it_sleeps_on_its_fd() -> None:
-    """A tcp worker sleeps on its CQ's fd 50 us after activity (arrivals wake it). Told that
-    writes are due (eager), it polls for a millisecond first, as a napping worker does: the
-    wake-up from the fd costs more than that on small VMs. Asked of the rule the progress loop
-    follows, at fixed times after the worker's last activity (a write it received)."""
-    page = _OnePage.open("tcp")
-    wb = page.wb
-    try:
-        assert wb.sleeps_on_fd
-        page.wa.submit(page.op(9))
-        assert _drive([page.wa, wb])[1].get(9) == 1
-        assert wb.idle_polls(20_000) and not wb.idle_polls(500_000)
-        wb.set_eager(True)
-        assert wb.idle_polls(500_000) and not wb.idle_polls(2_000_000)
-        wb.set_eager(False)
-        assert not wb.idle_polls(500_000)
-    finally:
-        page.close()
-
-
 def test_shm_worker_naps() -> None:
     """shm's CQ has no fd to sleep on (libfabric 1.17): its worker naps as before."""
     stack = pf.FabricStack(pf.find_infos("shm")[0])

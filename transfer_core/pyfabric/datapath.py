@@ -189,11 +189,6 @@ class Worker:
         arrivals)."""
         return int(lib.fabp_idle_nap_ns(self._handle, idle_ns))
 
-    def idle_polls(self, idle_ns: int) -> bool:
-        """Whether this worker would still poll, not nap or sleep, `idle_ns` after its last
-        activity: within its spin while something is due (eager: writes are due)."""
-        return bool(lib.fabp_idle_polls(self._handle, idle_ns))
-
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op
         if self.timed:
