@@ -29,16 +29,19 @@ def pytest_configure(config: object) -> None:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // workers))
 
 
+KERNEL_TEST_THREADS = 4  # more than this 2-core machine has: the split is what is tested
+
+
 @pytest.fixture
 def several_threads() -> Iterator[int]:
-    """torch's thread count at 4 for one test, restored after: the C kernels split their rows
-    over that many OpenMP threads, and a test of the split must not depend on how many xdist
-    workers share the machine (each gets its share above). Returns the count."""
+    """torch's thread count at KERNEL_TEST_THREADS for one test, restored after: the C kernels
+    split their rows over that many OpenMP threads, and a test of the split must not depend on
+    how many xdist workers share the machine (each gets its share above). Returns the count."""
     import torch
 
     before = torch.get_num_threads()
-    torch.set_num_threads(4)
+    torch.set_num_threads(KERNEL_TEST_THREADS)
     try:
-        yield 4
+        yield KERNEL_TEST_THREADS
     finally:
         torch.set_num_threads(before)

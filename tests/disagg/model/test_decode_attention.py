@@ -20,7 +20,10 @@ from disagg.model.cpu_kernels import AVX512
 from disagg.model.decode_attention import decode_attention, takes_kernel
 from disagg.model.kv_cache import PagedKVCache
 
-pytestmark = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernels are not built)")
+# The kernel splits sequences and keys over torch's threads: test it with several (four),
+# whatever share of the cores xdist left this worker.
+pytestmark = [pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernels are not built)"),
+              pytest.mark.usefixtures("several_threads")]
 
 TINY = ModelConfig.from_name("tiny")
 
@@ -69,12 +72,8 @@ def test_a_lone_sequence_split_over_the_threads_gets_dense_attention(
     pages = list(range(39, 39 - (kv_len + 15) // 16, -1))  # scattered, in reverse
     g = torch.Generator().manual_seed(5)
     q = torch.randn(1, 9, 64, generator=g).to(dtype)
-    threads = torch.get_num_threads()
-    torch.set_num_threads(4)
-    try:
-        got = decode_attention(q, cache, 1, torch.tensor([pages]), torch.tensor([kv_len]), 1.0)
-    finally:
-        torch.set_num_threads(threads)
+    assert torch.get_num_threads() == 4  # several_threads, for the whole module
+    got = decode_attention(q, cache, 1, torch.tensor([pages]), torch.tensor([kv_len]), 1.0)
     tol = 1e-5 if dtype == torch.float32 else 1e-2
     torch.testing.assert_close(got[0].double(), dense(q[0], cache, 1, pages, kv_len, 1.0),
                                rtol=tol, atol=tol)
