@@ -1,7 +1,8 @@
 """Transfer benchmark CLI: the issue-3 peer workload over tcp and/or shm (S5).
 
     python benchmarks/transfer.py [--provider tcp|shm|all|NAME] [--pages N] [--page-size B]
-                                  [--reps R] [--json] [--no-wait-idle] [--verify-each-rep]
+                                  [--reps R] [--warmup W] [--json] [--no-wait-idle]
+                                  [--verify-each-rep]
                                   [--one-buffer]
 
 Prints a rich table, or with --json one JSON object on one line (for `--provider all`, an
@@ -59,6 +60,7 @@ def main() -> int:
     parser.add_argument("--pages", type=int, default=2048)
     parser.add_argument("--page-size", type=int, default=65536, help="bytes per page")
     parser.add_argument("--reps", type=int, default=5)
+    parser.add_argument("--warmup", type=int, default=1, help="untimed batches before the reps")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--no-wait-idle", action="store_true", help="skip waiting for idle CPUs")
     parser.add_argument(
@@ -79,6 +81,7 @@ def main() -> int:
             num_pages=args.pages,
             page_bytes=args.page_size,
             reps=args.reps,
+            warmup=args.warmup,
             wait_idle=not args.no_wait_idle,
             verify_each_rep=args.verify_each_rep,
             one_buffer=args.one_buffer,

@@ -11,8 +11,11 @@ through `benchmarks/messenger_path.py` (`ours-messenger`), the peers through the
 `build_fi_rma_bw.sh` has built it; each skipped with a note when missing). The paged workload
 runs twice: at `--pages` (128 MiB by default) and at `--small-pages` (64 pages, 4 MiB: one
 layer's batch is that size), as contenders `NAME` and `NAME-small`; ratios pair equal sizes.
-Runs are interleaved round-robin, each after the CPUs have been quiet for a moment; medians
-and spread go to a rich table and to JSON with the ratios ours/peer per transport class.
+Every paged contender warms up and times the same number of batches back to back (`--warmup`,
+`--iters`: the peers' harness defaults, 3 and 10), so that no one's median holds first batches
+that others leave out (`fi_rma_bw` runs its own iterations per server/client pair). Runs are
+interleaved round-robin, each after the CPUs have been quiet for a moment; medians and spread go
+to a rich table and to JSON with the ratios ours/peer per transport class.
 """
 
 from __future__ import annotations
@@ -41,6 +44,9 @@ from transfer_core.fi_rma_bw import find_fi_rma_bw  # noqa: E402
 
 PEERS_PYTHON = ROOT / ".venv-peers" / "bin" / "python"
 METRICS = ("gbps", "us_per_page", "latency_us_p50", "latency_us_p99")
+# Ours to the sender's own completions (`transfer_core.bench`): where the peers' harnesses stop
+# their clocks. Our "gbps" waits for the receiver's count and ack, which they do not.
+INITIATOR = "gbps_initiator"
 # benchmarks/messenger_path.py's per-write cost of the KV path over a prepared write's.
 MESSENGER_RATIO = "messenger_over_prepared"
 # benchmarks/small_write.py's modes, each a latency-only contender "ours-MODE".
@@ -164,12 +170,17 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
     def work(pages: int) -> tuple[str, ...]:
         return ("--pages", str(pages), "--page-size", str(args.page_size))
 
+    # The same warm-up and timed batches for ours and the peers' harness (`fi_rma_bw` has its
+    # own per run): a first batch can be several times slower than the tenth.
+    ours_reps = ("--warmup", str(args.warmup), "--reps", str(args.iters))
+    peer_reps = ("--warmup", str(args.warmup), "--iters", str(args.iters))
+
     # --no-wait-idle: this driver already waited for quiet CPUs before every contender alike;
     # a second wait inside ours alone would hand it quieter conditions than the peers.
     ours = [
         Contender(f"ours{suffix}", p, (
             sys.executable, "benchmarks/transfer.py", "--json", "--provider", p, "--no-wait-idle",
-            *work(pages),
+            *work(pages), *ours_reps,
         ), pages=pages)
         for suffix, pages in _sizes(args)
         for p in ("tcp", "shm")
@@ -201,7 +212,7 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
         ours += [
             Contender(f"ours-1buf{suffix}", p, (
                 sys.executable, "benchmarks/transfer.py", "--json", "--provider", p,
-                "--no-wait-idle", "--one-buffer", *work(pages),
+                "--no-wait-idle", "--one-buffer", *work(pages), *ours_reps,
             ), pages=pages)
             for suffix, pages in _sizes(args)
             for p in ("tcp", "shm")
@@ -220,13 +231,14 @@ def contenders(args: argparse.Namespace, notes: list[str]) -> list[Contender]:
     py = str(PEERS_PYTHON)
     nixl, mooncake = "benchmarks/peers/nixl_peer.py", "benchmarks/peers/mooncake_peer.py"
     peers = [
-        Contender(f"nixl-ucx{suffix}", p, (py, nixl, "--transport", p, *work(pages)), pages=pages)
+        Contender(f"nixl-ucx{suffix}", p, (py, nixl, "--transport", p, *work(pages), *peer_reps),
+                  pages=pages)
         for suffix, pages in _sizes(args)
         for p in ("tcp", "shm")
     ]
     return ours + peers + [
-        Contender("mooncake", "tcp", (py, mooncake, "--transport", "tcp", *work(args.pages)),
-                  pages=args.pages),
+        Contender("mooncake", "tcp", (py, mooncake, "--transport", "tcp", *work(args.pages),
+                                      *peer_reps), pages=args.pages),
     ]
 
 
@@ -238,7 +250,7 @@ def summarise(runs: list[Run], c: Contender, quiet_only: bool) -> Summary:
         c.engine, c.transport, len(ok), len(mine), sum(r.quiet.quiet for r in mine),
         verified=bool(ok) and all(bool(r.get("verified")) for r in ok),
     )
-    for m in (*METRICS, MESSENGER_RATIO):
+    for m in (*METRICS, INITIATOR, MESSENGER_RATIO):
         values = [float(r[m]) for r in ok if r.get(m) is not None]
         if values:
             s.median[m] = statistics.median(values)
@@ -250,7 +262,8 @@ def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
     """ours/peer per transport class, each peer against ours at the same batch size ("ours",
     "ours-small"; the latency-only "ours-MODE" paths against the full-size peers; `fi_rma_bw`
     also against "ours-1buf", ours writing its one-page pattern): > 1 on gbps
-    and < 1 on latency means we are ahead. Keys: class -> "peer" (ours), "peer vs ours-MODE",
+    and < 1 on latency means we are ahead. `gbps_initiator_ours_over_peer` sets our GB/s to the
+    sender's completions against the peer's, both clocks stopped where the peers stop theirs. Keys: class -> "peer" (ours), "peer vs ours-MODE",
     or "ours-messenger vs ours-prepared" (per write, from one run of messenger_path.py)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     by_key = {(s.engine, s.transport): s for s in summaries}
@@ -274,6 +287,8 @@ def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
                 for m in METRICS
                 if s.median.get(m) and ours.median.get(m)
             }
+            if ours.median.get(INITIATOR) and s.median.get("gbps"):  # like with like
+                pair[f"{INITIATOR}_ours_over_peer"] = ours.median[INITIATOR] / s.median["gbps"]
             if pair:  # fi_rma_bw has no latency for the latency-only paths to meet
                 out.setdefault(s.transport, {})[key] = pair
     return out
@@ -289,24 +304,27 @@ def print_tables(summaries: list[Summary], ratio: dict, notes: list[str]) -> Non
     # Piped into a file the default width (80) would fold every cell; keep rows on one line.
     console = Console(width=None if sys.stdout.isatty() else 140)
     table = Table(title=escape("Peer workload: median [min-max] over repeats"))
-    for col in ("engine", "class", "GB/s", "µs/page", "lat p50 µs", "lat p99 µs", "used", "quiet"):
+    for col in ("engine", "class", "GB/s", "GB/s, initiator", "µs/page", "lat p50 µs",
+                "lat p99 µs", "used", "quiet"):
         table.add_column(col)
     for s in summaries:
         table.add_row(
-            s.engine, s.transport, _cell(s, "gbps", ".2f"), _cell(s, "us_per_page", ".1f"),
+            s.engine, s.transport, _cell(s, "gbps", ".2f"), _cell(s, INITIATOR, ".2f"),
+            _cell(s, "us_per_page", ".1f"),
             _cell(s, "latency_us_p50", ".1f"), _cell(s, "latency_us_p99", ".1f"),
             f"{s.runs_ok}/{s.runs_total}{'' if s.verified else ' UNVERIFIED'}",
             f"{s.quiet_runs}/{s.runs_total}",
         )
     console.print(table)
     rt = Table(title="ours / peer (GB/s > 1, latency and µs/write < 1: ahead)")
-    for col in ("class", "peer", "GB/s", "lat p50", "lat p99", "µs/write"):
+    for col in ("class", "peer", "GB/s", "GB/s, initiator", "lat p50", "lat p99", "µs/write"):
         rt.add_column(col)
     for cls, peers in ratio.items():
         for peer, r in peers.items():
             rt.add_row(cls, peer, *(
                 f"{r[k]:.2f}" if k in r else "-"
-                for k in ("gbps_ours_over_peer", "latency_us_p50_ours_over_peer",
+                for k in ("gbps_ours_over_peer", f"{INITIATOR}_ours_over_peer",
+                          "latency_us_p50_ours_over_peer",
                           "latency_us_p99_ours_over_peer", "us_per_write_ours_over_peer")
             ))
     console.print(rt)
@@ -336,6 +354,10 @@ def main() -> int:
     parser.add_argument("--small-pages", type=int, default=64,
                         help="the paged workload's second, small batch (NAME-small)")
     parser.add_argument("--page-size", type=int, default=64 * 1024, help="bytes per page")
+    parser.add_argument("--warmup", type=int, default=3,
+                        help="untimed batches before each paged contender's timed ones")
+    parser.add_argument("--iters", type=int, default=10,
+                        help="timed batches per run of a paged contender (its median)")
     parser.add_argument("--only", nargs="*", default=None, help="engine names to run")
     parser.add_argument("--quiet-threshold", type=float, default=0.10)
     parser.add_argument("--quiet-cap", type=float, default=60.0, help="max seconds to wait")
@@ -382,7 +404,8 @@ def main() -> int:
             notes.append(f"{s.engine}/{s.transport}: {errors - {None}}")
     report = {
         "workload": {"pages": args.pages, "small_pages": args.small_pages,
-                     "page_bytes": args.page_size, "repeats": args.repeats},
+                     "page_bytes": args.page_size, "repeats": args.repeats,
+                     "warmup": args.warmup, "iters": args.iters},
         "quiet_only": args.quiet_only,
         "env": {
             "cpus": len(os.sched_getaffinity(0)),

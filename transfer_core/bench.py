@@ -121,8 +121,18 @@ class _Sender:
         _, self.ack_desc = self.engine.register_memory(self.ack, name="bench-ack")
         self.errors: list[BaseException] = []
 
-    def paged_rep(self, dst: MemoryRegionDescriptor, imm: int, timeout_s: float) -> float:
+    def paged_rep(self, dst: MemoryRegionDescriptor, imm: int,
+                  timeout_s: float) -> tuple[float, float]:
+        """Seconds from submit to the receiver's ack (the count of placed writes, what the
+        benchmark reports), and to this side's last completion (where the peers' harnesses
+        stop their clocks: the initiator's view, which on tcp says sent, not placed)."""
         acked, done = threading.Event(), threading.Event()
+        completed: list[float] = []
+
+        def on_done() -> None:
+            completed.append(time.perf_counter())
+            done.set()
+
         self.engine.expect_imm_count(imm, 1, acked.set)
         self.engine.expect_soon(imm)  # the ack follows the batch
         page_bytes = self.src.shape[1]
@@ -139,13 +149,13 @@ class _Sender:
             nbytes=page_bytes,
             imm=imm,
         )
-        self.engine.post_paged_writes(write, done.set, self.errors.append)
+        self.engine.post_paged_writes(write, on_done, self.errors.append)
         if not acked.wait(timeout_s):
             raise TimeoutError(f"rep imm={imm}: receiver did not acknowledge ({self.errors})")
         elapsed = time.perf_counter() - start
         if not done.wait(timeout_s):
             raise TimeoutError(f"rep imm={imm}: sender completions missing ({self.errors})")
-        return elapsed
+        return elapsed, completed[0] - start
 
     def latencies_us(self, dst: MemoryRegionDescriptor, nbytes: int, iters: int) -> list[float]:
         out: list[float] = []
@@ -206,14 +216,15 @@ def run_transfer_benchmark(
         want = _digest(sender.src[sender.src_ids])
         imms = list(range(1, warmup + reps + 1))
         rounds = [[imm] for imm in imms] if verify_each_rep else [imms]
-        seconds, verified = [], True
+        timed, verified = [], True
         for armed in rounds:
             parent.send(("arm", armed))
             parent.recv()
-            seconds += [sender.paged_rep(dst, imm, timeout_s) for imm in armed]
+            timed += [sender.paged_rep(dst, imm, timeout_s) for imm in armed]
             parent.send(("digest", sender.perm))
             verified &= parent.recv()[1] == want
-        seconds = seconds[warmup:]
+        seconds = [acked for acked, _ in timed[warmup:]]
+        local_seconds = [local for _, local in timed[warmup:]]
         lat = sender.latencies_us(dst, latency_bytes, latency_iters)
         parent.send(("stop",))
         proc.join(timeout_s)
@@ -230,12 +241,15 @@ def run_transfer_benchmark(
         "num_pages": num_pages,
         "page_bytes": page_bytes,
         "reps": reps,
+        "warmup": warmup,
         "verify_each_rep": verify_each_rep,
         "one_buffer": one_buffer,
         "gbps": statistics.median(gbps),
         "gbps_min": min(gbps),
         "gbps_max": max(gbps),
         "gbps_reps": [round(g, 3) for g in gbps],
+        # to the sender's own completions, as the peers' harnesses time a batch
+        "gbps_initiator": statistics.median(total / s / 1e9 for s in local_seconds),
         "us_per_page": statistics.median(seconds) / num_pages * 1e6,
         "latency_bytes": latency_bytes,
         "latency_us_p50": float(np.percentile(lat, 50)),
