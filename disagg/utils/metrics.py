@@ -218,6 +218,9 @@ def health_reply(health: Callable[[], dict[str, Any]]) -> tuple[int, bytes]:
     return (200 if report.get("state") == "ok" else 503), json.dumps(report).encode()
 
 
+SHUTDOWN_POLL_S = 0.1
+
+
 def serve_metrics(metrics: Metrics, address: tuple[str, int],
                   health: Callable[[], dict[str, Any]] | None = None) -> ThreadingHTTPServer:
     """Serve `GET /metrics` on `address` (host, port; an IPv4 or IPv6 host) from a daemon
@@ -249,5 +252,8 @@ def serve_metrics(metrics: Metrics, address: tuple[str, int],
         address_family = socket.AF_INET6 if ":" in address[0] else socket.AF_INET
 
     server = Server(address, Handler)
-    threading.Thread(target=server.serve_forever, daemon=True, name="metrics").start()
+    # `shutdown()` waits for the loop's next look at its flag: a tenth of a second, not the
+    # default half (a wake-up per 0.1 s costs an idle node nothing it would notice).
+    threading.Thread(target=server.serve_forever, kwargs={"poll_interval": SHUTDOWN_POLL_S},
+                     daemon=True, name="metrics").start()
     return server
