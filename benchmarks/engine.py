@@ -20,6 +20,7 @@ Run: `python benchmarks/engine.py [--models smollm2-135m qwen3-moe-small] [--dty
 from __future__ import annotations
 
 import argparse
+import inspect
 import json
 import os
 import statistics
@@ -162,13 +163,25 @@ def reference_prefill(hf_model: torch.nn.Module, prompt: list[int]) -> float:
         return time.perf_counter() - start
 
 
+def _cache_argument(hf_model: torch.nn.Module) -> str:
+    """The forward's name for the KV cache: `cache` since transformers 5.2x, which warns
+    that `past_key_values` goes away; older releases know only `past_key_values`."""
+    names = inspect.signature(hf_model.forward).parameters
+    return "cache" if "cache" in names else "past_key_values"
+
+
+def _cache_of(out: Any) -> Any:
+    """The KV cache a forward returned, under either release's name."""
+    return out["cache"] if "cache" in out else out.past_key_values
+
+
 def reference_decode(hf_model: torch.nn.Module, prompt: list[int], batch: int,
                      steps: int) -> float:
     """The median seconds of transformers' decode step with DynamicCache, `batch` rows of
     `prompt`."""
     with torch.inference_mode():
         out = hf_model(torch.tensor([prompt]), use_cache=True, logits_to_keep=1)
-        cache, next_ids = out.past_key_values, out.logits[:, -1:].argmax(-1)
+        cache, next_ids = _cache_of(out), out.logits[:, -1:].argmax(-1)
         # Copies of one prompt's KV: what a batched prefill of the same rows would store,
         # without its cost, which grows with the batch.
         cache.batch_repeat_interleave(batch)
@@ -176,10 +189,10 @@ def reference_decode(hf_model: torch.nn.Module, prompt: list[int], batch: int,
         step_times = []
         for _ in range(steps):
             start = time.perf_counter()
-            out = hf_model(next_ids, past_key_values=cache, use_cache=True)
+            out = hf_model(next_ids, use_cache=True, **{_cache_argument(hf_model): cache})
             next_ids = out.logits[:, -1:].argmax(-1)
             step_times.append(time.perf_counter() - start)
-            cache = out.past_key_values
+            cache = _cache_of(out)
     return statistics.median(step_times)
 
 
