@@ -3,9 +3,10 @@
 A decode step multiplies one row per sequence by every weight once: its time is the time to
 stream the weights. PyTorch's CPU matrix-vector products read them at a third to a half of the
 rate `torch.sum` reaches on the same buffer (`benchmarks/profile_engine.py`, measured on this
-machine), so for up to `MAX_ROWS` rows of float32 or bfloat16 on a CPU with AVX-512 (BF16 for
-bfloat16) the product runs in `small_linear.c`, which streams each weight row once into the
-rows' accumulators. Everything else, prefill chunks, other dtypes and devices, autograd, runs
+machine), so for up to `MAX_ROWS` rows of float32 or bfloat16 on a CPU with AVX-512 the
+product runs in `small_linear.c`, which streams each weight row once into the rows'
+accumulators. bfloat16 takes AVX-512 BF16's dot products where the CPU has them and the same
+sums from float32 FMAs where it does not (PyTorch's own bfloat16 products are slowest there). Everything else, prefill chunks, other dtypes and devices, autograd, runs
 `F.linear`, which is also the reference the kernel is tested against.
 Set `DISAGG_CPU_KERNELS=0` before import to run the reference everywhere (for comparison).
 """
@@ -17,16 +18,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.errors import KernelError
-from disagg.model.cpu_kernels import AVX512, AVX512_BF16, DTYPE_CODES, lib, named_call, traced
+from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call, traced
 
 MAX_ROWS = 8
 # How the kernel's calls appear in torch.profiler's tables (`benchmarks/profile_engine.py`).
 PROFILER_NAME = "disagg::small_linear"
 
-# dtype -> the C side's code for it, for the ISA this CPU has.
-_KERNELS: dict[torch.dtype, int] = {
-    dtype: code for dtype, code in DTYPE_CODES.items()
-    if (AVX512 if dtype == torch.float32 else AVX512_BF16)}
+# dtype -> the C side's code for it, when this CPU has the ISA (the C side picks bfloat16's
+# instructions).
+_KERNELS: dict[torch.dtype, int] = dict(DTYPE_CODES) if AVX512 else {}
 
 
 def kernel_dtypes() -> tuple[torch.dtype, ...]:

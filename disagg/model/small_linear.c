@@ -7,9 +7,10 @@
    Output rows are split into contiguous blocks, one per OpenMP thread.
 
    float32 uses AVX-512F FMAs; bfloat16 uses AVX-512 BF16's dot products, which accumulate pairs
-   of bf16 products in float32. The result is rounded once, to nearest-even, after the bias is
-   added in float32. The functions return -1 when the CPU lacks the instructions (or is not
-   x86-64): the caller then runs the pure-PyTorch reference (`linear.py`). */
+   of bf16 products in float32, or on a CPU without that extension the same sums from AVX-512F
+   FMAs (`sl_bf16_pair_fma`). The result is rounded once, to nearest-even, after the bias is
+   added in float32. The functions return -1 when the CPU lacks AVX-512 (or is not x86-64):
+   the caller then runs the pure-PyTorch reference (`linear.py`). */
 
 #include <stdint.h>
 
@@ -58,26 +59,55 @@ static inline void sl_f32_row(const float *x, const float *wr, float *out, int m
     for (int r = 0; r < m; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
+/* One step of a bfloat16 row: `acc` plus the 16 pairs of products of 32 elements, with AVX-512
+   BF16's dot-product instruction. */
 __attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline))
-static inline void sl_bf16_row(const uint16_t *x, const uint16_t *wr, float *out, int m,
-                               int64_t k, int64_t ldx) {
-    __m512 acc[SL_MAX_ROWS];
-    for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();
-    int64_t i = 0;
-    for (; i + 32 <= k; i += 32) {
-        __m512bh wv = (__m512bh)_mm512_loadu_si512(wr + i);
-        for (int r = 0; r < m; r++)
-            acc[r] = _mm512_dpbf16_ps(acc[r], (__m512bh)_mm512_loadu_si512(x + r * ldx + i), wv);
-    }
-    if (i < k) {
-        __mmask32 tail = (__mmask32)((1ull << (k - i)) - 1ull);
-        __m512bh wv = (__m512bh)_mm512_maskz_loadu_epi16(tail, wr + i);
-        for (int r = 0; r < m; r++)
-            acc[r] = _mm512_dpbf16_ps(
-                acc[r], (__m512bh)_mm512_maskz_loadu_epi16(tail, x + r * ldx + i), wv);
-    }
-    for (int r = 0; r < m; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
+static inline __m512 sl_bf16_dot(__m512 acc, __m512i xv, __m512i wv) {
+    return _mm512_dpbf16_ps(acc, (__m512bh)xv, (__m512bh)wv);
 }
+
+/* The same step on a CPU with AVX-512 but not its BF16 extension (Skylake to Ice Lake Xeons):
+   `vdpbf16ps` adds, per float32 lane, the product of the pair's odd elements and then that of
+   its even ones, each rounded once; a product of two bfloat16 values is exact in float32, so an
+   FMA of the two widened halves rounds exactly as it does. The odd element of a pair is
+   already a float32's top half (mask the low one off), the even one shifts up. The same bits
+   as the instruction, except that it treats denormal inputs and results as zero and this does
+   not. */
+__attribute__((target("avx512f,avx512bw"), always_inline))
+static inline __m512 sl_bf16_pair_fma(__m512 acc, __m512i xv, __m512i wv) {
+    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
+    __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(xv, high));
+    __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(wv, high));
+    __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));
+    __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
+    return _mm512_fmadd_ps(x_even, w_even, _mm512_fmadd_ps(x_odd, w_odd, acc));
+}
+
+/* One weight row against m token rows, 32 bfloat16 a step (`STEP`: one of the two above); a
+   macro because each needs its own target. */
+#define SL_BF16_ROW(NAME, TARGET, STEP)                                                     \
+    __attribute__((target(TARGET), always_inline))                                          \
+    static inline void NAME(const uint16_t *x, const uint16_t *wr, float *out, int m,      \
+                            int64_t k, int64_t ldx) {                                       \
+        __m512 acc[SL_MAX_ROWS];                                                            \
+        for (int r = 0; r < m; r++) acc[r] = _mm512_setzero_ps();                           \
+        int64_t i = 0;                                                                      \
+        for (; i + 32 <= k; i += 32) {                                                      \
+            __m512i wv = _mm512_loadu_si512(wr + i);                                        \
+            for (int r = 0; r < m; r++)                                                     \
+                acc[r] = STEP(acc[r], _mm512_loadu_si512(x + r * ldx + i), wv);             \
+        }                                                                                   \
+        if (i < k) {                                                                        \
+            __mmask32 tail = (__mmask32)((1ull << (k - i)) - 1ull);                         \
+            __m512i wv = _mm512_maskz_loadu_epi16(tail, wr + i);                            \
+            for (int r = 0; r < m; r++)                                                     \
+                acc[r] = STEP(acc[r], _mm512_maskz_loadu_epi16(tail, x + r * ldx + i), wv); \
+        }                                                                                   \
+        for (int r = 0; r < m; r++) out[r] = _mm512_reduce_add_ps(acc[r]);                 \
+    }
+
+SL_BF16_ROW(sl_bf16_row, "avx512f,avx512bw,avx512bf16", sl_bf16_dot)
+SL_BF16_ROW(sl_bf16_row_f, "avx512f,avx512bw", sl_bf16_pair_fma)
 
 /* Output rows [j0, j1) for a literal M. */
 /* Every block function takes its arrays untyped, so that one table and one dispatch
@@ -98,31 +128,39 @@ typedef void (*sl_block_fn)(const void *, const void *, const void *, void *, in
         }                                                                                    \
     }
 
-#define SL_BF16_BLOCK(M)                                                                    \
-    __attribute__((target("avx512f,avx512bw,avx512bf16")))                                  \
-    static void sl_bf16_block_##M(const void *xv, const void *wv, const void *bv, void *yv,  \
-                                  int64_t n, int64_t k, int64_t j0, int64_t j1) {             \
-        const uint16_t *x = xv, *w = wv, *bias = bv;                                         \
-        uint16_t *y = yv;                                                                    \
-        float out[SL_MAX_ROWS];                                                              \
-        for (int64_t j = j0; j < j1; j++) {                                                  \
-            sl_bf16_row(x, w + j * k, out, M, k, k);                                         \
-            float b = bias ? sl_bf16_to_f32(bias[j]) : 0.0f;                                 \
-            for (int r = 0; r < M; r++) y[r * n + j] = sl_round_bf16(out[r] + b);            \
-        }                                                                                    \
+#define SL_BF16_BLOCK_OF(M, NAME, ROW, TARGET)                                              \
+    __attribute__((target(TARGET)))                                                         \
+    static void NAME##_##M(const void *xv, const void *wv, const void *bv, void *yv,        \
+                           int64_t n, int64_t k, int64_t j0, int64_t j1) {                  \
+        const uint16_t *x = xv, *w = wv, *bias = bv;                                        \
+        uint16_t *y = yv;                                                                   \
+        float out[SL_MAX_ROWS];                                                             \
+        for (int64_t j = j0; j < j1; j++) {                                                 \
+            ROW(x, w + j * k, out, M, k, k);                                                \
+            float b = bias ? sl_bf16_to_f32(bias[j]) : 0.0f;                                \
+            for (int r = 0; r < M; r++) y[r * n + j] = sl_round_bf16(out[r] + b);           \
+        }                                                                                   \
     }
+
+/* Each bfloat16 block twice: with AVX-512 BF16's dot products, and with their emulation. */
+#define SL_BF16_BLOCK(M)                                                                    \
+    SL_BF16_BLOCK_OF(M, sl_bf16_block, sl_bf16_row, "avx512f,avx512bw,avx512bf16")          \
+    SL_BF16_BLOCK_OF(M, sl_bf16f_block, sl_bf16_row_f, "avx512f,avx512bw")
 
 SL_F32_BLOCK(1) SL_F32_BLOCK(2) SL_F32_BLOCK(3) SL_F32_BLOCK(4)
 SL_F32_BLOCK(5) SL_F32_BLOCK(6) SL_F32_BLOCK(7) SL_F32_BLOCK(8)
 SL_BF16_BLOCK(1) SL_BF16_BLOCK(2) SL_BF16_BLOCK(3) SL_BF16_BLOCK(4)
 SL_BF16_BLOCK(5) SL_BF16_BLOCK(6) SL_BF16_BLOCK(7) SL_BF16_BLOCK(8)
 
-/* Blocks by dtype (`SL_FLOAT32`, `SL_BFLOAT16`) and number of rows. */
-static const sl_block_fn SL_BLOCKS[2][SL_MAX_ROWS + 1] = {
+/* Blocks by dtype (`SL_FLOAT32`, `SL_BFLOAT16`, then bfloat16 without AVX-512 BF16) and
+   number of rows. */
+static const sl_block_fn SL_BLOCKS[3][SL_MAX_ROWS + 1] = {
     {0, sl_f32_block_1, sl_f32_block_2, sl_f32_block_3, sl_f32_block_4,
      sl_f32_block_5, sl_f32_block_6, sl_f32_block_7, sl_f32_block_8},
     {0, sl_bf16_block_1, sl_bf16_block_2, sl_bf16_block_3, sl_bf16_block_4,
-     sl_bf16_block_5, sl_bf16_block_6, sl_bf16_block_7, sl_bf16_block_8}};
+     sl_bf16_block_5, sl_bf16_block_6, sl_bf16_block_7, sl_bf16_block_8},
+    {0, sl_bf16f_block_1, sl_bf16f_block_2, sl_bf16f_block_3, sl_bf16f_block_4,
+     sl_bf16f_block_5, sl_bf16f_block_6, sl_bf16f_block_7, sl_bf16f_block_8}};
 
 static int sl_team(int64_t n, int64_t k, int threads) {
     if (threads < 1 || n * k < SL_PARALLEL_MIN) return 1;
@@ -142,10 +180,11 @@ static void sl_share(int64_t n, int t, int team, int64_t *j0, int64_t *j1) {
    they are (no pointer objects to build per call). */
 int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
               int64_t n, int64_t k, int threads) {
-    int isa = dtype == SL_FLOAT32 ? sl_has_avx512()
-              : dtype == SL_BFLOAT16 ? sl_has_avx512_bf16() : 0;
-    if (!isa || m < 1 || m > SL_MAX_ROWS || n < 1 || k < 1) return -1;
-    sl_block_fn block = SL_BLOCKS[dtype][m];
+    if ((dtype != SL_FLOAT32 && dtype != SL_BFLOAT16) || !sl_has_avx512() || m < 1
+        || m > SL_MAX_ROWS || n < 1 || k < 1)
+        return -1;
+    int table = dtype == SL_BFLOAT16 && !sl_has_avx512_bf16() ? 2 : dtype;
+    sl_block_fn block = SL_BLOCKS[table][m];
     int team = sl_team(n, k, threads);
 #pragma omp parallel num_threads(team) if (team > 1)
     {

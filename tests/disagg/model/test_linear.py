@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -9,8 +10,10 @@ import torch.nn.functional as F
 from disagg.config import CacheConfig, ModelConfig
 from disagg.model import linear as linear_module
 from disagg.model.attention import AttentionMetadata, SequenceSlice
+from disagg.model.cpu_kernels import AVX512
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.linear import MAX_ROWS, kernel_dtypes, linear, takes_kernel
+from disagg.model.precision import cast_model
 from disagg.model.transformer import Transformer
 from tests.disagg.model.counting_lib import CountingLib
 
@@ -19,8 +22,9 @@ pytestmark = pytest.mark.usefixtures("several_threads")
 
 needs_f32 = pytest.mark.skipif(torch.float32 not in kernel_dtypes(),
                                reason="no AVX-512 (or the kernel is not built)")
-needs_bf16 = pytest.mark.skipif(torch.bfloat16 not in kernel_dtypes(),
-                                reason="no AVX-512 BF16 (or the kernel is not built)")
+# bfloat16 runs AVX-512 BF16's dot products where the CPU has them, their emulation elsewhere:
+# the CPU's AVX-512, not what linear.py chose to send, says whether it must.
+needs_bf16 = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernel is not built)")
 
 # (out features, in features): in features with a tail after every 16 and 32 elements, a
 # single element, and one shape big enough for the kernel to split it over threads.
@@ -58,6 +62,38 @@ def test_bfloat16_is_the_rounded_float32_product(rows: int, n: int, k: int) -> N
     step = exact.abs().clamp_min(1e-30).to(torch.bfloat16).double() * 2.0 ** -7
     assert ((ours.double() - exact).abs() <= step + 1e-3).all()
     torch.testing.assert_close(ours, F.linear(x, w, b), rtol=2 ** -7, atol=2 ** -7 * k ** 0.5)
+
+
+def _vdpbf16ps_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+    """`small_linear.c`'s bfloat16 sums by the definition of AVX-512 BF16's `vdpbf16ps`, in
+    float32 numpy: per lane of 16, per 32 elements, the pair's odd product added and rounded,
+    then its even one; then the lanes summed as GCC's `_mm512_reduce_add_ps` pairs them
+    (halves, quarters, then lanes two apart), the bias added, the sum rounded to bfloat16."""
+    m, k = x.shape
+    chunks = -(-k // 32)
+    pad = chunks * 32 - k
+    xs = F.pad(x.float(), (0, pad)).numpy().reshape(m, 1, chunks, 16, 2)
+    ws = F.pad(w.float(), (0, pad)).numpy().reshape(1, w.shape[0], chunks, 16, 2)
+    acc = np.zeros((m, w.shape[0], 16), dtype=np.float32)
+    for c in range(chunks):  # each product of two bfloat16 values is exact in float32
+        acc = acc + xs[:, :, c, :, 1] * ws[:, :, c, :, 1]
+        acc = acc + xs[:, :, c, :, 0] * ws[:, :, c, :, 0]
+    eight = acc[..., 8:] + acc[..., :8]
+    four = eight[..., 4:] + eight[..., :4]
+    two = four[..., 2:] + four[..., :2]
+    total = two[..., 0] + two[..., 1] + b.float().numpy()
+    return torch.from_numpy(total).to(torch.bfloat16)
+
+
+@needs_bf16
+@pytest.mark.parametrize("n,k", SHAPES)
+@pytest.mark.parametrize("rows", [1, 5])
+def test_bfloat16_gives_the_bits_of_the_bf16_dot_product_instruction(rows: int, n: int,
+                                                                      k: int) -> None:
+    """With AVX-512 BF16 or without it (its emulation), the same bits: those the instruction's
+    definition gives (no denormals here, which it alone would flush)."""
+    x, w, b = _inputs(rows, n, k, torch.bfloat16, bias=True, seed=k)
+    assert torch.equal(linear(x, w, b), _vdpbf16ps_linear(x, w, b))
 
 
 @needs_f32
@@ -102,12 +138,15 @@ def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
         torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
 
 
-@needs_f32
-def test_a_decode_step_runs_every_projection_through_the_kernel(monkeypatch) -> None:
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_decode_step_runs_every_projection_through_the_kernel(monkeypatch,
+                                                                dtype: torch.dtype) -> None:
+    if not AVX512:
+        pytest.skip("no AVX-512 (or the kernel is not built)")
     config = ModelConfig.from_name("tiny")
     torch.manual_seed(0)
-    model = Transformer(config).eval()
-    cache = PagedKVCache(config, CacheConfig(page_size=4, num_pages=8))
+    model = cast_model(Transformer(config).eval(), dtype)
+    cache = PagedKVCache(config, CacheConfig(page_size=4, num_pages=8, dtype=dtype))
     counting = CountingLib(linear_module.lib, "sl_linear", slice(5, 8))  # rows, out, in
     monkeypatch.setattr(linear_module, "lib", counting)
     # One decode: the token at position 2 of a request on page 0.
