@@ -172,3 +172,25 @@ def test_the_profiler_sees_the_kernel_as_an_op() -> None:
     with profile(activities=[ProfilerActivity.CPU]) as prof:
         linear(x, w)
     assert [e.count for e in prof.key_averages() if e.key == PROFILER_NAME] == [1]
+
+
+@pytest.mark.skipif(linear_module.NATIVE_BF16, reason="this CPU multiplies bfloat16 natively")
+def test_bfloat16_prefill_rows_are_multiplied_in_float32_and_rounded_once(monkeypatch) -> None:
+    """Without AVX-512 BF16, PyTorch's bfloat16 GEMMs are several times slower than
+    float32's: a prefill-sized product widens, multiplies in float32, rounds once."""
+    seen: list[torch.dtype] = []
+
+    class Recording:
+        def __getattr__(self, name: str) -> object:
+            return getattr(F, name)
+
+        @staticmethod
+        def linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor | None) -> torch.Tensor:
+            seen.append(x.dtype)
+            return F.linear(x, w, b)
+
+    monkeypatch.setattr(linear_module, "F", Recording())
+    x, w, b = _inputs(MAX_ROWS + 1, 40, 33, torch.bfloat16, bias=True)
+    out = linear(x, w, b)
+    assert seen == [torch.float32] and out.dtype == torch.bfloat16
+    assert torch.equal(out, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
