@@ -22,8 +22,8 @@ from tests.transfer_core.test_fi_rma_bw import write_fake_fi_rma_bw
 def _ours(provider: str, num_pages: int, page_bytes: int, one_buffer: bool = False,
           **_: object) -> dict:
     return {"provider": provider, "num_pages": num_pages, "page_bytes": page_bytes,
-            "gbps": 6.05 if one_buffer else 3.78, "us_per_page": 1.0, "latency_us_p50": 20.0,
-            "latency_us_p99": 40.0, "verified": True}
+            "gbps": 6.05 if one_buffer else 3.78, "gbps_initiator": 4.21, "us_per_page": 1.0,
+            "latency_us_p50": 20.0, "latency_us_p99": 40.0, "verified": True}
 
 
 @pytest.fixture
@@ -46,6 +46,7 @@ def test_both_batch_sizes_run_each_beside_fi_rma_bw_and_ours_on_its_pattern(fake
                          str(fake_binary), "--no-messenger"], capsys)
     assert code == 0 and "7.56" in out and "0.50" in out  # the ratio: 3.78 / 7.56
     assert "6.05" in out and "0.80" in out  # one page: 6.05 / 7.56
+    assert "sender" in out and "4.21" in out  # at the sender's own completions
 
 
 def test_a_named_fi_rma_bw_that_is_not_executable_is_a_usage_error(
