@@ -263,8 +263,9 @@ def ratios(summaries: list[Summary]) -> dict[str, dict[str, dict[str, float]]]:
     "ours-small"; the latency-only "ours-MODE" paths against the full-size peers; `fi_rma_bw`
     also against "ours-1buf", ours writing its one-page pattern): > 1 on gbps
     and < 1 on latency means we are ahead. `gbps_initiator_ours_over_peer` sets our GB/s to the
-    sender's completions against the peer's, both clocks stopped where the peers stop theirs. Keys: class -> "peer" (ours), "peer vs ours-MODE",
-    or "ours-messenger vs ours-prepared" (per write, from one run of messenger_path.py)."""
+    sender's completions against the peer's, both clocks stopped where the peers stop theirs.
+    Keys: class -> "peer" (ours), "peer vs ours-MODE", or "ours-messenger vs ours-prepared"
+    (per write, from one run of messenger_path.py)."""
     out: dict[str, dict[str, dict[str, float]]] = {}
     by_key = {(s.engine, s.transport): s for s in summaries}
     for s in summaries:
@@ -310,8 +311,8 @@ def print_tables(summaries: list[Summary], ratio: dict, notes: list[str]) -> Non
     for s in summaries:
         table.add_row(
             s.engine, s.transport, _cell(s, "gbps", ".2f"), _cell(s, INITIATOR, ".2f"),
-            _cell(s, "us_per_page", ".1f"),
-            _cell(s, "latency_us_p50", ".1f"), _cell(s, "latency_us_p99", ".1f"),
+            _cell(s, "us_per_page", ".1f"), _cell(s, "latency_us_p50", ".1f"),
+            _cell(s, "latency_us_p99", ".1f"),
             f"{s.runs_ok}/{s.runs_total}{'' if s.verified else ' UNVERIFIED'}",
             f"{s.quiet_runs}/{s.runs_total}",
         )

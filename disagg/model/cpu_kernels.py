@@ -22,10 +22,14 @@ except ImportError:  # not built (a source checkout without `pip install -e .`)
     lib = None
 
 ENABLED = lib is not None and os.environ.get("DISAGG_CPU_KERNELS", "1") != "0"
-# What the CPU offers the kernels: AVX-512 (F, BW, VL) for every kernel's float32 and for
-# bfloat16 storage; AVX-512 BF16's dot products for bfloat16 projections.
+# Whether the CPU multiplies bfloat16 natively (AVX-512 BF16; AMX comes with it), whatever
+# DISAGG_CPU_KERNELS says: PyTorch's own bfloat16 GEMMs are slow without it (`linear.widens`).
+# Unknown without the module: taken as no.
+NATIVE_BF16 = lib is not None and bool(lib.sl_has_avx512_bf16())
+# What the CPU offers the kernels: AVX-512 (F, BW, VL) for every kernel's float32 and
+# bfloat16 (the projections' bfloat16 sums with AVX-512 BF16's dot products where it has them).
 AVX512 = bool(ENABLED and lib.sl_has_avx512())
-AVX512_BF16 = bool(ENABLED and lib.sl_has_avx512_bf16())
+AVX512_BF16 = ENABLED and NATIVE_BF16
 
 # torch dtype -> the C side's flag for it (0 float32, 1 bfloat16).
 DTYPE_CODES = {torch.float32: 0, torch.bfloat16: 1}

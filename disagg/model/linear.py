@@ -6,8 +6,10 @@ rate `torch.sum` reaches on the same buffer (`benchmarks/profile_engine.py`, mea
 machine), so for up to `MAX_ROWS` rows of float32 or bfloat16 on a CPU with AVX-512 the
 product runs in `small_linear.c`, which streams each weight row once into the rows'
 accumulators. bfloat16 takes AVX-512 BF16's dot products where the CPU has them and the same
-sums from float32 FMAs where it does not (PyTorch's own bfloat16 products are slowest there). Everything else, prefill chunks, other dtypes and devices, autograd, runs
-`F.linear`, which is also the reference the kernel is tested against.
+sums from float32 FMAs where it does not (PyTorch's own bfloat16 products are slowest there).
+Everything else, prefill chunks, other dtypes and devices, autograd, runs `F.linear`, which
+is also the reference the kernel is tested against; on a CPU without AVX-512 BF16 a bfloat16
+prefill chunk's product runs it in float32 (`widens`).
 Set `DISAGG_CPU_KERNELS=0` before import to run the reference everywhere (for comparison).
 """
 
@@ -18,23 +20,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from disagg.errors import KernelError
-from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call, traced
+from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, NATIVE_BF16, lib, named_call, traced
 
 MAX_ROWS = 8
-# Whether this CPU multiplies bfloat16 natively (AVX-512 BF16; AMX comes with it). Unknown
-# without the kernels' module: then bfloat16 products widen, correct either way.
-NATIVE_BF16 = lib is not None and bool(lib.sl_has_avx512_bf16())
 # How the kernel's calls appear in torch.profiler's tables (`benchmarks/profile_engine.py`).
 PROFILER_NAME = "disagg::small_linear"
 
 # dtype -> the C side's code for it, when this CPU has the ISA (the C side picks bfloat16's
 # instructions).
 _KERNELS: dict[torch.dtype, int] = dict(DTYPE_CODES) if AVX512 else {}
-
-
-def kernel_dtypes() -> tuple[torch.dtype, ...]:
-    """The dtypes this process runs through the kernel (none without the module or the ISA)."""
-    return tuple(_KERNELS)
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:

@@ -10,9 +10,9 @@ import torch.nn.functional as F
 from disagg.config import CacheConfig, ModelConfig
 from disagg.model import linear as linear_module
 from disagg.model.attention import AttentionMetadata, SequenceSlice
-from disagg.model.cpu_kernels import AVX512
+from disagg.model.cpu_kernels import AVX512, NATIVE_BF16
 from disagg.model.kv_cache import PagedKVCache
-from disagg.model.linear import MAX_ROWS, kernel_dtypes, linear, takes_kernel
+from disagg.model.linear import MAX_ROWS, linear, takes_kernel
 from disagg.model.precision import cast_model
 from disagg.model.transformer import Transformer
 from tests.disagg.model.counting_lib import CountingLib
@@ -20,11 +20,10 @@ from tests.disagg.model.counting_lib import CountingLib
 # The kernels split rows over torch's threads: test them with several, whatever xdist left.
 pytestmark = pytest.mark.usefixtures("several_threads")
 
-needs_f32 = pytest.mark.skipif(torch.float32 not in kernel_dtypes(),
-                               reason="no AVX-512 (or the kernel is not built)")
-# bfloat16 runs AVX-512 BF16's dot products where the CPU has them, their emulation elsewhere:
-# the CPU's AVX-512, not what linear.py chose to send, says whether it must.
-needs_bf16 = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernel is not built)")
+# float32 and bfloat16 (AVX-512 BF16's dot products where the CPU has them, their emulation
+# elsewhere) both run in C wherever AVX-512 does: the CPU, not what linear.py chose to send,
+# says whether a test must.
+needs_kernel = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernel is not built)")
 
 # (out features, in features): in features with a tail after every 16 and 32 elements, a
 # single element, and one shape big enough for the kernel to split it over threads.
@@ -39,7 +38,7 @@ def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int
     return x, w, b
 
 
-@needs_f32
+@needs_kernel
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
 def test_float32_equals_f_linear(rows: int, n: int, k: int) -> None:
@@ -50,7 +49,7 @@ def test_float32_equals_f_linear(rows: int, n: int, k: int) -> None:
                                atol=1e-5 * k ** 0.5)
 
 
-@needs_bf16
+@needs_kernel
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 3, 8])
 def test_bfloat16_is_the_rounded_float32_product(rows: int, n: int, k: int) -> None:
@@ -85,7 +84,7 @@ def _vdpbf16ps_linear(x: torch.Tensor, w: torch.Tensor, b: torch.Tensor) -> torc
     return torch.from_numpy(total).to(torch.bfloat16)
 
 
-@needs_bf16
+@needs_kernel
 @pytest.mark.parametrize("n,k", SHAPES)
 @pytest.mark.parametrize("rows", [1, 5])
 def test_bfloat16_gives_the_bits_of_the_bf16_dot_product_instruction(rows: int, n: int,
@@ -96,7 +95,7 @@ def test_bfloat16_gives_the_bits_of_the_bf16_dot_product_instruction(rows: int, 
     assert torch.equal(linear(x, w, b), _vdpbf16ps_linear(x, w, b))
 
 
-@needs_f32
+@needs_kernel
 def test_leading_axes_are_kept() -> None:
     x, w, _ = _inputs(6, 24, 20, torch.float32, bias=False)
     out = linear(x.view(2, 3, 20), w)
@@ -104,14 +103,14 @@ def test_leading_axes_are_kept() -> None:
     torch.testing.assert_close(out.view(6, 24), F.linear(x, w))
 
 
-@needs_f32
+@needs_kernel
 def test_non_finite_values_propagate_like_the_reference() -> None:
     x, w, _ = _inputs(2, 8, 40, torch.float32, bias=False)
     x[0, 3], x[1, 5] = float("inf"), float("nan")
     assert torch.equal(linear(x, w).isnan(), F.linear(x, w).isnan())
 
 
-@needs_f32
+@needs_kernel
 @pytest.mark.parametrize("case", ["too many rows", "transposed weight", "float16", "grad",
                                   "bias grad", "short bias", "dtype mismatch"])
 def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
@@ -138,11 +137,10 @@ def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
         torch.testing.assert_close(linear(x, w, b), F.linear(x, w, b))
 
 
+@needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_a_decode_step_runs_every_projection_through_the_kernel(monkeypatch,
                                                                 dtype: torch.dtype) -> None:
-    if not AVX512:
-        pytest.skip("no AVX-512 (or the kernel is not built)")
     config = ModelConfig.from_name("tiny")
     torch.manual_seed(0)
     model = cast_model(Transformer(config).eval(), dtype)
@@ -162,7 +160,7 @@ def test_a_decode_step_runs_every_projection_through_the_kernel(monkeypatch,
     assert counting.calls == per_layer * config.num_layers + [(1, config.vocab_size, h)]
 
 
-@needs_f32
+@needs_kernel
 def test_the_profiler_sees_the_kernel_as_an_op() -> None:
     from torch.profiler import ProfilerActivity, profile
 
@@ -174,7 +172,7 @@ def test_the_profiler_sees_the_kernel_as_an_op() -> None:
     assert [e.count for e in prof.key_averages() if e.key == PROFILER_NAME] == [1]
 
 
-@pytest.mark.skipif(linear_module.NATIVE_BF16, reason="this CPU multiplies bfloat16 natively")
+@pytest.mark.skipif(NATIVE_BF16, reason="this CPU multiplies bfloat16 natively")
 def test_bfloat16_prefill_rows_are_multiplied_in_float32_and_rounded_once(monkeypatch) -> None:
     """Without AVX-512 BF16, PyTorch's bfloat16 GEMMs are several times slower than
     float32's: a prefill-sized product widens, multiplies in float32, rounds once."""
