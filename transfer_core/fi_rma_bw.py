@@ -84,7 +84,7 @@ def run_fi_rma_bw(binary: Path, provider: str, xfer_bytes: int, iterations: int,
             except subprocess.TimeoutExpired as exc:
                 raise ReferenceToolError(f"fi_rma_bw ({name}) ran past {timeout_s:.0f} s") from exc
             # A client that failed leaves a server waiting for it: its output is the story.
-            wait_s = max(deadline - time.monotonic(), 1.0) if client.returncode == 0 else 2.0
+            wait_s = max(deadline - time.monotonic(), 1.0) if client.returncode == 0 else 0.5
             try:
                 server_out, _ = server.communicate(timeout=wait_s)
             except subprocess.TimeoutExpired:

@@ -14,7 +14,6 @@ decoder's spans join its trace (X7a); `route` and `first_token` are recorded in 
 from __future__ import annotations
 
 import asyncio
-import queue
 import threading
 import time
 import uuid
@@ -129,10 +128,7 @@ class ClusterClient:
 
     def _dispatch(self) -> None:
         while not self._stopped.is_set():
-            try:
-                event = self.router.events.get(timeout=0.1)
-            except queue.Empty:
-                continue
+            event = self.router.events.get()
             with self._lock:
                 stream = self._streams.get(event.request_id)
             if stream is None:
@@ -145,5 +141,7 @@ class ClusterClient:
     def close(self) -> None:
         """Stop dispatching and close the router's connections (the decoders keep running)."""
         self._stopped.set()
+        # Wakes the dispatcher now, not at a next poll: no stream has this id.
+        self.router.events.put(RequestEvent("", RequestState.FINISHED_ABORTED))
         self._thread.join(timeout=5)
         self.router.close()
