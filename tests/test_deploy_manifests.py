@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import json
 import re
+import socket
 import subprocess
 import sys
 import threading
@@ -252,18 +253,26 @@ def test_init_containers_wait_until_the_peer_answers_even_503() -> None:
         def log_message(self, *args: object) -> None:
             pass
 
-    with ThreadingHTTPServer(("127.0.0.1", 0), Unready) as probe:
-        port = probe.server_address[1]  # free once closed: the peer is not there yet
+    class Peer(ThreadingHTTPServer):
+        allow_reuse_port = True  # binds beside the holder below
+
+    # Bound, not listening: connections are refused, and no other test can take the port
+    # before the peer comes up (a closed probe's port could be).
+    holder = socket.socket()
+    holder.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    holder.bind(("127.0.0.1", 0))
+    port = holder.getsockname()[1]
     waiting = subprocess.Popen([sys.executable, "-c", _wait_script(),
                                 f"http://127.0.0.1:{port}/health"])
     try:
         time.sleep(1.0)
         assert waiting.poll() is None, "it stopped waiting for a closed port"
-        with ThreadingHTTPServer(("127.0.0.1", port), Unready) as server:
+        with Peer(("127.0.0.1", port), Unready) as server:
             threading.Thread(target=server.serve_forever, daemon=True).start()
             assert waiting.wait(timeout=10) == 0
             server.shutdown()
     finally:
+        holder.close()
         waiting.kill()
         waiting.wait()
 
