@@ -1,12 +1,12 @@
-"""The dense SwiGLU feed-forward, column- then row-parallel under TP (S3c; in place, X8c)."""
+"""The dense SwiGLU feed-forward, column- then row-parallel under TP (S3c; in place, X8c, X8e)."""
 
 from __future__ import annotations
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from disagg.model.linear import Linear
+from disagg.model.swiglu import silu_mul
 from disagg.model.tensor_parallel import Cut, TPShard
 
 
@@ -34,10 +34,5 @@ class MLP(nn.Module):
         return {"gate_proj.weight": rows, "up_proj.weight": rows, "down_proj.weight": rows.along(1)}
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        gate, up = self.gate_proj(x), self.up_proj(x)
-        if torch.is_grad_enabled():
-            hidden = F.silu(gate) * up
-        else:  # in place: no two more [tokens, inner] tensors, a prefill's largest, per layer
-            hidden = F.silu(gate, inplace=True).mul_(up)
-        out = self.down_proj(hidden)
+        out = self.down_proj(silu_mul(self.gate_proj(x), self.up_proj(x)))
         return self.shard.all_reduce(out) if self.reduces else out

@@ -13,6 +13,9 @@ op, not a Python callback), so a captured CUDA graph still drives layer-by-layer
 Given a `TPShard` the model is one tensor-parallel rank's part (`tensor_parallel.py`): its
 query and KV heads, its slice of the MLP, and an all-reduce after o_proj and after down_proj.
 Only the leader is built with a real counter, and it bumps after the o_proj all-reduce (S3c).
+
+A batch of decodes of a plain Llama-style model on a CPU with AVX-512 runs the loop's kernels
+in one C call instead (`decode_layers.py`, X8e), with the loop's bits.
 """
 
 from __future__ import annotations
@@ -22,6 +25,7 @@ from itertools import islice
 import torch
 from torch import nn
 
+from disagg.model import decode_layers
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kv_cache import KVCache
 from disagg.model.layer_counter import LayerCounter, NullLayerCounter
@@ -80,6 +84,8 @@ class Transformer(nn.Module):
         # Bumped after each layer's attention (S3b): a prefiller's builder passes the counter
         # its poller watches; everyone else bumps nothing.
         self.layer_counter: LayerCounter = layer_counter or NullLayerCounter()
+        # Whether a batch of decodes may run every layer in one C call (X8e).
+        self.layers_in_c = decode_layers.layers_fit(self)
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor,
                 kv_cache: KVCache, meta: AttentionMetadata,
@@ -89,6 +95,11 @@ class Transformer(nn.Module):
         `num_layers`, only the first ones run: an early-exit draft (decoders only, S8)."""
         h = self.embed_tokens(input_ids)
         angles = self.rope.angles(positions, meta, h.dtype)
+        if decode_layers.takes(self, h, angles, kv_cache, meta):
+            # The loop below, kernel for kernel, in one call: no Python between the kernels.
+            h = decode_layers.run(self, h, angles, kv_cache, meta,
+                                  num_layers or self.config.num_layers)
+            return self.norm(h)
         # islice, not self.layers[:num_layers]: slicing builds a new ModuleList every forward.
         for layer_idx, layer in enumerate(islice(self.layers, num_layers)):
             attn_out = layer.self_attn(layer.input_layernorm(h), angles, kv_cache, layer_idx,

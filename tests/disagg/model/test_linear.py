@@ -8,6 +8,7 @@ import torch
 import torch.nn.functional as F
 
 from disagg.config import CacheConfig, ModelConfig
+from disagg.model import decode_layers
 from disagg.model import linear as linear_module
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.cpu_kernels import AVX512, NATIVE_BF16
@@ -147,6 +148,7 @@ def test_a_decode_step_runs_every_projection_through_the_kernel(monkeypatch,
     cache = PagedKVCache(config, CacheConfig(page_size=4, num_pages=8, dtype=dtype))
     counting = CountingLib(linear_module.lib, "sl_linear", slice(5, 8))  # rows, out, in
     monkeypatch.setattr(linear_module, "lib", counting)
+    monkeypatch.setattr(decode_layers, "ENABLED", False)  # the loop's calls, not one C call
     # One decode: the token at position 2 of a request on page 0.
     meta = AttentionMetadata(torch.tensor([0]), torch.tensor([2]),
                              [SequenceSlice(0, 1, 2, torch.tensor([0]))])

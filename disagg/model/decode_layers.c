@@ -1,0 +1,163 @@
+/* A decode step's layers in one call (X8e), and SwiGLU's activation for a decode's rows.
+ *
+ * NOTE (why one call). At batch 1 a SmolLM2 layer is about twenty small operations around its
+ * seven weight streams, and each weight stream evicts the interpreter's working set from the
+ * caches, so the Python between the kernels costs several times what it costs hot (X8c). This
+ * file runs the same kernels in the same order as `transformer.py`'s loop does for a batch of
+ * decodes, without returning to Python between them: rms_norm.c, small_linear.c, rotary.c,
+ * decode_attention.c, and the two pieces that are PyTorch ops there (the KV append and the
+ * residual adds, both exact) plus `dl_silu_mul` below, which the PyTorch loop also calls for
+ * the same rows (`swiglu.py`). So the hidden state that leaves here has the loop's bits.
+ *
+ * NOTE (layout of `weights`). Nine addresses per layer, in DL_* order; every weight is the
+ * model's own contiguous tensor (no copy), in the step's dtype. The cache is the whole
+ * `PagedKVCache.buffer`: layer l starts l * num_pages * 2 * page_size * heads * dim elements in.
+ */
+
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#include "bf16.h"
+
+enum { DL_IN_NORM, DL_Q, DL_K, DL_V, DL_O, DL_POST_NORM, DL_GATE, DL_UP, DL_DOWN, DL_WEIGHTS };
+
+int sl_has_avx512(void);
+int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
+              int64_t n, int64_t k, int threads);
+int rn_rms_norm(int dtype, uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows,
+                int64_t width, float eps, int threads);
+int rot_rotate_half(int dtype, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t out,
+                    int64_t tokens, int64_t heads, int64_t dim, int threads);
+int da_decode_attention(int bf16, int layout, uintptr_t q, uintptr_t layer, uintptr_t table,
+                        uintptr_t kv_lens, uintptr_t out, int64_t batch, int64_t max_pages,
+                        int64_t num_pages, int64_t page_size, int64_t cache_heads,
+                        int64_t head_dim, int64_t head_start, int64_t num_kv_heads,
+                        int64_t group, float scale, int threads);
+
+static inline float dl_load(const void *p, int64_t i, int bf16) {
+    return bf16 ? sl_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+static inline void dl_store(void *p, int64_t i, int bf16, float v) {
+    if (bf16)
+        ((uint16_t *)p)[i] = sl_round_bf16(v);
+    else
+        ((float *)p)[i] = v;
+}
+
+/* gate[i] = silu(gate[i]) * up[i] for n elements, each op rounded to the dtype as PyTorch's
+ * `F.silu(gate).mul_(up)` rounds them: silu in float32 (x / (1 + exp(-x))), then the product. */
+int dl_silu_mul(int dtype, uintptr_t gate, uintptr_t up, int64_t n) {
+    if ((dtype != 0 && dtype != 1) || n < 0) return -1;
+    int bf16 = dtype == 1;
+    void *g = (void *)gate;
+    const void *u = (const void *)up;
+    for (int64_t i = 0; i < n; i++) {
+        float x = dl_load(g, i, bf16);
+        float silu = x / (1.0f + expf(-x));
+        if (bf16) silu = sl_bf16_to_f32(sl_round_bf16(silu));
+        dl_store(g, i, bf16, silu * dl_load(u, i, bf16));
+    }
+    return 0;
+}
+
+/* h[i] += d[i], rounded to the dtype: PyTorch's `h = h + d`. */
+static void dl_add(void *h, const void *d, int64_t n, int bf16) {
+    for (int64_t i = 0; i < n; i++)
+        dl_store(h, i, bf16, dl_load(h, i, bf16) + dl_load(d, i, bf16));
+}
+
+/* Row r's K and V ([heads, dim] each) into slot offsets[r] of page pages[r]; -2, and nothing
+ * written, if any row's slot is outside the cache. */
+static int dl_append(char *layer, int layout, const char *k, const char *v, const int64_t *pages,
+                     const int64_t *offsets, int64_t rows, int64_t num_pages, int64_t page_size,
+                     int64_t heads, int64_t dim, int64_t es) {
+    int64_t head_bytes = dim * es, page_elems = 2 * page_size * heads * dim;
+    for (int64_t r = 0; r < rows; r++) /* all rows first: a refusal writes nothing */
+        if (pages[r] < 0 || pages[r] >= num_pages || offsets[r] < 0 || offsets[r] >= page_size)
+            return -2;
+    for (int64_t r = 0; r < rows; r++) {
+        for (int part = 0; part < 2; part++) {
+            const char *src = (part ? v : k) + r * heads * head_bytes;
+            char *page = layer + (pages[r] * page_elems + part * page_size * heads * dim) * es;
+            if (layout == 0) /* NHD: [page_size, heads, dim] */
+                memcpy(page + offsets[r] * heads * head_bytes, src, heads * head_bytes);
+            else /* HND: [heads, page_size, dim] */
+                for (int64_t hd = 0; hd < heads; hd++)
+                    memcpy(page + (hd * page_size + offsets[r]) * head_bytes,
+                           src + hd * head_bytes, head_bytes);
+        }
+    }
+    return 0;
+}
+
+/* `rows` decodes through `num_layers` layers: h ([rows, hidden], in place) is the embedding
+ * rows on entry and the last layer's output on return (before the final norm). cos/sin
+ * [rows, dim] in the dtype; table [rows, max_pages] and kv_lens [rows] (this step's token
+ * included) as decode_attention.c takes them; slot_pages/slot_offsets [rows]: where each row's
+ * new K/V goes. 0 on success; < 0 a refusal, a caller's bug (`decode_layers.py` checks every
+ * argument first): h and the cache then hold what the layers before it wrote. */
+int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layers, uintptr_t h,
+                     int64_t rows, uintptr_t cos, uintptr_t sin, uintptr_t cache,
+                     int64_t num_pages, int64_t page_size, uintptr_t table, int64_t max_pages,
+                     uintptr_t kv_lens, uintptr_t slot_pages, uintptr_t slot_offsets,
+                     int64_t hidden, int64_t num_heads, int64_t kv_heads, int64_t dim,
+                     int64_t inter, float eps, float scale, int threads) {
+    if ((dtype != 0 && dtype != 1) || (layout != 0 && layout != 1) || !sl_has_avx512()
+        || rows < 1 || kv_heads < 1 || num_heads % kv_heads)
+        return -1;
+    int bf16 = dtype == 1;
+    int64_t es = bf16 ? 2 : 4, q_n = num_heads * dim, kv_n = kv_heads * dim;
+    /* One block for the step's intermediates: xn, q, k, v, q and k rotated, attention, out,
+     * gate, up. */
+    char *scratch = malloc((size_t)(rows * es * (2 * hidden + 3 * q_n + 3 * kv_n + 2 * inter)));
+    if (!scratch) return -5;
+    char *xn = scratch, *q = xn + rows * hidden * es, *k = q + rows * q_n * es;
+    char *v = k + rows * kv_n * es, *qr = v + rows * kv_n * es, *kr = qr + rows * q_n * es;
+    char *attn = kr + rows * kv_n * es, *out = attn + rows * q_n * es;
+    char *gate = out + rows * hidden * es, *up = gate + rows * inter * es;
+    const uintptr_t *w = (const uintptr_t *)weights;
+    int64_t layer_bytes = num_pages * 2 * page_size * kv_n * es;
+    int status = 0;
+    for (int64_t l = 0; l < num_layers && status == 0; l++, w += DL_WEIGHTS) {
+        char *layer = (char *)cache + l * layer_bytes;
+        status = rn_rms_norm(dtype, h, w[DL_IN_NORM], (uintptr_t)xn, rows, hidden, eps, threads);
+        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_Q], 0, (uintptr_t)q,
+                                             rows, q_n, hidden, threads);
+        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_K], 0, (uintptr_t)k,
+                                             rows, kv_n, hidden, threads);
+        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_V], 0, (uintptr_t)v,
+                                             rows, kv_n, hidden, threads);
+        status = status ? status : rot_rotate_half(dtype, (uintptr_t)q, cos, sin,
+                                                   (uintptr_t)qr, rows, num_heads, dim, threads);
+        status = status ? status : rot_rotate_half(dtype, (uintptr_t)k, cos, sin,
+                                                   (uintptr_t)kr, rows, kv_heads, dim, threads);
+        status = status ? status : dl_append(layer, layout, kr, v, (const int64_t *)slot_pages,
+                                             (const int64_t *)slot_offsets, rows, num_pages,
+                                             page_size, kv_heads, dim, es);
+        status = status ? status : da_decode_attention(
+            bf16, layout, (uintptr_t)qr, (uintptr_t)layer, table, kv_lens, (uintptr_t)attn,
+            rows, max_pages, num_pages, page_size, kv_heads, dim, 0, kv_heads,
+            num_heads / kv_heads, scale, threads);
+        status = status ? status : sl_linear(dtype, (uintptr_t)attn, w[DL_O], 0,
+                                             (uintptr_t)out, rows, hidden, q_n, threads);
+        if (status) break;
+        dl_add((void *)h, out, rows * hidden, bf16);
+        status = rn_rms_norm(dtype, h, w[DL_POST_NORM], (uintptr_t)xn, rows, hidden, eps,
+                             threads);
+        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_GATE], 0,
+                                             (uintptr_t)gate, rows, inter, hidden, threads);
+        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_UP], 0, (uintptr_t)up,
+                                             rows, inter, hidden, threads);
+        status = status ? status : dl_silu_mul(dtype, (uintptr_t)gate, (uintptr_t)up,
+                                               rows * inter);
+        status = status ? status : sl_linear(dtype, (uintptr_t)gate, w[DL_DOWN], 0,
+                                             (uintptr_t)out, rows, hidden, inter, threads);
+        if (status) break;
+        dl_add((void *)h, out, rows * hidden, bf16);
+    }
+    free(scratch);
+    return status;
+}
