@@ -30,8 +30,10 @@ from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import SamplingParams
 from disagg.model.loading.registry import LoadedModel, load_model
 
-# Op kinds, by the first pattern found in an op's name (aten's names, lower case).
-KINDS = (("gemm", ("addmm", "aten::mm", "aten::bmm", "matmul", "linear")),  # small_linear too
+# Op kinds, by the first pattern found in an op's name (aten's names, lower case). A decode
+# step whose layers ran in one C call shows them as one op, the kernels inside it unseen.
+KINDS = (("layers_in_c", ("decode_layers",)),  # X8e: a decode step's layers, one call
+         ("gemm", ("addmm", "aten::mm", "aten::bmm", "matmul", "linear")),  # small_linear too
          ("attention", ("scaled_dot_product", "attention", "softmax")),
          ("kv_append", ("index_put", "copy_", "scatter")),  # before kv_gather's "index"
          ("kv_gather", ("index_select", "gather", "index", "take")),

@@ -28,6 +28,7 @@ def test_a_toy_profile_accounts_for_every_phase(tmp_path: Path) -> None:
 def test_op_kinds_are_read_from_aten_names() -> None:
     profile = load_benchmark("profile_engine")
     assert profile.kind_of("aten::addmm") == "gemm"
+    assert profile.kind_of("disagg::decode_layers") == "layers_in_c"
     assert profile.kind_of("aten::_scaled_dot_product_flash_attention_for_cpu") == "attention"
     assert profile.kind_of("aten::index_select") == "kv_gather"
     assert profile.kind_of("aten::index_put_") == "kv_append"
