@@ -9,8 +9,9 @@
  * residual adds, both exact) plus `dl_silu_mul` below, which the PyTorch loop also calls for
  * the same rows (`swiglu.py`). So the hidden state that leaves here has the loop's bits.
  *
- * NOTE (layout of `weights`). Nine addresses per layer, in DL_* order; every weight is the
- * model's own contiguous tensor (no copy), in the step's dtype. The cache is the whole
+ * NOTE (layout of `weights`). DL_WEIGHTS addresses per layer, in DL_* order; every weight is
+ * the model's own contiguous tensor (no copy), in the step's dtype. The last six are 0 where
+ * the architecture has none: Q/K/V biases (Qwen2), o_proj's bias, Qwen3's Q/K norms. The cache is the whole
  * `PagedKVCache.buffer`: layer l starts l * num_pages * 2 * page_size * heads * dim elements in.
  */
 
@@ -21,7 +22,8 @@
 
 #include "bf16.h"
 
-enum { DL_IN_NORM, DL_Q, DL_K, DL_V, DL_O, DL_POST_NORM, DL_GATE, DL_UP, DL_DOWN, DL_WEIGHTS };
+enum { DL_IN_NORM, DL_Q, DL_K, DL_V, DL_O, DL_POST_NORM, DL_GATE, DL_UP, DL_DOWN,
+       DL_Q_BIAS, DL_K_BIAS, DL_V_BIAS, DL_O_BIAS, DL_Q_NORM, DL_K_NORM, DL_WEIGHTS };
 
 int sl_has_avx512(void);
 int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
@@ -61,6 +63,13 @@ int dl_silu_mul(int dtype, uintptr_t gate, uintptr_t up, int64_t n) {
         dl_store(g, i, bf16, silu * dl_load(u, i, bf16));
     }
     return 0;
+}
+
+/* out[r, j] += bias[j] over `rows` rows of n, rounded to the dtype: PyTorch's `out + bias`. */
+static void dl_add_bias(void *out, const void *bias, int64_t rows, int64_t n, int bf16) {
+    for (int64_t r = 0; r < rows; r++)
+        for (int64_t j = 0; j < n; j++)
+            dl_store(out, r * n + j, bf16, dl_load(out, r * n + j, bf16) + dl_load(bias, j, bf16));
 }
 
 /* h[i] += d[i], rounded to the dtype: PyTorch's `h = h + d`. */
@@ -110,12 +119,13 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
         return -1;
     int bf16 = dtype == 1;
     int64_t es = bf16 ? 2 : 4, q_n = num_heads * dim, kv_n = kv_heads * dim;
-    /* One block for the step's intermediates: xn, q, k, v, q and k rotated, attention, out,
-     * gate, up. */
-    char *scratch = malloc((size_t)(rows * es * (2 * hidden + 3 * q_n + 3 * kv_n + 2 * inter)));
+    /* One block for the step's intermediates: xn, q, k, v, q and k normed (Qwen3), q and k
+     * rotated, attention, out, gate, up. */
+    char *scratch = malloc((size_t)(rows * es * (2 * hidden + 4 * q_n + 4 * kv_n + 2 * inter)));
     if (!scratch) return -5;
     char *xn = scratch, *q = xn + rows * hidden * es, *k = q + rows * q_n * es;
-    char *v = k + rows * kv_n * es, *qr = v + rows * kv_n * es, *kr = qr + rows * q_n * es;
+    char *v = k + rows * kv_n * es, *qn = v + rows * kv_n * es, *kn = qn + rows * q_n * es;
+    char *qr = kn + rows * kv_n * es, *kr = qr + rows * q_n * es;
     char *attn = kr + rows * kv_n * es, *out = attn + rows * q_n * es;
     char *gate = out + rows * hidden * es, *up = gate + rows * inter * es;
     const uintptr_t *w = (const uintptr_t *)weights;
@@ -124,15 +134,25 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
     for (int64_t l = 0; l < num_layers && status == 0; l++, w += DL_WEIGHTS) {
         char *layer = (char *)cache + l * layer_bytes;
         status = rn_rms_norm(dtype, h, w[DL_IN_NORM], (uintptr_t)xn, rows, hidden, eps, threads);
-        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_Q], 0, (uintptr_t)q,
-                                             rows, q_n, hidden, threads);
-        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_K], 0, (uintptr_t)k,
-                                             rows, kv_n, hidden, threads);
-        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_V], 0, (uintptr_t)v,
-                                             rows, kv_n, hidden, threads);
-        status = status ? status : rot_rotate_half(dtype, (uintptr_t)q, cos, sin,
+        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_Q], w[DL_Q_BIAS],
+                                             (uintptr_t)q, rows, q_n, hidden, threads);
+        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_K], w[DL_K_BIAS],
+                                             (uintptr_t)k, rows, kv_n, hidden, threads);
+        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_V], w[DL_V_BIAS],
+                                             (uintptr_t)v, rows, kv_n, hidden, threads);
+        char *qs = q, *ks = k; /* what RoPE rotates: the projections, or Qwen3's normed heads */
+        if (w[DL_Q_NORM]) {
+            status = status ? status : rn_rms_norm(dtype, (uintptr_t)q, w[DL_Q_NORM],
+                                                   (uintptr_t)qn, rows * num_heads, dim, eps,
+                                                   threads);
+            status = status ? status : rn_rms_norm(dtype, (uintptr_t)k, w[DL_K_NORM],
+                                                   (uintptr_t)kn, rows * kv_heads, dim, eps,
+                                                   threads);
+            qs = qn, ks = kn;
+        }
+        status = status ? status : rot_rotate_half(dtype, (uintptr_t)qs, cos, sin,
                                                    (uintptr_t)qr, rows, num_heads, dim, threads);
-        status = status ? status : rot_rotate_half(dtype, (uintptr_t)k, cos, sin,
+        status = status ? status : rot_rotate_half(dtype, (uintptr_t)ks, cos, sin,
                                                    (uintptr_t)kr, rows, kv_heads, dim, threads);
         status = status ? status : dl_append(layer, layout, kr, v, (const int64_t *)slot_pages,
                                              (const int64_t *)slot_offsets, rows, num_pages,
@@ -144,6 +164,7 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
         status = status ? status : sl_linear(dtype, (uintptr_t)attn, w[DL_O], 0,
                                              (uintptr_t)out, rows, hidden, q_n, threads);
         if (status) break;
+        if (w[DL_O_BIAS]) dl_add_bias(out, (const void *)w[DL_O_BIAS], rows, hidden, bf16);
         dl_add((void *)h, out, rows * hidden, bf16);
         status = rn_rms_norm(dtype, h, w[DL_POST_NORM], (uintptr_t)xn, rows, hidden, eps,
                              threads);

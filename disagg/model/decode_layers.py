@@ -2,9 +2,10 @@
 
 `Transformer.forward` hands a batch of decodes (one new token per sequence, at most
 `MAX_ROWS` of them) to `run` when `takes` holds: the CPU has AVX-512, the weights and the cache
-are CPU tensors in the step's dtype, and every layer is the plain pre-norm layer of Llama,
-Mistral or SmolLM2 (no projection biases, no Q/K norm, a dense SwiGLU MLP, rotate-half RoPE
-over the whole head, one TP rank, no layer counter to bump). `decode_layers.c` then runs the
+are CPU tensors in the step's dtype, and every layer is the pre-norm layer of Llama, Mistral,
+SmolLM2, Qwen2 or Qwen3 (a dense SwiGLU MLP, rotate-half RoPE over the whole head, with or
+without Q/K/V and o_proj biases and Qwen3's Q/K norms; one TP rank, no layer counter to
+bump). `decode_layers.c` then runs the
 layers' kernels in the loop's order, and the hidden state it leaves has the loop's bits (the
 tests compare them). Everything else, and every reader's way into the model, is the PyTorch
 loop in `transformer.py`. Set `ENABLED = False` (or `DISAGG_CPU_KERNELS=0`) to run the loop.
@@ -39,8 +40,7 @@ _REFUSALS = {-1: "its dtype, layout or heads", -2: "a page id or slot outside th
 def layers_fit(model: nn.Module) -> bool:
     """Whether every layer of `model` is one `decode_layers.c` runs (see the module's doc)."""
     config = model.config
-    return (config.mla is None and config.moe is None and not config.qk_norm
-            and not config.attention_bias and not config.o_proj_bias
+    return (config.mla is None and config.moe is None
             and config.rope_dim == config.head_dim and model.shard.size == 1
             and all(type(layer.self_attn) is Attention and type(layer.mlp) is MLP
                     and layer.self_attn.kv_heads is None for layer in model.layers))
@@ -71,14 +71,20 @@ def run(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: Paged
 
 
 def _weights(model: nn.Module, num_layers: int, dtype: torch.dtype) -> torch.Tensor:
-    """Nine addresses a layer, in decode_layers.c's DL_* order."""
+    """DL_WEIGHTS addresses a layer, in decode_layers.c's DL_* order (0: none)."""
     addresses = []
     for layer in model.layers[:num_layers]:
         attn, mlp = layer.self_attn, layer.mlp
+        norms = (attn.q_norm, attn.k_norm)
         for weight in (layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
                        attn.v_proj.weight, attn.o_proj.weight,
                        layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
-                       mlp.up_proj.weight, mlp.down_proj.weight):
+                       mlp.up_proj.weight, mlp.down_proj.weight, attn.q_proj.bias,
+                       attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias,
+                       *(None if norm is None else norm.weight for norm in norms)):
+            if weight is None:
+                addresses.append(0)
+                continue
             if weight.dtype != dtype or not weight.is_contiguous() or not weight.is_cpu:
                 raise KernelError(f"decode layers: a {weight.dtype} weight of shape "
                                   f"{tuple(weight.shape)} in a {dtype} step")

@@ -14,8 +14,8 @@ Given a `TPShard` the model is one tensor-parallel rank's part (`tensor_parallel
 query and KV heads, its slice of the MLP, and an all-reduce after o_proj and after down_proj.
 Only the leader is built with a real counter, and it bumps after the o_proj all-reduce (S3c).
 
-A batch of decodes of a plain Llama-style model on a CPU with AVX-512 runs the loop's kernels
-in one C call instead (`decode_layers.py`, X8e), with the loop's bits.
+A batch of decodes of a dense Llama, Mistral or Qwen model on a CPU with AVX-512 runs the
+loop's kernels in one C call instead (`decode_layers.py`, X8e), with the loop's bits.
 """
 
 from __future__ import annotations

@@ -1,6 +1,7 @@
 """A decode step's layers in one C call (`disagg.model.decode_layers`, X8e): the same hidden
 state and the same cache, bit for bit, as the PyTorch loop it replaces, in both layouts and
-dtypes, for one decode and a padded batch of several; it runs only where every layer fits."""
+dtypes, for one decode and a padded batch of several, with Qwen2's biases and Qwen3's Q/K norms
+too; it runs only where every layer fits."""
 
 from __future__ import annotations
 
@@ -90,6 +91,29 @@ def test_the_call_leaves_the_loops_hidden_state_and_cache(
     assert torch.equal(in_c.buffer, in_loop.buffer)  # every layer's K/V where the loop puts it
 
 
+# Qwen2's Q/K/V biases with an o_proj bias beside them (Llama's and Qwen3's attention_bias),
+# and Qwen3's RMSNorm over each query and key head.
+VARIANTS = {"biases": {"attention_bias": True, "o_proj_bias": True}, "qk norm": {"qk_norm": True}}
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+def test_the_architectures_variants_leave_the_loops_bits(
+        monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, variant: str) -> None:
+    config = replace(PRESETS["tiny"], **VARIANTS[variant])
+    model = _model(config, dtype)
+    assert model.layers_in_c
+    in_loop, in_c = _cache(config, dtype, "HND"), _cache(config, dtype, "HND")
+    expected = _forward(model, in_loop, 3, True, False, monkeypatch)
+    counting = CountingLib(decode_layers.lib, "dl_decode_layers", slice(5, 6))
+    monkeypatch.setattr(decode_layers, "lib", counting)
+    got = _forward(model, in_c, 3, True, True, monkeypatch)
+    assert counting.calls == [(3,)]
+    assert torch.equal(got, expected)
+    assert torch.equal(in_c.buffer, in_loop.buffer)
+
+
 @needs_kernel
 def test_an_early_exit_draft_runs_only_its_layers(monkeypatch: pytest.MonkeyPatch) -> None:
     config = replace(PRESETS["tiny"], num_layers=3)
@@ -122,16 +146,11 @@ def test_prefill_rows_and_gradients_run_the_loop() -> None:
     assert not decode_layers.takes(model, h[:1], angles, cache, one)  # autograd on
 
 
-@pytest.mark.parametrize("case", ["qk norm", "attention bias", "experts", "latent",
-                                  "tensor parallel"])
+@pytest.mark.parametrize("case", ["experts", "latent", "tensor parallel"])
 def test_layers_it_cannot_run_keep_the_loop(case: str) -> None:
     config = PRESETS["tiny"]
     shard = None
-    if case == "qk norm":
-        config = replace(config, qk_norm=True)
-    elif case == "attention bias":
-        config = replace(config, attention_bias=True)
-    elif case == "experts":
+    if case == "experts":
         config = PRESETS["tiny-qwen3-moe"]
     elif case == "latent":
         config = PRESETS["tiny-mla-moe"]
