@@ -10,9 +10,12 @@
  * the same rows (`swiglu.py`). So the hidden state that leaves here has the loop's bits.
  *
  * NOTE (layout of `weights`). DL_WEIGHTS addresses per layer, in DL_* order; every weight is
- * the model's own contiguous tensor (no copy), in the step's dtype. The last six are 0 where
- * the architecture has none: Q/K/V biases (Qwen2), o_proj's bias, Qwen3's Q/K norms. The cache is the whole
- * `PagedKVCache.buffer`: layer l starts l * num_pages * 2 * page_size * heads * dim elements in.
+ * the model's own contiguous tensor (no copy), in the step's dtype. Q/K/V biases (Qwen2),
+ * o_proj's bias and Qwen3's Q/K norms are 0 where the architecture has none. A Qwen3-MoE
+ * layer's MLP is its router (DL_ROUTER) and DL_EXPERTS, the address of num_experts triples of
+ * addresses (gate, up, down); a dense layer has 0 there and its MLP in DL_GATE..DL_DOWN. The
+ * cache is the whole `PagedKVCache.buffer`: layer l starts l * num_pages * 2 * page_size *
+ * heads * dim elements in.
  */
 
 #include <math.h>
@@ -23,7 +26,8 @@
 #include "bf16.h"
 
 enum { DL_IN_NORM, DL_Q, DL_K, DL_V, DL_O, DL_POST_NORM, DL_GATE, DL_UP, DL_DOWN,
-       DL_Q_BIAS, DL_K_BIAS, DL_V_BIAS, DL_O_BIAS, DL_Q_NORM, DL_K_NORM, DL_WEIGHTS };
+       DL_Q_BIAS, DL_K_BIAS, DL_V_BIAS, DL_O_BIAS, DL_Q_NORM, DL_K_NORM, DL_ROUTER, DL_EXPERTS,
+       DL_WEIGHTS };
 
 int sl_has_avx512(void);
 int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
@@ -51,6 +55,10 @@ static inline void dl_store(void *p, int64_t i, int bf16, float v) {
 
 /* gate[i] = silu(gate[i]) * up[i] for n elements, each op rounded to the dtype as PyTorch's
  * `F.silu(gate).mul_(up)` rounds them: silu in float32 (x / (1 + exp(-x))), then the product. */
+int mr_softmax_top_k(int dtype, uintptr_t logits, int64_t rows, int64_t num_experts,
+                     int64_t top_k, int normalise, uintptr_t weights, uintptr_t experts,
+                     uintptr_t probs);
+
 int dl_silu_mul(int dtype, uintptr_t gate, uintptr_t up, int64_t n) {
     if ((dtype != 0 && dtype != 1) || n < 0) return -1;
     int bf16 = dtype == 1;
@@ -102,18 +110,80 @@ static int dl_append(char *layer, int layout, const char *k, const char *v, cons
     return 0;
 }
 
+/* The routed experts of a Qwen3-MoE layer, as `moe.py`'s `routed_experts` runs them: the
+ * router's logits and `mr_softmax_top_k`, then each expert that got a token once, on its
+ * tokens in row order (gathered into `xg`), its output times the routing weight added into
+ * `out` (zeroed first) one token at a time, experts in id order, each op rounded to the dtype
+ * as PyTorch's `*` and `index_add_` round it. */
+typedef struct {
+    int64_t num_experts, top_k, inter;
+    int normalise;
+    char *logits, *weights, *xg, *gate, *up, *y;
+    int64_t *experts, *tokens, *picks;
+    float *probs;
+} dl_moe_args;
+
+static int dl_moe(int dtype, const dl_moe_args *m, uintptr_t router, const uintptr_t *experts,
+                  const char *xn, char *out, int64_t rows, int64_t hidden, int threads) {
+    int bf16 = dtype == 1;
+    int64_t es = bf16 ? 2 : 4, top_k = m->top_k;
+    int status = sl_linear(dtype, (uintptr_t)xn, router, 0, (uintptr_t)m->logits, rows,
+                           m->num_experts, hidden, threads);
+    status = status ? status : mr_softmax_top_k(dtype, (uintptr_t)m->logits, rows,
+                                                m->num_experts, top_k, m->normalise,
+                                                (uintptr_t)m->weights, (uintptr_t)m->experts,
+                                                (uintptr_t)m->probs);
+    if (status) return status;
+    memset(out, 0, (size_t)(rows * hidden * es));
+    for (int64_t e = 0; e < m->num_experts && status == 0; e++) {
+        int64_t count = 0;
+        for (int64_t pick = 0; pick < rows * top_k; pick++)
+            if (m->experts[pick] == e) {
+                m->tokens[count] = pick / top_k, m->picks[count] = pick;
+                memcpy(m->xg + count * hidden * es, xn + (pick / top_k) * hidden * es,
+                       hidden * es);
+                count++;
+            }
+        if (!count) continue;
+        const uintptr_t *w = experts + 3 * e;
+        status = sl_linear(dtype, (uintptr_t)m->xg, w[0], 0, (uintptr_t)m->gate, count,
+                           m->inter, hidden, threads);
+        status = status ? status : sl_linear(dtype, (uintptr_t)m->xg, w[1], 0,
+                                             (uintptr_t)m->up, count, m->inter, hidden,
+                                             threads);
+        status = status ? status : dl_silu_mul(dtype, (uintptr_t)m->gate, (uintptr_t)m->up,
+                                               count * m->inter);
+        status = status ? status : sl_linear(dtype, (uintptr_t)m->gate, w[2], 0,
+                                             (uintptr_t)m->y, count, hidden, m->inter,
+                                             threads);
+        for (int64_t i = 0; i < count && status == 0; i++) {
+            float weight = dl_load(m->weights, m->picks[i], bf16);
+            char *row = out + m->tokens[i] * hidden * es;
+            for (int64_t j = 0; j < hidden; j++) {
+                float term = dl_load(m->y, i * hidden + j, bf16) * weight;
+                if (bf16) term = sl_bf16_to_f32(sl_round_bf16(term));
+                dl_store(row, j, bf16, dl_load(row, j, bf16) + term);
+            }
+        }
+    }
+    return status;
+}
+
 /* `rows` decodes through `num_layers` layers: h ([rows, hidden], in place) is the embedding
  * rows on entry and the last layer's output on return (before the final norm). cos/sin
  * [rows, dim] in the dtype; table [rows, max_pages] and kv_lens [rows] (this step's token
  * included) as decode_attention.c takes them; slot_pages/slot_offsets [rows]: where each row's
- * new K/V goes. 0 on success; < 0 a refusal, a caller's bug (`decode_layers.py` checks every
- * argument first): h and the cache then hold what the layers before it wrote. */
+ * new K/V goes. num_experts, top_k, normalise, moe_inter: a Qwen3-MoE model's routing and
+ * expert width (num_experts 0: no MoE layer). 0 on success; < 0 a refusal, a caller's bug
+ * (`decode_layers.py` checks every argument first): h and the cache then hold what the layers
+ * before it wrote. */
 int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layers, uintptr_t h,
                      int64_t rows, uintptr_t cos, uintptr_t sin, uintptr_t cache,
                      int64_t num_pages, int64_t page_size, uintptr_t table, int64_t max_pages,
                      uintptr_t kv_lens, uintptr_t slot_pages, uintptr_t slot_offsets,
                      int64_t hidden, int64_t num_heads, int64_t kv_heads, int64_t dim,
-                     int64_t inter, float eps, float scale, int threads) {
+                     int64_t inter, int64_t num_experts, int64_t top_k, int normalise,
+                     int64_t moe_inter, float eps, float scale, int threads) {
     if ((dtype != 0 && dtype != 1) || (layout != 0 && layout != 1) || !sl_has_avx512()
         || rows < 1 || kv_heads < 1 || num_heads % kv_heads)
         return -1;
@@ -121,13 +191,32 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
     int64_t es = bf16 ? 2 : 4, q_n = num_heads * dim, kv_n = kv_heads * dim;
     /* One block for the step's intermediates: xn, q, k, v, q and k normed (Qwen3), q and k
      * rotated, attention, out, gate, up. */
-    char *scratch = malloc((size_t)(rows * es * (2 * hidden + 4 * q_n + 4 * kv_n + 2 * inter)));
-    if (!scratch) return -5;
+    int64_t wide = inter > moe_inter ? inter : moe_inter; /* gate and up: either MLP's */
+    char *scratch = malloc((size_t)(rows * es * (2 * hidden + 4 * q_n + 4 * kv_n + 2 * wide)));
+    /* A MoE layer's: logits, routing weights, gathered rows, expert outputs; ids; probs. */
+    int64_t n_picks = rows * top_k;
+    char *moe = NULL;
+    if (num_experts)
+        moe = malloc((size_t)(es * (rows * num_experts + n_picks + 2 * rows * hidden)
+                              + sizeof(int64_t) * 3 * n_picks + sizeof(float) * num_experts));
+    if (!scratch || (num_experts && !moe)) {
+        free(scratch), free(moe);
+        return -5;
+    }
     char *xn = scratch, *q = xn + rows * hidden * es, *k = q + rows * q_n * es;
     char *v = k + rows * kv_n * es, *qn = v + rows * kv_n * es, *kn = qn + rows * q_n * es;
     char *qr = kn + rows * kv_n * es, *kr = qr + rows * q_n * es;
     char *attn = kr + rows * kv_n * es, *out = attn + rows * q_n * es;
-    char *gate = out + rows * hidden * es, *up = gate + rows * inter * es;
+    char *gate = out + rows * hidden * es, *up = gate + rows * wide * es;
+    dl_moe_args m = {num_experts, top_k, moe_inter, normalise, 0};
+    if (moe) {
+        m.logits = moe, m.weights = m.logits + rows * num_experts * es;
+        m.xg = m.weights + n_picks * es, m.y = m.xg + rows * hidden * es;
+        m.experts = (int64_t *)(m.y + rows * hidden * es);
+        m.tokens = m.experts + n_picks, m.picks = m.tokens + n_picks;
+        m.probs = (float *)(m.picks + n_picks);
+        m.gate = gate, m.up = up;
+    }
     const uintptr_t *w = (const uintptr_t *)weights;
     int64_t layer_bytes = num_pages * 2 * page_size * kv_n * es;
     int status = 0;
@@ -168,17 +257,24 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
         dl_add((void *)h, out, rows * hidden, bf16);
         status = rn_rms_norm(dtype, h, w[DL_POST_NORM], (uintptr_t)xn, rows, hidden, eps,
                              threads);
-        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_GATE], 0,
-                                             (uintptr_t)gate, rows, inter, hidden, threads);
-        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_UP], 0, (uintptr_t)up,
-                                             rows, inter, hidden, threads);
-        status = status ? status : dl_silu_mul(dtype, (uintptr_t)gate, (uintptr_t)up,
-                                               rows * inter);
-        status = status ? status : sl_linear(dtype, (uintptr_t)gate, w[DL_DOWN], 0,
-                                             (uintptr_t)out, rows, hidden, inter, threads);
+        if (w[DL_ROUTER]) {
+            status = status ? status : moe ? dl_moe(dtype, &m, w[DL_ROUTER],
+                                                    (const uintptr_t *)w[DL_EXPERTS], xn, out,
+                                                    rows, hidden, threads) : -1;
+        } else {
+            status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_GATE], 0,
+                                                 (uintptr_t)gate, rows, inter, hidden, threads);
+            status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_UP], 0,
+                                                 (uintptr_t)up, rows, inter, hidden, threads);
+            status = status ? status : dl_silu_mul(dtype, (uintptr_t)gate, (uintptr_t)up,
+                                                   rows * inter);
+            status = status ? status : sl_linear(dtype, (uintptr_t)gate, w[DL_DOWN], 0,
+                                                 (uintptr_t)out, rows, hidden, inter, threads);
+        }
         if (status) break;
         dl_add((void *)h, out, rows * hidden, bf16);
     }
     free(scratch);
+    free(moe);
     return status;
 }

@@ -3,9 +3,9 @@
 `Transformer.forward` hands a batch of decodes (one new token per sequence, at most
 `MAX_ROWS` of them) to `run` when `takes` holds: the CPU has AVX-512, the weights and the cache
 are CPU tensors in the step's dtype, and every layer is the pre-norm layer of Llama, Mistral,
-SmolLM2, Qwen2 or Qwen3 (a dense SwiGLU MLP, rotate-half RoPE over the whole head, with or
-without Q/K/V and o_proj biases and Qwen3's Q/K norms; one TP rank, no layer counter to
-bump). `decode_layers.c` then runs the
+SmolLM2, Qwen2, Qwen3 or Qwen3-MoE (a dense SwiGLU MLP or softmax-routed SwiGLU experts,
+rotate-half RoPE over the whole head, with or without Q/K/V and o_proj biases and Qwen3's Q/K
+norms; one TP rank, no layer counter to bump). `decode_layers.c` then runs the
 layers' kernels in the loop's order, and the hidden state it leaves has the loop's bits (the
 tests compare them). Everything else, and every reader's way into the model, is the PyTorch
 loop in `transformer.py`. Set `ENABLED = False` (or `DISAGG_CPU_KERNELS=0`) to run the loop.
@@ -23,6 +23,7 @@ from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.layer_counter import NullLayerCounter
 from disagg.model.linear import MAX_ROWS
 from disagg.model.mlp import MLP
+from disagg.model.moe import MoE
 from disagg.model.rope import RotaryAngles
 from disagg.model.self_attention import Attention
 
@@ -40,10 +41,18 @@ _REFUSALS = {-1: "its dtype, layout or heads", -2: "a page id or slot outside th
 def layers_fit(model: nn.Module) -> bool:
     """Whether every layer of `model` is one `decode_layers.c` runs (see the module's doc)."""
     config = model.config
-    return (config.mla is None and config.moe is None
-            and config.rope_dim == config.head_dim and model.shard.size == 1
-            and all(type(layer.self_attn) is Attention and type(layer.mlp) is MLP
-                    and layer.self_attn.kv_heads is None for layer in model.layers))
+    return (config.mla is None and config.rope_dim == config.head_dim
+            and model.shard.size == 1
+            and all(type(layer.self_attn) is Attention and layer.self_attn.kv_heads is None
+                    and _mlp_fits(layer.mlp) for layer in model.layers))
+
+
+def _mlp_fits(mlp: nn.Module) -> bool:
+    """A dense SwiGLU MLP, or Qwen3-MoE's experts: softmax routing, no shared experts."""
+    if type(mlp) is MoE:
+        return (mlp.gate.moe.routing == "softmax" and mlp.shared_experts is None
+                and all(type(expert) is MLP for expert in mlp.experts))
+    return type(mlp) is MLP
 
 
 def takes(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
@@ -70,26 +79,41 @@ def run(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: Paged
     return named_call(PROFILER_NAME, _run, model, h, angles, kv_cache, meta, num_layers)
 
 
-def _weights(model: nn.Module, num_layers: int, dtype: torch.dtype) -> torch.Tensor:
-    """DL_WEIGHTS addresses a layer, in decode_layers.c's DL_* order (0: none)."""
-    addresses = []
+def _weights(model: nn.Module, num_layers: int, dtype: torch.dtype
+             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
+    """DL_WEIGHTS addresses a layer, in decode_layers.c's DL_* order (0: none), and the MoE
+    layers' expert tables they point into (to be kept alive through the call)."""
+    addresses, tables = [], []
     for layer in model.layers[:num_layers]:
         attn, mlp = layer.self_attn, layer.mlp
-        norms = (attn.q_norm, attn.k_norm)
-        for weight in (layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
-                       attn.v_proj.weight, attn.o_proj.weight,
-                       layer.post_attention_layernorm.weight, mlp.gate_proj.weight,
-                       mlp.up_proj.weight, mlp.down_proj.weight, attn.q_proj.bias,
-                       attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias,
-                       *(None if norm is None else norm.weight for norm in norms)):
-            if weight is None:
-                addresses.append(0)
-                continue
-            if weight.dtype != dtype or not weight.is_contiguous() or not weight.is_cpu:
-                raise KernelError(f"decode layers: a {weight.dtype} weight of shape "
-                                  f"{tuple(weight.shape)} in a {dtype} step")
-            addresses.append(weight.data_ptr())
-    return torch.tensor(addresses, dtype=torch.int64)
+        moe = mlp if isinstance(mlp, MoE) else None
+        dense = (None, None, None) if moe is not None else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
+        weights = [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
+                   attn.v_proj.weight, attn.o_proj.weight, layer.post_attention_layernorm.weight,
+                   *(None if proj is None else proj.weight for proj in dense),
+                   attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias,
+                   *(None if norm is None else norm.weight for norm in (attn.q_norm,
+                                                                        attn.k_norm)),
+                   None if moe is None else moe.gate.weight]
+        addresses += [_address(weight, dtype) for weight in weights]
+        if moe is None:
+            addresses.append(0)
+            continue
+        table = torch.tensor([_address(proj.weight, dtype) for expert in moe.experts
+                              for proj in (expert.gate_proj, expert.up_proj, expert.down_proj)],
+                             dtype=torch.int64)
+        tables.append(table)
+        addresses.append(table.data_ptr())
+    return torch.tensor(addresses, dtype=torch.int64), tables
+
+
+def _address(weight: torch.Tensor | None, dtype: torch.dtype) -> int:
+    if weight is None:
+        return 0
+    if weight.dtype != dtype or not weight.is_contiguous() or not weight.is_cpu:
+        raise KernelError(f"decode layers: a {weight.dtype} weight of shape "
+                          f"{tuple(weight.shape)} in a {dtype} step")
+    return weight.data_ptr()
 
 
 def _run(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: PagedKVCache,
@@ -108,15 +132,18 @@ def _run(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: Page
         raise KernelError(f"decode layers: {rows} rows, a page table for {table.shape[0]}, "
                           f"{lens.numel()} lengths and {slot_pages.numel()} slots")
     h = h.contiguous()
-    weights = _weights(model, num_layers, h.dtype)
-    attn = model.layers[0].self_attn
+    weights, _tables = _weights(model, num_layers, h.dtype)  # _tables: alive for the call
+    attn, moe = model.layers[0].self_attn, config.moe
     status = lib.dl_decode_layers(
         DTYPE_CODES[h.dtype], _LAYOUTS[kv_cache.kv_layout], weights.data_ptr(), num_layers,
         h.data_ptr(), rows, angles.cast_cos.data_ptr(), angles.cast_sin.data_ptr(),
         kv_cache.buffer.data_ptr(), kv_cache.num_pages, kv_cache.page_size, table.data_ptr(),
         table.shape[1], lens.data_ptr(), slot_pages.data_ptr(), slot_offsets.data_ptr(),
         config.hidden_size, attn.num_heads, attn.num_kv_heads, config.head_dim,
-        config.intermediate_size, config.rms_norm_eps, attn.scale, torch.get_num_threads())
+        config.intermediate_size, 0 if moe is None else moe.num_experts,
+        0 if moe is None else moe.num_experts_per_tok, int(moe is not None and moe.norm_topk_prob),
+        0 if moe is None else moe.moe_intermediate_size, config.rms_norm_eps, attn.scale,
+        torch.get_num_threads())
     if status != 0:
         raise KernelError(f"decode layers refused the step: "
                           f"{_REFUSALS.get(status, f'code {status}')}")

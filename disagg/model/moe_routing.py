@@ -10,7 +10,8 @@ Two rules, named by `MoEConfig.routing`:
   unbiased scores, renormalised if `norm_topk_prob`, times `routed_scaling_factor`.
 
 Precision follows transformers: Qwen3-MoE takes logits in the model's dtype, the softmax in
-float32 and hands back weights in the model's dtype; DeepSeek-V3 computes logits, scores and
+float32 and hands back weights in the model's dtype (a decode step's few rows in C,
+`moe_route.c`, which `decode_layers.c` calls too, so both paths route alike, X8e); DeepSeek-V3 computes logits, scores and
 weights in float32 (its checkpoints keep the router and the bias in float32 too). The router is
 whole on every tensor-parallel rank: it is tiny, and every rank must route alike.
 """
@@ -21,20 +22,47 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from disagg.errors import ConfigError
-from disagg.model.linear import linear
+from disagg.errors import ConfigError, KernelError
+from disagg.model.cpu_kernels import DTYPE_CODES, ENABLED, lib, named_call, traced
+from disagg.model.linear import MAX_ROWS, linear
 from disagg.model_config import MoEConfig
+
+PROFILER_NAME = "disagg::moe_route"
 
 
 def softmax_top_k(logits: torch.Tensor, top_k: int, normalise: bool
                   ) -> tuple[torch.Tensor, torch.Tensor]:
     """Qwen3-MoE's rule: ``[num_tokens, num_experts]`` logits -> (weights, experts), each
     ``[num_tokens, top_k]``; the weights in the logits' dtype."""
+    if takes_kernel(logits):
+        return named_call(PROFILER_NAME, _kernel, logits, top_k, normalise)
     probs = torch.softmax(logits, dim=-1, dtype=torch.float32)
     weights, experts = probs.topk(top_k, dim=-1)
     if normalise:
         weights = weights / weights.sum(dim=-1, keepdim=True)
     return weights.to(logits.dtype), experts
+
+
+def takes_kernel(logits: torch.Tensor) -> bool:
+    """Whether `softmax_top_k` runs in C: a decode step's rows (at most `MAX_ROWS`), contiguous
+    float32 or bfloat16 on the CPU, no gradient to record."""
+    return (ENABLED and logits.dtype in DTYPE_CODES and logits.is_cpu and logits.dim() == 2
+            and 0 < logits.shape[0] <= MAX_ROWS and logits.is_contiguous()
+            and not (torch.is_grad_enabled() and logits.requires_grad) and not traced())
+
+
+def _kernel(logits: torch.Tensor, top_k: int, normalise: bool
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    rows, num_experts = logits.shape
+    weights = logits.new_empty((rows, top_k))
+    experts = torch.empty((rows, top_k), dtype=torch.int64)
+    probs = torch.empty(num_experts)
+    status = lib.mr_softmax_top_k(DTYPE_CODES[logits.dtype], logits.data_ptr(), rows,
+                                  num_experts, top_k, int(normalise), weights.data_ptr(),
+                                  experts.data_ptr(), probs.data_ptr())
+    if status != 0:
+        raise KernelError(f"moe routing refused the top {top_k} of {num_experts} experts")
+    return weights, experts
 
 
 def sigmoid_grouped_top_k(logits: torch.Tensor, bias: torch.Tensor, moe: MoEConfig

@@ -1,7 +1,7 @@
 """A decode step's layers in one C call (`disagg.model.decode_layers`, X8e): the same hidden
 state and the same cache, bit for bit, as the PyTorch loop it replaces, in both layouts and
-dtypes, for one decode and a padded batch of several, with Qwen2's biases and Qwen3's Q/K norms
-too; it runs only where every layer fits."""
+dtypes, for one decode and a padded batch of several, with Qwen2's biases, Qwen3's Q/K norms and
+Qwen3-MoE's experts too; it runs only where every layer fits."""
 
 from __future__ import annotations
 
@@ -37,6 +37,8 @@ def _model(config: ModelConfig, dtype: torch.dtype) -> Transformer:
         for name, parameter in model.named_parameters():
             if name.endswith("norm.weight"):
                 parameter.uniform_(0.5, 1.5)
+            elif name.endswith("mlp.gate.weight"):  # a router: built empty, as loading fills it
+                parameter.normal_(0.0, 0.5)
     return cast_model(model, dtype)
 
 
@@ -94,14 +96,18 @@ def test_the_call_leaves_the_loops_hidden_state_and_cache(
 # Qwen2's Q/K/V biases with an o_proj bias beside them (Llama's and Qwen3's attention_bias),
 # and Qwen3's RMSNorm over each query and key head.
 VARIANTS = {"biases": {"attention_bias": True, "o_proj_bias": True}, "qk norm": {"qk_norm": True}}
+# Qwen3-MoE with its second of three layers dense (`mlp_only_layers`), and 8 experts for the
+# batch's 3 tokens' 2 picks each: some experts get two tokens, most none.
+EXPERTS = replace(PRESETS["tiny-qwen3-moe"], num_layers=3,
+                  moe=replace(PRESETS["tiny-qwen3-moe"].moe, mlp_only_layers=(1,)))
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "experts"])
 def test_the_architectures_variants_leave_the_loops_bits(
         monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, variant: str) -> None:
-    config = replace(PRESETS["tiny"], **VARIANTS[variant])
+    config = EXPERTS if variant == "experts" else replace(PRESETS["tiny"], **VARIANTS[variant])
     model = _model(config, dtype)
     assert model.layers_in_c
     in_loop, in_c = _cache(config, dtype, "HND"), _cache(config, dtype, "HND")
@@ -146,12 +152,12 @@ def test_prefill_rows_and_gradients_run_the_loop() -> None:
     assert not decode_layers.takes(model, h[:1], angles, cache, one)  # autograd on
 
 
-@pytest.mark.parametrize("case", ["experts", "latent", "tensor parallel"])
+@pytest.mark.parametrize("case", ["shared experts", "latent", "tensor parallel"])
 def test_layers_it_cannot_run_keep_the_loop(case: str) -> None:
     config = PRESETS["tiny"]
     shard = None
-    if case == "experts":
-        config = PRESETS["tiny-qwen3-moe"]
+    if case == "shared experts":
+        config = replace(EXPERTS, moe=replace(EXPERTS.moe, num_shared_experts=1))
     elif case == "latent":
         config = PRESETS["tiny-mla-moe"]
     else:

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 from disagg.config import ModelConfig
 from disagg.engine.llm_engine import build_engine
 from disagg.engine.request import SamplingParams
+from disagg.model import decode_layers
 from disagg.model.loading.registry import LoadedModel
 from disagg.model.moe_routing import Router
 from tests.disagg.conftest import hf_smollm2_dir
@@ -180,13 +181,17 @@ def router_logits(model: torch.nn.Module, kind: type) -> list[torch.Tensor]:
     return calls
 
 
-def test_qwen3_moe_routing_tie(checkpoint: Any) -> None:  # noqa: ANN401
+def test_qwen3_moe_routing_tie(checkpoint: Any,  # noqa: ANN401
+                               monkeypatch: pytest.MonkeyPatch) -> None:
     """A bf16 prompt whose tokens part where no logits tie: at that very step the router
     ranks the 2nd and 3rd experts at most two bf16 units apart, and the two sides keep
     different ones (so the token differs by more than a tie). Everything before it routes
     alike. (Two units, not one: our attention runs SDPA's fused kernel, which accumulates in
     float32, where transformers' eager attention rounds its scores to bf16.)"""
     path, config, state_dict = checkpoint("qwen3_moe")
+    # The hooks below see the router's module calls: the loop's. A decode step in one C call
+    # has the loop's bits (tests/disagg/model/test_decode_layers.py) but calls no module.
+    monkeypatch.setattr(decode_layers, "ENABLED", False)
     prompt = random_prompts([20, 7, 13, 30, 3, 11], seed=5)[4]
     engine = build_engine(engine_config(config, torch.bfloat16, torch.bfloat16), state_dict)
     ours_calls = router_logits(engine.model, Router)
