@@ -21,11 +21,13 @@ from disagg.model.attention import AttentionMetadata
 from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call, traced
 from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.layer_counter import NullLayerCounter
+from disagg.model.layer_weights import weights_of
 from disagg.model.linear import MAX_ROWS
 from disagg.model.mlp import MLP
 from disagg.model.moe import MoE
 from disagg.model.rope import RotaryAngles
 from disagg.model.self_attention import Attention
+from disagg.model_config import MoEConfig
 
 PROFILER_NAME = "disagg::decode_layers"
 ENABLED = AVX512
@@ -79,43 +81,6 @@ def run(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: Paged
     return named_call(PROFILER_NAME, _run, model, h, angles, kv_cache, meta, num_layers)
 
 
-def _weights(model: nn.Module, num_layers: int, dtype: torch.dtype
-             ) -> tuple[torch.Tensor, list[torch.Tensor]]:
-    """DL_WEIGHTS addresses a layer, in decode_layers.c's DL_* order (0: none), and the MoE
-    layers' expert tables they point into (to be kept alive through the call)."""
-    addresses, tables = [], []
-    for layer in model.layers[:num_layers]:
-        attn, mlp = layer.self_attn, layer.mlp
-        moe = mlp if isinstance(mlp, MoE) else None
-        dense = (None, None, None) if moe is not None else (mlp.gate_proj, mlp.up_proj, mlp.down_proj)
-        weights = [layer.input_layernorm.weight, attn.q_proj.weight, attn.k_proj.weight,
-                   attn.v_proj.weight, attn.o_proj.weight, layer.post_attention_layernorm.weight,
-                   *(None if proj is None else proj.weight for proj in dense),
-                   attn.q_proj.bias, attn.k_proj.bias, attn.v_proj.bias, attn.o_proj.bias,
-                   *(None if norm is None else norm.weight for norm in (attn.q_norm,
-                                                                        attn.k_norm)),
-                   None if moe is None else moe.gate.weight]
-        addresses += [_address(weight, dtype) for weight in weights]
-        if moe is None:
-            addresses.append(0)
-            continue
-        table = torch.tensor([_address(proj.weight, dtype) for expert in moe.experts
-                              for proj in (expert.gate_proj, expert.up_proj, expert.down_proj)],
-                             dtype=torch.int64)
-        tables.append(table)
-        addresses.append(table.data_ptr())
-    return torch.tensor(addresses, dtype=torch.int64), tables
-
-
-def _address(weight: torch.Tensor | None, dtype: torch.dtype) -> int:
-    if weight is None:
-        return 0
-    if weight.dtype != dtype or not weight.is_contiguous() or not weight.is_cpu:
-        raise KernelError(f"decode layers: a {weight.dtype} weight of shape "
-                          f"{tuple(weight.shape)} in a {dtype} step")
-    return weight.data_ptr()
-
-
 def _run(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: PagedKVCache,
          meta: AttentionMetadata, num_layers: int) -> torch.Tensor:
     config, rows = model.config, h.shape[0]
@@ -132,19 +97,25 @@ def _run(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: Page
         raise KernelError(f"decode layers: {rows} rows, a page table for {table.shape[0]}, "
                           f"{lens.numel()} lengths and {slot_pages.numel()} slots")
     h = h.contiguous()
-    weights, _tables = _weights(model, num_layers, h.dtype)  # _tables: alive for the call
-    attn, moe = model.layers[0].self_attn, config.moe
+    weights = weights_of(model, num_layers, h.dtype)
+    attn = model.layers[0].self_attn
     status = lib.dl_decode_layers(
-        DTYPE_CODES[h.dtype], _LAYOUTS[kv_cache.kv_layout], weights.data_ptr(), num_layers,
-        h.data_ptr(), rows, angles.cast_cos.data_ptr(), angles.cast_sin.data_ptr(),
+        DTYPE_CODES[h.dtype], _LAYOUTS[kv_cache.kv_layout], weights.addresses.data_ptr(),
+        num_layers, h.data_ptr(), rows, angles.cast_cos.data_ptr(), angles.cast_sin.data_ptr(),
         kv_cache.buffer.data_ptr(), kv_cache.num_pages, kv_cache.page_size, table.data_ptr(),
         table.shape[1], lens.data_ptr(), slot_pages.data_ptr(), slot_offsets.data_ptr(),
         config.hidden_size, attn.num_heads, attn.num_kv_heads, config.head_dim,
-        config.intermediate_size, 0 if moe is None else moe.num_experts,
-        0 if moe is None else moe.num_experts_per_tok, int(moe is not None and moe.norm_topk_prob),
-        0 if moe is None else moe.moe_intermediate_size, config.rms_norm_eps, attn.scale,
+        config.intermediate_size, *_moe_shape(config.moe), config.rms_norm_eps, attn.scale,
         torch.get_num_threads())
     if status != 0:
         raise KernelError(f"decode layers refused the step: "
                           f"{_REFUSALS.get(status, f'code {status}')}")
     return h
+
+
+def _moe_shape(moe: MoEConfig | None) -> tuple[int, int, int, int]:
+    """decode_layers.c's num_experts, top_k, normalise and moe_inter (zeros: no MoE)."""
+    if moe is None:
+        return 0, 0, 0, 0
+    return (moe.num_experts, moe.num_experts_per_tok, int(moe.norm_topk_prob),
+            moe.moe_intermediate_size)
