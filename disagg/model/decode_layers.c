@@ -53,12 +53,12 @@ static inline void dl_store(void *p, int64_t i, int bf16, float v) {
         ((float *)p)[i] = v;
 }
 
-/* gate[i] = silu(gate[i]) * up[i] for n elements, each op rounded to the dtype as PyTorch's
- * `F.silu(gate).mul_(up)` rounds them: silu in float32 (x / (1 + exp(-x))), then the product. */
 int mr_softmax_top_k(int dtype, uintptr_t logits, int64_t rows, int64_t num_experts,
                      int64_t top_k, int normalise, uintptr_t weights, uintptr_t experts,
                      uintptr_t probs);
 
+/* gate[i] = silu(gate[i]) * up[i] for n elements, each op rounded to the dtype as PyTorch's
+ * `F.silu(gate).mul_(up)` rounds them: silu in float32 (x / (1 + exp(-x))), then the product. */
 int dl_silu_mul(int dtype, uintptr_t gate, uintptr_t up, int64_t n) {
     if ((dtype != 0 && dtype != 1) || n < 0) return -1;
     int bf16 = dtype == 1;
@@ -174,9 +174,9 @@ static int dl_moe(int dtype, const dl_moe_args *m, uintptr_t router, const uintp
  * [rows, dim] in the dtype; table [rows, max_pages] and kv_lens [rows] (this step's token
  * included) as decode_attention.c takes them; slot_pages/slot_offsets [rows]: where each row's
  * new K/V goes. num_experts, top_k, normalise, moe_inter: a Qwen3-MoE model's routing and
- * expert width (num_experts 0: no MoE layer). 0 on success; < 0 a refusal, a caller's bug
- * (`decode_layers.py` checks every argument first): h and the cache then hold what the layers
- * before it wrote. */
+ * expert width (num_experts 0: no MoE layer). 0 on success; < 0 a refusal (`decode_layers.py`
+ * checks the shapes it passes; a page id or slot outside the cache is refused here): h and the
+ * cache then hold what the layers before it wrote. */
 int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layers, uintptr_t h,
                      int64_t rows, uintptr_t cos, uintptr_t sin, uintptr_t cache,
                      int64_t num_pages, int64_t page_size, uintptr_t table, int64_t max_pages,
@@ -196,9 +196,9 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
     /* A MoE layer's: logits, routing weights, gathered rows, expert outputs; ids; probs. */
     int64_t n_picks = rows * top_k;
     char *moe = NULL;
-    if (num_experts)
-        moe = malloc((size_t)(es * (rows * num_experts + n_picks + 2 * rows * hidden)
-                              + sizeof(int64_t) * 3 * n_picks + sizeof(float) * num_experts));
+    if (num_experts) /* int64 arrays first, then floats, then the dtype's: each aligned */
+        moe = malloc((size_t)(sizeof(int64_t) * 3 * n_picks + sizeof(float) * num_experts
+                              + es * (rows * num_experts + n_picks + 2 * rows * hidden)));
     if (!scratch || (num_experts && !moe)) {
         free(scratch), free(moe);
         return -5;
@@ -210,11 +210,10 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
     char *gate = out + rows * hidden * es, *up = gate + rows * wide * es;
     dl_moe_args m = {num_experts, top_k, moe_inter, normalise, 0};
     if (moe) {
-        m.logits = moe, m.weights = m.logits + rows * num_experts * es;
+        m.experts = (int64_t *)moe, m.tokens = m.experts + n_picks;
+        m.picks = m.tokens + n_picks, m.probs = (float *)(m.picks + n_picks);
+        m.logits = (char *)(m.probs + num_experts), m.weights = m.logits + rows * num_experts * es;
         m.xg = m.weights + n_picks * es, m.y = m.xg + rows * hidden * es;
-        m.experts = (int64_t *)(m.y + rows * hidden * es);
-        m.tokens = m.experts + n_picks, m.picks = m.tokens + n_picks;
-        m.probs = (float *)(m.picks + n_picks);
         m.gate = gate, m.up = up;
     }
     const uintptr_t *w = (const uintptr_t *)weights;

@@ -58,17 +58,22 @@ def _mlp_fits(mlp: nn.Module) -> bool:
 
 
 def takes(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
-          meta: AttentionMetadata) -> bool:
-    """Whether this forward's layers run in one call: `h` holds one decode row per sequence,
-    at most `MAX_ROWS`, `model`'s layers fit (`layers_fit`, kept on it) and bump no counter,
-    and the cache is a CPU tensor of `h`'s dtype."""
-    rows = h.shape[0]
+          meta: AttentionMetadata, num_layers: int | None = None) -> bool:
+    """Whether this forward's layers (the first `num_layers`, or all) run in one call: `h`
+    holds one decode row per sequence, at most `MAX_ROWS` (several with the batch's padded
+    page table), `model`'s layers fit (`layers_fit`, kept on it) and bump no counter, and the
+    cache is a CPU tensor of `h`'s dtype with the model's heads and at least its layers."""
+    rows, layers = h.shape[0], len(model.layers) if num_layers is None else num_layers
     return (ENABLED and model.layers_in_c and type(model.layer_counter) is NullLayerCounter
             and h.dtype in DTYPE_CODES and h.is_cpu
             and 0 < rows <= MAX_ROWS and len(meta.sequences) == rows
             and all(seq.query_len == 1 for seq in meta.sequences)
-            and angles.cast_cos.dtype == h.dtype
+            and (rows == 1 or (meta.decode_page_table is not None
+                               and meta.decode_kv_lens is not None))
+            and 0 < layers <= len(model.layers) and angles.cast_cos.dtype == h.dtype
             and isinstance(kv_cache, PagedKVCache) and kv_cache.kv_parts == 2
+            and kv_cache.num_layers >= layers and kv_cache.head_dim == model.config.head_dim
+            and kv_cache.num_kv_heads == model.layers[0].self_attn.num_kv_heads
             and kv_cache.dtype == h.dtype and kv_cache.buffer.is_cpu
             and kv_cache.buffer.is_contiguous()
             and not torch.is_grad_enabled() and not traced())

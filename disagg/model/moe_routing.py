@@ -11,8 +11,9 @@ Two rules, named by `MoEConfig.routing`:
 
 Precision follows transformers: Qwen3-MoE takes logits in the model's dtype, the softmax in
 float32 and hands back weights in the model's dtype (a decode step's few rows in C,
-`moe_route.c`, which `decode_layers.c` calls too, so both paths route alike, X8e); DeepSeek-V3 computes logits, scores and
-weights in float32 (its checkpoints keep the router and the bias in float32 too). The router is
+`moe_route.c`, which `decode_layers.c` calls too, so both paths route alike, X8e); DeepSeek-V3
+computes logits, scores and weights in float32 (its checkpoints keep the router and the bias in
+float32 too). The router is
 whole on every tensor-parallel rank: it is tiny, and every rank must route alike.
 """
 

@@ -14,8 +14,8 @@ Given a `TPShard` the model is one tensor-parallel rank's part (`tensor_parallel
 query and KV heads, its slice of the MLP, and an all-reduce after o_proj and after down_proj.
 Only the leader is built with a real counter, and it bumps after the o_proj all-reduce (S3c).
 
-A batch of decodes of a dense Llama, Mistral or Qwen model on a CPU with AVX-512 runs the
-loop's kernels in one C call instead (`decode_layers.py`, X8e), with the loop's bits.
+A batch of decodes of a Llama, Mistral, Qwen2, Qwen3 or Qwen3-MoE model on a CPU with AVX-512
+runs the loop's kernels in one C call instead (`decode_layers.py`, X8e), with the loop's bits.
 """
 
 from __future__ import annotations
@@ -95,10 +95,10 @@ class Transformer(nn.Module):
         `num_layers`, only the first ones run: an early-exit draft (decoders only, S8)."""
         h = self.embed_tokens(input_ids)
         angles = self.rope.angles(positions, meta, h.dtype)
-        if decode_layers.takes(self, h, angles, kv_cache, meta):
+        if decode_layers.takes(self, h, angles, kv_cache, meta, num_layers):
             # The loop below, kernel for kernel, in one call: no Python between the kernels.
             h = decode_layers.run(self, h, angles, kv_cache, meta,
-                                  num_layers or self.config.num_layers)
+                                  len(self.layers) if num_layers is None else num_layers)
             return self.norm(h)
         # islice, not self.layers[:num_layers]: slicing builds a new ModuleList every forward.
         for layer_idx, layer in enumerate(islice(self.layers, num_layers)):

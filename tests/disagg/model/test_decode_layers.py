@@ -97,17 +97,22 @@ def test_the_call_leaves_the_loops_hidden_state_and_cache(
 # and Qwen3's RMSNorm over each query and key head.
 VARIANTS = {"biases": {"attention_bias": True, "o_proj_bias": True}, "qk norm": {"qk_norm": True}}
 # Qwen3-MoE with its second of three layers dense (`mlp_only_layers`), and 8 experts for the
-# batch's 3 tokens' 2 picks each: some experts get two tokens, most none.
+# batch's 3 tokens' 3 picks each: some experts get two or three tokens, some none, and a
+# token's three weighted outputs add up in expert order (with two, either order is exact).
 EXPERTS = replace(PRESETS["tiny-qwen3-moe"], num_layers=3,
-                  moe=replace(PRESETS["tiny-qwen3-moe"].moe, mlp_only_layers=(1,)))
+                  moe=replace(PRESETS["tiny-qwen3-moe"].moe, mlp_only_layers=(1,),
+                              num_experts_per_tok=3))
+MOE_VARIANTS = {"experts": EXPERTS,
+                "experts, weights as routed": replace(EXPERTS, moe=replace(
+                    EXPERTS.moe, norm_topk_prob=False))}
 
 
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("variant", [*sorted(VARIANTS), "experts"])
+@pytest.mark.parametrize("variant", [*sorted(VARIANTS), *MOE_VARIANTS])
 def test_the_architectures_variants_leave_the_loops_bits(
         monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, variant: str) -> None:
-    config = EXPERTS if variant == "experts" else replace(PRESETS["tiny"], **VARIANTS[variant])
+    config = MOE_VARIANTS.get(variant) or replace(PRESETS["tiny"], **VARIANTS[variant])
     model = _model(config, dtype)
     assert model.layers_in_c
     in_loop, in_c = _cache(config, dtype, "HND"), _cache(config, dtype, "HND")
@@ -193,3 +198,25 @@ def test_a_slot_outside_the_cache_is_refused_before_any_write(
     with torch.inference_mode(), pytest.raises(KernelError, match="page id or slot"):
         model(torch.tensor([5, 17, 42]), positions, cache, meta)
     assert torch.equal(cache.buffer, before)
+
+
+@needs_kernel
+def test_what_the_call_could_not_index_keeps_the_loop() -> None:
+    """No layers to run, more layers than the model or the cache has, several rows without
+    the batch's page table: the loop's (it raises where it must; C would read out of bounds)."""
+    config = PRESETS["tiny"]
+    model = _model(config, torch.float32)
+    cache = _cache(config, torch.float32, "NHD")
+    short = PagedKVCache(replace(config, num_layers=1), CacheConfig(page_size=PAGE, num_pages=8))
+    h = torch.zeros(3, config.hidden_size)
+    angles = model.rope.angles(torch.tensor([6, 1, 9]), None, h.dtype)  # type: ignore[arg-type]
+    _, padded = _decodes(3, True)
+    _, unpadded = _decodes(3, False)
+    with torch.inference_mode():
+        assert decode_layers.takes(model, h, angles, cache, padded)
+        assert decode_layers.takes(model, h, angles, cache, padded, num_layers=1)
+        assert not decode_layers.takes(model, h, angles, cache, padded, num_layers=0)
+        assert not decode_layers.takes(model, h, angles, cache, padded, num_layers=3)
+        assert not decode_layers.takes(model, h, angles, short, padded)
+        assert decode_layers.takes(model, h, angles, short, padded, num_layers=1)
+        assert not decode_layers.takes(model, h, angles, cache, unpadded)

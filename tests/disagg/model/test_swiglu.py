@@ -30,10 +30,14 @@ def test_the_kernel_matches_pytorchs_silu_times_up(dtype: torch.dtype) -> None:
     with torch.inference_mode():
         assert takes_kernel(gate, up)
         got = silu_mul(gate.clone(), up)
-    # Each op rounds as PyTorch's: only the exponential may differ, by its last bit.
-    tolerance = {"rtol": 1e-6, "atol": 1e-6} if dtype == torch.float32 else {"rtol": 8e-3,
-                                                                              "atol": 1e-5}
-    torch.testing.assert_close(got, expected, **tolerance)
+    # Each op rounds as PyTorch's: only the exponential may differ, by its last bit, and so
+    # silu's rounding in a rare element (bfloat16: one unit of 2^-7; a missing rounding of
+    # silu before the product would move about a quarter of them).
+    if dtype == torch.float32:
+        torch.testing.assert_close(got, expected, rtol=1e-6, atol=1e-6)
+    else:
+        torch.testing.assert_close(got, expected, rtol=2 ** -7, atol=1e-5)
+        assert (got != expected).float().mean() < 0.02
 
 
 @needs_kernel
