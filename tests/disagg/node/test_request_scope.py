@@ -70,9 +70,11 @@ def aborted(pair: Pair) -> float:
                                      state=RequestState.FINISHED_ABORTED.value)
 
 
-def test_an_id_in_flight_from_another_connection_fails_there_alone(pair: Pair) -> None:
+def test_an_id_in_flight_from_another_connection_fails_there_alone(
+        pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """The intruder's Submit ends FINISHED_FAILED (invalid_request) on its own connection;
     the first request finishes with all its tokens."""
+    pace_steps(pair, monkeypatch, 0.01)  # 48 tokens last 0.5 s: still in flight when it lands
     tokens = started(pair, "dup", 48)
     other = open_router(pair)
     other.send(Submit("dup", [3, 4, 5], 4))
@@ -113,9 +115,10 @@ def test_an_id_twice_on_one_connection_is_a_reject_and_the_first_goes_on() -> No
             pass
 
 
-def test_only_the_submitter_can_abort(pair: Pair) -> None:
+def test_only_the_submitter_can_abort(pair: Pair, monkeypatch: pytest.MonkeyPatch) -> None:
     """Another connection's Abort of a request in flight is refused there and changes
     nothing."""
+    pace_steps(pair, monkeypatch, 0.01)  # 48 tokens last 0.5 s: still in flight when it lands
     tokens = started(pair, "victim", 48)
     other = open_router(pair)
     other.send(Abort("victim"))
