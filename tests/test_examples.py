@@ -12,7 +12,8 @@ EXAMPLES = sorted((Path(__file__).parent.parent / "examples").glob("[0-9][0-9]_*
 
 # Examples that take several seconds (they run real processes) stay out of the inner loop.
 SLOW = {"05_request_lifecycle", "06_sharding_and_layouts", "08_failure_handling",
-        "11_prefix_caching", "12_latent_attention_and_experts"}  # 06 and 12 start TP ranks
+        "11_prefix_caching", "12_latent_attention_and_experts",  # 06 and 12 start TP ranks
+        "13_engine_speed"}  # 132 MB of weights, decoded twice
 
 
 @pytest.mark.parametrize("path", [
