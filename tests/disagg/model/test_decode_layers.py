@@ -25,6 +25,8 @@ from disagg.model_config import ModelConfig
 from tests.disagg.model.counting_lib import CountingLib
 
 needs_kernel = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernels are not built)")
+# The kernels split their work over torch's threads: the call and the loop with several.
+pytestmark = pytest.mark.usefixtures("several_threads")
 PAGE = 4
 # (tokens already cached, pages holding them and the new one): ragged on purpose.
 SEQUENCES = [(6, [3, 0]), (1, [5]), (9, [1, 7, 2])]
