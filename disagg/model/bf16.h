@@ -1,8 +1,9 @@
 /* bfloat16 <-> float32 for the CPU kernels (`small_linear.c`, `decode_attention.c`,
-   `rms_norm.c`, `rotary.c`): a bfloat16 is the top half of a float32, and results are rounded
-   to nearest-even, as torch's own `.to(torch.bfloat16)` rounds. The `lanes_` helpers do the
-   same for 16 elements at a time with AVX-512, for kernels that take float32 or bfloat16
-   arrays alike (`bf16` says which). */
+   `rms_norm.c`, `rotary.c`, `moe_route.c`, `decode_layers.c`): a bfloat16 is the top half of
+   a float32, and results are rounded to nearest-even, as torch's own `.to(torch.bfloat16)`
+   rounds. For kernels that take float32 or bfloat16 arrays alike (`bf16` says which), the
+   `elem_` helpers load, store and round one element, the `lanes_` helpers 16 at a time with
+   AVX-512. */
 
 #ifndef DISAGG_BF16_H
 #define DISAGG_BF16_H
@@ -23,6 +24,22 @@ static inline float sl_bf16_to_f32(uint16_t h) {
     float f;
     memcpy(&f, &u, sizeof f);
     return f;
+}
+
+/* Element i of a float32 or bfloat16 array, as float32. */
+static inline float elem_load(const void *p, int64_t i, int bf16) {
+    return bf16 ? sl_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
+}
+
+/* `v` stored as element i of the array, in its dtype. */
+static inline void elem_store(void *p, int64_t i, int bf16, float v) {
+    if (bf16) ((uint16_t *)p)[i] = sl_round_bf16(v);
+    else ((float *)p)[i] = v;
+}
+
+/* `v` as the array's dtype holds it (`lanes_as_dtype` for one element). */
+static inline float elem_as_dtype(float v, int bf16) {
+    return bf16 ? sl_bf16_to_f32(sl_round_bf16(v)) : v;
 }
 
 #if defined(__x86_64__)

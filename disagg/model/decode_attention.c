@@ -165,8 +165,7 @@ static int da_part(const da_args *a, int64_t b, int64_t kvh, int64_t t0, int64_t
         da_prefetch(a, layer, pages[p], 1, head);
     }
     for (int64_t i = 0; i < group * d; i++)
-        qf[i] = bf16 ? sl_bf16_to_f32(((const uint16_t *)a->q)[first_q + i])
-                     : ((const float *)a->q)[first_q + i];
+        qf[i] = elem_load(a->q, first_q + i, bf16);
     for (int64_t g = 0; g < group; g++) { /* scores, pages in order, slots within each */
         float *row = s + g * len;
         for (int64_t p = p0, t = t0; p < p1; p++) {
@@ -234,8 +233,7 @@ static void da_combine(const da_args *a, int64_t b, int64_t kvh, int parts, cons
                 if (weight[k] != 0.0f)
                     value += weight[k] * acc[(k * group + g) * d + i];
             value /= total;
-            if (a->bf16) ((uint16_t *)a->out)[first_q + g * d + i] = sl_round_bf16(value);
-            else ((float *)a->out)[first_q + g * d + i] = value;
+            elem_store(a->out, first_q + g * d + i, a->bf16, value);
         }
     }
 }

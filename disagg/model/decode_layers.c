@@ -42,17 +42,6 @@ int da_decode_attention(int bf16, int layout, uintptr_t q, uintptr_t layer, uint
                         int64_t head_dim, int64_t head_start, int64_t num_kv_heads,
                         int64_t group, float scale, int threads);
 
-static inline float dl_load(const void *p, int64_t i, int bf16) {
-    return bf16 ? sl_bf16_to_f32(((const uint16_t *)p)[i]) : ((const float *)p)[i];
-}
-
-static inline void dl_store(void *p, int64_t i, int bf16, float v) {
-    if (bf16)
-        ((uint16_t *)p)[i] = sl_round_bf16(v);
-    else
-        ((float *)p)[i] = v;
-}
-
 int mr_softmax_top_k(int dtype, uintptr_t logits, int64_t rows, int64_t num_experts,
                      int64_t top_k, int normalise, uintptr_t weights, uintptr_t experts,
                      uintptr_t probs);
@@ -65,25 +54,22 @@ int dl_silu_mul(int dtype, uintptr_t gate, uintptr_t up, int64_t n) {
     void *g = (void *)gate;
     const void *u = (const void *)up;
     for (int64_t i = 0; i < n; i++) {
-        float x = dl_load(g, i, bf16);
-        float silu = x / (1.0f + expf(-x));
-        if (bf16) silu = sl_bf16_to_f32(sl_round_bf16(silu));
-        dl_store(g, i, bf16, silu * dl_load(u, i, bf16));
+        float x = elem_load(g, i, bf16);
+        float silu = elem_as_dtype(x / (1.0f + expf(-x)), bf16);
+        elem_store(g, i, bf16, silu * elem_load(u, i, bf16));
     }
     return 0;
-}
-
-/* out[r, j] += bias[j] over `rows` rows of n, rounded to the dtype: PyTorch's `out + bias`. */
-static void dl_add_bias(void *out, const void *bias, int64_t rows, int64_t n, int bf16) {
-    for (int64_t r = 0; r < rows; r++)
-        for (int64_t j = 0; j < n; j++)
-            dl_store(out, r * n + j, bf16, dl_load(out, r * n + j, bf16) + dl_load(bias, j, bf16));
 }
 
 /* h[i] += d[i], rounded to the dtype: PyTorch's `h = h + d`. */
 static void dl_add(void *h, const void *d, int64_t n, int bf16) {
     for (int64_t i = 0; i < n; i++)
-        dl_store(h, i, bf16, dl_load(h, i, bf16) + dl_load(d, i, bf16));
+        elem_store(h, i, bf16, elem_load(h, i, bf16) + elem_load(d, i, bf16));
+}
+
+/* out[r, j] += bias[j] over `rows` rows of n: PyTorch's `out + bias`, a row at a time. */
+static void dl_add_bias(char *out, const void *bias, int64_t rows, int64_t n, int bf16) {
+    for (int64_t r = 0; r < rows; r++) dl_add(out + r * n * (bf16 ? 2 : 4), bias, n, bf16);
 }
 
 /* Row r's K and V ([heads, dim] each) into slot offsets[r] of page pages[r]; -2, and nothing
@@ -156,14 +142,12 @@ static int dl_moe(int dtype, const dl_moe_args *m, uintptr_t router, const uintp
         status = status ? status : sl_linear(dtype, (uintptr_t)m->gate, w[2], 0,
                                              (uintptr_t)m->y, count, hidden, m->inter,
                                              threads);
-        for (int64_t i = 0; i < count && status == 0; i++) {
-            float weight = dl_load(m->weights, m->picks[i], bf16);
-            char *row = out + m->tokens[i] * hidden * es;
-            for (int64_t j = 0; j < hidden; j++) {
-                float term = dl_load(m->y, i * hidden + j, bf16) * weight;
-                if (bf16) term = sl_bf16_to_f32(sl_round_bf16(term));
-                dl_store(row, j, bf16, dl_load(row, j, bf16) + term);
-            }
+        for (int64_t i = 0; i < count && status == 0; i++) { /* y * weight, then out += it */
+            float weight = elem_load(m->weights, m->picks[i], bf16);
+            char *y = m->y + i * hidden * es;
+            for (int64_t j = 0; j < hidden; j++)
+                elem_store(y, j, bf16, elem_load(y, j, bf16) * weight);
+            dl_add(out + m->tokens[i] * hidden * es, y, hidden, bf16);
         }
     }
     return status;

@@ -31,9 +31,7 @@ int mr_softmax_top_k(int dtype, uintptr_t logits, int64_t rows, int64_t num_expe
     for (int64_t r = 0; r < rows; r++) {
         float top = -INFINITY, sum = 0.0f;
         for (int64_t e = 0; e < num_experts; e++) {
-            int64_t i = r * num_experts + e;
-            p[e] = dtype ? sl_bf16_to_f32(((const uint16_t *)logits)[i])
-                         : ((const float *)logits)[i];
+            p[e] = elem_load((const void *)logits, r * num_experts + e, dtype);
             top = p[e] > top || isnan(p[e]) ? p[e] : top;
         }
         for (int64_t e = 0; e < num_experts; e++) sum += p[e] = expf(p[e] - top);
@@ -50,9 +48,8 @@ int mr_softmax_top_k(int dtype, uintptr_t logits, int64_t rows, int64_t num_expe
             total += picked[k] = p[best];
         }
         for (int64_t k = 0; k < top_k; k++) {
-            float w = normalise ? picked[k] / total : picked[k];
-            if (dtype) ((uint16_t *)weights)[r * top_k + k] = sl_round_bf16(w);
-            else ((float *)weights)[r * top_k + k] = w;
+            elem_store((void *)weights, r * top_k + k, dtype,
+                       normalise ? picked[k] / total : picked[k]);
         }
     }
     return 0;
