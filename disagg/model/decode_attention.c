@@ -140,13 +140,95 @@ static inline void da_prefetch(const da_args *a, const char *layer, int64_t page
     }
 }
 
+/* A value sweep's sums: at most DA_TILE (query head, 16-column block) pairs, each an even and
+   an odd sum, so that every sum stays in a register (written back to memory and read again
+   per token, they stalled on store-to-load forwarding). */
+#define DA_TILE 8
+
+/* Columns [16 c0, 16 (c0 + C)) of query heads [g0, g0 + G) of one pair's weighted sum of
+   values over keys [t0, t1), in key order, alternating an even and an odd sum per column block
+   (two chains of FMAs in flight). G and C are constants where this is inlined (`da_values`),
+   so the sums get registers, and each V row loaded serves all G heads. `w` holds the weights,
+   a row of `len` per query head. */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void da_values_tile(const da_args *a, const char *layer, const int64_t *pages,
+                                  int64_t head, int64_t t0, int64_t t1, const float *w,
+                                  float *acc, int64_t g0, int G, int64_t c0, int C) {
+    const int64_t d = a->head_dim, n = a->page_size, len = t1 - t0;
+    const int bf16 = a->bf16;
+    const int64_t itemsize = bf16 ? 2 : 4, step = da_slot_stride(a) * itemsize;
+    __m512 even[DA_TILE], odd[DA_TILE];
+    __mmask16 mask[DA_TILE];
+    const float *row[DA_TILE]; /* row[g][t] for t in [t0, t1) */
+    for (int c = 0; c < C; c++) mask[c] = lanes_mask(d, (c0 + c) * 16);
+    for (int g = 0; g < G; g++) row[g] = w + (g0 + g) * len - t0;
+    for (int k = 0; k < G * C; k++) even[k] = odd[k] = _mm512_setzero_ps();
+    for (int64_t p = t0 / n, t = t0; t < t1; p++) {
+        const char *v = layer + da_row(a, pages[p], 1, head) * itemsize;
+        int64_t slot = t % n;
+        for (; slot + 1 < n && t + 1 < t1; slot += 2, t += 2) {
+            const char *v0 = v + slot * step, *v1 = v0 + step;
+            for (int c = 0; c < C; c++) {
+                __m512 x0 = lanes_load(v0, (c0 + c) * 16, bf16, mask[c]);
+                __m512 x1 = lanes_load(v1, (c0 + c) * 16, bf16, mask[c]);
+                for (int g = 0; g < G; g++) {
+                    even[g * C + c] = _mm512_fmadd_ps(_mm512_set1_ps(row[g][t]), x0,
+                                                      even[g * C + c]);
+                    odd[g * C + c] = _mm512_fmadd_ps(_mm512_set1_ps(row[g][t + 1]), x1,
+                                                     odd[g * C + c]);
+                }
+            }
+        }
+        for (; slot < n && t < t1; slot++, t++)
+            for (int c = 0; c < C; c++) {
+                __m512 x = lanes_load(v + slot * step, (c0 + c) * 16, bf16, mask[c]);
+                for (int g = 0; g < G; g++)
+                    even[g * C + c] = _mm512_fmadd_ps(_mm512_set1_ps(row[g][t]), x,
+                                                      even[g * C + c]);
+            }
+    }
+    for (int g = 0; g < G; g++)
+        for (int c = 0; c < C; c++)
+            _mm512_mask_storeu_ps(acc + (g0 + g) * d + (c0 + c) * 16, mask[c],
+                                  _mm512_add_ps(even[g * C + c], odd[g * C + c]));
+}
+
+/* Every query head's weighted sum of values: tiles of G heads by C column blocks, the widest
+   that fit DA_TILE (powers of two, so one specialised sweep per shape), each a sweep over the
+   keys. A head group of 2 and 64 columns is one sweep; 4 heads of 128 columns, four. */
+__attribute__((target("avx512f,avx512bw,avx512vl")))
+static void da_values(const da_args *a, const char *layer, const int64_t *pages, int64_t head,
+                      int64_t t0, int64_t t1, const float *w, float *acc) {
+    const int64_t blocks = (a->head_dim + 15) / 16;
+    for (int64_t g0 = 0; g0 < a->group;) {
+        int64_t left = a->group - g0;
+        int G = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        for (int64_t c0 = 0; c0 < blocks;) {
+            int64_t room = DA_TILE / G, cols = blocks - c0 < room ? blocks - c0 : room;
+            int C = cols >= 8 ? 8 : cols >= 4 ? 4 : cols >= 2 ? 2 : 1;
+#define DA_TILE_CASE(GG, CC)                                                          \
+    case GG * 16 + CC:                                                                \
+        da_values_tile(a, layer, pages, head, t0, t1, w, acc, g0, GG, c0, CC);       \
+        break;
+            switch (G * 16 + C) {
+                DA_TILE_CASE(1, 1) DA_TILE_CASE(1, 2) DA_TILE_CASE(1, 4) DA_TILE_CASE(1, 8)
+                DA_TILE_CASE(2, 1) DA_TILE_CASE(2, 2) DA_TILE_CASE(2, 4)
+                DA_TILE_CASE(4, 1) DA_TILE_CASE(4, 2) DA_TILE_CASE(8, 1)
+            }
+#undef DA_TILE_CASE
+            c0 += C;
+        }
+        g0 += G;
+    }
+}
+
 /* Keys [t0, t1) of one (sequence, KV head) pair: its `group` query heads' scores, their
    exponentials and the values those weigh. Writes, per query head g, the part's peak score
    `peak[g]`, its sum of exponentials `sum[g]` and the weighted sum of its values
-   `acc[g * d ..]`, undivided (`da_combine` joins the parts). Each pass runs over one query
-   head at a time, so that its sums stay in registers: written back to memory and read again
-   per token, they stalled on store-to-load forwarding. `s` holds group * (t1 - t0) scores,
-   `qf` the group's query rows. */
+   `acc[g * d ..]`, undivided (`da_combine` joins the parts). The keys are read once, each row
+   scored against every query head of the group while it is in L1; the values in as few
+   sweeps as the registers allow (`da_values`). `s` holds group * (t1 - t0) scores, `qf` the
+   group's query rows. */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static int da_part(const da_args *a, int64_t b, int64_t kvh, int64_t t0, int64_t t1, float *qf,
                    float *s, float *peak, float *sum, float *acc) {
@@ -166,43 +248,20 @@ static int da_part(const da_args *a, int64_t b, int64_t kvh, int64_t t0, int64_t
     }
     for (int64_t i = 0; i < group * d; i++)
         qf[i] = elem_load(a->q, first_q + i, bf16);
-    for (int64_t g = 0; g < group; g++) { /* scores, pages in order, slots within each */
-        float *row = s + g * len;
-        for (int64_t p = p0, t = t0; p < p1; p++) {
-            if (g == 0 && p + DA_PREFETCH_PAGES < p1) {
-                da_prefetch(a, layer, pages[p + DA_PREFETCH_PAGES], 0, head);
-                da_prefetch(a, layer, pages[p + DA_PREFETCH_PAGES], 1, head);
-            }
-            const char *k = layer + da_row(a, pages[p], 0, head) * itemsize;
-            for (int64_t slot = t % n; slot < n && t < t1; slot++, t++)
-                row[t - t0] = da_dot(qf + g * d, k + slot * stride * itemsize, d, bf16, scale);
+    for (int64_t p = p0, t = t0; p < p1; p++) { /* scores, pages in order, slots within each */
+        if (p + DA_PREFETCH_PAGES < p1) {
+            da_prefetch(a, layer, pages[p + DA_PREFETCH_PAGES], 0, head);
+            da_prefetch(a, layer, pages[p + DA_PREFETCH_PAGES], 1, head);
         }
-        da_exponentials(row, len, &peak[g], &sum[g]);
+        const char *k = layer + da_row(a, pages[p], 0, head) * itemsize;
+        for (int64_t slot = t % n; slot < n && t < t1; slot++, t++)
+            for (int64_t g = 0; g < group; g++)
+                s[g * len + t - t0] = da_dot(qf + g * d, k + slot * stride * itemsize, d, bf16,
+                                             scale);
     }
-    for (int64_t g = 0; g < group; g++) { /* values: 16 columns at a time, two sums */
-        const float *w = s + g * len - t0; /* w[t] for t in [t0, t1) */
-        for (int64_t i = 0; i < d; i += 16) {
-            __mmask16 m = lanes_mask(d, i);
-            __m512 even = _mm512_setzero_ps(), odd = _mm512_setzero_ps();
-            for (int64_t p = p0, t = t0; p < p1; p++) {
-                const char *v = layer + da_row(a, pages[p], 1, head) * itemsize;
-                int64_t slot = t % n;
-                for (; slot + 1 < n && t + 1 < t1; slot += 2, t += 2) {
-                    even = _mm512_fmadd_ps(_mm512_set1_ps(w[t]),
-                                           lanes_load(v + slot * stride * itemsize, i, bf16, m),
-                                           even);
-                    odd = _mm512_fmadd_ps(_mm512_set1_ps(w[t + 1]),
-                                          lanes_load(v + (slot + 1) * stride * itemsize, i, bf16,
-                                                  m), odd);
-                }
-                for (; slot < n && t < t1; slot++, t++)
-                    even = _mm512_fmadd_ps(_mm512_set1_ps(w[t]),
-                                           lanes_load(v + slot * stride * itemsize, i, bf16, m),
-                                           even);
-            }
-            _mm512_mask_storeu_ps(acc + g * d + i, m, _mm512_add_ps(even, odd));
-        }
-    }
+    for (int64_t g = 0; g < group; g++)
+        da_exponentials(s + g * len, len, &peak[g], &sum[g]);
+    da_values(a, layer, pages, head, t0, t1, s, acc);
     return DA_OK;
 }
 

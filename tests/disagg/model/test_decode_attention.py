@@ -56,6 +56,8 @@ CASES = [  # (kv heads, group, head_dim, page size)
     (4, 2, 8, 4),  # tiny
     (1, 8, 40, 1),  # MQA, a head_dim with a tail, one token a page
     (2, 1, 128, 5),  # MHA
+    (2, 4, 96, 16),  # 4 heads a group: value sweeps of 4 heads by 2 column blocks
+    (1, 7, 80, 16),  # 7 heads of 5 column blocks: tiles of 4, 2 and 1 heads, 4 and 1 blocks
 ]
 
 
