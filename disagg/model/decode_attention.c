@@ -21,6 +21,7 @@
 #include <stdlib.h>
 
 #include "bf16.h"
+#include "cpu_kernels.h"
 
 /* Below this much work a team of threads costs more to start than it saves (and a node of a
    tiny model would wake its pool for nothing at every layer). */
@@ -50,7 +51,6 @@ typedef struct {
 #include <immintrin.h>
 #include <omp.h>
 
-int sl_has_avx512(void); /* small_linear.c: AVX-512 F, BW and VL */
 
 /* Where token `slot` of `page`'s part (0 K, 1 V) for cache head `head` starts, in elements,
    and how far apart consecutive slots' rows are. */
@@ -111,15 +111,45 @@ static void da_exponentials(float *row, int64_t len, float *peak_out, float *sum
     *sum_out = _mm512_reduce_add_ps(sum);
 }
 
-/* The dot product of a query row (float32) with a key row, times the scale. */
+/* The horizontal sums of 16 vectors, lane j of the result the sum of acc[j]'s 16 lanes, added
+   pairwise in the order `_mm512_reduce_add_ps` adds one vector's lanes (lanes i and i + 8, then
+   i and i + 4, then 0 and 2, then 0 and 1), so each sum has the bits of that reduction: four
+   rounds of shuffles over all 16 at once instead of 16 reductions one by one. */
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline float da_dot(const float *q, const void *k, int64_t d, int bf16, float scale) {
-    __m512 acc = _mm512_setzero_ps();
+static inline __m512 da_sum16(const __m512 *acc) {
+    __m512 x[8], w[4], r[2];
+    for (int j = 0; j < 8; j++) /* lanes i + 8 onto i: keys 2j and 2j + 1, 8 lanes each */
+        x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], 0xEE),
+                             _mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], 0x44));
+    for (int m = 0; m < 4; m++) /* i + 4 onto i: keys 4m .. 4m + 3, a 128-bit block each */
+        w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0xDD),
+                             _mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0x88));
+    for (int h = 0; h < 2; h++) /* 2 onto 0 and 3 onto 1, within each block */
+        r[h] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * h], w[2 * h + 1], 0x44),
+                             _mm512_shuffle_ps(w[2 * h], w[2 * h + 1], 0xEE));
+    /* 1 onto 0: lane 4k + m holds key 4m + k; put key j in lane j. */
+    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88),
+                             _mm512_shuffle_ps(r[0], r[1], 0xDD));
+    const __m512i keys = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
+    return _mm512_permutexvar_ps(keys, s);
+}
+
+/* Scores of up to 16 keys, rows at `rows[0..count)`, against query head g's row (float32):
+   each the lanes' FMAs along the row, their sum (`da_sum16`), then the scale; written to
+   out[0..count). */
+__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
+static inline void da_scores16(const float *q, const char *const *rows, int count, int64_t d,
+                               int bf16, float scale, float *out) {
+    __m512 acc[16];
+    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
         __mmask16 m = lanes_mask(d, i);
-        acc = _mm512_fmadd_ps(_mm512_maskz_loadu_ps(m, q + i), lanes_load(k, i, bf16, m), acc);
+        __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
+        for (int j = 0; j < 16; j++)
+            acc[j] = _mm512_fmadd_ps(qv, lanes_load(rows[j], i, bf16, m), acc[j]);
     }
-    return _mm512_reduce_add_ps(acc) * scale;
+    __m512 s = _mm512_mul_ps(da_sum16(acc), _mm512_set1_ps(scale));
+    _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), s);
 }
 
 /* Pages ahead of the one being scored whose rows are fetched into L2 meanwhile: between two
@@ -225,10 +255,10 @@ static void da_values(const da_args *a, const char *layer, const int64_t *pages,
 /* Keys [t0, t1) of one (sequence, KV head) pair: its `group` query heads' scores, their
    exponentials and the values those weigh. Writes, per query head g, the part's peak score
    `peak[g]`, its sum of exponentials `sum[g]` and the weighted sum of its values
-   `acc[g * d ..]`, undivided (`da_combine` joins the parts). The keys are read once, each row
-   scored against every query head of the group while it is in L1; the values in as few
-   sweeps as the registers allow (`da_values`). `s` holds group * (t1 - t0) scores, `qf` the
-   group's query rows. */
+   `acc[g * d ..]`, undivided (`da_combine` joins the parts). The keys are read once, 16 at a
+   time, each block scored against every query head of the group while it is in L1; the
+   values in as few sweeps as the registers allow (`da_values`). `s` holds group * (t1 - t0)
+   scores, `qf` the group's query rows. */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static int da_part(const da_args *a, int64_t b, int64_t kvh, int64_t t0, int64_t t1, float *qf,
                    float *s, float *peak, float *sum, float *acc) {
@@ -248,16 +278,23 @@ static int da_part(const da_args *a, int64_t b, int64_t kvh, int64_t t0, int64_t
     }
     for (int64_t i = 0; i < group * d; i++)
         qf[i] = elem_load(a->q, first_q + i, bf16);
+    const char *rows[16]; /* the next 16 keys' rows, scored together (`da_scores16`) */
+    int count = 0;
     for (int64_t p = p0, t = t0; p < p1; p++) { /* scores, pages in order, slots within each */
         if (p + DA_PREFETCH_PAGES < p1) {
             da_prefetch(a, layer, pages[p + DA_PREFETCH_PAGES], 0, head);
             da_prefetch(a, layer, pages[p + DA_PREFETCH_PAGES], 1, head);
         }
         const char *k = layer + da_row(a, pages[p], 0, head) * itemsize;
-        for (int64_t slot = t % n; slot < n && t < t1; slot++, t++)
-            for (int64_t g = 0; g < group; g++)
-                s[g * len + t - t0] = da_dot(qf + g * d, k + slot * stride * itemsize, d, bf16,
-                                             scale);
+        for (int64_t slot = t % n; slot < n && t < t1; slot++, t++) {
+            rows[count++] = k + slot * stride * itemsize;
+            if (count < 16 && t + 1 < t1) continue;
+            for (int j = count; j < 16; j++) rows[j] = rows[0]; /* the last block's padding */
+            for (int64_t g = 0; g < group; g++) /* keys t + 1 - count .. t */
+                da_scores16(qf + g * d, rows, count, d, bf16, scale,
+                            s + g * len + t + 1 - count - t0);
+            count = 0;
+        }
     }
     for (int64_t g = 0; g < group; g++)
         da_exponentials(s + g * len, len, &peak[g], &sum[g]);

@@ -24,27 +24,11 @@
 #include <string.h>
 
 #include "bf16.h"
+#include "cpu_kernels.h"
 
 enum { DL_IN_NORM, DL_Q, DL_K, DL_V, DL_O, DL_POST_NORM, DL_GATE, DL_UP, DL_DOWN,
        DL_Q_BIAS, DL_K_BIAS, DL_V_BIAS, DL_O_BIAS, DL_Q_NORM, DL_K_NORM, DL_ROUTER, DL_EXPERTS,
        DL_WEIGHTS };
-
-int sl_has_avx512(void);
-int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
-              int64_t n, int64_t k, int threads);
-int rn_rms_norm(int dtype, uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows,
-                int64_t width, float eps, int threads);
-int rot_rotate_half(int dtype, uintptr_t x, uintptr_t cos, uintptr_t sin, uintptr_t out,
-                    int64_t tokens, int64_t heads, int64_t dim, int threads);
-int da_decode_attention(int bf16, int layout, uintptr_t q, uintptr_t layer, uintptr_t table,
-                        uintptr_t kv_lens, uintptr_t out, int64_t batch, int64_t max_pages,
-                        int64_t num_pages, int64_t page_size, int64_t cache_heads,
-                        int64_t head_dim, int64_t head_start, int64_t num_kv_heads,
-                        int64_t group, float scale, int threads);
-
-int mr_softmax_top_k(int dtype, uintptr_t logits, int64_t rows, int64_t num_experts,
-                     int64_t top_k, int normalise, uintptr_t weights, uintptr_t experts,
-                     uintptr_t probs);
 
 /* gate[i] = silu(gate[i]) * up[i] for n elements, each op rounded to the dtype as PyTorch's
  * `F.silu(gate).mul_(up)` rounds them: silu in float32 (x / (1 + exp(-x))), then the product. */

@@ -13,6 +13,8 @@
 
 #include <stdint.h>
 
+#include "cpu_kernels.h"
+
 #define KLS_PRIME 2147483647ULL
 #define KLS_MULTIPLIER 48271U
 

@@ -11,6 +11,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "cpu_kernels.h"
 
 /* Whether probability a (of expert ia) ranks above b (of expert ib). */
 static inline int mr_above(float a, int64_t ia, float b, int64_t ib) {

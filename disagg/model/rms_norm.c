@@ -14,12 +14,12 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "cpu_kernels.h"
 
 /* Below this many elements one thread is faster than waking a team. */
 #define RN_PARALLEL_MIN (1 << 16)
 
 #if defined(__x86_64__)
-int sl_has_avx512(void); /* small_linear.c: AVX-512 F, BW and VL */
 
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static void rn_row(const void *x, const void *weight, void *out, int64_t width, float eps,

@@ -17,12 +17,12 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "cpu_kernels.h"
 
 /* Below this many elements one thread is faster than waking a team. */
 #define ROT_PARALLEL_MIN (1 << 16)
 
 #if defined(__x86_64__)
-int sl_has_avx512(void); /* small_linear.c: AVX-512 F, BW and VL */
 
 /* -v by its sign bit, as torch's neg (0 - v would turn -0 into +0). */
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))

@@ -15,6 +15,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
+#include "cpu_kernels.h"
 
 #define SL_MAX_ROWS 8
 /* Below this many weight elements one thread streams the matrix faster than a team starts. */
