@@ -28,7 +28,7 @@ from disagg.config import SchedulerConfig
 from disagg.engine.batch import Batch, ScheduledChunk
 from disagg.engine.forking import fork_request, pages_to_fork
 from disagg.engine.page_allocator import PageAllocator
-from disagg.engine.prefix_cache import ROOT
+from disagg.engine.prefix_pages import PrefixPages
 from disagg.engine.request import Request, RequestState
 from disagg.errors import RequestError
 
@@ -54,6 +54,7 @@ class Scheduler:
         self.waiting: deque[Request] = deque()
         self.running: list[Request] = []
         self._parents: dict[str, Request] = {}  # forked requests with a fork still live
+        self.prefix = PrefixPages(allocator, page_size)  # a no-op without a prefix cache
 
     def add_request(self, request: Request) -> None:
         """Queue a request; refuse one that could never fit."""
@@ -106,7 +107,7 @@ class Scheduler:
             request = self.waiting[0]
             if self._num_seqs() + self._seqs(request) > self.config.max_num_seqs:
                 break
-            hit = self.take_cached_prefix(request)
+            hit = self.prefix.take(request)
             if self._ready_to_fork(request):
                 self._fork_waiting(request)
                 continue
@@ -117,9 +118,9 @@ class Scheduler:
                        if self.config.mode == "prefill_only" else num_tokens)
             if num_tokens == 0 or not self._reserve_pages(request, reserve, None):
                 if hit:  # hold nothing while waiting: the pages may serve someone else
-                    self.release_cached_prefix(request)
+                    self.prefix.release(request)
                 break
-            self.record_lookup(request)
+            self.prefix.record_lookup(request)
             self.waiting.popleft()
             request.state = RequestState.RUNNING
             self.running.append(request)
@@ -131,48 +132,8 @@ class Scheduler:
         """Run a request whose pages already hold `num_computed_tokens` tokens of KV (S2c)."""
         assert request.page_ids and request.num_computed_tokens > 0, "nothing was prefilled"
         request.state = RequestState.RUNNING
-        self.register_pages(request)
+        self.prefix.register(request)
         self.running.append(request)
-
-    # Prefix caching (a no-op without a cache).
-
-    def take_cached_prefix(self, request: Request) -> int:
-        """Give a request that holds no pages the cached pages of its longest cached prefix,
-        all its tokens but the last at most; returns the tokens they hold."""
-        cache = self.allocator.cache
-        if cache is None or not request.reuse_prefix or request.page_ids:
-            return 0
-        pages = cache.match(request.all_token_ids, (request.num_tokens - 1) // self.page_size)
-        self.allocator.share(pages)
-        request.page_ids = pages
-        request.page_digests = [cache.digest_of(page) for page in pages]
-        request.num_computed_tokens = request.num_cached_tokens = len(pages) * self.page_size
-        return request.num_cached_tokens
-
-    def release_cached_prefix(self, request: Request) -> None:
-        """Undo `take_cached_prefix` for a request that could not start after all."""
-        self.allocator.free(request.page_ids)
-        request.page_ids, request.page_digests = [], []
-        request.num_computed_tokens = request.num_cached_tokens = 0
-
-    def record_lookup(self, request: Request) -> None:
-        """Count an admitted request's prompt and hit tokens (the cache's hit rate)."""
-        if self.allocator.cache is not None and request.reuse_prefix:
-            self.allocator.cache.record_lookup(request.num_prompt_tokens,
-                                               request.num_cached_tokens)
-
-    def register_pages(self, request: Request) -> None:
-        """Register the request's full pages whose KV is now computed and final."""
-        cache = self.allocator.cache
-        size = self.page_size
-        full = min(request.num_computed_tokens, request.num_tokens) // size
-        if cache is None or full <= len(request.page_digests):
-            return
-        tokens = request.all_token_ids
-        for index in range(len(request.page_digests), full):
-            parent = request.page_digests[-1] if request.page_digests else ROOT
-            request.page_digests.append(cache.register(
-                request.page_ids[index], parent, tuple(tokens[index * size:(index + 1) * size])))
 
     def postprocess(self, batch: Batch, sampled: dict[str, int]) -> list[Request]:
         """Advance each chunk's request and append sampled tokens (see `advance`).
@@ -190,7 +151,7 @@ class Scheduler:
         time, so the engine can fail one alone if it raises (X5a)."""
         request = chunk.request
         request.num_computed_tokens += chunk.num_tokens
-        self.register_pages(request)
+        self.prefix.register(request)
         if chunk.samples and self.config.mode == "prefill_only":
             request.state = RequestState.TRANSFERRING
             self.running.remove(request)
@@ -238,7 +199,7 @@ class Scheduler:
             if request.is_finished:
                 break
         request.num_computed_tokens = request.num_tokens - 1
-        self.register_pages(request)
+        self.prefix.register(request)
         if request.is_finished:
             self._release(request)
             return
@@ -309,7 +270,7 @@ class Scheduler:
         """Fork a waiting request that has nothing to prefill but its last token (a 1-token
         prompt, or all else cached): its forks wait in its place, holding no page, and each
         takes the cached pages again when admitted."""
-        self.release_cached_prefix(request)
+        self.prefix.release(request)
         self.waiting.popleft()
         self.waiting.extendleft(reversed(self._fork(request)))
 

@@ -124,21 +124,21 @@ class DecodeMessenger:
         while self.waiting:
             request = self.waiting[0]
             # Pages of the longest cached prefix first: their KV is here, nobody writes them.
-            held = scheduler.take_cached_prefix(request)
+            held = scheduler.prefix.take(request)
             if held >= request.num_prompt_tokens - 1:
                 # Nothing to prefill (a one-token prompt, or all but the last token cached): the
                 # last token is an ordinary step here (S8).
                 self.waiting.popleft()
-                scheduler.release_cached_prefix(request)
+                scheduler.prefix.release(request)
                 scheduler.add_request(request)
                 continue
             needed = (num_pages(request.num_prompt_tokens, self._parts.kv_cache.page_size)
                       - len(request.page_ids))
             if not allocator.can_allocate(needed) or not self.slots:
-                scheduler.release_cached_prefix(request)  # hold nothing while waiting
+                scheduler.prefix.release(request)  # hold nothing while waiting
                 return
             self.waiting.popleft()
-            scheduler.record_lookup(request)
+            scheduler.prefix.record_lookup(request)
             request.page_ids += allocator.allocate(needed, pinned=True)
             self._ask_for_kv(request)
 
