@@ -6,7 +6,10 @@ the receiver's counter fires and its acknowledging immediate is back at the send
 target's count is the truth of placement). By default the reps run back to back, as the peers'
 harnesses and `fi_rma_bw` run theirs: the receiver arms every rep's counter up front, and the
 region, zeroed once before the first rep, is verified once after the last by a checksum of
-the receiver's pages read in the shuffled order. With `verify_each_rep` the receiver zeroes
+the receiver's pages read in the shuffled order. Both sides mark what they wait for as due at
+once (`expect_soon(..., at_once=True)`), so their workers poll their completion queues between
+batches, as the peers' harnesses and `fi_rma_bw` poll theirs, rather than sleep on a tcp
+completion fd and pay its wake-up twice a batch. With `verify_each_rep` the receiver zeroes
 its region before every rep and verifies it after: each rep then meets a receiver that has
 just spent ~10 ms hashing (a cold batch, as a request's first layer meets an idle decoder).
 With `one_buffer` every write reads the sender's one page and lands on the receiver's one
@@ -97,7 +100,8 @@ def _receiver_main(
                 region[:] = 0
                 for imm in imms:
                     engine.expect_imm_count(imm, num_pages, lambda i=imm: engine.post_imm(i, ack))
-                    engine.expect_soon(imm)  # the sender posts as soon as it hears "armed"
+                    # The sender posts as soon as it hears "armed", batch after batch.
+                    engine.expect_soon(imm, at_once=True)
                 conn.send(("armed",))
             elif msg[0] == "digest":
                 conn.send(("digest", _digest(region[msg[1]])))
@@ -134,7 +138,7 @@ class _Sender:
             done.set()
 
         self.engine.expect_imm_count(imm, 1, acked.set)
-        self.engine.expect_soon(imm)  # the ack follows the batch
+        self.engine.expect_soon(imm, at_once=True)  # the ack follows the batch
         page_bytes = self.src.shape[1]
         start = time.perf_counter()
         write = PagedWrite(

@@ -28,6 +28,7 @@ import numpy as np
 
 from transfer_core.completion import OnFinish
 from transfer_core.errors import PeerError, TransferError, TransferTimeoutError
+from transfer_core.imm_counter import Due
 from transfer_core.memory import MemoryRegion, MemoryRegionDescriptor
 from transfer_core.memory_keys import register_unguessable
 from transfer_core.peer_table import PeerTable
@@ -232,10 +233,11 @@ class DomainWorker:
     def stats(self) -> Stats:
         return self._worker.stats()
 
-    def set_eager(self, on: bool) -> None:
-        """Short naps while on (`TransferEngine.expect_soon`); safe after `stop`: the C
-        worker lives as long as this object."""
-        self._worker.set_eager(on)
+    def set_eager(self, due: Due) -> None:
+        """How soon writes are due (`TransferEngine.expect_soon`): short naps while SOON, CQ
+        polling after activity while NOW; safe after `stop`: the C worker lives as long as
+        this object."""
+        self._worker.set_eager(int(due))
 
     def _run(self) -> None:
         # The OS keeps 15 bytes of a name: "transfer-domain-N" would lose its N.

@@ -23,7 +23,7 @@ from typing import Any
 from transfer_core.completion import OnDone, OnError
 from transfer_core.domain_worker import DomainWorker
 from transfer_core.errors import TransferError
-from transfer_core.imm_counter import ImmCounterMap
+from transfer_core.imm_counter import Due, ImmCounterMap
 from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
 from transfer_core.memory_paths import MEMORY_PATHS
@@ -364,10 +364,10 @@ class TransferEngine(ImmCounting):
             raise TransferError("engine is closed")
         self._errors.raise_first()
 
-    def _set_eager(self, on: bool) -> None:
-        """Writes are due (`expect_soon`), or no longer: every domain's naps follow."""
+    def _set_eager(self, due: Due) -> None:
+        """Writes are due (`expect_soon`), how soon, or no longer: every domain follows."""
         for worker in self._domains:
-            worker.set_eager(on)
+            worker.set_eager(due)
 
     def _fire(self, callback: OnDone) -> None:
         if threading.current_thread() in self._threads:

@@ -210,8 +210,8 @@ class FaultyTransport:
     def expect_imm_count(self, imm: int, count: int, on_reached: OnDone) -> tuple[int, int] | None:
         return self.inner.expect_imm_count(imm, count, on_reached)
 
-    def expect_soon(self, imm: int) -> bool:
-        return self.inner.expect_soon(imm)
+    def expect_soon(self, imm: int, at_once: bool = False) -> bool:
+        return self.inner.expect_soon(imm, at_once)
 
     def remove_imm_count(self, imm: int) -> tuple[int, int] | None:
         return self.inner.remove_imm_count(imm)

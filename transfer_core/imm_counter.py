@@ -17,6 +17,7 @@ arms, so that a sender cannot guess them.
 
 from __future__ import annotations
 
+import enum
 import logging
 import secrets
 import threading
@@ -27,6 +28,15 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 Callback = Callable[[], None]
+
+
+class Due(enum.IntEnum):
+    """How soon the writes of the values marked `soon` will land: what the engine's workers do
+    while they wait (the C worker's `fabp_set_eager` levels)."""
+
+    IDLE = 0  # nothing marked: sleep on the completion fd, or nap longer the longer idle
+    SOON = 1  # within milliseconds (a forward's last layer): napping workers nap their shortest
+    NOW = 2  # at once, back to back (a bulk transfer): workers poll their completion queue
 ImmBatch = list[tuple[int, int]]  # (imm value, arrivals of it), as a progress loop reports them
 ImmTap = Callable[[ImmBatch], ImmBatch]  # sees a batch before it is counted; returns what counts
 MAX_IMM = 2**32 - 1
@@ -58,7 +68,7 @@ class ImmCounterMap:
         max_unarmed: int = MAX_UNARMED_IMMS,
         unarmed_ttl_s: float = UNARMED_IMM_TTL_S,
         clock: Callable[[], float] = time.monotonic,
-        on_soon: Callable[[bool], None] = lambda _: None,
+        on_soon: Callable[[Due], None] = lambda _: None,
     ) -> None:
         if max_unarmed < 0 or unarmed_ttl_s < 0:
             raise ValueError(f"max_unarmed and unarmed_ttl_s must be >= 0, got "
@@ -74,9 +84,11 @@ class ImmCounterMap:
         self._unarmed: OrderedDict[int, float] = OrderedDict()
         self.dropped = 0  # arrivals thrown away: over the bound, or kept past their time
         self._taps: list[ImmTap] = []
-        # Armed values whose arrivals are due soon (`soon`); `on_soon(True)` as the first one
-        # comes, `on_soon(False)` as the last one goes (fired, removed or replaced).
-        self._soon: set[int] = set()
+        # Armed values whose arrivals are due (`soon`), and how soon; `on_soon(level)` whenever
+        # the most urgent level among them changes (Due.IDLE as the last one goes: fired,
+        # removed or replaced).
+        self._soon: dict[int, Due] = {}
+        self._due = Due.IDLE
         self._on_soon = on_soon
 
     def expect(self, imm: int, count: int, on_reached: Callback) -> tuple[int, int] | None:
@@ -116,16 +128,17 @@ class ImmCounterMap:
             self._not_soon(imm)
         return None if previous is None else (counted, previous[0])
 
-    def soon(self, imm: int) -> bool:
-        """The arrivals the expectation of `imm` waits for are due soon: it counts among the
-        `on_soon` values until it fires or is removed. False (and nothing changes) when `imm`
-        has no expectation (it fired already, or never was armed)."""
+    def soon(self, imm: int, level: Due = Due.SOON) -> bool:
+        """The arrivals the expectation of `imm` waits for are due (`level`: how soon): it
+        counts among the `on_soon` values until it fires or is removed. False (and nothing
+        changes) when `imm` has no expectation (it fired already, or never was armed)."""
+        if level == Due.IDLE:
+            raise ValueError("soon() marks a value due: SOON or NOW, not IDLE")
         with self._lock:
             if imm not in self._expected:
                 return False
-            if not self._soon:
-                self._on_soon(True)
-            self._soon.add(imm)
+            self._soon[imm] = max(level, self._soon.get(imm, Due.IDLE))
+            self._update_due()
             return True
 
     def soon_count(self) -> int:
@@ -188,11 +201,16 @@ class ImmCounterMap:
         return True
 
     def _not_soon(self, imm: int) -> None:
-        """Lock held: `imm` no longer waits; the last such value turns `on_soon` off."""
-        if imm in self._soon:
-            self._soon.discard(imm)
-            if not self._soon:
-                self._on_soon(False)
+        """Lock held: `imm` no longer waits."""
+        if self._soon.pop(imm, None) is not None:
+            self._update_due()
+
+    def _update_due(self) -> None:
+        """Lock held: tell `on_soon` when the most urgent level among the marked values moved."""
+        due = max(self._soon.values(), default=Due.IDLE)
+        if due != self._due:
+            self._due = due
+            self._on_soon(due)
 
     def _expire(self) -> None:
         """Lock held: drop the arrivals of unexpected values kept longer than the TTL."""

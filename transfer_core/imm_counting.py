@@ -11,7 +11,7 @@ wraps and taps that engine's arrivals. This is not the counting itself: that is 
 from __future__ import annotations
 
 from transfer_core.completion import OnDone
-from transfer_core.imm_counter import ImmCounterMap, ImmTap
+from transfer_core.imm_counter import Due, ImmCounterMap, ImmTap
 
 
 class ImmCounting:
@@ -32,12 +32,16 @@ class ImmCounting:
         self._check_open()
         return self.imm_counters.expect(imm, count, on_reached)
 
-    def expect_soon(self, imm: int) -> bool:
+    def expect_soon(self, imm: int, at_once: bool = False) -> bool:
         """The writes the counter of `imm` waits for are due within milliseconds (a request's
         last layer): until it fires or is removed, this engine's idle domain workers that
         nap (those with no completion fd to sleep on: shm) nap briefly, so they notice the
-        writes sooner, for more wake-ups meanwhile. False when `imm` has no armed counter."""
-        return self.imm_counters.soon(imm)
+        writes sooner, for more wake-ups meanwhile. `at_once`: they follow without a pause (a
+        bulk transfer, the next of back-to-back batches): every worker also polls its
+        completion queue for up to 2 ms after its last activity instead of sleeping on its fd
+        (tcp), a core's time for the wake-up it saves. False when `imm` has no armed
+        counter."""
+        return self.imm_counters.soon(imm, Due.NOW if at_once else Due.SOON)
 
     def remove_imm_count(self, imm: int) -> tuple[int, int] | None:
         """Drop the counter of `imm` (e.g. a cancelled request): (counted, expected) or None."""

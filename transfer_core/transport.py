@@ -257,9 +257,10 @@ class Transport(Protocol):
         """Call `on_reached` once `count` writes carrying `imm` have landed here."""
         ...
 
-    def expect_soon(self, imm: int) -> bool:
-        """The writes the counter of `imm` waits for are due within milliseconds: the engine
-        notices arrivals sooner until it fires or is removed. False if none is armed."""
+    def expect_soon(self, imm: int, at_once: bool = False) -> bool:
+        """The writes the counter of `imm` waits for are due within milliseconds (`at_once`:
+        back to back, with no pause): the engine notices arrivals sooner until it fires or is
+        removed. False if none is armed."""
         ...
 
     def remove_imm_count(self, imm: int) -> tuple[int, int] | None:

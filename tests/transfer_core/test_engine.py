@@ -288,3 +288,18 @@ def test_expect_soon_keeps_every_domains_naps_short_until_the_counter_fires() ->
         engine.imm_counters.on_imm(9, 2)
         assert naps() == [1_000_000] * 2
         assert not engine.expect_soon(9)  # fired: nothing is due any more
+
+
+def test_expect_soon_at_once_makes_every_tcp_domain_poll_until_the_counter_fires() -> None:
+    """Writes due at once (`expect_soon(imm, at_once=True)`): every domain's worker polls its
+    completion queue after activity instead of sleeping on its fd, until the counter fires;
+    due merely soon, tcp workers keep sleeping on their fds (arrivals wake them)."""
+    with TransferEngine("tcp", num_domains=2) as engine:
+        def polls() -> list[bool]:
+            return [d._worker.idle_polls(100_000) for d in engine._domains]
+
+        engine.expect_imm_count(9, 2, lambda: None)
+        assert engine.expect_soon(9) and polls() == [False, False]
+        assert engine.expect_soon(9, at_once=True) and polls() == [True, True]
+        engine.imm_counters.on_imm(9, 2)
+        assert polls() == [False, False]

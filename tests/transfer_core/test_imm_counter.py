@@ -9,7 +9,7 @@ from collections.abc import Callable
 
 import pytest
 
-from transfer_core.imm_counter import ImmCounterMap, random_imm
+from transfer_core.imm_counter import Due, ImmCounterMap, random_imm
 
 
 class _Recorder:
@@ -231,19 +231,38 @@ def test_random_imm_is_never_zero_and_avoids_values_in_use() -> None:
 
 
 def test_soon_values_turn_the_hook_on_until_the_last_one_goes() -> None:
-    """`on_soon(True)` when the first armed value is marked soon, `on_soon(False)` when the
-    last one leaves, whichever way: fired, removed or replaced by a new expectation."""
-    seen: list[bool] = []
+    """`on_soon(Due.SOON)` when the first armed value is marked soon, `on_soon(Due.IDLE)` when
+    the last one leaves, whichever way: fired, removed or replaced by a new expectation."""
+    seen: list[Due] = []
     counters = ImmCounterMap(on_soon=seen.append)
     for imm in (1, 2, 3):
         counters.expect(imm, 2, _Recorder())
     assert [counters.soon(imm) for imm in (1, 2, 3, 1)] == [True] * 4
-    assert (seen, counters.soon_count()) == ([True], 3)
+    assert (seen, counters.soon_count()) == ([Due.SOON], 3)
     counters.on_imm(1, 2)  # fired
     counters.remove(2)
-    assert (seen, counters.soon_count()) == ([True], 1)
+    assert (seen, counters.soon_count()) == ([Due.SOON], 1)
     counters.expect(3, 5, _Recorder())  # replaced: the new expectation is not soon
-    assert (seen, counters.soon_count()) == ([True, False], 0)
+    assert (seen, counters.soon_count()) == ([Due.SOON, Due.IDLE], 0)
+
+
+def test_the_hook_follows_the_most_urgent_value_due() -> None:
+    """One value due at once among values due soon makes the engine poll (`Due.NOW`); once it
+    fires, the others keep it at SOON; marking a value again never makes it less urgent."""
+    seen: list[Due] = []
+    counters = ImmCounterMap(on_soon=seen.append)
+    for imm in (1, 2):
+        counters.expect(imm, 1, _Recorder())
+    counters.soon(1)
+    counters.soon(2, Due.NOW)
+    counters.soon(2)  # still NOW
+    assert seen == [Due.SOON, Due.NOW]
+    counters.on_imm(2)
+    assert seen == [Due.SOON, Due.NOW, Due.SOON]
+    counters.remove(1)
+    assert seen == [Due.SOON, Due.NOW, Due.SOON, Due.IDLE]
+    with pytest.raises(ValueError, match="not IDLE"):
+        counters.soon(1, Due.IDLE)
 
 
 def test_soon_ignores_a_value_with_no_expectation() -> None:
@@ -255,3 +274,11 @@ def test_soon_ignores_a_value_with_no_expectation() -> None:
     counters.on_imm(4)
     assert (counters.soon(4), counters.soon(5), seen, counters.soon_count()) == (
         False, False, [], 0)
+
+
+def test_the_due_levels_are_the_c_workers_levels() -> None:
+    """`Due` is pure Python (the counter map imports no binding); the values it hands the
+    engine's workers are the C shim's FABP_DUE_* levels."""
+    from transfer_core.pyfabric import lib
+
+    assert (Due.IDLE, Due.SOON, Due.NOW) == (0, lib.FABP_DUE_SOON, lib.FABP_DUE_NOW)

@@ -311,6 +311,33 @@ def test_an_eager_worker_naps_its_shortest() -> None:
         worker.free()
 
 
+def test_a_tcp_worker_polls_while_writes_are_due_at_once() -> None:
+    """A worker that sleeps on its CQ's fd (tcp) sleeps when idle, also when writes are due
+    soon; due at once (back-to-back batches) it polls its CQ instead for 2 ms after its last
+    activity, then sleeps on the fd again: a due write that has not come is not worth a core.
+    A worker with no fd (shm) never polls: it naps its shortest."""
+    stack = pf.FabricStack(pf.find_infos("tcp")[0])
+    worker = pf.Worker(stack.endpoint, stack.cq, 8)
+    shm = pf.FabricStack(pf.find_infos("shm")[0])
+    napper = pf.Worker(shm.endpoint, shm.cq, 8)
+    try:
+        assert worker.sleeps_on_fd
+        worker.set_eager(lib.FABP_DUE_SOON)
+        assert not worker.idle_polls(100_000)
+        worker.set_eager(lib.FABP_DUE_NOW)
+        assert worker.idle_polls(100_000) and worker.idle_polls(1_900_000)
+        assert not worker.idle_polls(2_100_000)
+        worker.set_eager(0)
+        assert not worker.idle_polls(100_000)
+        napper.set_eager(lib.FABP_DUE_NOW)
+        assert not napper.idle_polls(100_000) and napper.idle_nap_ns(50_000_000) == 100_000
+    finally:
+        stack.close()
+        worker.free()
+        shm.close()
+        napper.free()
+
+
 def test_a_sender_with_nothing_due_takes_its_longest_nap_at_once() -> None:
     """On shm (no CQ fd) a worker spins for 1 ms after activity and then naps from 100 us up,
     so that what comes next is seen soon. Once a sender's writes have all completed and

@@ -179,15 +179,22 @@ class Worker:
         arrivals and submits wake it sooner. No effect on a worker that naps."""
         lib.fabp_set_fd_sleep(self._handle, ns)
 
-    def set_eager(self, on: bool) -> None:
-        """While on, an idle worker that naps (no CQ fd) naps its shortest: writes are due."""
-        lib.fabp_set_eager(self._handle, int(on))
+    def set_eager(self, level: int) -> None:
+        """How soon writes are due: 0 not at all; `lib.FABP_DUE_SOON`, an idle worker that naps
+        (no CQ fd) naps its shortest; `lib.FABP_DUE_NOW`, that, and a worker that sleeps on its
+        CQ's fd polls it for 2 ms after its last activity."""
+        lib.fabp_set_eager(self._handle, int(level))
 
     def idle_nap_ns(self, idle_ns: int) -> int:
         """How long this worker would nap after `idle_ns` without activity (no CQ fd): its
         longest nap at once when nothing is due to it (no writes in flight, no recent
         arrivals)."""
         return int(lib.fabp_idle_nap_ns(self._handle, idle_ns))
+
+    def idle_polls(self, idle_ns: int) -> bool:
+        """Whether this worker, `idle_ns` after its last activity, polls its CQ rather than
+        sleep on its fd (writes due at once, `set_eager(lib.FABP_DUE_NOW)`)."""
+        return bool(lib.fabp_idle_polls(self._handle, idle_ns))
 
     def submit(self, op: WriteOp) -> None:
         self._live[op.op_id] = op

@@ -111,12 +111,19 @@ void fabp_set_timing(struct fabp_worker *w, int64_t spin_ns, int64_t idle_sleep_
                      int64_t linger_ns, int64_t quiet_ns);
 /* The longest an idle worker sleeps on its CQ's fd with no op queued (default 100 ms). */
 void fabp_set_fd_sleep(struct fabp_worker *w, int64_t fd_sleep_ns);
-/* Nonzero: an idle worker that naps (no CQ fd) naps idle_sleep_ns at most, for writes the
- * caller knows are imminent; 0: naps grow with idleness up to a millisecond again. */
-void fabp_set_eager(struct fabp_worker *w, int on);
+/* How soon the caller knows writes will land. FABP_DUE_SOON: an idle worker that naps (no CQ
+ * fd) naps idle_sleep_ns at most; FABP_DUE_NOW: that, and a worker that sleeps on its CQ's fd
+ * polls the CQ instead for 2 ms after its last activity; 0: naps grow with idleness up to a
+ * millisecond again and fd workers sleep. */
+#define FABP_DUE_SOON 1
+#define FABP_DUE_NOW 2
+void fabp_set_eager(struct fabp_worker *w, int level);
 /* How long the worker would nap (no CQ fd) after idle_ns without activity: what the two
  * settings above decide, for tests and for reading. */
 int64_t fabp_idle_nap_ns(struct fabp_worker *w, int64_t idle_ns);
+/* Whether the worker, idle for idle_ns since its last activity, would poll its CQ rather than
+ * sleep on its fd (FABP_DUE_NOW); for tests and for reading. */
+int fabp_idle_polls(struct fabp_worker *w, int64_t idle_ns);
 /* Whether reaped immediates are stamped (struct fabp_imm's first_ns and last_ns). */
 void fabp_set_stamps(struct fabp_worker *w, int on);
 void fabp_get_stats(struct fabp_worker *w, struct fabp_stats *out);
