@@ -11,7 +11,8 @@ its pages scattered through the cache), timed two ways in one process, taking tu
 
 Each is timed hot (the same layer again and again: its KV in the caches) and cold (after reading
 `--evict-mib` of other memory, as a decode step's weights evict the KV between two layers).
-Medians of `--reps` calls, microseconds; `speedup` is pytorch / kernel. The two outputs are
+Per path, the median of four turns' medians of `--reps` calls, microseconds (the paths alternate
+turn by turn); `speedup` is pytorch / kernel. The two outputs are
 checked against each other first. No assertion on speed: run it to compare builds side by side.
 `python benchmarks/decode_attention.py [--shapes ...] [--kv-lens 512 2048] [--batches 1 8]
 [--json] [--out FILE]`.
@@ -81,8 +82,8 @@ def measure(name: str, kv_len: int, batch: int, dtype: torch.dtype, layout: str,
     shape = SHAPES[name]
     per_seq = -(-kv_len // PAGE_SIZE)
     cache = cache_for(shape, layout, dtype, 2 * per_seq * batch)
-    # Every other page, in a shuffled order: a request's pages are not contiguous in a cache
-    # that has served other requests.
+    # Half the cache's pages, drawn at random and in a shuffled order: a request's pages are
+    # not contiguous in a cache that has served other requests.
     order = torch.randperm(2 * per_seq * batch, generator=torch.Generator().manual_seed(1))
     table = order[:per_seq * batch].reshape(batch, per_seq).contiguous()
     lens = torch.full((batch,), kv_len, dtype=torch.int64)

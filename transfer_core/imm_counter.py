@@ -5,7 +5,9 @@ carries the request's immediate value, the receiver counts them, and when the kn
 of writes has landed the request is ready. Writes may land before the decoder registers its
 expectation, so arrivals without an expectation are kept and count towards it. A counter
 fires exactly once and is then removed. Pure Python, thread-safe; callbacks run outside the
-lock through `fire`, so the engine can route them to its own thread. Arrivals come in
+lock through `fire`, so the engine can route them to its own thread (only the `on_soon` hook
+runs under it, so that the workers see the levels in the order they changed; the engine's
+hook is an atomic store per worker). Arrivals come in
 batches (`on_imms`, as a progress loop reports them) and pass through the taps first: fault
 injection loses or duplicates arrivals there (`faults.py`).
 
@@ -28,6 +30,13 @@ from collections.abc import Callable
 logger = logging.getLogger(__name__)
 
 Callback = Callable[[], None]
+ImmBatch = list[tuple[int, int]]  # (imm value, arrivals of it), as a progress loop reports them
+ImmTap = Callable[[ImmBatch], ImmBatch]  # sees a batch before it is counted; returns what counts
+MAX_IMM = 2**32 - 1
+# Early arrivals are legitimate only for a moment (a counter re-armed by the quarantine, or a
+# write racing its expectation): a few thousand distinct values for half a minute is plenty.
+MAX_UNARMED_IMMS = 4096
+UNARMED_IMM_TTL_S = 30.0
 
 
 class Due(enum.IntEnum):
@@ -36,14 +45,7 @@ class Due(enum.IntEnum):
 
     IDLE = 0  # nothing marked: sleep on the completion fd, or nap longer the longer idle
     SOON = 1  # within milliseconds (a forward's last layer): napping workers nap their shortest
-    NOW = 2  # at once, back to back (a bulk transfer): workers poll their completion queue
-ImmBatch = list[tuple[int, int]]  # (imm value, arrivals of it), as a progress loop reports them
-ImmTap = Callable[[ImmBatch], ImmBatch]  # sees a batch before it is counted; returns what counts
-MAX_IMM = 2**32 - 1
-# Early arrivals are legitimate only for a moment (a counter re-armed by the quarantine, or a
-# write racing its expectation): a few thousand distinct values for half a minute is plenty.
-MAX_UNARMED_IMMS = 4096
-UNARMED_IMM_TTL_S = 30.0
+    NOW = 2  # back to back (a bulk transfer): also, workers with a CQ fd poll it after activity
 
 
 def _call(callback: Callback) -> None:

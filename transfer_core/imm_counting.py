@@ -37,9 +37,9 @@ class ImmCounting:
         last layer): until it fires or is removed, this engine's idle domain workers that
         nap (those with no completion fd to sleep on: shm) nap briefly, so they notice the
         writes sooner, for more wake-ups meanwhile. `at_once`: they follow without a pause (a
-        bulk transfer, the next of back-to-back batches): every worker also polls its
-        completion queue for up to 2 ms after its last activity instead of sleeping on its fd
-        (tcp), a core's time for the wake-up it saves. False when `imm` has no armed
+        bulk transfer, the next of back-to-back batches): the workers that sleep on a
+        completion fd (tcp) poll their queues instead for up to 2 ms after their last
+        activity, a core's time for the wake-up it saves. False when `imm` has no armed
         counter."""
         return self.imm_counters.soon(imm, Due.NOW if at_once else Due.SOON)
 

@@ -4,7 +4,8 @@ The scheduler admits a request by first handing it the cached pages of its longe
 prefix, and registers each full page once its KV is computed; a decoder's messenger does the
 same for a request whose prompt arrives by RDMA (X2b), before it asks the prefiller for the
 rest. Both go through this one object, so the accounting of shared pages and of the cache's
-hit rate has a single owner. Without a cache every method is a no-op.
+hit rate has a single owner. Without a cache, `take` gives nothing and `register` and
+`record_lookup` do nothing.
 """
 
 from __future__ import annotations

@@ -244,6 +244,8 @@ static void da_values(const da_args *a, const char *layer, const int64_t *pages,
                 DA_TILE_CASE(1, 1) DA_TILE_CASE(1, 2) DA_TILE_CASE(1, 4) DA_TILE_CASE(1, 8)
                 DA_TILE_CASE(2, 1) DA_TILE_CASE(2, 2) DA_TILE_CASE(2, 4)
                 DA_TILE_CASE(4, 1) DA_TILE_CASE(4, 2) DA_TILE_CASE(8, 1)
+            default: /* G and C are powers of two with G * C <= DA_TILE: every pair is above */
+                abort();
             }
 #undef DA_TILE_CASE
             c0 += C;

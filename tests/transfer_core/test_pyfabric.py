@@ -338,6 +338,29 @@ def test_a_tcp_worker_polls_while_writes_are_due_at_once() -> None:
         napper.free()
 
 
+def test_a_tcp_worker_due_at_once_polls_in_its_loop_instead_of_sleeping() -> None:
+    """The progress loop itself: a tcp worker idle for 1 ms after its write completed goes to
+    sleep on its fd once its 50 us spin ends; with writes due at once it polls its CQ through
+    that millisecond and never sleeps (best of three tries: a loaded machine may hold the test
+    thread past the 2 ms window between the write and the call)."""
+    page = _OnePage.open("tcp")
+    wa, wb = page.wa, page.wb
+
+    def sleeps_after_activity(level: int) -> int:
+        wa.set_eager(level)
+        wa.submit(page.op(9))
+        _drive([wa, wb])  # wa's completion is its last activity
+        before = wa.stats().sleeps
+        wa.progress(1_000_000)
+        return wa.stats().sleeps - before
+
+    try:
+        assert sleeps_after_activity(0) >= 1
+        assert min(sleeps_after_activity(lib.FABP_DUE_NOW) for _ in range(3)) == 0
+    finally:
+        page.close()
+
+
 def test_a_sender_with_nothing_due_takes_its_longest_nap_at_once() -> None:
     """On shm (no CQ fd) a worker spins for 1 ms after activity and then naps from 100 us up,
     so that what comes next is seen soon. Once a sender's writes have all completed and

@@ -58,6 +58,7 @@ CASES = [  # (kv heads, group, head_dim, page size)
     (2, 1, 128, 5),  # MHA
     (2, 4, 96, 16),  # 4 heads a group: value sweeps of 4 heads by 2 column blocks
     (1, 7, 80, 16),  # 7 heads of 5 column blocks: tiles of 4, 2 and 1 heads, 4 and 1 blocks
+    (2, 3, 32, 3),  # 3 heads of 2 column blocks: tiles of 2 and 1 heads by 2 blocks
 ]
 
 
