@@ -16,7 +16,7 @@
    outside the cache, a length beyond the table, a shape it cannot take): `decode_attention.py`
    raises it as a KernelError, and what the kernel wrote is not read. */
 
-#include <math.h> /* INFINITY, NAN */
+#include <math.h> /* INFINITY, NAN, expf */
 #include <stdint.h>
 #include <stdlib.h>
 
@@ -51,6 +51,7 @@ typedef struct {
 #include <immintrin.h>
 #include <omp.h>
 
+#include "attention_math.h"
 
 /* Where token `slot` of `page`'s part (0 K, 1 V) for cache head `head` starts, in elements,
    and how far apart consecutive slots' rows are. */
@@ -62,94 +63,6 @@ static inline int64_t da_row(const da_args *a, int64_t page, int part, int64_t h
 
 static inline int64_t da_slot_stride(const da_args *a) {
     return a->layout == DA_NHD ? a->cache_heads * a->head_dim : a->head_dim;
-}
-
-/* e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r with |r| <= ln2/2,
-   e^r by Cephes' degree-6 polynomial for expf (about 1 ulp), then scaled by 2^n. A call to
-   libm's expf per score cost more than the rest of the attention. */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline __m512 da_exp(__m512 x) {
-    /* e^-87 is below every weight that counts. The constant goes first: max returns its second
-       operand when either is NaN, so a NaN stays one. */
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
-
-/* row[0..len) <- exp(row - peak), in float32; returns the peak (the largest score, NaN if any
-   score is NaN) and the sum of the exponentials. The division comes after the values are
-   summed (`da_combine`), so that a task split into parts divides once. */
-__attribute__((target("avx512f,avx512bw,avx512vl")))
-static void da_exponentials(float *row, int64_t len, float *peak_out, float *sum_out) {
-    __m512 top = _mm512_set1_ps(-INFINITY), sum = _mm512_setzero_ps();
-    __mmask16 nan = 0; /* max drops NaNs: they are tracked apart and poison the peak */
-    for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 m = lanes_mask(len, t);
-        __m512 x = _mm512_maskz_loadu_ps(m, row + t);
-        nan |= _mm512_mask_cmp_ps_mask(m, x, x, _CMP_UNORD_Q);
-        top = _mm512_mask_max_ps(top, m, top, x);
-    }
-    float peak = nan ? NAN : _mm512_reduce_max_ps(top);
-    for (int64_t t = 0; t < len; t += 16) {
-        __mmask16 m = lanes_mask(len, t);
-        __m512 e = da_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t),
-                                        _mm512_set1_ps(peak)));
-        _mm512_mask_storeu_ps(row + t, m, e);
-        sum = _mm512_mask_add_ps(sum, m, sum, e);
-    }
-    *peak_out = peak;
-    *sum_out = _mm512_reduce_add_ps(sum);
-}
-
-/* The horizontal sums of 16 vectors, lane j of the result the sum of acc[j]'s 16 lanes, added
-   pairwise in the order `_mm512_reduce_add_ps` adds one vector's lanes (lanes i and i + 8, then
-   i and i + 4, then 0 and 2, then 0 and 1), so each sum has the bits of that reduction: four
-   rounds of shuffles over all 16 at once instead of 16 reductions one by one. */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline __m512 da_sum16(const __m512 *acc) {
-    __m512 x[8], w[4], r[2];
-    for (int j = 0; j < 8; j++) /* lanes i + 8 onto i: keys 2j and 2j + 1, 8 lanes each */
-        x[j] = _mm512_add_ps(_mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], 0xEE),
-                             _mm512_shuffle_f32x4(acc[2 * j], acc[2 * j + 1], 0x44));
-    for (int m = 0; m < 4; m++) /* i + 4 onto i: keys 4m .. 4m + 3, a 128-bit block each */
-        w[m] = _mm512_add_ps(_mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0xDD),
-                             _mm512_shuffle_f32x4(x[2 * m], x[2 * m + 1], 0x88));
-    for (int h = 0; h < 2; h++) /* 2 onto 0 and 3 onto 1, within each block */
-        r[h] = _mm512_add_ps(_mm512_shuffle_ps(w[2 * h], w[2 * h + 1], 0x44),
-                             _mm512_shuffle_ps(w[2 * h], w[2 * h + 1], 0xEE));
-    /* 1 onto 0: lane 4k + m holds key 4m + k; put key j in lane j. */
-    __m512 s = _mm512_add_ps(_mm512_shuffle_ps(r[0], r[1], 0x88),
-                             _mm512_shuffle_ps(r[0], r[1], 0xDD));
-    const __m512i keys = _mm512_set_epi32(15, 11, 7, 3, 14, 10, 6, 2, 13, 9, 5, 1, 12, 8, 4, 0);
-    return _mm512_permutexvar_ps(keys, s);
-}
-
-/* Scores of up to 16 keys, rows at `rows[0..count)`, against query head g's row (float32):
-   each the lanes' FMAs along the row, their sum (`da_sum16`), then the scale; written to
-   out[0..count). */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline void da_scores16(const float *q, const char *const *rows, int count, int64_t d,
-                               int bf16, float scale, float *out) {
-    __m512 acc[16];
-    for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
-    for (int64_t i = 0; i < d; i += 16) {
-        __mmask16 m = lanes_mask(d, i);
-        __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
-        for (int j = 0; j < 16; j++)
-            acc[j] = _mm512_fmadd_ps(qv, lanes_load(rows[j], i, bf16, m), acc[j]);
-    }
-    __m512 s = _mm512_mul_ps(da_sum16(acc), _mm512_set1_ps(scale));
-    _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), s);
 }
 
 /* Pages ahead of the one being scored whose rows are fetched into L2 meanwhile: between two
