@@ -12,8 +12,10 @@ hits all of them. Every row pairs ours with transformers: `ratio` is transformer
 The machine's speed (X8): the run measures the memory's read bandwidth (`read_bandwidth_gbs`),
 and a decode step at batch 1 is set against its roofline, the time to read the weights it uses
 (`decode_weight_bytes`) and its prompt's KV at that bandwidth: `roofline_fraction_batch1` is
-roofline / measured, 1 being the machine's speed. glibc's malloc runs with the serving nodes'
-settings (`keep_freed_memory`) unless `--malloc-defaults`, for both engines alike.
+roofline / measured, 1 being the machine's speed, taken rep by rep (each rep's step against
+the bandwidth sampled just before it) and then the median over reps. glibc's malloc runs with
+the serving nodes' settings (`keep_freed_memory`) unless `--malloc-defaults`, for both engines
+alike.
 Run: `python benchmarks/engine.py [--models smollm2-135m qwen3-moe-small] [--dtype bfloat16]`.
 """
 
@@ -254,38 +256,59 @@ def summarize(samples: dict[Case, list[float]]) -> dict[str, float]:
     return out
 
 
-def with_roofline(metrics: dict[str, float], roofline: float | None) -> dict[str, float]:
-    """`metrics` and, given the batch-1 roofline in ms, the share of it the step reaches."""
+def shares_by_rep(steps_s: list[float], roofline: dict[str, Any]) -> list[float]:
+    """Each rep's batch-1 step against the roofline at the bandwidth sampled just before that
+    rep's decodes: the host's bandwidth drifts by half between minutes, and a step set against
+    another minute's sample read above 1 (a faster minute than the median's)."""
+    read = roofline["weight_bytes"] + roofline["kv_bytes"]
+    return [roofline_ms(read, 0, gbs) / (step * 1e3)
+            for step, gbs in zip(steps_s, roofline["gbs_by_rep"], strict=True)]
+
+
+def with_roofline(metrics: dict[str, float], steps_s: list[float],
+                  roofline: dict[str, Any] | None) -> dict[str, float]:
+    """`metrics` and, given the roofline, the median over reps of each rep's share of it."""
     if roofline is None:
         return metrics
-    return {**metrics, ROOFLINE: roofline / metrics["decode_step_ms_batch1"]}
+    return {**metrics, ROOFLINE: statistics.median(shares_by_rep(steps_s, roofline))}
 
 
 def rows_of(model: str, dtype: str, samples: dict[str, dict[Case, list[float]]],
-            metrics: Metrics, roofline: dict[str, float] | None) -> list[dict[str, Any]]:
+            metrics: Metrics, roofline: dict[str, Any] | None) -> list[dict[str, Any]]:
     """One row per (layout, metric): ours beside transformers, measured in the same reps. A
-    roofline row also holds the roofline's ms and the bytes it reads (`roofline`)."""
-    ms = None if roofline is None else roofline["roofline_ms_batch1"]
-    theirs = with_roofline(summarize(samples["transformers"]), ms)
+    roofline row also holds the roofline's ms at the median bandwidth, the bytes it reads and
+    the bandwidth of each rep (`roofline`), and each engine's batch-1 step per rep."""
+    decode1 = ("decode", 1)
+
+    def steps(name: str) -> list[float]:
+        return samples[name].get(decode1, [])
+
+    theirs = with_roofline(summarize(samples["transformers"]), steps("transformers"), roofline)
     rows = []
     for layout in LAYOUTS:
-        mine = with_roofline(summarize(samples[f"ours-{layout}"]), ms)
+        mine = with_roofline(summarize(samples[f"ours-{layout}"]), steps(f"ours-{layout}"),
+                             roofline)
         for metric, (higher_is_faster, _) in metrics.items():
             ratio = theirs[metric] / mine[metric]
             rows.append({"model": model, "dtype": dtype, "layout": layout, "metric": metric,
                          "ours": mine[metric], "transformers": theirs[metric], "ratio": ratio,
                          "ours_speedup": 1 / ratio if higher_is_faster else ratio,
-                         **(roofline if metric == ROOFLINE and roofline else {})})
+                         **({**roofline, "steps_ms_by_rep": {
+                             "ours": [s * 1e3 for s in steps(f"ours-{layout}")],
+                             "transformers": [s * 1e3 for s in steps("transformers")]}}
+                            if metric == ROOFLINE and roofline else {})})
     return rows
 
 
 def roofline_of(loaded: LoadedModel, dtype: torch.dtype, context: int,
-                bandwidth_gbs: float) -> dict[str, float]:
-    """The batch-1 decode step's roofline for our model in `dtype` after `context` tokens."""
+                bandwidths_gbs: list[float]) -> dict[str, Any]:
+    """The batch-1 decode step's roofline for our model in `dtype` after `context` tokens: its
+    ms at the median of the reps' bandwidths (the table's caption), and each rep's bandwidth,
+    which that rep's share uses."""
     weights = decode_weight_bytes(our_engine(loaded, LAYOUTS[0], dtype, 1, 1, 1).model)
     kv = kv_bytes(loaded.config, context, dtype)
-    return {"roofline_ms_batch1": roofline_ms(weights, kv, bandwidth_gbs),
-            "weight_bytes": weights, "kv_bytes": kv}
+    return {"roofline_ms_batch1": roofline_ms(weights, kv, statistics.median(bandwidths_gbs)),
+            "weight_bytes": weights, "kv_bytes": kv, "gbs_by_rep": bandwidths_gbs}
 
 
 def positive_int(text: str) -> int:
@@ -357,8 +380,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                 samples, gbs = measure(Path(directory), loaded, check_dtype(dtype), prompts,
                                        args.batches, args.steps, args.reps, bandwidth)
                 bandwidths[f"{model} {dtype}"] = gbs
-                roofline = (roofline_of(loaded, check_dtype(dtype), args.prompt_lens[0],
-                                        statistics.median(gbs)) if gbs else None)
+                roofline = (roofline_of(loaded, check_dtype(dtype), args.prompt_lens[0], gbs)
+                            if gbs else None)
                 rows += rows_of(model, dtype, samples, metrics, roofline)
     import transformers
 

@@ -75,22 +75,39 @@ def test_rows_pair_positive_numbers_and_their_ratio(result: dict) -> None:
 
 @pytest.mark.slow
 def test_the_roofline_share_is_roofline_over_the_measured_step(result: dict) -> None:
-    """Each engine's share is the roofline's ms over its own batch-1 step, the roofline being
-    positive bytes read at the bandwidth sampled in that model and dtype's reps (median)."""
+    """Each engine's share is, rep by rep, the roofline at the bandwidth sampled before that
+    rep's decodes over that rep's batch-1 step, and then the median over reps; the roofline's
+    ms (the caption's) is the positive bytes read at the reps' median bandwidth."""
     rows = by_key(result)
     for (model, dtype, layout, metric), r in rows.items():
         if metric != "roofline_fraction_batch1":
             continue
         samples = result["read_bandwidth"]["gbs_by_run"][f"{model} {dtype}"]
         assert len(samples) == result["reps"]
-        gbs = statistics.median(samples)
+        assert r["gbs_by_rep"] == samples
+        read = r["weight_bytes"] + r["kv_bytes"]
         assert r["weight_bytes"] > 0
         assert r["kv_bytes"] > 0
         assert r["roofline_ms_batch1"] == pytest.approx(
-            (r["weight_bytes"] + r["kv_bytes"]) / (gbs * 1e9) * 1e3)
+            read / (statistics.median(samples) * 1e9) * 1e3)
         step = rows[(model, dtype, layout, "decode_step_ms_batch1")]
-        assert r["ours"] == pytest.approx(r["roofline_ms_batch1"] / step["ours"])
-        assert r["transformers"] == pytest.approx(r["roofline_ms_batch1"] / step["transformers"])
+        for side in ("ours", "transformers"):
+            steps = r["steps_ms_by_rep"][side]
+            assert statistics.median(steps) == pytest.approx(step[side])  # the same reps
+            shares = [read / (gbs * 1e9) * 1e3 / ms for ms, gbs in zip(steps, samples)]
+            assert r[side] == pytest.approx(statistics.median(shares))
+
+
+def test_each_reps_step_meets_its_own_bandwidth(engine_bench: ModuleType) -> None:
+    """A rep that ran while the memory was slow is set against that rep's bandwidth, not the
+    median's: 100 MB read, steps of 20 and 10 ms at 10 and 40 GB/s are shares 0.5 and 0.25
+    (median 0.375), where the median bandwidth (25 GB/s, 4 ms) over the median step (15 ms)
+    would read 0.27."""
+    roofline = {"weight_bytes": 90_000_000, "kv_bytes": 10_000_000, "gbs_by_rep": [10.0, 40.0]}
+    assert engine_bench.shares_by_rep([0.020, 0.010], roofline) == pytest.approx([0.5, 0.25])
+    metrics = engine_bench.with_roofline({"decode_step_ms_batch1": 15.0}, [0.020, 0.010],
+                                         roofline)
+    assert metrics["roofline_fraction_batch1"] == pytest.approx(0.375)
 
 
 def test_read_bandwidth_is_positive(engine_bench: ModuleType) -> None:
