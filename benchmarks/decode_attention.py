@@ -22,15 +22,14 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
-import json
 import statistics
-import sys
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.nn.functional as F
+from result_output import emit
 
 from disagg.config import DTYPES, CacheConfig, ModelConfig, check_dtype
 from disagg.model.attention import grouped_queries
@@ -132,12 +131,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             for dtype in args.dtype for layout in args.layouts]
     result = {"threads": args.threads, "torch": torch.__version__, "reps": args.reps,
               "evict_mib": args.evict_mib, "rows": rows}
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        print_table(result)
+    emit(args, result, print_table)
     return result
 
 

@@ -23,10 +23,8 @@ from __future__ import annotations
 
 import argparse
 import inspect
-import json
 import os
 import statistics
-import sys
 import tempfile
 import time
 from collections.abc import Callable
@@ -48,6 +46,7 @@ from roofline import (
     read_bandwidth_gbs,
     roofline_ms,
 )
+from result_output import emit
 
 from disagg.config import DTYPES, check_dtype
 from disagg.engine.llm_engine import LLMEngine
@@ -401,12 +400,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
               "quiet_machine": quiet, "others_cpu_share_before": busy_before,
               "others_cpu_share_during": meter.others_share(),
               "wall_s": time.monotonic() - started, "rows": rows}
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        print_table(result)
+    emit(args, result, print_table)
     return result
 
 

@@ -30,7 +30,8 @@ sys.path.insert(0, str(ROOT))
 import openai  # noqa: E402
 from disagg_report import percentile  # noqa: E402
 from pinned_cluster import wait_for_quiet  # noqa: E402
-from serving import Server, emit, two_cores  # noqa: E402
+from result_output import emit  # noqa: E402
+from serving import Server, two_cores  # noqa: E402
 
 from disagg.server.scrape_targets import scrape_cluster  # noqa: E402
 

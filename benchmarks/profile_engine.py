@@ -12,9 +12,7 @@ change, before any speed work. Run: `python benchmarks/profile_engine.py [--dtyp
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
-import sys
 import tempfile
 import time
 from collections import defaultdict
@@ -23,6 +21,7 @@ from typing import Any
 
 import torch
 from engine_models import our_engine, write_checkpoint
+from result_output import emit
 from torch.profiler import ProfilerActivity, profile
 
 from disagg.config import DTYPES, check_dtype
@@ -135,12 +134,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
                     rows.append({"dtype": dtype, "layout": layout, "phase": phase, **numbers})
     result = {"model": args.model, "threads": args.threads, "torch": torch.__version__,
               "rows": rows}
-    if args.out is not None:
-        args.out.write_text(json.dumps(result, indent=1) + "\n")
-    if args.json:
-        sys.stdout.write(json.dumps(result) + "\n")
-    else:
-        print_table(result)
+    emit(args, result, print_table)
     return result
 
 

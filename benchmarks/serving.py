@@ -35,7 +35,6 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -46,6 +45,7 @@ sys.path.insert(0, str(ROOT))
 
 import openai  # noqa: E402
 from pinned_cluster import CpuMeter, pin_process, process_cores, wait_for_quiet  # noqa: E402
+from result_output import emit  # noqa: E402
 from serving_report import print_table, summarize  # noqa: E402
 from step_times import read_events, step_summary  # noqa: E402
 
@@ -290,19 +290,6 @@ def two_cores(parser: argparse.ArgumentParser, cores: str) -> list[int]:
     if len(ids) != 2 or not set(ids) <= os.sched_getaffinity(0):
         parser.error(f"--cores: need two cores among {sorted(os.sched_getaffinity(0))}")
     return ids
-
-
-def emit(args: argparse.Namespace, result: dict[str, Any],
-         table: Callable[[dict[str, Any]], None]) -> None:
-    """Write the JSON result to `--out`, then print it (`--json`) or its table."""
-    text = json.dumps(result, indent=1)
-    if args.out:
-        args.out.parent.mkdir(parents=True, exist_ok=True)
-        args.out.write_text(text + "\n")
-    if args.json:
-        sys.stdout.write(text + "\n")
-    else:
-        table(result)
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -11,6 +11,7 @@ pytestmark = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernels a
 
 
 def test_a_toy_run_times_both_paths_for_every_case() -> None:
+    load_benchmark("result_output")
     bench = load_benchmark("decode_attention")
     result = bench.main(["--shapes", "tiny", "--kv-lens", "20", "--batches", "1", "3",
                          "--layouts", "NHD", "HND", "--reps", "2", "--evict-mib", "1",

@@ -28,6 +28,7 @@ BATCHES = [1, 2]
 def engine_bench() -> ModuleType:
     load_benchmark("engine_models")
     load_benchmark("roofline")
+    load_benchmark("result_output")
     return load_benchmark("engine")
 
 

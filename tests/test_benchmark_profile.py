@@ -11,6 +11,7 @@ ROOT = Path(__file__).resolve().parent.parent
 
 def test_a_toy_profile_accounts_for_every_phase(tmp_path: Path) -> None:
     load_benchmark("engine_models")
+    load_benchmark("result_output")
     profile = load_benchmark("profile_engine")
     result = profile.main(["--model", "tiny", "--prompt-len", "16", "--steps", "2",
                            "--dtype", "float32", "--layouts", "NHD", "HND", "--batches", "1", "2",
@@ -26,6 +27,8 @@ def test_a_toy_profile_accounts_for_every_phase(tmp_path: Path) -> None:
 
 
 def test_op_kinds_are_read_from_aten_names() -> None:
+    load_benchmark("engine_models")
+    load_benchmark("result_output")
     profile = load_benchmark("profile_engine")
     assert profile.kind_of("aten::addmm") == "gemm"
     assert profile.kind_of("disagg::decode_layers") == "layers_in_c"

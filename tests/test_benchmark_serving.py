@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parent.parent
 BENCH = ROOT / "benchmarks"
 
 
-for _dependency in ("disagg_report", "pinned_cluster"):
+for _dependency in ("disagg_report", "pinned_cluster", "result_output"):
     load_benchmark(_dependency)
 step_times = load_benchmark("step_times")
 report = load_benchmark("serving_report")
