@@ -259,8 +259,7 @@ def shares_by_rep(steps_s: list[float], roofline: dict[str, Any]) -> list[float]
     """Each rep's batch-1 step against the roofline at the bandwidth sampled just before that
     rep's decodes: the host's bandwidth drifts by half between minutes, and a step set against
     another minute's sample read above 1 (a faster minute than the median's)."""
-    read = roofline["weight_bytes"] + roofline["kv_bytes"]
-    return [roofline_ms(read, 0, gbs) / (step * 1e3)
+    return [roofline_ms(roofline["weight_bytes"], roofline["kv_bytes"], gbs) / (step * 1e3)
             for step, gbs in zip(steps_s, roofline["gbs_by_rep"], strict=True)]
 
 

@@ -136,6 +136,13 @@ static inline void da_values_tile(const da_args *a, const char *layer, const int
                                   _mm512_add_ps(even[g * C + c], odd[g * C + c]));
 }
 
+/* The largest power of two that is at most n (n >= 1) and at most DA_TILE. */
+static inline int da_tile_side(int64_t n) {
+    int side = 1;
+    while (side * 2 <= n && side * 2 <= DA_TILE) side *= 2;
+    return side;
+}
+
 /* Every query head's weighted sum of values: tiles of G heads by C column blocks, the widest
    that fit DA_TILE (powers of two, so one specialised sweep per shape), each a sweep over the
    keys. A head group of 2 and 64 columns is one sweep; 4 heads of 128 columns, four. */
@@ -144,11 +151,10 @@ static void da_values(const da_args *a, const char *layer, const int64_t *pages,
                       int64_t t0, int64_t t1, const float *w, float *acc) {
     const int64_t blocks = (a->head_dim + 15) / 16;
     for (int64_t g0 = 0; g0 < a->group;) {
-        int64_t left = a->group - g0;
-        int G = left >= 8 ? 8 : left >= 4 ? 4 : left >= 2 ? 2 : 1;
+        int G = da_tile_side(a->group - g0);
         for (int64_t c0 = 0; c0 < blocks;) {
             int64_t room = DA_TILE / G, cols = blocks - c0 < room ? blocks - c0 : room;
-            int C = cols >= 8 ? 8 : cols >= 4 ? 4 : cols >= 2 ? 2 : 1;
+            int C = da_tile_side(cols);
 #define DA_TILE_CASE(GG, CC)                                                          \
     case GG * 16 + CC:                                                                \
         da_values_tile(a, layer, pages, head, t0, t1, w, acc, g0, GG, c0, CC);       \
