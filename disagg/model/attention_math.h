@@ -1,7 +1,7 @@
 /* The arithmetic of a decode's attention on a block of keys, whatever page holds them (X8b):
    the scores of 16 keys against one query row, their lanes summed as one vector's reduction
-   sums them, and the exponentials of a row of scores. `decode_attention.c` walks the pages and
-   the threads; this is what it computes per block. AVX-512 only (included where the kernel
+   sums them, and the exponentials of a row of scores (`lanes_exp.h`). `decode_attention.c`
+   walks the pages and the threads; this is what it computes per block. AVX-512 only (included where the kernel
    is compiled for x86-64). */
 
 #ifndef DISAGG_ATTENTION_MATH_H
@@ -12,28 +12,7 @@
 #include <stdint.h>
 
 #include "bf16.h"
-
-/* e^x for x <= 0 (scores minus their maximum), 16 at a time: x = n ln2 + r with |r| <= ln2/2,
-   e^r by Cephes' degree-6 polynomial for expf (about 1 ulp), then scaled by 2^n. A call to
-   libm's expf per score cost more than the rest of the attention. */
-__attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
-static inline __m512 da_exp(__m512 x) {
-    /* e^-87 is below every weight that counts. The constant goes first: max returns its second
-       operand when either is NaN, so a NaN stays one. */
-    x = _mm512_max_ps(_mm512_set1_ps(-87.0f), x);
-    __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
-                                    _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-    __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
-    r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
-    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
-    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
-    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
-    return _mm512_scalef_ps(p, n);
-}
+#include "lanes_exp.h"
 
 /* row[0..len) <- exp(row - peak), in float32; returns the peak (the largest score, NaN if any
    score is NaN) and the sum of the exponentials. The division comes after the values are
@@ -51,7 +30,7 @@ static void da_exponentials(float *row, int64_t len, float *peak_out, float *sum
     float peak = nan ? NAN : _mm512_reduce_max_ps(top);
     for (int64_t t = 0; t < len; t += 16) {
         __mmask16 m = lanes_mask(len, t);
-        __m512 e = da_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t),
+        __m512 e = lanes_exp(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, row + t),
                                         _mm512_set1_ps(peak)));
         _mm512_mask_storeu_ps(row + t, m, e);
         sum = _mm512_mask_add_ps(sum, m, sum, e);
