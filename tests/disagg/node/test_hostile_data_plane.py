@@ -38,6 +38,7 @@ from disagg.node.router import Router
 from transfer_core.engine import TransferEngine
 from transfer_core.imm_counter import MAX_UNARMED_IMMS
 from transfer_core.memory import EngineAddress, MemoryRegionDescriptor
+from tests.disagg.node.test_disagg_nodes import next_reply
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]  # two nodes start in a child: ~5 s
 
@@ -167,7 +168,7 @@ def _forge_hellos(nodes: Nodes) -> list[str]:
         channel.send(forged)
         assert isinstance(channel.recv(), HelloAck)  # its proof went to the real decoder
         channel.send(follow_up)
-        reply = channel.recv()
+        reply = next_reply(channel)
         channel.close()
         assert isinstance(reply, Reject), reply
         reasons.append(reply.reason)
