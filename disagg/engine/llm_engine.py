@@ -34,6 +34,7 @@ from disagg.engine.request import Request, RequestState, SamplingParams
 from disagg.engine.scheduler import Scheduler
 from disagg.engine.token_chooser import TokenChooser
 from disagg.errors import ConfigError, RankError
+from disagg.model.huge_pages import into_huge_pages
 from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.sharded_kv_cache import ShardedKVCache
@@ -85,6 +86,8 @@ class EngineParts:
         for structured output (None: the model has no tokenizer, so none is served)."""
         leader = model if isinstance(model, TPLeader) else None
         model = leader.model if leader else model.to(config.device).eval()
+        if not leader:
+            into_huge_pages(model)  # its CPU weights: a decode streams them (X8f)
         check_cache_fits(model.config, config.cache)
         kv_cache = leader.kv_cache if leader else make_kv_cache(model.config, config)
         # With decode graphs the cache's last page is the padding rows' scratch page: the
