@@ -15,6 +15,7 @@ from dataclasses import dataclass
 import torch
 
 from disagg.config import CacheConfig, ModelConfig
+from disagg.model.huge_pages import into_huge_pages
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.registry import load_model
@@ -60,6 +61,7 @@ def start_leader(model_spec: str, config: ModelConfig,
         model = Transformer(config, layer_counter, shard)
         model.load_weights(leader_weights(model_spec, config, state_dict, shard))
         model = cast_model(model, dtype).to(rank_device(device, 0)).eval()
+        into_huge_pages(model)  # its CPU weights: a decode streams them (X8f)
         shard_model = shard_config(config, sharding)
         local = PagedKVCache(shard_model, cache, rank_device(device, 0))
         shards = [local]

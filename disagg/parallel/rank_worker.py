@@ -22,6 +22,7 @@ import traceback
 
 import torch
 
+from disagg.model.huge_pages import into_huge_pages
 from disagg.model.kv_cache import PagedKVCache
 from disagg.model.loading.registry import load_model
 from disagg.model.precision import cast_model
@@ -79,7 +80,9 @@ def load_rank_model(model_spec: str, shard: TPShard, device: str,
     loaded = load_model(model_spec, shard=shard)
     model = Transformer(loaded.config, shard=shard)
     model.load_weights(loaded.state_dict)
-    return cast_model(model, dtype).to(device).eval()
+    model = cast_model(model, dtype).to(device).eval()
+    into_huge_pages(model)  # its CPU weights: a decode streams them (X8f)
+    return model
 
 
 def serve_rank(spec: RankSpec) -> None:
