@@ -2,9 +2,9 @@
 
 `Run` is the client's view of each request (submit time, decoder, retries, terminal state,
 tokens) and of the nodes (when each fault hit, time-stamped log lines, metrics scraped around
-a freeze). `summarize` turns it into the issue-8 figures plus one row per new fault
-(S5); each row's check says what would show that the fault did nothing or that the
-system broke a promise under it. Nothing here starts or signals a process.
+a freeze). `summarize` turns it into the load promises' figures (X4: every request ends once,
+in time, token-exact; survivors exit clean) plus one row per new fault (S5); each row's check
+says what would show that the fault did nothing or that the system broke a promise under it. Nothing here starts or signals a process.
 """
 
 from __future__ import annotations
@@ -103,8 +103,8 @@ def tracebacks(logs: dict[str, list[str]]) -> dict[str, str]:
 def summarize(run: Run, expected: list[list[int]], finished_in_time: bool, deadline_s: float,
               killed: list[str], exit_codes: dict[str, int | None],
               logs: dict[str, list[str]]) -> tuple[dict[str, Any], bool]:
-    """The issue-8 figures: every request ended once, in time, and token-exact; survivors
-    exit clean. Returns the rows and whether those promises held."""
+    """The load promises' figures (X4): every request ended once, in time, and token-exact;
+    survivors exit clean. Returns the rows and whether those promises held."""
     wrong = sorted(rid for rid, (state, _, _) in run.final.items()
                    if state in FINISHED and run.tokens[rid] != expected[int(rid[1:])])
     late = [rid for rid, (_, _, t) in run.final.items() if t - run.submitted[rid] > deadline_s]

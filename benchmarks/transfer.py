@@ -1,4 +1,5 @@
-"""Transfer benchmark CLI: the issue-3 peer workload over tcp and/or shm (S5).
+"""Transfer benchmark CLI: two peer processes writing scattered pages, checksummed, over tcp
+and/or shm (S5).
 
     python benchmarks/transfer.py [--provider tcp|shm|all|NAME] [--pages N] [--page-size B]
                                   [--reps R] [--warmup W] [--json] [--no-wait-idle]
