@@ -4,7 +4,8 @@
 tokens) and of the nodes (when each fault hit, time-stamped log lines, metrics scraped around
 a freeze). `summarize` turns it into the load promises' figures (X4: every request ends once,
 in time, token-exact; survivors exit clean) plus one row per new fault (S5); each row's check
-says what would show that the fault did nothing or that the system broke a promise under it. Nothing here starts or signals a process.
+says what would show that the fault did nothing or that the system broke a promise under it.
+Nothing here starts or signals a process.
 """
 
 from __future__ import annotations
