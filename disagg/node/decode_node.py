@@ -3,9 +3,10 @@ S2c, S4c). With no prefillers it is the single-node "mixed" engine of S1 (`serve
 prefills locally, in chunks, batched with its decodes.
 
 At start-up it connects to every prefiller and shakes hands (a mismatch stops it with the
-prefiller's reason). Threads: one accepts router connections; one per connection (router or
-prefiller) reads messages into the inbox as typed records (`FromRouter`, `FromPrefiller`,
-`PrefillerGone`); the engine thread (`run`) drains the inbox, dispatching on those types,
+prefiller's reason); those links, their readers and their reconnection are
+`prefiller_link.PrefillerLinks`'. Threads: one accepts router connections; one per connection
+(router or prefiller) reads messages into the inbox as typed records (`FromRouter`,
+`FromPrefiller`, `PrefillerGone`); the engine thread (`run`) drains the inbox, dispatching on those types,
 releases requests whose KV arrived, steps the engine, and reports tokens and `RequestState`s
 to the routers. Built, with its engine and messenger, by `builder.build_node`.
 
@@ -25,10 +26,9 @@ from collections.abc import Sequence
 from typing import Any
 
 from disagg.control.channel import Channel
-from disagg.control.liveness import HEARTBEAT_INTERVAL_S, PEER_TIMEOUT_S, start_heartbeats
+from disagg.control.liveness import HEARTBEAT_INTERVAL_S, start_heartbeats
 from disagg.control.messages import (
     Abort,
-    Heartbeat,
     Reject,
     RequestEvent,
     Shutdown,
@@ -40,13 +40,11 @@ from disagg.engine.llm_engine import LLMEngine
 from disagg.engine.request import FailureCause, Request, RequestState
 from disagg.errors import InvalidMessage, PeerClosedError, ProtocolError, RequestError
 from disagg.kv_transfer.decode_messenger import DecodeMessenger
-from disagg.kv_transfer.handshake import shake_hands
-from disagg.kv_transfer.messages import HelloAck, KVFailed
 from disagg.kv_transfer.pending_kv import Outcome
 from disagg.node.base import Inbox, NodeBase, Wake
 from disagg.node.decode_inbox import FromPrefiller, FromRouter, PrefillerGone, RouterGone
 from disagg.node.node_metrics import decode_metrics
-from disagg.node.prefiller_link import PrefillerBack, Reconnector
+from disagg.node.prefiller_link import PrefillerBack, PrefillerLinks
 from disagg.node.request_owners import Claim
 from disagg.node.request_spans import RequestSpans
 from disagg.node.router_reports import RouterReports
@@ -79,10 +77,9 @@ class DecodeNode(NodeBase):
             self._ended)
         self._spans = RequestSpans(self.tracer)
         self._last_progress = 0.0
-        self._prefiller_addresses = list(prefillers)  # the pool's indices, in this order
-        for address in prefillers:  # a prefiller that refuses us stops the node here
-            self._use_prefiller(*self._handshake(address))
-        self._links = Reconnector(list(prefillers), self._handshake, self.inbox.put, self._stop)
+        self._prefillers = PrefillerLinks(list(prefillers), messenger, transfer.num_domains,
+                                          inbox.put, self._stop, self._channels.append,
+                                          self._forget)
         self._routers: list[Channel] = []  # they hear our Status and heartbeats
         self._status = Status(True)
         pool = self.messenger.pool
@@ -90,39 +87,6 @@ class DecodeNode(NodeBase):
                          HEARTBEAT_INTERVAL_S)
         self._listen(listen_address)
         self._start_accepting(self._read_router, "router")
-
-    def _handshake(self, address: str) -> tuple[Channel, HelloAck]:
-        channel, ack = shake_hands(address, self.messenger.hello(), self.messenger.context,
-                                   self.transfer.num_domains)
-        self._channels.append(channel)
-        return channel, ack
-
-    def _use_prefiller(self, channel: Channel, ack: HelloAck, index: int | None = None) -> None:
-        """Send requests to a prefiller that shook hands (`index`: one that is back)."""
-        index = self.messenger.add_prefiller(channel, ack, index)
-        threading.Thread(target=self._read_prefiller, args=(channel, index), daemon=True,
-                         name=f"decode-prefiller-{index}").start()
-
-    def _read_prefiller(self, channel: Channel, index: int) -> None:
-        reason = "its reader thread failed"  # kept if an exception escapes (it propagates)
-        try:
-            while True:
-                try:
-                    message = channel.recv()
-                except (PeerClosedError, ProtocolError) as error:
-                    reason = str(error)
-                    return
-                if isinstance(message, KVFailed):
-                    self.inbox.put(FromPrefiller(message))
-                elif isinstance(message, Heartbeat):
-                    continue  # recv() already noted that the prefiller is alive
-                elif isinstance(message, Reject):
-                    logger.warning("prefiller %s rejected a message: %s", channel.peer,
-                                   message.reason)
-        finally:  # however it ends, the connection is closed and forgotten
-            channel.close()
-            self._forget(channel)
-            self.inbox.put(PrefillerGone(index, reason, channel))
 
     def _read_router(self, channel: Channel) -> None:
         """Reader thread of one router connection (`_start_accepting` closes it after); the
@@ -165,12 +129,7 @@ class DecodeNode(NodeBase):
             self._reports.send(channel, Reject(str(error)))
 
     def peer_view(self) -> dict[str, Any]:
-        """Its prefillers, each alive or not as this decoder sees them (for `/health`, read
-        from the metrics thread: a snapshot of plain flags)."""
-        pool = self.messenger.pool
-        return {"prefillers": [{"address": address, "alive": index < len(pool)
-                                and pool.link(index).alive}
-                               for index, address in enumerate(self._prefiller_addresses)]}
+        return self._prefillers.view()
 
     def health_state(self) -> str:
         """"ok", or "no_prefiller" while this decoder has prefillers but none alive."""
@@ -198,7 +157,7 @@ class DecodeNode(NodeBase):
             if self.engine.has_unfinished():
                 self._step()
             self._report_progress()
-            self._keep_alive()
+            self._prefillers.close_silent()
             self._announce_status()
 
     def _report_outcome(self, outcome: Outcome) -> None:
@@ -219,13 +178,6 @@ class DecodeNode(NodeBase):
         detail = f"retrying: {outcome.detail}" if state is RequestState.WAITING_FOR_KV else (
             outcome.detail)
         self._report(request, state, cause=cause, detail=detail)
-
-    def _keep_alive(self) -> None:
-        """Declare a prefiller gone when it has been silent too long (heartbeats go from
-        their own thread, `start_heartbeats`)."""
-        for index in self.messenger.pool.silent():
-            self.messenger.pool.link(index).channel.close()  # its reader then reports it gone
-            self.messenger.prefiller_gone(index, f"silent for {PEER_TIMEOUT_S:g} s")
 
     def _step(self) -> None:
         for event in self._traced_step():
@@ -261,11 +213,9 @@ class DecodeNode(NodeBase):
             case FromPrefiller(message):
                 self.messenger.on_kv_failed(message)
             case PrefillerGone(index, reason, channel):
-                if channel is None or self.messenger.pool.is_current(index, channel):
-                    self.messenger.prefiller_gone(index, reason)
-                    self._links.lost(index)  # and try to reach it again
+                self._prefillers.gone(index, reason, channel)
             case PrefillerBack(index, channel, ack):
-                self._use_prefiller(channel, ack, index)
+                self._prefillers.use(channel, ack, index)
             case _:
                 raise TypeError(f"decode node: no handler for {item!r}")
 
