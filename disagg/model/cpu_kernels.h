@@ -9,6 +9,8 @@
 /* small_linear.c (X8a): y[m, n] = x[m, k] @ w[n, k]^T (+ bias) for up to 8 rows. */
 int sl_has_avx512(void);
 int sl_has_avx512_bf16(void);
+int sl_linear_many(int dtype, uintptr_t x, int count, const uintptr_t *w, const uintptr_t *bias,
+                   const uintptr_t *y, const int64_t *n, int64_t m, int64_t k, int threads);
 int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
               int64_t n, int64_t k, int threads);
 /* decode_attention.c (X8b): one new token per sequence over its pages, in place. */

@@ -129,11 +129,10 @@ static int dl_moe(int dtype, const dl_moe_args *m, uintptr_t router, const uintp
             }
         if (!count) continue;
         const uintptr_t *w = experts + 3 * e;
-        status = sl_linear(dtype, (uintptr_t)m->xg, w[0], 0, (uintptr_t)m->gate, count,
-                           m->inter, hidden, threads);
-        status = status ? status : sl_linear(dtype, (uintptr_t)m->xg, w[1], 0,
-                                             (uintptr_t)m->up, count, m->inter, hidden,
-                                             threads);
+        const uintptr_t gu_b[2] = {0, 0}, gu_y[2] = {(uintptr_t)m->gate, (uintptr_t)m->up};
+        const int64_t gu_n[2] = {m->inter, m->inter};
+        status = sl_linear_many(dtype, (uintptr_t)m->xg, 2, w, gu_b, gu_y, gu_n, count, hidden,
+                                threads); /* gate and up in one team; w[0], w[1] are theirs */
         status = status ? status : dl_silu_mul(dtype, (uintptr_t)m->gate, (uintptr_t)m->up,
                                                count * m->inter);
         status = status ? status : sl_linear(dtype, (uintptr_t)m->gate, w[2], 0,
@@ -203,12 +202,14 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
     for (int64_t l = 0; l < num_layers && status == 0; l++, w += DL_WEIGHTS) {
         char *layer = (char *)cache + l * layer_bytes;
         status = rn_rms_norm(dtype, h, w[DL_IN_NORM], (uintptr_t)xn, rows, hidden, eps, threads);
-        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_Q], w[DL_Q_BIAS],
-                                             (uintptr_t)q, rows, q_n, hidden, threads);
-        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_K], w[DL_K_BIAS],
-                                             (uintptr_t)k, rows, kv_n, hidden, threads);
-        status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_V], w[DL_V_BIAS],
-                                             (uintptr_t)v, rows, kv_n, hidden, threads);
+        { /* q, k and v: one team for the three (sl_linear_many) */
+            const uintptr_t qkv_w[3] = {w[DL_Q], w[DL_K], w[DL_V]};
+            const uintptr_t qkv_b[3] = {w[DL_Q_BIAS], w[DL_K_BIAS], w[DL_V_BIAS]};
+            const uintptr_t qkv_y[3] = {(uintptr_t)q, (uintptr_t)k, (uintptr_t)v};
+            const int64_t qkv_n[3] = {q_n, kv_n, kv_n};
+            status = status ? status : sl_linear_many(dtype, (uintptr_t)xn, 3, qkv_w, qkv_b,
+                                                      qkv_y, qkv_n, rows, hidden, threads);
+        }
         char *qs = q, *ks = k; /* what RoPE rotates: the projections, or Qwen3's normed heads */
         if (w[DL_Q_NORM]) {
             status = status ? status : rn_rms_norm(dtype, (uintptr_t)q, w[DL_Q_NORM],
@@ -242,10 +243,11 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
                                                     (const uintptr_t *)w[DL_EXPERTS], xn, out,
                                                     rows, hidden, threads) : -1;
         } else {
-            status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_GATE], 0,
-                                                 (uintptr_t)gate, rows, inter, hidden, threads);
-            status = status ? status : sl_linear(dtype, (uintptr_t)xn, w[DL_UP], 0,
-                                                 (uintptr_t)up, rows, inter, hidden, threads);
+            const uintptr_t gu_w[2] = {w[DL_GATE], w[DL_UP]}, gu_b[2] = {0, 0};
+            const uintptr_t gu_y[2] = {(uintptr_t)gate, (uintptr_t)up};
+            const int64_t gu_n[2] = {inter, inter};
+            status = status ? status : sl_linear_many(dtype, (uintptr_t)xn, 2, gu_w, gu_b, gu_y,
+                                                      gu_n, rows, hidden, threads);
             status = status ? status : dl_silu_mul(dtype, (uintptr_t)gate, (uintptr_t)up,
                                                    rows * inter);
             status = status ? status : sl_linear(dtype, (uintptr_t)gate, w[DL_DOWN], 0,

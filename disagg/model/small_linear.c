@@ -18,6 +18,7 @@
 #include "cpu_kernels.h"
 
 #define SL_MAX_ROWS 8
+#define SL_MAX_MATRICES 4 /* projections of the same rows in one call (`sl_linear_many`) */
 /* Below this many weight elements one thread streams the matrix faster than a team starts. */
 #define SL_PARALLEL_MIN (1 << 16)
 /* Blocks of output rows keep each thread's part of the weight contiguous. */
@@ -163,43 +164,58 @@ static const sl_block_fn SL_BLOCKS[3][SL_MAX_ROWS + 1] = {
     {0, sl_bf16f_block_1, sl_bf16f_block_2, sl_bf16f_block_3, sl_bf16f_block_4,
      sl_bf16f_block_5, sl_bf16f_block_6, sl_bf16f_block_7, sl_bf16f_block_8}};
 
-static int sl_team(int64_t n, int64_t k, int threads) {
-    if (threads < 1 || n * k < SL_PARALLEL_MIN) return 1;
-    int64_t blocks = (n + SL_ROW_BLOCK - 1) / SL_ROW_BLOCK;
-    return blocks < threads ? (int)blocks : threads;
-}
-
-/* Thread t of `team` takes its share of whole row blocks. */
-static void sl_share(int64_t n, int t, int team, int64_t *j0, int64_t *j1) {
-    int64_t blocks = (n + SL_ROW_BLOCK - 1) / SL_ROW_BLOCK;
-    int64_t b0 = blocks * t / team, b1 = blocks * (t + 1) / team;
-    *j0 = b0 * SL_ROW_BLOCK;
-    *j1 = b1 * SL_ROW_BLOCK < n ? b1 * SL_ROW_BLOCK : n;
-}
-
-/* The entry point: addresses as integers, so that Python hands over `data_ptr()` values as
-   they are (no pointer objects to build per call). */
-int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
-              int64_t n, int64_t k, int threads) {
+/* Several projections of the same rows in one team (a layer's q, k and v; gate and up): their
+   output rows are cut into blocks of SL_ROW_BLOCK, matrix after matrix, and each thread takes
+   a contiguous share of all the blocks, so one fork and join serves them all. Each output row
+   is computed by the same block function as alone, so the bits do not depend on the grouping. */
+int sl_linear_many(int dtype, uintptr_t x, int count, const uintptr_t *w, const uintptr_t *bias,
+                   const uintptr_t *y, const int64_t *n, int64_t m, int64_t k, int threads) {
     if ((dtype != SL_FLOAT32 && dtype != SL_BFLOAT16) || !sl_has_avx512() || m < 1
-        || m > SL_MAX_ROWS || n < 1 || k < 1)
+        || m > SL_MAX_ROWS || k < 1 || count < 1 || count > SL_MAX_MATRICES)
         return -1;
+    int64_t first[SL_MAX_MATRICES + 1] = {0}, elems = 0; /* matrix i's blocks: [first[i], ..) */
+    for (int i = 0; i < count; i++) {
+        if (n[i] < 1) return -1;
+        first[i + 1] = first[i] + (n[i] + SL_ROW_BLOCK - 1) / SL_ROW_BLOCK;
+        elems += n[i] * k;
+    }
     int table = dtype == SL_BFLOAT16 && !sl_has_avx512_bf16() ? 2 : dtype;
     sl_block_fn block = SL_BLOCKS[table][m];
-    int team = sl_team(n, k, threads);
+    int64_t blocks = first[count];
+    int team = threads < 1 || elems < SL_PARALLEL_MIN ? 1
+               : (blocks < threads ? (int)blocks : threads);
 #pragma omp parallel num_threads(team) if (team > 1)
     {
-        int64_t j0, j1;
-        sl_share(n, omp_get_thread_num(), omp_get_num_threads(), &j0, &j1);
-        block((const void *)x, (const void *)w, (const void *)bias, (void *)y, n, k, j0, j1);
+        int t = omp_get_thread_num(), size = omp_get_num_threads();
+        int64_t b0 = blocks * t / size, b1 = blocks * (t + 1) / size;
+        for (int i = 0; i < count; i++) { /* the part of this thread's blocks in matrix i */
+            int64_t lo = b0 > first[i] ? b0 : first[i], hi = b1 < first[i + 1] ? b1 : first[i + 1];
+            if (lo >= hi) continue;
+            int64_t j0 = (lo - first[i]) * SL_ROW_BLOCK, j1 = (hi - first[i]) * SL_ROW_BLOCK;
+            block((const void *)x, (const void *)w[i], (const void *)bias[i], (void *)y[i], n[i],
+                  k, j0, j1 < n[i] ? j1 : n[i]);
+        }
     }
     return 0;
+}
+
+/* The entry point for one projection: addresses as integers, so that Python hands over
+   `data_ptr()` values as they are (no pointer objects to build per call). */
+int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
+              int64_t n, int64_t k, int threads) {
+    return sl_linear_many(dtype, x, 1, &w, &bias, &y, &n, m, k, threads);
 }
 
 #else /* not x86-64: the caller runs the reference */
 
 int sl_has_avx512(void) { return 0; }
 int sl_has_avx512_bf16(void) { return 0; }
+int sl_linear_many(int dtype, uintptr_t x, int count, const uintptr_t *w, const uintptr_t *bias,
+                   const uintptr_t *y, const int64_t *n, int64_t m, int64_t k, int threads) {
+    (void)dtype; (void)x; (void)count; (void)w; (void)bias; (void)y; (void)n; (void)m; (void)k;
+    (void)threads;
+    return -1;
+}
 int sl_linear(int dtype, uintptr_t x, uintptr_t w, uintptr_t bias, uintptr_t y, int64_t m,
               int64_t n, int64_t k, int threads) {
     (void)dtype; (void)x; (void)w; (void)bias; (void)y; (void)m; (void)n; (void)k;

@@ -194,3 +194,27 @@ def test_bfloat16_prefill_rows_are_multiplied_in_float32_and_rounded_once(monkey
     out = linear(x, w, b)
     assert seen == [torch.float32] and out.dtype == torch.bfloat16
     assert torch.equal(out, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [1, 3, 8])
+def test_several_projections_in_one_team_give_each_ones_bits(rows: int,
+                                                             dtype: torch.dtype) -> None:
+    """`sl_linear_many` (a layer's q, k and v in one fork and join): each output has the bits
+    `sl_linear` gives it alone, though its rows' blocks are shared out across matrices."""
+    from disagg.model._cpu_kernels import ffi
+
+    x, _, _ = _inputs(rows, 1, 576, dtype, bias=False, seed=rows)
+    weights = [_inputs(1, n, 576, dtype, bias=True, seed=n)[1:] for n in (576, 200, 40)]
+    alone = [linear(x, w, b) for w, b in weights]
+    outs = [torch.empty(rows, w.shape[0], dtype=dtype) for w, _ in weights]
+    code = 0 if dtype == torch.float32 else 1
+    addresses = [ffi.new("uintptr_t[]", [w.data_ptr() for w, _ in weights]),
+                 ffi.new("uintptr_t[]", [b.data_ptr() for _, b in weights]),
+                 ffi.new("uintptr_t[]", [y.data_ptr() for y in outs])]
+    status = linear_module.lib.sl_linear_many(
+        code, x.data_ptr(), len(weights), *addresses,
+        ffi.new("int64_t[]", [w.shape[0] for w, _ in weights]), rows, 576, torch.get_num_threads())
+    assert status == 0
+    assert all(torch.equal(ours, theirs) for ours, theirs in zip(outs, alone, strict=True))
