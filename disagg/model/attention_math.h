@@ -1,8 +1,8 @@
 /* The arithmetic of a decode's attention on a block of keys, whatever page holds them (X8b):
    the scores of 16 keys against one query row, their lanes summed as one vector's reduction
    sums them, and the exponentials of a row of scores (`lanes_exp.h`). `decode_attention.c`
-   walks the pages and the threads; this is what it computes per block. AVX-512 only (included where the kernel
-   is compiled for x86-64). */
+   walks the pages and the threads; this is what it computes per block. AVX-512 only
+   (included where the kernel is compiled for x86-64). */
 
 #ifndef DISAGG_ATTENTION_MATH_H
 #define DISAGG_ATTENTION_MATH_H

@@ -55,6 +55,11 @@ def _movable(params: list[torch.Tensor]) -> list[torch.Tensor]:
     return movable
 
 
+def _aligned(nbytes: int) -> int:
+    """`nbytes` rounded up to a whole number of ALIGN."""
+    return -(-nbytes // ALIGN) * ALIGN
+
+
 def _arena(nbytes: int) -> torch.Tensor:
     """`nbytes` of anonymous memory asked for huge pages, untouched, starting on a huge page."""
     # Private: Python's default for anonymous maps is shared memory, which takes huge pages
@@ -72,16 +77,15 @@ def into_huge_pages(model: nn.Module) -> int:
     if not huge_pages_available():
         return 0
     params = _movable(list(model.parameters()))
-    sizes = [-(-p.numel() * p.element_size() // ALIGN) * ALIGN for p in params]
     if not params:
         return 0
-    arena = _arena(sum(sizes))
+    nbytes = [p.numel() * p.element_size() for p in params]
+    arena = _arena(sum(_aligned(n) for n in nbytes))
     offset = 0
     with torch.no_grad():
-        for param, size in zip(params, sizes, strict=True):
-            nbytes = param.numel() * param.element_size()
-            place = arena[offset:offset + nbytes].view(param.dtype).view(param.shape)
+        for param, n in zip(params, nbytes, strict=True):
+            place = arena[offset:offset + n].view(param.dtype).view(param.shape)
             place.copy_(param.data)
             param.data = place
-            offset += size
+            offset += _aligned(n)
     return offset

@@ -4,11 +4,11 @@ prefills locally, in chunks, batched with its decodes.
 
 At start-up it connects to every prefiller and shakes hands (a mismatch stops it with the
 prefiller's reason); those links, their readers and their reconnection are
-`prefiller_link.PrefillerLinks`'. Threads: one accepts router connections; one per connection
+`prefiller_link.PrefillerLinks`. Threads: one accepts router connections; one per connection
 (router or prefiller) reads messages into the inbox as typed records (`FromRouter`,
-`FromPrefiller`, `PrefillerGone`); the engine thread (`run`) drains the inbox, dispatching on those types,
-releases requests whose KV arrived, steps the engine, and reports tokens and `RequestState`s
-to the routers. Built, with its engine and messenger, by `builder.build_node`.
+`FromPrefiller`, `PrefillerGone`); the engine thread (`run`) drains the inbox, dispatching on
+those types, releases requests whose KV arrived, steps the engine, and reports tokens and
+`RequestState`s to the routers. Built, with its engine and messenger, by `builder.build_node`.
 
 A request belongs to the router connection that submitted it (X5d, `request_owners.py`): only
 that connection can abort it, the same id from another connection is refused to that
@@ -129,6 +129,7 @@ class DecodeNode(NodeBase):
             self._reports.send(channel, Reject(str(error)))
 
     def peer_view(self) -> dict[str, Any]:
+        """Its prefillers, each alive or not (`PrefillerLinks.view`)."""
         return self._prefillers.view()
 
     def health_state(self) -> str:

@@ -19,7 +19,6 @@ import logging
 import threading
 from collections.abc import Callable
 from dataclasses import dataclass
-
 from typing import Any
 
 from disagg.control.backoff import Backoff

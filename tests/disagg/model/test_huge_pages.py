@@ -4,6 +4,7 @@ memory the kernel backs with 2 MiB pages, sharing kept."""
 from __future__ import annotations
 
 import re
+from pathlib import Path
 
 import pytest
 import torch
@@ -20,7 +21,7 @@ def mapping_of(address: int) -> dict[str, int]:
     where the mapping was asked for huge pages: VmFlags holds "hg")."""
     fields: dict[str, int] = {}
     inside = False
-    for line in open("/proc/self/smaps").read().splitlines():  # noqa: SIM115 - read at once
+    for line in Path("/proc/self/smaps").read_text().splitlines():
         bounds = re.match(r"^([0-9a-f]+)-([0-9a-f]+) ", line)
         if bounds:
             if inside:
