@@ -1,4 +1,5 @@
-"""The paged KV cache in FlashInfer's NHD and HND layouts, and where its bytes live (S7).
+"""The paged KV cache in FlashInfer's NHD and HND layouts (S7); where its bytes come from is
+`kv_memory.py`.
 
 One tensor holds every layer so that a transfer engine can register it as one memory region.
 Per layer it is FlashInfer's single-tensor paged cache: K and V of a page sit next to each other,
@@ -10,7 +11,6 @@ decides which pages a request owns (`page_allocator.py`).
 
 from __future__ import annotations
 
-import math
 from typing import NamedTuple, Protocol
 
 import torch
@@ -18,6 +18,7 @@ import torch
 from disagg.config import CacheConfig, ModelConfig
 from disagg.errors import ConfigError
 from disagg.model.gather_scratch import GatherScratch
+from disagg.model.kv_memory import allocate_kv_buffer
 from disagg.model.page_geometry import PageGeometry, Segment
 from disagg.model.sharding import Sharding
 
@@ -33,28 +34,6 @@ class PartRows(NamedTuple):
     layer_stride: int
     token_stride: int
     head_stride: int
-
-
-def allocate_kv_buffer(shape: tuple[int, ...], dtype: torch.dtype, device: str | torch.device,
-                       memory: str = "torch") -> torch.Tensor:
-    """A zeroed cache buffer from torch's allocator, or from cuMem (`CacheConfig.memory`).
-
-    cuMem memory can be exported by fd to the one process that registers every rank's KV
-    (S5a) and is GPUDirect-RDMA capable where the GPU supports it; the tensor keeps the
-    allocation alive, and it is unmapped when the last view of it is gone.
-    """
-    device = torch.device(device)
-    if memory == "torch":
-        return torch.zeros(shape, dtype=dtype, device=device)
-    if memory != "cumem":
-        raise ConfigError(f"unknown KV memory {memory!r}: expected torch or cumem")
-    if device.type != "cuda":
-        raise ConfigError(f"KV memory 'cumem' is CUDA memory: the cache is on {device}")
-    from transfer_core.cuda import cumem  # cuda-python, imported only when asked for
-
-    nbytes = dtype.itemsize * math.prod(shape)
-    buffer = cumem.allocate(nbytes, device.index or 0).as_tensor(dtype, shape)
-    return buffer.zero_()
 
 
 class PagedKVCache:
