@@ -26,7 +26,7 @@ from transfer_core.errors import TransferError
 from transfer_core.imm_counter import Due, ImmCounterMap
 from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
-from transfer_core.memory_paths import MEMORY_PATHS
+from transfer_core.memory_paths import check_memory_path
 from transfer_core.owner_errors import OwnerErrors
 from transfer_core.phases import PhaseLog
 from transfer_core.placement import plan_domains
@@ -35,7 +35,7 @@ from transfer_core.registration import register_on
 from transfer_core.transport import PagedWrite
 from transfer_core.waited import PreparedWrite, RepeatedWrites
 from transfer_core.warmup import Warmup
-from transfer_core.write_checks import check_single, check_target
+from transfer_core.write_checks import check_num_domains, check_single, check_target
 from transfer_core.write_router import WriteRouter
 
 
@@ -75,11 +75,8 @@ class TransferEngine(ImmCounting):
         nics: Sequence[str | None] | None = None,
         phases: PhaseLog | None = None,
     ) -> None:
-        if num_domains < 1:
-            raise ValueError(f"num_domains must be >= 1, got {num_domains}")
-        if memory_path not in MEMORY_PATHS:
-            raise ValueError(f"unknown memory_path {memory_path!r}: expected one of {MEMORY_PATHS}")
-        self.memory_path = memory_path
+        num_domains = check_num_domains(num_domains)
+        self.memory_path = check_memory_path(memory_path)
         self.timeout_s = timeout_s
         self.phases = phases
         self._errors = OwnerErrors()

@@ -18,3 +18,10 @@ MemoryPathRequest = Literal["auto", "host", "hmem", "staged"]
 MEMORY_PATH_KINDS: tuple[MemoryPathKind, ...] = ("host", "hmem", "staged")
 # What a user may ask for: one of the kinds, or "auto".
 MEMORY_PATHS: tuple[MemoryPathRequest, ...] = ("auto", *MEMORY_PATH_KINDS)
+
+
+def check_memory_path(path: str) -> str:
+    """`path` if a caller may ask an engine for it, else a ValueError naming the choices."""
+    if path not in MEMORY_PATHS:
+        raise ValueError(f"unknown memory_path {path!r}: expected one of {MEMORY_PATHS}")
+    return path

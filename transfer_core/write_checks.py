@@ -65,6 +65,13 @@ def check_single(
     check_range(dst_mr.name, dst_mr.length, dst_offset, length)
 
 
+def check_num_domains(num_domains: int) -> int:
+    """How many domains an engine opens: at least one."""
+    if num_domains < 1:
+        raise ValueError(f"num_domains must be >= 1, got {num_domains}")
+    return num_domains
+
+
 def check_domain(domain: int, num_domains: int) -> int:
     """A local domain index a caller asked for: an int in [0, num_domains)."""
     if isinstance(domain, bool) or not isinstance(domain, int | np.integer):

@@ -38,9 +38,10 @@ from transfer_core.errors import (
 from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor
-from transfer_core.memory_paths import MEMORY_PATHS
+from transfer_core.memory_paths import check_memory_path
 from transfer_core.owner_errors import OwnerErrors
 from transfer_core.pyfabric import Stats
+from transfer_core.testing.loopback_counts import LoopbackCounts
 from transfer_core.testing.loopback_memory import RegionTable, WritePart
 from transfer_core.testing.loopback_wire import (
     DeliveryQueue,
@@ -82,24 +83,19 @@ class LoopbackEngine(ImmCounting):
     ) -> None:
         del provider, node, cpus, delivery_complete, max_inflight  # see the class docstring
         del domain_cpus, nics
-        if num_domains < 1:
-            raise ValueError(f"num_domains must be >= 1, got {num_domains}")
-        if memory_path not in MEMORY_PATHS:
-            raise ValueError(f"unknown memory_path {memory_path!r}: expected one of {MEMORY_PATHS}")
+        num_domains = checks.check_num_domains(num_domains)
+        self.memory_path = check_memory_path(memory_path)
         if hmem:
             raise ProviderNotFoundError("the loopback provider has no FI_HMEM")
-        self.memory_path = memory_path
         self.timeout_s = timeout_s
         self.fabric = fabric or default_fabric()
         self.deliver_inline = deliver_inline
-        self._hook_dropped = 0
         self._drop: Callable[[int], bool] | None = None
         self._errors = OwnerErrors("loopback engine")
-        self._lock = threading.Lock()
         # Deliveries never nap here: `expect_soon` changes nothing but the map's soon values.
         self.imm_counters = ImmCounterMap(fire=self._fire)
         self._round_robin = itertools.count()
-        self._stats = [[0, 0, 0, 0] for _ in range(num_domains)]  # posted, done, imms, bytes
+        self.counts = LoopbackCounts(num_domains)  # `WritePart` counts its completions here
         self._closed = False
         name = f"loopback-delivery-{next(_engine_ids)}"
         self.delivery = DeliveryQueue(name, deliver_inline, self._errors.guard)
@@ -269,13 +265,12 @@ class LoopbackEngine(ImmCounting):
     @property
     def dropped_imms(self) -> int:
         """As `TransferEngine.dropped_imms`, plus the arrivals `drop_imm` lost."""
-        return self._hook_dropped + self.imm_counters.dropped
+        return self.counts.hook_dropped + self.imm_counters.dropped
 
     def stats(self) -> list[Stats]:
         """Per domain: writes posted and completed, immediates received, bytes written by
         writes that landed (no EAGAIN here)."""
-        with self._lock:
-            return [Stats(p, c, 0, i, 0, 0, p - c, b) for p, c, i, b in self._stats]
+        return self.counts.stats()
 
     # -- test hooks -------------------------------------------------------------------------
 
@@ -318,12 +313,7 @@ class LoopbackEngine(ImmCounting):
     def __exit__(self, *exc: object) -> None:
         self.close()
 
-    # -- internals (WritePart calls the first two) -------------------------------------------
-
-    def count_posted(self, d: int, n: int, completed: bool, nbytes: int = 0) -> None:
-        with self._lock:
-            self._stats[d][1 if completed else 0] += n
-            self._stats[d][3] += nbytes
+    # -- internals (WritePart calls the first) ------------------------------------------------
 
     def arrive(self, d: int, imm: int, count: int) -> None:
         """`count` immediates of value `imm` landed on our domain `d` (from any thread)."""
@@ -332,14 +322,12 @@ class LoopbackEngine(ImmCounting):
     def _count(self, d: int, imm: int, count: int) -> None:
         drop = self._drop
         dropped = drop is not None and drop(imm)
-        with self._lock:
-            self._stats[d][2] += count
-            self._hook_dropped += count if dropped else 0
+        self.counts.arrived(d, count, dropped)
         if not dropped:
             self.imm_counters.on_imms([(imm, count)])
 
     def _post(self, part: WritePart) -> None:
-        self.count_posted(part.domain, part.n, completed=False)
+        self.counts.posted(part.domain, part.n)
         self.delivery.put(part.run, part.fail, holdable=True)
 
     def _pick(self, domain: int | None) -> int:

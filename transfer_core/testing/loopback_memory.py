@@ -147,7 +147,7 @@ class WritePart:
         if not region.descriptor.writable:
             # Registered without remote write: tcp;ofi_rxm and shm complete such a write at
             # the sender and land nothing, no byte and no immediate (measured, 1.17).
-            self.engine.count_posted(self.domain, self.n, completed=True)
+            self.engine.counts.completed(self.domain, self.n)
             self.done.part_finished(None)
             return
         if self.length:
@@ -155,7 +155,7 @@ class WritePart:
             if error is not None:
                 self.fail(error)
                 return
-        self.engine.count_posted(self.domain, self.n, completed=True, nbytes=self.n * self.length)
+        self.engine.counts.completed(self.domain, self.n, self.n * self.length)
         if isinstance(self.imm, np.ndarray):  # one per write, each its own (counts by value)
             for value, count in zip(*np.unique(self.imm, return_counts=True), strict=True):
                 target.arrive(peer_domain, int(value), int(count))
@@ -165,7 +165,7 @@ class WritePart:
 
     def fail(self, error: TransferError) -> None:
         """Nothing (more) of this part lands; `on_error` hears once for the whole transfer."""
-        self.engine.count_posted(self.domain, self.n, completed=True)
+        self.engine.counts.completed(self.domain, self.n)
         self.done.part_finished(error)
 
     def _copy(self, region: MemoryRegion) -> TransferError | None:
