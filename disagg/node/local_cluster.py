@@ -1,7 +1,9 @@
-"""Start a prefiller and decoders as separate local processes, and stop them all (S1, X5d, X5e).
+"""Start a prefiller and decoders as separate local processes, and stop them all (S1, X5d-f).
 
-Each node is `python -m disagg.node.serve` in its own process, talking over libfabric, so the
-demo and the end-to-end tests run exactly what a multi-machine deployment runs. A node gets its
+Each node runs `python -m disagg.node.serve`'s entry point in its own process, talking over
+libfabric, so the demo and the end-to-end tests run exactly what a multi-machine deployment
+runs; the cluster's fork server (`fork_server.py`) forks them from one interpreter that has
+imported the node's modules, instead of each importing torch again. A node gets its
 `NodeConfig` as one JSON document on stdin (`ClusterConfig.node_config`, never as flags) and
 prints its `ReadyLine` once it accepts connections; every process started here is ended
 on exit, error or Ctrl-C. Every node carries the cluster secret (`SecretScope`: the user's, or
@@ -14,7 +16,6 @@ from __future__ import annotations
 
 import logging
 import subprocess
-import sys
 import threading
 import time
 import urllib.request
@@ -27,6 +28,7 @@ from disagg.control.channel import Channel
 from disagg.control.messages import Shutdown
 from disagg.errors import DisaggError
 from disagg.node.cluster_config import ClusterConfig
+from disagg.node.forked_process import ForkServer, NodeProcess
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.preflight import check_cluster
 from disagg.node.ready_line import ReadyLine
@@ -47,7 +49,7 @@ class LocalCluster:
         self.config = config
         self.supervise = supervise
         self._on_node = on_node or (lambda name, event: None)
-        self.processes: list[subprocess.Popen[str]] = []  # each node's current process
+        self.processes: list[NodeProcess] = []  # each node's current process
         self.prefiller_address = ""
         self.prefiller_addresses: list[str] = []
         self.names: list[str] = []  # node names in process order
@@ -58,6 +60,7 @@ class LocalCluster:
         self.supervisor: Supervisor | None = None
         self._configs: dict[str, NodeConfig] = {}  # as started, its ports pinned once known
         self._secret: SecretScope | None = None
+        self._forks: ForkServer | None = None
         # Held to start a process and to begin stopping: no restart starts one after stop()
         # has taken the list of processes to end.
         self._lock = threading.Lock()
@@ -99,7 +102,7 @@ class LocalCluster:
         """Whether `stop()` has begun (the supervisor restarts nothing from then on)."""
         return self._stopping.is_set()
 
-    def process_of(self, name: str) -> subprocess.Popen[str]:
+    def process_of(self, name: str) -> NodeProcess:
         """The node's current process (a restart replaces it)."""
         return self.processes[self.names.index(name)]
 
@@ -107,22 +110,24 @@ class LocalCluster:
         """How many times the supervisor started `name` again (0 without supervision)."""
         return self.supervisor.restarts(name) if self.supervisor is not None else 0
 
-    def _spawn(self, config: NodeConfig) -> subprocess.Popen[str]:
+    def _spawn(self, config: NodeConfig) -> NodeProcess:
         with self._lock:
             if self._stopping.is_set():
                 raise DisaggError(f"{config.node_id} not started: the cluster is stopping")
-            process = self._popen(config)
+            process = self._start_process(config)
             self.processes.append(process)
             self.names.append(config.node_id)
         self._on_node(config.node_id, "starting")
         return process
 
-    def _popen(self, config: NodeConfig) -> subprocess.Popen[str]:
+    def _start_process(self, config: NodeConfig) -> NodeProcess:
         assert self._secret is not None, "__enter__ holds the secret before any start"
-        command = [sys.executable, "-m", "disagg.node.serve"]
-        process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE,
-                                   stderr=subprocess.PIPE, text=True,
-                                   env=self._secret.child_env(PYTHONUNBUFFERED="1"))
+        if self._forks is None or not self._forks.alive:  # a dead one would stop restarts
+            if self._forks is not None:
+                self._forks.close()
+            # The nodes inherit the server's environment: the secret's, unbuffered.
+            self._forks = ForkServer(self._secret.child_env(PYTHONUNBUFFERED="1"))
+        process = self._forks.start()
         assert process.stdin is not None
         process.stdin.write(config.to_json())
         process.stdin.close()
@@ -138,7 +143,7 @@ class LocalCluster:
         with self._lock:
             if self._stopping.is_set():
                 return False
-            process = self._popen(self._configs[name])
+            process = self._start_process(self._configs[name])
             self.processes[self.names.index(name)] = process
             self.rank_pids.pop(name, None)
             self.metrics_addresses.pop(name, None)
@@ -146,12 +151,12 @@ class LocalCluster:
         self._wait_ready(name, process)
         return True
 
-    def _first_ready(self, name: str, process: subprocess.Popen[str]) -> str:
+    def _first_ready(self, name: str, process: NodeProcess) -> str:
         address = self._wait_ready(name, process)
         self._on_node(name, "ready")
         return address
 
-    def _wait_ready(self, name: str, process: subprocess.Popen[str]) -> str:
+    def _wait_ready(self, name: str, process: NodeProcess) -> str:
         """Read the node's stdout up to its READY line; pins its ports in its config, so a
         restart comes back at the same addresses (they were port 0, any free one)."""
         log = self.logs[name]
@@ -210,6 +215,8 @@ class LocalCluster:
                 process.wait()
         if self.supervisor is not None:
             self.supervisor.stop()
+        if self._forks is not None:
+            self._forks.close()
         if self._secret is not None:
             self._secret.restore()
 

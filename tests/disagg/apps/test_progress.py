@@ -59,7 +59,7 @@ def test_a_local_cluster_reports_every_node_starting_then_ready(
             return 0
 
     events: list[tuple[str, str]] = []
-    monkeypatch.setattr(local_cluster.LocalCluster, "_popen", lambda self, config: Process())
+    monkeypatch.setattr(local_cluster.LocalCluster, "_start_process", lambda self, config: Process())
     monkeypatch.setattr(local_cluster.LocalCluster, "_wait_ready",
                         lambda self, name, process: events.append((name, "read")) or "x:1")
     config = ClusterConfig.from_options(model="tiny", num_decoders=2)

@@ -40,7 +40,7 @@ def no_model(monkeypatch: pytest.MonkeyPatch) -> None:
 
     monkeypatch.setattr(serve, "build_node", _never)
     monkeypatch.setattr(demo, "load_model", _never)
-    monkeypatch.setattr(local_cluster.LocalCluster, "_popen", _never)
+    monkeypatch.setattr(local_cluster.LocalCluster, "_start_process", _never)
     monkeypatch.setattr(launch, "make_front_door", _never)
 
 
