@@ -2,8 +2,9 @@
 
 Each node runs `python -m disagg.node.serve`'s entry point in its own process, talking over
 libfabric, so the demo and the end-to-end tests run exactly what a multi-machine deployment
-runs; the cluster's fork server (`fork_server.py`) forks them from one interpreter that has
-imported the node's modules, instead of each importing torch again. A node gets its
+runs; the cluster's fork server (`disagg/utils/fork_server.py`, X5f) forks them from one
+interpreter that has imported the node's modules, instead of each importing torch again (a
+TP node's ranks come from it too). A node gets its
 `NodeConfig` as one JSON document on stdin (`ClusterConfig.node_config`, never as flags) and
 prints its `ReadyLine` once it accepts connections; every process started here is ended
 on exit, error or Ctrl-C. Every node carries the cluster secret (`SecretScope`: the user's, or
@@ -28,15 +29,19 @@ from disagg.control.channel import Channel
 from disagg.control.messages import Shutdown
 from disagg.errors import DisaggError
 from disagg.node.cluster_config import ClusterConfig
-from disagg.node.forked_process import ForkServer, NodeProcess
 from disagg.node.node_config import NodeConfig, NodeRole
 from disagg.node.preflight import check_cluster
 from disagg.node.ready_line import ReadyLine
 from disagg.node.secret_scope import SecretScope
 from disagg.node.supervisor import Supervisor
+from disagg.utils.forked_process import ChildProcess, ForkServer
 from disagg.utils.metrics import parse_metrics
 
 logger = logging.getLogger(__name__)
+NODE_ENTRY = "disagg.node.serve"  # what each node's process runs: its main()
+# What the fork server imports before it forks: the node's code, and a TP rank's, since a TP
+# node asks the server that forked it for its ranks (`TPRanks.start`).
+PRELOAD = (NODE_ENTRY, "disagg.parallel.rank_worker")
 
 
 class LocalCluster:
@@ -49,7 +54,7 @@ class LocalCluster:
         self.config = config
         self.supervise = supervise
         self._on_node = on_node or (lambda name, event: None)
-        self.processes: list[NodeProcess] = []  # each node's current process
+        self.processes: list[ChildProcess] = []  # each node's current process
         self.prefiller_address = ""
         self.prefiller_addresses: list[str] = []
         self.names: list[str] = []  # node names in process order
@@ -102,7 +107,7 @@ class LocalCluster:
         """Whether `stop()` has begun (the supervisor restarts nothing from then on)."""
         return self._stopping.is_set()
 
-    def process_of(self, name: str) -> NodeProcess:
+    def process_of(self, name: str) -> ChildProcess:
         """The node's current process (a restart replaces it)."""
         return self.processes[self.names.index(name)]
 
@@ -110,7 +115,7 @@ class LocalCluster:
         """How many times the supervisor started `name` again (0 without supervision)."""
         return self.supervisor.restarts(name) if self.supervisor is not None else 0
 
-    def _spawn(self, config: NodeConfig) -> NodeProcess:
+    def _spawn(self, config: NodeConfig) -> ChildProcess:
         with self._lock:
             if self._stopping.is_set():
                 raise DisaggError(f"{config.node_id} not started: the cluster is stopping")
@@ -120,14 +125,14 @@ class LocalCluster:
         self._on_node(config.node_id, "starting")
         return process
 
-    def _start_process(self, config: NodeConfig) -> NodeProcess:
+    def _start_process(self, config: NodeConfig) -> ChildProcess:
         assert self._secret is not None, "__enter__ holds the secret before any start"
         if self._forks is None or not self._forks.alive:  # a dead one would stop restarts
             if self._forks is not None:
                 self._forks.close()
             # The nodes inherit the server's environment: the secret's, unbuffered.
-            self._forks = ForkServer(self._secret.child_env(PYTHONUNBUFFERED="1"))
-        process = self._forks.start()
+            self._forks = ForkServer.launch(PRELOAD, self._secret.child_env(PYTHONUNBUFFERED="1"))
+        process = self._forks.start(NODE_ENTRY)
         assert process.stdin is not None
         process.stdin.write(config.to_json())
         process.stdin.close()
@@ -151,12 +156,12 @@ class LocalCluster:
         self._wait_ready(name, process)
         return True
 
-    def _first_ready(self, name: str, process: NodeProcess) -> str:
+    def _first_ready(self, name: str, process: ChildProcess) -> str:
         address = self._wait_ready(name, process)
         self._on_node(name, "ready")
         return address
 
-    def _wait_ready(self, name: str, process: NodeProcess) -> str:
+    def _wait_ready(self, name: str, process: ChildProcess) -> str:
         """Read the node's stdout up to its READY line; pins its ports in its config, so a
         restart comes back at the same addresses (they were port 0, any free one)."""
         log = self.logs[name]

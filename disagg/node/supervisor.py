@@ -22,7 +22,7 @@ from typing import Protocol
 
 from disagg.control.backoff import Backoff
 from disagg.errors import DisaggError
-from disagg.node.forked_process import NodeProcess
+from disagg.utils.forked_process import ChildProcess
 
 logger = logging.getLogger(__name__)
 RESTART_FIRST_S = 0.5
@@ -34,7 +34,7 @@ POLL_S = 0.2  # how often a watcher looks at its process (and at the stop flag)
 class Supervised(Protocol):
     """What the supervisor needs of a cluster (`LocalCluster`)."""
 
-    def process_of(self, name: str) -> NodeProcess:
+    def process_of(self, name: str) -> ChildProcess:
         """The node's current process."""
         ...
 

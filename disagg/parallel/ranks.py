@@ -1,7 +1,8 @@
 """The leader's side of its TP ranks: start them, map their KV, drive them, watch them (S3c, S5a).
 
-`TPRanks.start` runs ranks 1..N-1 as child processes (`rank_worker.py`) while the leader loads
-its own shard; `connect` then takes each rank's KV memory over a Unix socket and joins the
+`TPRanks.start` runs ranks 1..N-1 as processes (`rank_worker.py`: forked by the fork server
+that forked this node when there is one, X5f, else started from scratch) while the leader
+loads its own shard; `connect` then takes each rank's KV memory over a Unix socket and joins the
 group. Every step the leader sends its batch's inputs down each rank's socket before running
 its own forward, so all ranks enter each all-reduce in the same order; a fork's page copy goes
 down the same sockets (`copy_page`). A rank that dies is reported once through `on_failure`
@@ -33,10 +34,12 @@ from disagg.parallel import group
 from disagg.parallel.rank_spec import RankHello, RankSpec
 from disagg.parallel.shared_memory import map_region, recv_message
 from disagg.parallel.step import PageCopy, Step, encode_step
+from disagg.utils.forked_process import ChildProcess, inherited_server
 
 logger = logging.getLogger(__name__)
 
 STOP_TIMEOUT_S = 10.0
+RANK_ENTRY = "disagg.parallel.rank_worker"
 
 
 WORKDIR_PREFIX = "disagg-tp-"
@@ -77,6 +80,14 @@ def sweep_dead_workdirs(root: str | None = None) -> list[str]:
     return removed
 
 
+def _start_rank_process() -> ChildProcess:
+    """A rank's process, its stdin a pipe here (bytes), its output this process's."""
+    forks = inherited_server()
+    if forks is not None and RANK_ENTRY in forks.modules:
+        return forks.start(RANK_ENTRY, text=False, output=(1, 2))  # as Popen's inherited
+    return subprocess.Popen([sys.executable, "-m", RANK_ENTRY], stdin=subprocess.PIPE)
+
+
 def _describe_exit(code: int) -> str:
     return f"killed by signal {-code}" if code < 0 else f"exit code {code}"
 
@@ -85,7 +96,7 @@ class TPRanks:
     """Ranks 1..N-1 of one node, as seen by the leader (rank 0)."""
 
     def __init__(self, spec: RankSpec, workdir: str, server: socket.socket,
-                 processes: list[subprocess.Popen[bytes]],
+                 processes: list[ChildProcess],
                  on_failure: Callable[[BaseException], None]) -> None:
         self.spec = spec
         self._workdir = workdir
@@ -106,7 +117,7 @@ class TPRanks:
         sweep_dead_workdirs()
         workdir = tempfile.mkdtemp(prefix=f"{WORKDIR_PREFIX}{os.getpid()}-{spec.node_id}-")
         server = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
-        processes: list[subprocess.Popen[bytes]] = []
+        processes: list[ChildProcess] = []
         try:
             socket_path = os.path.join(workdir, "ranks.sock")
             server.bind(socket_path)
@@ -114,8 +125,7 @@ class TPRanks:
             world = group.GroupSpec.for_device(os.path.join(workdir, "store"),
                                                spec.sharding.tp, spec.device)
             for rank in range(1, spec.sharding.tp):
-                process = subprocess.Popen([sys.executable, "-m", "disagg.parallel.rank_worker"],
-                                           stdin=subprocess.PIPE)
+                process = _start_rank_process()
                 processes.append(process)
                 assert process.stdin is not None
                 process.stdin.write(pickle.dumps(replace(spec, rank=rank, group=world,
@@ -203,7 +213,7 @@ class TPRanks:
                 raise RankError(f"TP rank {rank} of {self.spec.node_id} (pid {process.pid}) "
                                 f"ended {when}: {_describe_exit(code)}")
 
-    def _watch(self, rank: int, process: subprocess.Popen[bytes]) -> None:
+    def _watch(self, rank: int, process: ChildProcess) -> None:
         code = process.wait()
         if self._stopping.is_set():
             return

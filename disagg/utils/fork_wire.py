@@ -1,7 +1,6 @@
-"""The records a node fork server and its client exchange (X5f): one JSON object per
-SOCK_SEQPACKET message, file descriptors passed beside it (SCM_RIGHTS). Its own module, so
-that the client, which runs in the front door's process, never imports the node's code the
-server preloads (`fork_server.py` lists the records).
+"""The records a fork server and its clients exchange (X5f): one JSON object per
+SOCK_SEQPACKET message, file descriptors passed beside it (SCM_RIGHTS). `fork_server.py`
+lists the records.
 """
 
 from __future__ import annotations
