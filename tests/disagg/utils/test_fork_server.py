@@ -20,8 +20,7 @@ ENTRY = "disagg.node.serve"
 Server = tuple[socket.socket, subprocess.Popen[bytes]]
 
 
-@pytest.fixture
-def server() -> Iterator[Server]:
+def launch() -> Iterator[Server]:
     """A fork server preloading `ENTRY`, ready: (this end of its socket, its process)."""
     ours, theirs = socket.socketpair(socket.AF_UNIX, socket.SOCK_SEQPACKET)
     process = subprocess.Popen([sys.executable, "-m", "disagg.utils.fork_server",
@@ -33,6 +32,18 @@ def server() -> Iterator[Server]:
     yield ours, process
     ours.close()
     process.wait(timeout=10)
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[Server]:
+    """One server for the tests that leave it serving (each start costs an import of torch)."""
+    yield from launch()
+
+
+@pytest.fixture
+def own_server() -> Iterator[Server]:
+    """A server of the test's own, for a test that ends it."""
+    yield from launch()
 
 
 def start(sock: socket.socket, module: str = ENTRY) -> tuple[dict, list[int]]:
@@ -99,9 +110,9 @@ def test_a_start_without_its_three_fds_is_refused(server: Server) -> None:
     assert "3 fds" in recv_record(sock)[0]["failed"]
 
 
-def test_its_children_end_when_its_first_client_closes(server: Server) -> None:
+def test_its_children_end_when_its_first_client_closes(own_server: Server) -> None:
     """The parent-death signal: a child still waiting on its stdin gets SIGTERM."""
-    sock, process = server
+    sock, process = own_server
     reply, ends = start(sock)
     sock.shutdown(socket.SHUT_RDWR)
     assert process.wait(timeout=10) == 0
