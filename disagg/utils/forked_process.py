@@ -10,6 +10,7 @@ straight to its pid. The server runs with the environment its children get (they
 
 from __future__ import annotations
 
+import logging
 import os
 import signal
 import socket
@@ -17,12 +18,14 @@ import subprocess
 import sys
 import threading
 import time
+from collections import deque
 from dataclasses import dataclass, field
 from typing import IO, Any, Protocol
 
 from disagg.errors import DisaggError
 from disagg.utils.fork_wire import recv_record, send_record
 
+logger = logging.getLogger(__name__)
 SERVER_START_S = 120.0  # the imports take seconds; a loaded host can take many times that
 GONE_POLL_S = 0.1
 _adopted: socket.socket | None = None  # a forked child's own connection to its server
@@ -130,6 +133,12 @@ class ForkServer:
             pass_fds=[theirs.fileno()], stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL,
             stderr=subprocess.PIPE, text=True, env=env)
         theirs.close()
+        # Drained from the start, or a server with much to say (at import, or a child's error
+        # before it took its own stderr) would block on a full pipe; its lines go to the log.
+        last_lines: deque[str] = deque(maxlen=5)
+        drain = threading.Thread(target=_log_lines, args=(process.stderr, last_lines),
+                                 name="fork-server-stderr", daemon=True)
+        drain.start()
         ours.settimeout(start_timeout_s)
         try:
             greeting, _ = recv_record(ours)
@@ -137,10 +146,11 @@ class ForkServer:
             greeting = None
         if greeting is None or "ready" not in greeting:
             process.kill()
-            _, err = process.communicate()
+            process.wait()
+            drain.join(timeout=5)
             ours.close()
             raise DisaggError("the fork server did not start: "
-                              + " | ".join((err or "no output").strip().splitlines()[-5:]))
+                              + (" | ".join(last_lines) or "no output"))
         ours.settimeout(None)
         return cls(ours, greeting, process)
 
@@ -225,8 +235,13 @@ class ForkServer:
         except subprocess.TimeoutExpired:
             self._process.kill()
             self._process.wait()
-        if self._process.stderr is not None:
-            self._process.stderr.close()
+
+
+def _log_lines(stream: IO[str], last: deque[str]) -> None:
+    with stream:
+        for line in stream:
+            last.append(line.rstrip())
+            logger.warning("fork server: %s", line.rstrip())
 
 
 def _wrap(fd: int, mode: str, text: bool) -> IO[Any]:

@@ -104,6 +104,14 @@ def test_a_server_that_cannot_start_is_named() -> None:
         ForkServer.launch((CHILD,), dict(ENV, PYTHONHOME="/nonexistent"))
 
 
+def test_a_server_with_much_to_say_is_drained_into_the_log(
+        caplog: pytest.LogCaptureFixture) -> None:
+    """Its stderr is read from the start: 256 KiB written at import does not stall it."""
+    server = ForkServer.launch(("tests.disagg.utils.loud_import",), ENV, start_timeout_s=60)
+    server.close()
+    assert any(record.getMessage().startswith("fork server: xxx") for record in caplog.records)
+
+
 def test_a_process_started_otherwise_has_no_inherited_server() -> None:
     assert inherited_server() is None
 
