@@ -15,6 +15,7 @@ from __future__ import annotations
 import torch
 
 from disagg.engine.request import SamplingParams
+from disagg.model.logits_argmax import argmax
 
 
 def shift_logits(logits: torch.Tensor) -> torch.Tensor:
@@ -76,7 +77,7 @@ def sample_token(logits: torch.Tensor, params: SamplingParams,
                  generator: torch.Generator | None = None) -> int:
     """One token id from ``[vocab_size]`` logits; greedy is exactly the argmax."""
     if params.temperature == 0.0:
-        return int(torch.argmax(logits))
+        return argmax(logits)
     return draw_token(token_probs(logits, params), generator)
 
 

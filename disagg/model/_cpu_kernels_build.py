@@ -3,8 +3,9 @@ decode projections (`small_linear.c`, used by `linear.py`), paged decode attenti
 (`decode_attention.c`, used by `decode_attention.py`), RMSNorm (`rms_norm.c`, `norms.py`) and
 RoPE (`rotary.c`, `rope.py`), a decode step's layers in one call, SwiGLU's activation and
 Qwen3-MoE's routing (`decode_layers.c`, `moe_route.c`; `decode_layers.py`, `swiglu.py` and
-`moe_routing.py`), and the KV checksum's weighted lane
-sum (`kv_lane_sum.c`, used by `disagg/kv_transfer/kv_checksum.py`, X4c).
+`moe_routing.py`), the greedy token's argmax (`logits_argmax.c`, `disagg/engine/sampling.py`),
+and the KV checksum's weighted lane sum (`kv_lane_sum.c`, used by
+`disagg/kv_transfer/kv_checksum.py`, X4c).
 
 cffi releases the GIL around each call, and each kernel splits its work over OpenMP threads.
 Built by setuptools through setup.py's `cffi_modules`, or in place with
@@ -21,7 +22,7 @@ _HERE = pathlib.Path(__file__).resolve().parent
 # The entry points, declared once for the C files and for cffi.
 CDEF = (_HERE / "cpu_kernels.h").read_text()
 SOURCES = ("small_linear.c", "decode_attention.c", "rms_norm.c", "rotary.c", "kv_lane_sum.c",
-           "moe_route.c", "decode_layers.c")
+           "moe_route.c", "decode_layers.c", "logits_argmax.c")
 
 ffibuilder = cffi.FFI()
 ffibuilder.cdef(CDEF)

@@ -36,6 +36,8 @@ int dl_decode_layers(int dtype, int layout, uintptr_t weights, int64_t num_layer
                      int64_t hidden, int64_t num_heads, int64_t kv_heads, int64_t dim,
                      int64_t inter, int64_t num_experts, int64_t top_k, int normalise,
                      int64_t moe_inter, float eps, float scale, int threads);
+/* logits_argmax.c (X8g): the greedy token of one logits row, torch.argmax's index. */
+int64_t la_argmax(int dtype, uintptr_t x, int64_t n);
 /* kv_lane_sum.c (X4c, X8d): the KV checksum's weighted lane sums. */
 uint64_t kls_lane_sum(uintptr_t values, int lane_bytes, int64_t heads, int64_t tokens,
                       int64_t lanes, uintptr_t head_ids, int64_t first_position, uint64_t seed,

@@ -1,10 +1,9 @@
 """The model's compiled CPU kernels, and which of them this process may run (X8).
 
-`_cpu_kernels` is built from `small_linear.c`, `decode_attention.c` and `kv_lane_sum.c` (the
-KV checksum's, X8d) when the project is installed (`_cpu_kernels_build.py`). Each kernel has a
-PyTorch reference beside it that runs whenever the kernel cannot: the module was not built, the
-CPU lacks the instructions, or `DISAGG_CPU_KERNELS=0` was set before import (to compare the two
-paths).
+`_cpu_kernels` is built from the C files `_cpu_kernels_build.py` lists when the project is
+installed. Each kernel has a PyTorch reference beside it that runs whenever the kernel cannot:
+the module was not built, the CPU lacks the instructions, or `DISAGG_CPU_KERNELS=0` was set
+before import (to compare the two paths).
 """
 
 from __future__ import annotations
