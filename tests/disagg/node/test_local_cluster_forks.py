@@ -9,11 +9,13 @@ import time
 
 import pytest
 
+from disagg.errors import DisaggError
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.local_cluster import LocalCluster
+from disagg.node.log_level import LOG_LEVEL_ENV
 from disagg.node.supervisor import NodeWatch
 
-pytestmark = [pytest.mark.fabric, pytest.mark.slow]  # three processes, each started twice
+pytestmark = pytest.mark.fabric
 
 CONFIG = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, num_pages=64,
                                     chunk_size=32, decode_tp=2)
@@ -24,6 +26,7 @@ def parent_of(pid: int) -> int:
         return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
+@pytest.mark.slow  # three processes, each started twice
 def test_nodes_and_ranks_are_forked_and_a_dead_server_is_replaced() -> None:
     """Every node and the decoder's rank are the fork server's children; with that server
     killed (its children get SIGTERM), each node comes back from a new one."""
@@ -44,3 +47,15 @@ def test_nodes_and_ranks_are_forked_and_a_dead_server_is_replaced() -> None:
         new = {parent_of(process.pid) for process in cluster.processes}
         assert len(new) == 1 and not new & {server, os.getpid()}
     assert all(code is not None for code in cluster.exit_codes())
+
+
+def test_a_forked_node_that_stops_at_once_is_named_with_its_code_and_words(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its exit code comes from the server and its stderr from its own pipe: a node that
+    rejects the environment it inherited (an unknown log level) fails the cluster's start
+    with both, and nothing is left running."""
+    monkeypatch.setenv(LOG_LEVEL_ENV, "chatty")
+    cluster = LocalCluster(CONFIG)
+    with pytest.raises(DisaggError, match=r"prefill-0 did not start \(exit code 2\).*chatty"):
+        cluster.__enter__()
+    assert cluster.exit_codes() == [2]
