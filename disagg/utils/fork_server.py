@@ -61,8 +61,7 @@ class _Server:
         while True:
             readable, _, _ = select.select([*self.clients, self.wake_read], [], [])
             if self.wake_read in readable:
-                while len(os.read(self.wake_read, 4096)) == 4096:
-                    pass
+                _drain(self.wake_read)
                 self.report_exits()
             for client in readable:
                 if client is self.wake_read:
@@ -167,6 +166,15 @@ class _Server:
                 except (OSError, ValueError):
                     pass
             os._exit(code)
+
+
+def _drain(fd: int) -> None:
+    """Empty the non-blocking wake-up pipe (one byte per signal caught)."""
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass
 
 
 def _close(fds: list[int]) -> None:

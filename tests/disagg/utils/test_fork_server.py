@@ -14,6 +14,7 @@ from collections.abc import Iterator
 
 import pytest
 
+from disagg.utils.fork_server import _drain
 from disagg.utils.fork_wire import recv_record, send_record
 
 ENTRY = "disagg.node.serve"
@@ -133,3 +134,15 @@ def ended_within(pid: int, timeout_s: float) -> bool:
             return True
         time.sleep(0.05)
     return False
+
+
+def test_the_wake_up_pipe_drains_whatever_piled_up() -> None:
+    """Signals caught while the server was busy: a multiple of the read size too, where a
+    read of the emptied non-blocking pipe raises instead of returning nothing."""
+    read, write = os.pipe2(os.O_NONBLOCK)
+    os.write(write, bytes(8192))
+    _drain(read)
+    with pytest.raises(BlockingIOError):
+        os.read(read, 1)
+    os.close(read)
+    os.close(write)
