@@ -14,16 +14,13 @@ from disagg.node.cluster_config import ClusterConfig
 from disagg.node.local_cluster import LocalCluster
 from disagg.node.log_level import LOG_LEVEL_ENV
 from disagg.node.supervisor import NodeWatch
+from tests.process_stat import parent_of
 
 pytestmark = pytest.mark.fabric
 
 CONFIG = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, num_pages=64,
                                     chunk_size=32, decode_tp=2)
 
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
 @pytest.mark.slow  # three processes, each started twice

@@ -9,13 +9,13 @@ import os
 import socket
 import subprocess
 import sys
-import time
 from collections.abc import Iterator
 
 import pytest
 
 from disagg.utils.fork_server import _drain
 from disagg.utils.fork_wire import recv_record, send_record
+from tests.process_stat import ended_within, parent_of
 
 ENTRY = "disagg.node.serve"
 Server = tuple[socket.socket, subprocess.Popen[bytes]]
@@ -56,10 +56,6 @@ def start(sock: socket.socket, module: str = ENTRY) -> tuple[dict, list[int]]:
         os.close(fd)
     return recv_record(sock)[0], [pipes[0][1], pipes[1][0], pipes[2][0]]
 
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
 def test_it_has_imported_its_modules_before_it_forks(server: Server) -> None:
@@ -121,19 +117,6 @@ def test_its_children_end_when_its_first_client_closes(own_server: Server) -> No
     for fd in ends:
         os.close(fd)
 
-
-def ended_within(pid: int, timeout_s: float) -> bool:
-    """Whether process `pid` (no child of ours) is gone or a zombie within `timeout_s`."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            with open(f"/proc/{pid}/stat") as stat:
-                if stat.read().rsplit(")", 1)[1].split()[0] == "Z":
-                    return True
-        except FileNotFoundError:
-            return True
-        time.sleep(0.05)
-    return False
 
 
 def test_the_wake_up_pipe_drains_whatever_piled_up() -> None:

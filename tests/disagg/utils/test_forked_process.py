@@ -17,6 +17,7 @@ from disagg.errors import DisaggError
 from disagg.utils import forked_process
 from disagg.utils.forked_process import ForkServer, adopt, inherited_server
 from disagg.utils.fork_wire import send_record
+from tests.process_stat import parent_of
 
 CHILD = "tests.disagg.utils.fork_child"
 ROOT = Path(__file__).resolve().parents[3]
@@ -29,10 +30,6 @@ def forks() -> Iterator[ForkServer]:
     yield server
     server.close()
 
-
-def parent_of(pid: int) -> int:
-    with open(f"/proc/{pid}/stat") as stat:
-        return int(stat.read().rsplit(")", 1)[1].split()[1])
 
 
 def test_a_child_is_the_servers_and_its_exit_code_comes_back(forks: ForkServer) -> None:
