@@ -55,6 +55,7 @@ def main() -> None:
         node.stop()
     for thread in threads:
         thread.join()
+    prefiller.settle()  # the completions of its last writes may still be on their way
     decoder.check_clean()
     prefiller.check_clean()
     print("both nodes clean: no page, request, transfer context or counter left")

@@ -259,6 +259,16 @@ class PrefillNode(NodeBase):
                 self._traced_step()
             time.sleep(0.01)
 
+    def settle(self, timeout_s: float = 5.0) -> None:
+        """After `stop()`: poll until the writes still in flight complete on their own,
+        failing nothing, so that `check_clean` looks at leaks, not at the stop's timing (a
+        decoder can decode its last tokens before this side has reaped the completions of
+        the writes that brought them: tcp reports a write done after it lands)."""
+        deadline = time.monotonic() + timeout_s
+        while self.messenger.has_work() and time.monotonic() < deadline:
+            self.messenger.poll()
+            time.sleep(0.01)
+
     def check_clean(self) -> None:
         """Assert nothing is left behind: no request, transfer, page or armed counter."""
         assert not self.engine.scheduler.has_unfinished(), "requests still scheduled"

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import contextlib
 import threading
-import time
 from collections.abc import Iterator
 
 from disagg.node.decode_node import DecodeNode
@@ -30,13 +29,7 @@ def running(prefill: PrefillNode, decode: DecodeNode) -> Iterator[Router]:
             node.stop()
         for thread in threads:
             thread.join(timeout=10)
-    # A decoder may decode its last tokens before the prefiller has reaped the completions of
-    # the writes that brought them (tcp reports a write done after it lands): let them come,
-    # failing nothing, so that check_clean looks at leaks, not at the stop's timing.
-    deadline = time.monotonic() + 5.0
-    while prefill.messenger.has_work() and time.monotonic() < deadline:
-        prefill.messenger.poll()
-        time.sleep(0.01)
+    prefill.settle()  # its last writes' completions, before checking it clean
     prefill.check_clean()
     decode.check_clean()
     decode.close()

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import threading
 import time
+from types import SimpleNamespace
 
 import pytest
 
@@ -68,3 +69,34 @@ def test_wind_down_ends_in_flight_work_and_leaves_the_prefiller_clean() -> None:
             decode_thread.join(10)
         decode.close()
         prefill.close()
+
+
+class _Messenger:
+    """Writes in flight that complete after `polls` polls (None: never)."""
+
+    def __init__(self, polls: int | None) -> None:
+        self.polls_left, self.polled, self.failed = polls, 0, False
+
+    def has_work(self) -> bool:
+        return self.polls_left is None or self.polled < self.polls_left
+
+    def poll(self) -> None:
+        self.polled += 1
+
+    def fail_all(self, reason: str) -> None:
+        self.failed = True
+
+
+def test_settle_polls_until_the_writes_in_flight_complete_and_fails_nothing() -> None:
+    """What `settle` gives `check_clean`: the completions still on their way, reaped."""
+    node = SimpleNamespace(messenger=_Messenger(polls=3))
+    PrefillNode.settle(node, timeout_s=5.0)  # type: ignore[arg-type]
+    assert not node.messenger.has_work() and node.messenger.polled == 3
+    assert not node.messenger.failed
+
+
+def test_settle_gives_up_on_writes_that_never_complete() -> None:
+    """A transfer stuck for good is left for `check_clean` to report, not failed here."""
+    node = SimpleNamespace(messenger=_Messenger(polls=None))
+    PrefillNode.settle(node, timeout_s=0.1)  # type: ignore[arg-type]
+    assert node.messenger.has_work() and not node.messenger.failed
