@@ -34,6 +34,7 @@ from disagg.node.preflight import check_cluster
 from disagg.node.ready_line import ReadyLine
 from disagg.node.secret_scope import SecretScope
 from disagg.node.supervisor import Supervisor
+from disagg.parallel.ranks import RANK_ENTRY
 from disagg.utils.forked_process import ChildProcess, ForkServer
 from disagg.utils.metrics import parse_metrics
 
@@ -41,7 +42,7 @@ logger = logging.getLogger(__name__)
 NODE_ENTRY = "disagg.node.serve"  # what each node's process runs: its main()
 # What the fork server imports before it forks: the node's code, and a TP rank's, since a TP
 # node asks the server that forked it for its ranks (`TPRanks.start`).
-PRELOAD = (NODE_ENTRY, "disagg.parallel.rank_worker")
+PRELOAD = (NODE_ENTRY, RANK_ENTRY)
 
 
 class LocalCluster:
