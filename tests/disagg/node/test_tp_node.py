@@ -11,6 +11,7 @@ import pytest
 
 from disagg.node.cluster_config import ClusterConfig
 from disagg.node.local_cluster import LocalCluster
+from tests.process_stat import ended_within
 
 pytestmark = [pytest.mark.fabric, pytest.mark.slow]
 
@@ -68,11 +69,7 @@ def test_ranks_exit_with_a_node_killed_by_sigkill() -> None:
     with LocalCluster(config) as cluster:
         (rank1,) = cluster.rank_pids["prefill-0"]
         cluster.kill("prefill-0")
-        deadline = time.monotonic() + 10
-        while Path(f"/proc/{rank1}").exists() and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert not Path(f"/proc/{rank1}").exists() or "Z" in Path(
-            f"/proc/{rank1}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        assert ended_within(rank1, 10.0)
 
 
 def test_matched_tp_with_two_stand_in_domains_per_rank_uses_all_four() -> None:

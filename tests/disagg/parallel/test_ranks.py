@@ -7,7 +7,6 @@ import os
 import signal
 import threading
 import time
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -22,6 +21,7 @@ from disagg.model.layer_counter import LayerCounter
 from disagg.model.loading.registry import load_model
 from disagg.model.sharding import Sharding
 from disagg.parallel.leader import start_leader
+from tests.process_stat import parent_of
 from transfer_core.poller import CounterPoller
 
 pytestmark = pytest.mark.slow  # rank processes: each test starts torch two to four more times
@@ -140,16 +140,14 @@ def test_every_rank_wrote_its_kv_when_the_leader_bumps() -> None:
 
 
 def child_pids() -> set[int]:
-    me = str(os.getpid())
     pids = set()
     for entry in os.listdir("/proc"):
         if entry.isdigit():
             try:
-                stat = Path(f"/proc/{entry}/stat").read_text()
+                if parent_of(int(entry)) == os.getpid():
+                    pids.add(int(entry))
             except OSError:
                 continue
-            if stat.rsplit(")", 1)[1].split()[1] == me:
-                pids.add(int(entry))
     return pids
 
 
