@@ -105,14 +105,19 @@ class RotaryEmbedding(nn.Module):
         # The length the scaling was trained for; transformers falls back to the model's.
         self.original = (scaling.original_max_position_embeddings if scaling is not None
                          and scaling.original_max_position_embeddings else max_positions)
-        inv_freq, self.attention_factor = self._inv_freq()
-        self.register_buffer("inv_freq", inv_freq, persistent=False)
-        if self.is_dynamic:
-            return
-        freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
-        angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rope_dim]
-        self.register_buffer("cos", angles.cos() * self.attention_factor, persistent=False)
-        self.register_buffer("sin", angles.sin() * self.attention_factor, persistent=False)
+        # The tables are constants, computed on the CPU whatever the default device (the model
+        # moves them with its weights). On the meta device, where a model is built for its
+        # shapes only (`weight_shards`), this arithmetic would run torch's Python reference
+        # kernels, whose first use imports torch._dynamo: a second of every process's start.
+        with torch.device("cpu"):
+            inv_freq, self.attention_factor = self._inv_freq()
+            self.register_buffer("inv_freq", inv_freq, persistent=False)
+            if self.is_dynamic:
+                return
+            freqs = torch.outer(torch.arange(max_positions, dtype=torch.float32), inv_freq)
+            angles = torch.cat((freqs, freqs), dim=-1)  # [max_positions, rope_dim]
+            self.register_buffer("cos", angles.cos() * self.attention_factor, persistent=False)
+            self.register_buffer("sin", angles.sin() * self.attention_factor, persistent=False)
 
     @staticmethod
     def for_model(config: ModelConfig) -> RotaryEmbedding:

@@ -63,6 +63,16 @@ class DecoderLayer(nn.Module):
         self.mlp = _feed_forward(config, shard, layer_idx)
 
 
+def _embedding(config: ModelConfig) -> nn.Embedding:
+    # nn.Embedding's own N(0, 1) init, except on the meta device (a model built for its shapes
+    # only, `weight_shards`): there it would run torch's Python reference kernels, whose first
+    # use imports torch._dynamo, a second of every process's start.
+    weight = torch.empty(config.vocab_size, config.hidden_size)
+    if not weight.is_meta:
+        nn.init.normal_(weight)
+    return nn.Embedding.from_pretrained(weight, freeze=False)
+
+
 class Transformer(nn.Module):
     """The whole decoder: embeddings, layers, final norm, LM head."""
 
@@ -74,7 +84,7 @@ class Transformer(nn.Module):
         if layer_counter is not None and not self.shard.is_leader:
             raise ValueError(f"only the leader bumps the layer counter (S3c), not rank "
                              f"{self.shard.rank}")
-        self.embed_tokens = nn.Embedding(config.vocab_size, config.hidden_size)
+        self.embed_tokens = _embedding(config)
         self.layers = nn.ModuleList(DecoderLayer(config, self.shard, i)
                                     for i in range(config.num_layers))
         self.norm = RMSNorm(config.hidden_size, config.rms_norm_eps)
