@@ -267,9 +267,8 @@ def load_transformer(config: EngineConfig, state_dict: dict[str, torch.Tensor],
                      layer_counter: LayerCounter | None = None) -> Transformer:
     """A model holding `state_dict` (names as in `Transformer.load_weights`), in the engine's
     dtype (`model/precision.py`)."""
-    model = Transformer(config.model, layer_counter)
-    model.load_weights(state_dict)
-    return cast_model(model, config.dtype)
+    return cast_model(Transformer.holding(config.model, state_dict, layer_counter),
+                      config.dtype)
 
 
 def build_model(config: EngineConfig, state_dict: dict[str, torch.Tensor] | None,

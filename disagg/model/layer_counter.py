@@ -26,7 +26,9 @@ class LayerCounter:
 
     def __init__(self, value: torch.Tensor | None = None, poll_target: object = None,
                  doorbell: Doorbell | None = None) -> None:
-        self.value = torch.zeros(1, dtype=torch.int64) if value is None else value
+        # On the CPU even where a model is built on the meta device (`Transformer.holding`).
+        self.value = (torch.zeros(1, dtype=torch.int64, device="cpu") if value is None
+                      else value)
         if self.value.dtype != torch.int64 or self.value.numel() != 1:
             raise ValueError(f"a layer counter needs one int64 element, got "
                              f"{self.value.dtype} x {self.value.numel()}")

@@ -106,9 +106,10 @@ class RotaryEmbedding(nn.Module):
         self.original = (scaling.original_max_position_embeddings if scaling is not None
                          and scaling.original_max_position_embeddings else max_positions)
         # The tables are constants, computed on the CPU whatever the default device (the model
-        # moves them with its weights). On the meta device, where a model is built for its
-        # shapes only (`weight_shards`), this arithmetic would run torch's Python reference
-        # kernels, whose first use imports torch._dynamo: a second of every process's start.
+        # moves them with its weights), and so hold their values in a model built on the meta
+        # device (`weight_shards`, `Transformer.holding`), where this arithmetic would also run
+        # torch's Python reference kernels, whose first use imports torch._dynamo: a second of
+        # every process's start.
         with torch.device("cpu"):
             inv_freq, self.attention_factor = self._inv_freq()
             self.register_buffer("inv_freq", inv_freq, persistent=False)

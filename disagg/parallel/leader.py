@@ -58,8 +58,8 @@ def start_leader(model_spec: str, config: ModelConfig,
         ranks = TPRanks.start(spec, on_failure)
     try:
         shard = TPShard(0, sharding, group.all_reduce) if ranks else TPShard(0, sharding)
-        model = Transformer(config, layer_counter, shard)
-        model.load_weights(leader_weights(model_spec, config, state_dict, shard))
+        model = Transformer.holding(config, leader_weights(model_spec, config, state_dict,
+                                                           shard), layer_counter, shard)
         model = cast_model(model, dtype).to(rank_device(device, 0)).eval()
         into_huge_pages(model)  # its CPU weights: a decode streams them (X8f)
         shard_model = shard_config(config, sharding)

@@ -78,8 +78,7 @@ def load_rank_model(model_spec: str, shard: TPShard, device: str,
     """Rank `shard.rank`'s part of the model on `device`, in `dtype`. A checkpoint is read
     slice by slice: the rank never holds a full split weight (`load_model(..., shard=)`)."""
     loaded = load_model(model_spec, shard=shard)
-    model = Transformer(loaded.config, shard=shard)
-    model.load_weights(loaded.state_dict)
+    model = Transformer.holding(loaded.config, loaded.state_dict, shard=shard)
     model = cast_model(model, dtype).to(device).eval()
     into_huge_pages(model)  # its CPU weights: a decode streams them (X8f)
     return model
