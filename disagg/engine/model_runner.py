@@ -54,8 +54,7 @@ class ModelRunner:
             sequences.append(SequenceSlice(
                 query_start=len(token_ids), query_len=chunk.num_tokens, context_len=chunk.start,
                 page_ids=torch.tensor(request.page_ids, dtype=torch.int64, device=self.device)))
-            tokens = request.all_token_ids + request.spec_token_ids  # drafts follow (S8)
-            token_ids.extend(tokens[chunk.start:chunk.end])
+            token_ids += request.token_ids(chunk.start, chunk.end)  # drafts follow (S8)
         positions = torch.cat([torch.arange(c.start, c.end) for c in batch.chunks]).to(self.device)
         page_index = positions // page_size  # which of the request's pages, per token
         slot_pages = torch.cat([seq.page_ids[page_index[seq.query_start:seq.query_start

@@ -121,6 +121,22 @@ class Request:
         """Prompt then generated tokens."""
         return self.prompt_token_ids + self.output_token_ids
 
+    def token_ids(self, start: int, end: int) -> list[int]:
+        """Tokens `start` to `end` (not included) of the prompt, then the generated tokens,
+        then the drafts (S8), without joining the lists: `all_token_ids` copies the whole
+        context, which a step that needs one token per request should not."""
+        taken: list[int] = []
+        for part in (self.prompt_token_ids, self.output_token_ids, self.spec_token_ids):
+            if start < len(part) and end > 0:
+                taken += part[max(start, 0):end]
+            start, end = start - len(part), end - len(part)
+        return taken
+
+    @property
+    def last_token_id(self) -> int:
+        """The latest token: the last generated one, else the prompt's last."""
+        return (self.output_token_ids or self.prompt_token_ids)[-1]
+
     @property
     def is_finished(self) -> bool:
         """Whether the request reached a terminal state."""

@@ -75,7 +75,7 @@ class EarlyExitProposer:
         """Up to `num_drafts[i]` tokens after each request's last token (whose K/V is not
         computed yet: the first step runs it, at position `num_tokens - 1`)."""
         drafts: list[list[int]] = [[] for _ in requests]
-        last = [r.all_token_ids[-1] for r in requests]
+        last = [r.last_token_id for r in requests]
         for step in range(max(num_drafts, default=0)):
             active = [i for i, k in enumerate(num_drafts) if k > step]
             spans = [Span(requests[i].page_ids, requests[i].num_tokens - 1 + step, 1)
@@ -149,9 +149,9 @@ class MTPProposer:
                 pieces.append(carry[1][None].to(rows.dtype))
                 state.carry = None
             pieces.append(rows[max(state.done - chunk.start, 0):end - chunk.start])
-            tokens = request.all_token_ids
             items.append(CatchUp(request.page_ids, state.done, torch.cat(pieces),
-                                 tokens[state.done + 1:end + 1]))
+                                 request.token_ids(state.done + 1,
+                                                   min(end + 1, request.num_tokens))))
             states.append((state, end))
         if not items:
             return

@@ -54,3 +54,19 @@ def test_a_vanishing_temperature_samples_greedily() -> None:
     assert params.temperature == 0.0
     logits = torch.tensor([0.1, 2.0, 1.9])
     assert sample_token(logits, params, torch.Generator().manual_seed(3)) == 1
+
+
+def test_token_ids_are_the_joined_lists_slices_of_every_range() -> None:
+    """Prompt, generated tokens and drafts read as one list, whatever range crosses them."""
+    request = Request("r", [1, 2, 3, 4], SamplingParams(max_tokens=9))
+    request.output_token_ids = [5, 6, 7]
+    request.spec_token_ids = [8, 9]
+    joined = request.all_token_ids + request.spec_token_ids
+    for start in range(len(joined) + 1):
+        for end in range(start, len(joined) + 3):
+            assert request.token_ids(start, end) == joined[start:end], (start, end)
+    assert request.last_token_id == 7
+
+
+def test_the_last_token_of_a_request_yet_to_generate_is_its_prompts() -> None:
+    assert Request("r", [1, 2, 3], SamplingParams()).last_token_id == 3
