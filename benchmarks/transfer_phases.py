@@ -1,6 +1,7 @@
 """Where one batch's time goes, phase by phase, on tcp and shm (S5, S4c).
 
-    python benchmarks/transfer_phases.py [--provider tcp|shm|all] [--reps N] [--json PATH]
+    python benchmarks/transfer_phases.py [--provider tcp|shm|all] [--reps N] [--workers idle due]
+        [--json PATH]
 
 A sender process (this one) and a spawned receiver, both `TransferEngine(phases=PhaseLog())`,
 so the C loop stamps every op and every batch of immediates and the progress threads stamp
@@ -9,7 +10,13 @@ callback path the messengers use (`post_paged_writes(..., on_done)`); the receiv
 fires after the last page and posts the acknowledging immediate, whose arrival ends the rep.
 Batches: 64 x 64 KiB (a layer's writes for a few requests), 2,048 x 64 KiB (the peers'
 workload) and one 4 KiB write. Both processes stamp CLOCK_MONOTONIC, so their phases line up.
-Prints the median of each phase in microseconds; --json writes the rows.
+Each batch runs with the workers as a rep leaves them (`idle`: between reps both sides wait on
+a pipe, so a batch meets workers that nap, as a request's first layer meets an idle decoder;
+on shm, which has no completion fd to sleep on, a nap of up to 1 ms then shows in `arrive`,
+`complete` and `ack`) and with what each side waits for marked due at once (`due`:
+`expect_soon(..., at_once=True)` on the receiver's counter and the sender's ack, as
+`transfer_core/bench.py` runs its back-to-back batches and the decoder marks a request's last
+layer). Prints the median of each phase in microseconds; --json writes the rows.
 """
 
 from __future__ import annotations
@@ -55,9 +62,13 @@ PHASES = (
 )
 
 
+WORKERS = ("idle", "due")  # how a rep finds both sides' workers (the module's doc)
+
+
 def _receiver_main(provider: str, conn: Any) -> None:
-    """The target: a region of REGION_PAGES pages; on ("arm", imm, n) it expects n arrivals,
-    then acknowledges; on ("record", imm, n) it sends its stamps for that rep."""
+    """The target: a region of REGION_PAGES pages; on ("arm", imm, n, due) it expects n
+    arrivals (marked due at once if `due`), then acknowledges; on ("record", imm, n) it sends
+    its stamps for that rep."""
     log = PhaseLog()
     with TransferEngine(provider, phases=log) as engine:
         region = np.zeros((REGION_PAGES, REGION_PAGE_BYTES), dtype=np.uint8)
@@ -73,6 +84,8 @@ def _receiver_main(provider: str, conn: Any) -> None:
         while (msg := conn.recv())[0] != "stop":
             if msg[0] == "arm":
                 engine.expect_imm_count(msg[1], msg[2], lambda imm=msg[1]: fire(imm))
+                if msg[3]:
+                    engine.expect_soon(msg[1], at_once=True)
                 conn.send("armed")
             else:
                 records = log.wait_arrivals(msg[1], msg[2])
@@ -95,9 +108,9 @@ class Sender:
         self.ack = np.zeros(8, dtype=np.uint8)
         _, self.ack_desc = self.engine.register_memory(self.ack, name="phases-ack")
 
-    def rep(self, dst: MemoryRegionDescriptor, imm: int, pages: int, nbytes: int
-            ) -> dict[str, int]:
-        """One batch, ack included; the sender's stamps."""
+    def rep(self, dst: MemoryRegionDescriptor, imm: int, pages: int, nbytes: int,
+            due: bool = False) -> dict[str, int]:
+        """One batch, ack included (marked due at once if `due`); the sender's stamps."""
         self.log.clear()
         acked, done, errors = threading.Event(), threading.Event(), []
         stamps: dict[str, int] = {}
@@ -107,6 +120,8 @@ class Sender:
             acked.set()
 
         self.engine.expect_imm_count(imm, 1, on_ack)
+        if due:
+            self.engine.expect_soon(imm, at_once=True)
         ids = np.arange(pages)
         write = PagedWrite(self.src_mr, ids, REGION_PAGE_BYTES, 0, dst, ids[::-1].copy(),
                            REGION_PAGE_BYTES, 0, nbytes, imm)
@@ -134,8 +149,10 @@ def phases_of(s: dict[str, int], r: dict[str, int]) -> dict[str, float]:
     return {name: (end - start) / 1e3 for name, (start, end) in spans.items()}
 
 
-def run_provider(provider: str, reps: int, warmup: int = 3) -> list[dict[str, Any]]:
-    """Every batch on `provider`: one row each, the median of every phase over `reps`."""
+def run_provider(provider: str, reps: int, warmup: int = 3,
+                 workers: tuple[str, ...] = WORKERS) -> list[dict[str, Any]]:
+    """Every batch on `provider` in each of `workers`' modes: one row each, the median of
+    every phase over `reps`."""
     ctx = mp.get_context("spawn")
     parent, child = ctx.Pipe()
     proc = ctx.Process(target=_receiver_main, args=(provider, child), daemon=True)
@@ -147,13 +164,14 @@ def run_provider(provider: str, reps: int, warmup: int = 3) -> list[dict[str, An
         sender = Sender(provider)
         parent.send(sender.ack_desc.to_bytes())
         imm = 0
-        for name, pages, nbytes in BATCHES:
+        for mode, (name, pages, nbytes) in ((m, b) for m in workers for b in BATCHES):
+            due = mode == "due"
             samples = []
             for rep in range(warmup + reps):
                 imm += 1
-                parent.send(("arm", imm, pages))
+                parent.send(("arm", imm, pages, due))
                 parent.recv()
-                stamps = sender.rep(dst, imm, pages, nbytes)
+                stamps = sender.rep(dst, imm, pages, nbytes, due)
                 parent.send(("record", imm, pages))
                 if rep >= warmup:
                     samples.append(phases_of(stamps, parent.recv()))
@@ -161,7 +179,8 @@ def run_provider(provider: str, reps: int, warmup: int = 3) -> list[dict[str, An
                     parent.recv()
             median = {k: round(statistics.median(x[k] for x in samples), 1) for k, _ in PHASES}
             gbps = pages * nbytes / (median["total"] * 1e3)
-            rows.append({"provider": sender.engine.provider, "batch": name, "pages": pages,
+            rows.append({"provider": sender.engine.provider, "workers": mode, "batch": name,
+                         "pages": pages,
                          "page_bytes": nbytes, "reps": reps, "gbps": round(gbps, 2), **median})
         parent.send(("stop",))
         proc.join(30)
@@ -175,11 +194,11 @@ def run_provider(provider: str, reps: int, warmup: int = 3) -> list[dict[str, An
 
 def print_table(rows: list[dict[str, Any]]) -> None:
     table = Table(title="Per-phase medians, microseconds (one batch through the callback path)")
-    for column in ("provider", "batch", *(k for k, _ in PHASES), "GB/s"):
+    for column in ("provider", "workers", "batch", *(k for k, _ in PHASES), "GB/s"):
         table.add_column(column, justify="right")
     for row in rows:
-        table.add_row(row["provider"], row["batch"], *(f"{row[k]:.1f}" for k, _ in PHASES),
-                      f"{row['gbps']:.2f}")
+        table.add_row(row["provider"], row["workers"], row["batch"],
+                      *(f"{row[k]:.1f}" for k, _ in PHASES), f"{row['gbps']:.2f}")
     console = Console()
     console.print(table)
     for name, meaning in PHASES:
@@ -190,10 +209,13 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--provider", default="all", choices=("tcp", "shm", "all"))
     parser.add_argument("--reps", type=int, default=30)
+    parser.add_argument("--workers", nargs="+", default=list(WORKERS), choices=WORKERS,
+                        help="how each rep finds the workers (see the module's doc)")
     parser.add_argument("--json", type=Path, default=None)
     args = parser.parse_args()
     providers = ("tcp", "shm") if args.provider == "all" else (args.provider,)
-    rows = [row for p in providers for row in run_provider(p, args.reps)]
+    rows = [row for p in providers
+            for row in run_provider(p, args.reps, workers=tuple(args.workers))]
     print_table(rows)
     if args.json is not None:
         args.json.write_text(json.dumps({"rows": rows}, indent=1))
