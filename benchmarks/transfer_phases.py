@@ -22,6 +22,7 @@ layer). Prints the median of each phase in microseconds; --json writes the rows.
 from __future__ import annotations
 
 import argparse
+import itertools
 import json
 import multiprocessing as mp
 import statistics
@@ -149,6 +150,17 @@ def phases_of(s: dict[str, int], r: dict[str, int]) -> dict[str, float]:
     return {name: (end - start) / 1e3 for name, (start, end) in spans.items()}
 
 
+def run_rep(receiver: Any, sender: Sender, dst: MemoryRegionDescriptor, imm: int, pages: int,
+            nbytes: int, due: bool) -> dict[str, float]:
+    """One rep's phases: the receiver (at the other end of the `receiver` pipe) armed for
+    `pages` writes, the batch and its ack, then both sides' stamps."""
+    receiver.send(("arm", imm, pages, due))
+    receiver.recv()
+    stamps = sender.rep(dst, imm, pages, nbytes, due)
+    receiver.send(("record", imm, pages))
+    return phases_of(stamps, receiver.recv())
+
+
 def run_provider(provider: str, reps: int, warmup: int = 3,
                  workers: tuple[str, ...] = WORKERS) -> list[dict[str, Any]]:
     """Every batch on `provider` in each of `workers`' modes: one row each, the median of
@@ -164,19 +176,13 @@ def run_provider(provider: str, reps: int, warmup: int = 3,
         sender = Sender(provider)
         parent.send(sender.ack_desc.to_bytes())
         imm = 0
-        for mode, (name, pages, nbytes) in ((m, b) for m in workers for b in BATCHES):
-            due = mode == "due"
+        for mode, (name, pages, nbytes) in itertools.product(workers, BATCHES):
             samples = []
             for rep in range(warmup + reps):
                 imm += 1
-                parent.send(("arm", imm, pages, due))
-                parent.recv()
-                stamps = sender.rep(dst, imm, pages, nbytes, due)
-                parent.send(("record", imm, pages))
+                phases = run_rep(parent, sender, dst, imm, pages, nbytes, mode == "due")
                 if rep >= warmup:
-                    samples.append(phases_of(stamps, parent.recv()))
-                else:
-                    parent.recv()
+                    samples.append(phases)
             median = {k: round(statistics.median(x[k] for x in samples), 1) for k, _ in PHASES}
             gbps = pages * nbytes / (median["total"] * 1e3)
             rows.append({"provider": sender.engine.provider, "workers": mode, "batch": name,

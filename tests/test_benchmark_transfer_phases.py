@@ -50,11 +50,7 @@ def test_in_the_due_mode_both_sides_mark_their_waits_due_at_once(
         dst = transfer_phases.MemoryRegionDescriptor.from_bytes(parent.recv())
         parent.send(sender.ack_desc.to_bytes())
         for imm, due in ((1, False), (2, True)):
-            parent.send(("arm", imm, 4, due))
-            parent.recv()
-            sender.rep(dst, imm, 4, 4096, due)
-            parent.send(("record", imm, 4))
-            parent.recv()
+            transfer_phases.run_rep(parent, sender, dst, imm, 4, 4096, due)
         parent.send(("stop",))
         receiver.join(30)
     finally:

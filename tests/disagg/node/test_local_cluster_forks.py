@@ -22,7 +22,6 @@ CONFIG = ClusterConfig.from_options(model="tiny", num_decoders=1, page_size=4, n
                                     chunk_size=32, decode_tp=2)
 
 
-
 @pytest.mark.slow  # three processes, each started twice
 def test_nodes_and_ranks_are_forked_and_a_dead_server_is_replaced() -> None:
     """Every node and the decoder's rank are the fork server's children; with that server
