@@ -19,6 +19,8 @@ from pathlib import Path
 import torch
 from torch import nn
 
+from disagg.model import layer_weights
+
 HUGE_PAGE = 2 << 20  # x86-64's transparent huge page
 ALIGN = 64  # each parameter starts on a cache line, as the C kernels' loads prefer
 THP_MODE = Path("/sys/kernel/mm/transparent_hugepage/enabled")
@@ -88,4 +90,5 @@ def into_huge_pages(model: nn.Module) -> int:
             place.copy_(param.data)
             param.data = place
             offset += _aligned(n)
+    layer_weights.forget(model)  # the decode step's weight addresses moved (X8e)
     return offset

@@ -3,13 +3,15 @@
 `decode_layers.c` takes every weight by address, DL_WEIGHTS of them per layer (a MoE layer's
 experts through a table of their own). Walking the modules for those addresses cost 0.9 ms of
 a SmolLM2 step and 1.1 ms of a Qwen3-MoE one, so the table is built at a model's first
-decode in a dtype and kept beside it. Each step first checks that every weight it names still
-has the address it was built from (about 0.13 us a tensor: 36 us for SmolLM2's 270): a cast
-swaps `param.data`, and the table is rebuilt then, before C could read the freed storage.
-Loading copies into the parameters in place. What the check cannot see is a parameter
-replaced by a new `Parameter` object after the first decode: the table would keep the old
-one (alive, so still safe to read, but not the model's weight any more); nothing in the
-engine does that once it serves.
+decode in a dtype and kept beside it. Checking every weight's address at each step cost 7% of
+a Qwen3-MoE step (its 456 tensors' objects are out of the cache after the layers streamed
+their weights), so the table is forgotten where weights move instead: a cast or move of the
+model (`Transformer._apply`, `precision.cast_model`), a load that assigns new tensors, the move
+into huge pages (X8f). Each step still checks the first and last weight's address, which any
+whole-model move changes. The table keeps an alias of every weight it names, so its addresses
+stay readable whatever happens to the parameters: a weight given new storage by other means
+after the first decode (`param.data = ...` on one parameter) is read as it was when the table
+was built, never freed under C. Nothing in the engine does that once it serves.
 """
 
 from __future__ import annotations
@@ -31,16 +33,17 @@ _TABLES: weakref.WeakKeyDictionary[nn.Module, dict[tuple[int, torch.dtype], Laye
 @dataclass(frozen=True)
 class LayerWeights:
     """`addresses`: DL_WEIGHTS int64 addresses a layer, in decode_layers.c's DL_* order (0:
-    none); `expert_tables`: the MoE layers' tables they point into; `weights` and `pointers`:
-    every tensor named and the address it had."""
+    none); `expert_tables`: the MoE layers' tables they point into; `aliases`: every tensor
+    named, detached from its parameter so that its storage lives as long as the table;
+    `sentinels`: the first and last weight named, with the addresses they had."""
 
     addresses: torch.Tensor
     expert_tables: list[torch.Tensor]
-    weights: list[torch.Tensor]
-    pointers: list[int]
+    aliases: list[torch.Tensor]
+    sentinels: tuple[tuple[torch.Tensor, int], ...]
 
     def current(self) -> bool:
-        return [weight.data_ptr() for weight in self.weights] == self.pointers
+        return all(weight.data_ptr() == pointer for weight, pointer in self.sentinels)
 
 
 def weights_of(model: nn.Module, num_layers: int, dtype: torch.dtype) -> LayerWeights:
@@ -50,6 +53,13 @@ def weights_of(model: nn.Module, num_layers: int, dtype: torch.dtype) -> LayerWe
     if table is None or not table.current():
         table = tables[num_layers, dtype] = _build(model, num_layers, dtype)
     return table
+
+
+def forget(model: nn.Module) -> None:
+    """Drop the tables of `model` and of every module in it: call it after giving any of their
+    weights new storage, so that the next decode builds its table from the new addresses."""
+    for module in model.modules():
+        _TABLES.pop(module, None)
 
 
 def _build(model: nn.Module, num_layers: int, dtype: torch.dtype) -> LayerWeights:
@@ -84,5 +94,7 @@ def _build(model: nn.Module, num_layers: int, dtype: torch.dtype) -> LayerWeight
                                              expert.down_proj)], dtype=torch.int64)
         expert_tables.append(experts)
         addresses.append(experts.data_ptr())
-    return LayerWeights(torch.tensor(addresses, dtype=torch.int64), expert_tables, kept,
-                        [weight.data_ptr() for weight in kept])
+    ends = (kept[0], kept[-1])
+    return LayerWeights(torch.tensor(addresses, dtype=torch.int64), expert_tables,
+                        [weight.detach() for weight in kept],
+                        tuple((weight, weight.data_ptr()) for weight in ends))

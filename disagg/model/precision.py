@@ -13,6 +13,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from disagg.model import layer_weights
+
 
 def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
     """`model` with its floating-point parameters in `dtype`, in place; those of modules with
@@ -23,4 +25,5 @@ def cast_model(model: nn.Module, dtype: torch.dtype) -> nn.Module:
         for param in module.parameters(recurse=False):
             if param.is_floating_point():
                 param.data = param.data.to(target)
+    layer_weights.forget(model)  # the decode step's weight addresses moved (X8e)
     return model

@@ -20,12 +20,13 @@ runs the loop's kernels in one C call instead (`decode_layers.py`, X8e), with th
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from itertools import islice
 
 import torch
 from torch import nn
 
-from disagg.model import decode_layers
+from disagg.model import decode_layers, layer_weights
 from disagg.model.attention import AttentionMetadata
 from disagg.model.kv_cache import KVCache
 from disagg.model.layer_counter import LayerCounter, NullLayerCounter
@@ -132,6 +133,13 @@ class Transformer(nn.Module):
         weight = self.embed_tokens.weight if self.lm_head is None else self.lm_head.weight
         return linear(hidden, weight)
 
+    def _apply(self, fn: Callable[[torch.Tensor], torch.Tensor],
+               recurse: bool = True) -> Transformer:
+        # .to(), .float(), .bfloat16() ... give the parameters new storage: the decode step's
+        # table of weight addresses must be built again (X8e).
+        layer_weights.forget(self)
+        return super()._apply(fn, recurse)
+
     def tp_cuts(self) -> dict[str, Cut]:
         """Full parameter name -> the slice this rank holds, for every weight TP splits (the
         rest, norms, embeddings, routers, are whole on every rank)."""
@@ -163,6 +171,8 @@ class Transformer(nn.Module):
     def load_weights(self, state_dict: dict[str, torch.Tensor], assign: bool = False) -> None:
         """Copy a Hugging Face style state dict (names without ``model.``) into the model (with
         `assign`, its tensors become the parameters)."""
+        if assign:
+            layer_weights.forget(self)  # the parameters become new tensors
         missing, unexpected = self.load_state_dict(state_dict, strict=False, assign=assign)
         missing = [name for name in missing if not name.startswith("rope.")]
         if missing or unexpected:
