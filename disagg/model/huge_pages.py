@@ -6,7 +6,7 @@ where asked (`madvise(MADV_HUGEPAGE)`, transparent huge pages in "madvise" or "a
 but only for memory asked before its first touch, and torch's allocations are not. So
 `into_huge_pages` copies the parameters into one arena asked for huge pages before anything
 touches it, and points each parameter at its place there (`param.data`, as a cast does; the
-decode layers' table of weight addresses sees the move and is rebuilt). A copy: the values,
+decode layers' table of weight addresses is forgotten, to be rebuilt at the next decode). A copy: the values,
 and every result, keep their bits. Where the kernel has no transparent huge pages, or the
 platform no `madvise`, nothing moves.
 """
@@ -62,7 +62,7 @@ def _aligned(nbytes: int) -> int:
     return -(-nbytes // ALIGN) * ALIGN
 
 
-def _arena(nbytes: int) -> torch.Tensor:
+def huge_page_buffer(nbytes: int) -> torch.Tensor:
     """`nbytes` of anonymous memory asked for huge pages, untouched, starting on a huge page."""
     # Private: Python's default for anonymous maps is shared memory, which takes huge pages
     # under another setting (shmem_enabled, "never" by default).
@@ -82,7 +82,7 @@ def into_huge_pages(model: nn.Module) -> int:
     if not params:
         return 0
     nbytes = [p.numel() * p.element_size() for p in params]
-    arena = _arena(sum(_aligned(n) for n in nbytes))
+    arena = huge_page_buffer(sum(_aligned(n) for n in nbytes))
     offset = 0
     with torch.no_grad():
         for param, n in zip(params, nbytes, strict=True):
