@@ -6,9 +6,9 @@ where asked (`madvise(MADV_HUGEPAGE)`, transparent huge pages in "madvise" or "a
 but only for memory asked before its first touch, and torch's allocations are not. So
 `into_huge_pages` copies the parameters into one arena asked for huge pages before anything
 touches it, and points each parameter at its place there (`param.data`, as a cast does; the
-decode layers' table of weight addresses is forgotten, to be rebuilt at the next decode). A copy: the values,
-and every result, keep their bits. Where the kernel has no transparent huge pages, or the
-platform no `madvise`, nothing moves.
+decode layers' table of weight addresses is forgotten, to be rebuilt at the next decode). A
+copy: the values, and every result, keep their bits. Where the kernel has no transparent huge
+pages, or the platform no `madvise`, nothing moves.
 """
 
 from __future__ import annotations
