@@ -7,15 +7,14 @@ peers; `post_write`, `post_paged_writes` (a `PagedWrite`) and `post_imm` take
 writes. Several domains (NICs) each run a `DomainWorker` progress thread. The receiver's
 immediate count is the truth of placement: a sender's `on_done` only means the provider is
 done with the source buffer. This file checks and dispatches; its collaborators do the work:
-which domain a write leaves on (`write_router.py`, S6a), the receiver's counters
-(`imm_counting.py`, shared with the loopback), waited writes (`waited.py`), `connect`'s early
-connection (`warmup.py`), argument checks (`write_checks.py`, shared with the loopback) and
-which NIC and cores each domain gets (`placement.py`).
+its registered memory (`registration.py`), which domain a write leaves on (`write_router.py`,
+S6a), the receiver's counters (`imm_counting.py`, shared with the loopback), waited writes
+(`waited.py`), `connect`'s early connection (`warmup.py`), argument checks (`write_checks.py`,
+shared with the loopback) and which NIC and cores each domain gets (`placement.py`).
 """
 
 from __future__ import annotations
 
-import itertools
 import threading
 from collections.abc import Sequence
 from typing import Any
@@ -31,7 +30,7 @@ from transfer_core.owner_errors import OwnerErrors
 from transfer_core.phases import PhaseLog
 from transfer_core.placement import plan_domains
 from transfer_core.pyfabric import AUTO_NODE, DEFAULT_PROVIDERS, Stats, find_infos
-from transfer_core.registration import register_on
+from transfer_core.registration import Registrations
 from transfer_core.transport import PagedWrite
 from transfer_core.waited import PreparedWrite, RepeatedWrites
 from transfer_core.warmup import Warmup
@@ -81,15 +80,14 @@ class TransferEngine(ImmCounting):
         self.phases = phases
         self._errors = OwnerErrors()
         self.imm_counters = ImmCounterMap(fire=self._fire, on_soon=self._set_eager)
-        self._regions: list[MemoryRegion] = []
         self._repeated = RepeatedWrites()
-        self._names = itertools.count()
         self._closed = False
         self._threads: set[threading.Thread] = set()
         self._warmup: Warmup | None = None
         infos = find_infos(provider, node=node, hmem=hmem, delivery_complete=delivery_complete)
         plans = plan_domains(infos, num_domains, cpus, domain_cpus, nics)
         self._domains: list[DomainWorker] = []
+        self._registrations = Registrations(self._domains)
         # Each domain's progress thread hands its arrivals to the counters (S4c).
         on_imms, guard = self.imm_counters.on_imms, self._errors.guard
         try:
@@ -150,14 +148,12 @@ class TransferEngine(ImmCounting):
                 f"provider {self.provider!r} was opened without FI_HMEM: cannot register CUDA "
                 "memory (use TransferEngine(hmem=True) with a CUDA-enabled libfabric)"
             )
-        name = name or f"mr{next(self._names)}"
-        region = register_on(self._domains, self.provider, buf, name, remote_write)
-        self._regions.append(region)
+        region = self._registrations.register(buf, name, remote_write)
         return region, region.descriptor
 
     def unregister_memory(self, region: MemoryRegion) -> None:
         """Close a region's registrations; no transfer may still use it."""
-        self._regions.remove(region)
+        self._registrations.remove(region)
         self._repeated.forget(region)
         region.close()
 
@@ -329,9 +325,7 @@ class TransferEngine(ImmCounting):
         for worker in self._domains:
             worker.stop(drain_s)
         self._repeated.forget()
-        for region in self._regions:
-            region.close()
-        self._regions.clear()
+        self._registrations.close()
         if self._warmup is not None:
             self._warmup.close()
         for worker in self._domains:
@@ -352,7 +346,7 @@ class TransferEngine(ImmCounting):
         self, src_mr: MemoryRegion | None, dst_mr: MemoryRegionDescriptor, imm_data: int | None
     ) -> None:
         self._check_open()
-        if src_mr is not None and src_mr not in self._regions:
+        if src_mr is not None and src_mr not in self._registrations:
             raise ValueError(f"region {src_mr.name!r} is not registered with this engine")
         check_target(self.provider, dst_mr, imm_data)
 
