@@ -1,6 +1,7 @@
 /* The arithmetic of a decode's attention on a block of keys, whatever page holds them (X8b):
    the scores of 16 keys against one query row, their lanes summed as one vector's reduction
-   sums them, and the exponentials of a row of scores (`lanes_exp.h`). `decode_attention.c`
+   sums them (bfloat16 rows' products summed in pairs, as the projections' are), and the
+   exponentials of a row of scores (`lanes_exp.h`). `decode_attention.c`
    walks the pages and the threads; this is what it computes per block. AVX-512 only
    (included where the kernel is compiled for x86-64). */
 
@@ -79,5 +80,33 @@ static inline void da_scores16(const float *q, const char *const *rows, int coun
     __m512 s = _mm512_mul_ps(da_sum16(acc), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), s);
 }
+
+/* Scores of up to 16 bfloat16 keys against a bfloat16 query row, 32 elements a step, each
+   lane adding its pair's two products as AVX-512 BF16's dot product does (`STEP`: the
+   instruction or its emulation, `bf16.h`), then the lanes summed as above and scaled: half the
+   multiply instructions of widening each element to float32 first (a Qwen3-MoE layer's
+   attention 1.3x faster hot), and the same bits on a CPU with the extension or without it.
+   Inlined where called (`decode_attention.c` builds its key sweep once per variant): called
+   out of line, the block's sums left the registers and the instruction gained nothing. */
+#define DA_SCORES16_PAIRS(NAME, TARGET, STEP)                                                \
+    __attribute__((target(TARGET), always_inline))                                           \
+    static inline void NAME(const uint16_t *q, const char *const *rows, int count,            \
+                            int64_t d, float scale, float *out) {                            \
+        __m512 acc[16];                                                                      \
+        for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();                           \
+        for (int64_t i = 0; i < d; i += 32) {                                                \
+            __mmask32 m = d - i >= 32 ? (__mmask32)0xffffffffu                               \
+                                      : (__mmask32)((1ull << (d - i)) - 1ull);               \
+            __m512i qv = _mm512_maskz_loadu_epi16(m, q + i);                                 \
+            for (int j = 0; j < 16; j++)                                                     \
+                acc[j] = STEP(acc[j], qv,                                                    \
+                              _mm512_maskz_loadu_epi16(m, (const uint16_t *)rows[j] + i));   \
+        }                                                                                    \
+        __m512 s = _mm512_mul_ps(da_sum16(acc), _mm512_set1_ps(scale));                      \
+        _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), s);                      \
+    }
+
+DA_SCORES16_PAIRS(da_scores16_dot, "avx512f,avx512bw,avx512vl,avx512bf16", sl_bf16_dot)
+DA_SCORES16_PAIRS(da_scores16_pairs, "avx512f,avx512bw,avx512vl", sl_bf16_pair_fma)
 
 #endif

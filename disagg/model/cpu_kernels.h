@@ -19,6 +19,8 @@ int da_decode_attention(int bf16, int layout, uintptr_t q, uintptr_t layer, uint
                         int64_t num_pages, int64_t page_size, int64_t cache_heads,
                         int64_t head_dim, int64_t head_start, int64_t num_kv_heads,
                         int64_t group, float scale, int threads);
+int da_block_scores(int bf16, uintptr_t q, uintptr_t keys, int64_t count, int64_t d,
+                    float scale, uintptr_t out);
 /* rms_norm.c and rotary.c (X8c). */
 int rn_rms_norm(int dtype, uintptr_t x, uintptr_t weight, uintptr_t out, int64_t rows,
                 int64_t width, float eps, int threads);

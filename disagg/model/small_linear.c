@@ -61,30 +61,6 @@ static inline void sl_f32_row(const float *x, const float *wr, float *out, int m
     for (int r = 0; r < m; r++) out[r] = _mm512_reduce_add_ps(acc[r]);
 }
 
-/* One step of a bfloat16 row: `acc` plus the 16 pairs of products of 32 elements, with AVX-512
-   BF16's dot-product instruction. */
-__attribute__((target("avx512f,avx512bw,avx512bf16"), always_inline))
-static inline __m512 sl_bf16_dot(__m512 acc, __m512i xv, __m512i wv) {
-    return _mm512_dpbf16_ps(acc, (__m512bh)xv, (__m512bh)wv);
-}
-
-/* The same step on a CPU with AVX-512 but not its BF16 extension (Skylake to Ice Lake Xeons):
-   `vdpbf16ps` adds, per float32 lane, the product of the pair's odd elements and then that of
-   its even ones, each rounded once; a product of two bfloat16 values is exact in float32, so an
-   FMA of the two widened halves rounds exactly as it does. The odd element of a pair is
-   already a float32's top half (mask the low one off), the even one shifts up. The same bits
-   as the instruction, except that it treats denormal inputs and results as zero and this does
-   not. */
-__attribute__((target("avx512f,avx512bw"), always_inline))
-static inline __m512 sl_bf16_pair_fma(__m512 acc, __m512i xv, __m512i wv) {
-    const __m512i high = _mm512_set1_epi32((int)0xffff0000u);
-    __m512 x_odd = _mm512_castsi512_ps(_mm512_and_si512(xv, high));
-    __m512 w_odd = _mm512_castsi512_ps(_mm512_and_si512(wv, high));
-    __m512 x_even = _mm512_castsi512_ps(_mm512_slli_epi32(xv, 16));
-    __m512 w_even = _mm512_castsi512_ps(_mm512_slli_epi32(wv, 16));
-    return _mm512_fmadd_ps(x_even, w_even, _mm512_fmadd_ps(x_odd, w_odd, acc));
-}
-
 /* One weight row against m token rows, 32 bfloat16 a step (`STEP`: one of the two above); a
    macro because each needs its own target. */
 #define SL_BF16_ROW(NAME, TARGET, STEP)                                                     \

@@ -4,8 +4,10 @@ from __future__ import annotations
 
 import dataclasses
 
+import numpy as np
 import pytest
 import torch
+import torch.nn.functional as F
 
 from disagg.config import CacheConfig, ModelConfig
 from disagg.errors import KernelError
@@ -16,7 +18,7 @@ from disagg.model.attention import (
     paged_attention,
     reference_attention,
 )
-from disagg.model.cpu_kernels import AVX512
+from disagg.model.cpu_kernels import AVX512, lib
 from disagg.model.decode_attention import decode_attention, takes_kernel
 from disagg.model.kv_cache import PagedKVCache
 
@@ -194,3 +196,39 @@ def test_a_query_of_another_head_dim_is_refused() -> None:
     with pytest.raises(KernelError, match="query heads of 16"):
         decode_attention(torch.randn(1, TINY.num_heads, 16), cache, 0, torch.tensor([[1]]),
                          torch.tensor([2]), 0.5)
+
+
+def _vdpbf16ps_scores(q: torch.Tensor, keys: torch.Tensor, scale: float) -> np.ndarray:
+    """Scores by the definition of AVX-512 BF16's `vdpbf16ps`, in float32 numpy: per lane of
+    16, per 32 elements, the pair's odd product added and rounded, then its even one (each
+    product of two bfloat16 values is exact in float32); the lanes summed as
+    `_mm512_reduce_add_ps` pairs them (halves, quarters, lanes two apart); then the scale."""
+    chunks = -(-q.shape[0] // 32)
+    pad = chunks * 32 - q.shape[0]
+    qs = F.pad(q.float(), (0, pad)).numpy().reshape(1, chunks, 16, 2)
+    ks = F.pad(keys.float(), (0, pad)).numpy().reshape(keys.shape[0], chunks, 16, 2)
+    acc = np.zeros((keys.shape[0], 16), dtype=np.float32)
+    for c in range(chunks):
+        acc = acc + qs[:, c, :, 1] * ks[:, c, :, 1]
+        acc = acc + qs[:, c, :, 0] * ks[:, c, :, 0]
+    eight = acc[:, 8:] + acc[:, :8]
+    four = eight[:, 4:] + eight[:, :4]
+    two = four[:, 2:] + four[:, :2]
+    return (two[:, 0] + two[:, 1]) * np.float32(scale)
+
+
+@pytest.mark.parametrize("head_dim", [64, 72, 128])
+@pytest.mark.parametrize("count", [16, 5])
+def test_bfloat16_scores_are_the_bf16_dot_products(head_dim: int, count: int) -> None:
+    """A block of bfloat16 keys is scored with AVX-512 BF16's dot product, or where the CPU
+    lacks it its emulation: the same bits either way, those of the instruction's definition
+    (no denormals here, which the instruction alone would flush)."""
+    generator = torch.Generator().manual_seed(head_dim + count)
+    q = torch.randn(head_dim, generator=generator).bfloat16()
+    keys = torch.randn(count, head_dim, generator=generator).bfloat16()
+    out = torch.full((16,), float("nan"))
+    scale = head_dim ** -0.5
+    assert lib.da_block_scores(1, q.data_ptr(), keys.data_ptr(), count, head_dim, scale,
+                               out.data_ptr()) == 0
+    assert torch.equal(out[:count], torch.from_numpy(_vdpbf16ps_scores(q, keys, scale)))
+    assert out[count:].isnan().all()  # nothing written past the block's keys
