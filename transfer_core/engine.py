@@ -346,8 +346,8 @@ class TransferEngine(ImmCounting):
         self, src_mr: MemoryRegion | None, dst_mr: MemoryRegionDescriptor, imm_data: int | None
     ) -> None:
         self._check_open()
-        if src_mr is not None and src_mr not in self._registrations:
-            raise ValueError(f"region {src_mr.name!r} is not registered with this engine")
+        if src_mr is not None:
+            self._registrations.check(src_mr)
         check_target(self.provider, dst_mr, imm_data)
 
     def _check_open(self) -> None:

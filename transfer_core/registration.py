@@ -62,13 +62,14 @@ class Registrations:
         self._regions[id(region)] = region
         return region
 
-    def __contains__(self, region: object) -> bool:
-        return self._regions.get(id(region)) is region
+    def check(self, region: MemoryRegion) -> None:
+        """ValueError naming `region` unless it is registered here (a write's source must be)."""
+        if self._regions.get(id(region)) is not region:
+            raise ValueError(f"region {region.name!r} is not registered with this engine")
 
     def remove(self, region: MemoryRegion) -> None:
         """Forget `region` (its owner closes it); ValueError for one not registered here."""
-        if region not in self:
-            raise ValueError(f"region {region.name!r} is not registered with this engine")
+        self.check(region)
         del self._regions[id(region)]
 
     def close(self) -> None:
