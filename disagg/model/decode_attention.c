@@ -45,8 +45,8 @@ enum { DA_OK = 0, DA_NO_ISA = -1, DA_BAD_PAGE = -2, DA_BAD_LENGTH = -3, DA_BAD_S
    `peak[g]`, its sum of exponentials `sum[g]` and the weighted sum of its values
    `acc[g * d ..]`, undivided (`da_combine` joins the parts). The keys are read once, 16 at a
    time, each block scored against every query head of the group while it is in L1; the
-   values in as few sweeps as the registers allow (the sweeps: `attention_sweeps.h`). `s` holds group * (t1 - t0)
-   scores, `qf` the group's query rows in float32. */
+   values in as few sweeps as the registers allow (the sweeps: `attention_sweeps.h`). `s`
+   holds group * (t1 - t0) scores, `qf` the group's query rows in float32. */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static int da_part(const da_args *a, int64_t b, int64_t kvh, int64_t t0, int64_t t1, float *qf,
                    float *s, float *peak, float *sum, float *acc) {
