@@ -63,19 +63,20 @@ static inline __m512 da_sum16(const __m512 *acc) {
     return _mm512_permutexvar_ps(keys, s);
 }
 
-/* Scores of up to 16 keys, rows at `rows[0..count)`, against query head g's row (float32):
+/* Scores of up to 16 float32 keys, rows at `rows[0..count)`, against a float32 query row:
    each the lanes' FMAs along the row, their sum (`da_sum16`), then the scale; written to
-   out[0..count). */
+   out[0..count). (bfloat16 keys: `da_scores16_dot` and `da_scores16_pairs` below.) */
 __attribute__((target("avx512f,avx512bw,avx512vl"), always_inline))
 static inline void da_scores16(const float *q, const char *const *rows, int count, int64_t d,
-                               int bf16, float scale, float *out) {
+                               float scale, float *out) {
     __m512 acc[16];
     for (int j = 0; j < 16; j++) acc[j] = _mm512_setzero_ps();
     for (int64_t i = 0; i < d; i += 16) {
         __mmask16 m = lanes_mask(d, i);
         __m512 qv = _mm512_maskz_loadu_ps(m, q + i);
         for (int j = 0; j < 16; j++)
-            acc[j] = _mm512_fmadd_ps(qv, lanes_load(rows[j], i, bf16, m), acc[j]);
+            acc[j] = _mm512_fmadd_ps(qv, _mm512_maskz_loadu_ps(m, (const float *)rows[j] + i),
+                                     acc[j]);
     }
     __m512 s = _mm512_mul_ps(da_sum16(acc), _mm512_set1_ps(scale));
     _mm512_mask_storeu_ps(out, (__mmask16)((1u << count) - 1u), s);

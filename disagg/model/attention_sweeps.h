@@ -156,9 +156,10 @@ static void da_values(const da_args *a, const char *layer, const int64_t *pages,
 /* Keys [t0, t1) of one pair scored against its `group` query heads into `s` (a row of
    t1 - t0 per head), pages in order and slots within each, 16 keys at a time while their rows
    are in L1; the pages' rows are fetched DA_PREFETCH_PAGES ahead (the values' pass finds them
-   too). `qf`: the query rows in float32; `qb`: the same rows as bfloat16 (`SCORE_BF16` reads
-   them). Built twice (`da_score_keys_dot` for a CPU with AVX-512 BF16, `da_score_keys_plain`
-   for any AVX-512 CPU), so that each inlines its bfloat16 block scoring. */
+   too). `qf`: float32 query rows (float32 keys, `da_scores16`); `qb`: bfloat16 ones (bfloat16
+   keys, `SCORE_BF16`). Built twice (`da_score_keys_dot` for a CPU with AVX-512 BF16,
+   `da_score_keys_plain` for any AVX-512 CPU), so that each inlines its bfloat16 block
+   scoring. */
 #define DA_SCORE_KEYS(NAME, TARGET, SCORE_BF16)                                              \
     __attribute__((target(TARGET)))                                                          \
     static void NAME(const da_args *a, const char *layer, const int64_t *pages,             \
@@ -182,7 +183,7 @@ static void da_values(const da_args *a, const char *layer, const int64_t *pages,
                 float *out = s + t + 1 - count - t0; /* keys t + 1 - count .. t */           \
                 for (int64_t g = 0; g < a->group; g++, out += len)                           \
                     if (a->bf16) SCORE_BF16(qb + g * d, rows, count, d, a->scale, out);      \
-                    else da_scores16(qf + g * d, rows, count, d, 0, a->scale, out);          \
+                    else da_scores16(qf + g * d, rows, count, d, a->scale, out);             \
                 count = 0;                                                                   \
             }                                                                                \
         }                                                                                    \

@@ -20,6 +20,7 @@
 #include <math.h> /* INFINITY, NAN, expf */
 #include <stdint.h>
 #include <stdlib.h>
+#include <string.h>
 
 #include "attention_sweeps.h"
 #include "bf16.h"
@@ -46,7 +47,8 @@ enum { DA_OK = 0, DA_NO_ISA = -1, DA_BAD_PAGE = -2, DA_BAD_LENGTH = -3, DA_BAD_S
    `acc[g * d ..]`, undivided (`da_combine` joins the parts). The keys are read once, 16 at a
    time, each block scored against every query head of the group while it is in L1; the
    values in as few sweeps as the registers allow (the sweeps: `attention_sweeps.h`). `s`
-   holds group * (t1 - t0) scores, `qf` the group's query rows in float32. */
+   holds group * (t1 - t0) scores, `qf` room for the group's query rows (float32 ones are
+   copied there, as the scoring reads them there fastest). */
 __attribute__((target("avx512f,avx512bw,avx512vl")))
 static int da_part(const da_args *a, int64_t b, int64_t kvh, int64_t t0, int64_t t1, float *qf,
                    float *s, float *peak, float *sum, float *acc) {
@@ -63,8 +65,7 @@ static int da_part(const da_args *a, int64_t b, int64_t kvh, int64_t t0, int64_t
         da_prefetch(a, layer, pages[p], 0, head);
         da_prefetch(a, layer, pages[p], 1, head);
     }
-    for (int64_t i = 0; i < group * d; i++)
-        qf[i] = elem_load(a->q, first_q + i, bf16);
+    if (!bf16) memcpy(qf, (const float *)a->q + first_q, sizeof(float) * group * d);
     const uint16_t *qb = bf16 ? (const uint16_t *)a->q + first_q : NULL; /* as they are */
     if (a->bf16_dot) da_score_keys_dot(a, layer, pages, head, t0, t1, qf, qb, s);
     else da_score_keys_plain(a, layer, pages, head, t0, t1, qf, qb, s);
@@ -133,7 +134,7 @@ static int da_block_run(int bf16, const void *q, const char *keys, int64_t count
     for (int j = 0; j < 16; j++) rows[j] = keys + (j < count ? j : 0) * d * (bf16 ? 2 : 4);
     if (bf16 && sl_has_avx512_bf16()) da_block_dot(q, rows, (int)count, d, scale, out);
     else if (bf16) da_scores16_pairs(q, rows, (int)count, d, scale, out);
-    else da_scores16((const float *)q, rows, (int)count, d, 0, scale, out);
+    else da_scores16((const float *)q, rows, (int)count, d, scale, out);
     return DA_OK;
 }
 
