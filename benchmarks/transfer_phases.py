@@ -186,8 +186,8 @@ def run_provider(provider: str, reps: int, warmup: int = 3,
             median = {k: round(statistics.median(x[k] for x in samples), 1) for k, _ in PHASES}
             gbps = pages * nbytes / (median["total"] * 1e3)
             rows.append({"provider": sender.engine.provider, "workers": mode, "batch": name,
-                         "pages": pages,
-                         "page_bytes": nbytes, "reps": reps, "gbps": round(gbps, 2), **median})
+                         "pages": pages, "page_bytes": nbytes, "reps": reps,
+                         "gbps": round(gbps, 2), **median})
         parent.send(("stop",))
         proc.join(30)
     finally:
