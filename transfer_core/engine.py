@@ -7,20 +7,21 @@ peers; `post_write`, `post_paged_writes` (a `PagedWrite`) and `post_imm` take
 writes. Several domains (NICs) each run a `DomainWorker` progress thread. The receiver's
 immediate count is the truth of placement: a sender's `on_done` only means the provider is
 done with the source buffer. This file checks and dispatches; its collaborators do the work:
-its registered memory (`registration.py`), which domain a write leaves on (`write_router.py`,
-S6a), the receiver's counters (`imm_counting.py`, shared with the loopback), waited writes
-(`waited.py`), `connect`'s early connection (`warmup.py`), argument checks (`write_checks.py`,
-shared with the loopback) and which NIC and cores each domain gets (`placement.py`).
+its domains and their progress threads (`domains.py`), its registered memory
+(`registration.py`), which domain a write leaves on (`write_router.py`, S6a), the receiver's
+counters (`imm_counting.py`, shared with the loopback), waited writes (`waited.py`),
+`connect`'s early connection (`warmup.py`), argument checks (`write_checks.py`, shared with
+the loopback) and which NIC and cores each domain gets (`placement.py`).
 """
 
 from __future__ import annotations
 
-import threading
 from collections.abc import Sequence
 from typing import Any
 
 from transfer_core.completion import OnDone, OnError
 from transfer_core.domain_worker import DomainWorker
+from transfer_core.domains import Domains
 from transfer_core.errors import TransferError
 from transfer_core.imm_counter import Due, ImmCounterMap
 from transfer_core.imm_counting import ImmCounting
@@ -82,11 +83,10 @@ class TransferEngine(ImmCounting):
         self.imm_counters = ImmCounterMap(fire=self._fire, on_soon=self._set_eager)
         self._repeated = RepeatedWrites()
         self._closed = False
-        self._threads: set[threading.Thread] = set()
         self._warmup: Warmup | None = None
         infos = find_infos(provider, node=node, hmem=hmem, delivery_complete=delivery_complete)
         plans = plan_domains(infos, num_domains, cpus, domain_cpus, nics)
-        self._domains: list[DomainWorker] = []
+        self._domains = Domains()
         self._registrations = Registrations(self._domains)
         # Each domain's progress thread hands its arrivals to the counters (S4c).
         on_imms, guard = self.imm_counters.on_imms, self._errors.guard
@@ -94,7 +94,7 @@ class TransferEngine(ImmCounting):
             for d, plan in enumerate(plans):
                 worker = DomainWorker(d, plan.info, on_imms, guard, plan.cpus, max_inflight,
                                       phases)
-                self._domains.append(worker)
+                self._domains.add(worker)
             self._warmup = Warmup(self._domains)
         except BaseException:
             self.close()
@@ -102,7 +102,6 @@ class TransferEngine(ImmCounting):
         self._router = WriteRouter(self._domains, self._errors.report)
         self._info = self._domains[0].info
         self._provider = self._info.provider  # read from C on every call otherwise
-        self._threads = {w.thread for w in self._domains}
         self._address = EngineAddress(
             self.provider, tuple(w.address for w in self._domains), self._warmup.probes
         )
@@ -286,7 +285,7 @@ class TransferEngine(ImmCounting):
         another provider, PeerError if the peer cannot be reached and TransferTimeoutError
         after `timeout_s` (default: the engine's)."""
         self._check_open()
-        if threading.current_thread() in self._threads:
+        if self._domains.on_own_thread():
             raise RuntimeError("TransferEngine.connect() would block its own callback thread")
         assert self._warmup is not None  # set in __init__ once the domains are open
         self._warmup.connect(self.provider, peer_address, self._timeout(timeout_s))
@@ -300,17 +299,14 @@ class TransferEngine(ImmCounting):
 
         Raises DescriptorError for bytes that are no engine address."""
         self._check_open()
-        peer = EngineAddress.from_bytes(peer_address)
-        for worker in self._domains:
-            for address in peer.domains:
-                worker.abandon_peer(address)
+        self._domains.abandon_peer(EngineAddress.from_bytes(peer_address))
 
     # -- counters (expect_imm_count and the rest: inherited from ImmCounting, S4c) ----------
 
     def stats(self) -> list[Stats]:
         """Per-domain counters of the C worker (writes, bytes written, EAGAIN returns,
         immediates, ...)."""
-        return [w.stats() for w in self._domains]
+        return self._domains.stats()
 
     # -- lifecycle --------------------------------------------------------------------------
 
@@ -319,17 +315,15 @@ class TransferEngine(ImmCounting):
         close threads, registrations and endpoints. Idempotent."""
         if self._closed:
             return
-        if threading.current_thread() in self._threads:
+        if self._domains.on_own_thread():
             raise RuntimeError("TransferEngine.close() called from its own callback thread")
         self._closed = True
-        for worker in self._domains:
-            worker.stop(drain_s)
+        self._domains.stop(drain_s)
         self._repeated.forget()
         self._registrations.close()
         if self._warmup is not None:
             self._warmup.close()
-        for worker in self._domains:
-            worker.close()
+        self._domains.close()
 
     def __enter__(self) -> TransferEngine:
         return self
@@ -356,12 +350,7 @@ class TransferEngine(ImmCounting):
         self._errors.raise_first()
 
     def _set_eager(self, due: Due) -> None:
-        """Writes are due (`expect_soon`), how soon, or no longer: every domain follows."""
-        for worker in self._domains:
-            worker.set_eager(due)
+        self._domains.set_eager(due)
 
     def _fire(self, callback: OnDone) -> None:
-        if threading.current_thread() in self._threads:
-            self._errors.guard(callback)
-        else:
-            self._domains[0].call_soon(callback)
+        self._domains.call(callback, self._errors.guard)

@@ -15,7 +15,7 @@ from __future__ import annotations
 
 import functools
 import itertools
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 from transfer_core.completion import Completion, OnDone, OnError
 from transfer_core.domain_worker import DomainWorker
@@ -31,7 +31,7 @@ class WriteRouter:
     """Routes checked writes onto `domains`; see the module docstring."""
 
     def __init__(
-        self, domains: list[DomainWorker], report: Callable[[BaseException], None]
+        self, domains: Sequence[DomainWorker], report: Callable[[BaseException], None]
     ) -> None:
         self._domains = domains
         self._report = report  # where a failure nobody listens for goes (the engine's owner)
