@@ -68,7 +68,9 @@ class ForwardOutput:
 
     sample_chunk_indices: list[int]  # index into batch.chunks of each row below
     hidden_states: torch.Tensor  # [num_sampling_chunks, hidden_size], after the final norm
-    logits: torch.Tensor  # [num_sampling_chunks, vocab_size]
+    # [num_sampling_chunks, vocab_size]; None from a prefiller's forward, which never samples
+    # and so never runs the LM head (S8)
+    logits: torch.Tensor | None
     # Every row of the batch, packed as its chunks: what a prefiller ships for a draft head and
     # what a speculative decoder verifies drafts with (S8). [num_tokens, hidden_size]
     all_hidden_states: torch.Tensor | None = None

@@ -116,8 +116,9 @@ class EngineParts:
                                   max_pages=-(-max_model_len // cache.page_size),
                                   batch_sizes=useful_batch_sizes(
                                       config.graph_batch_sizes, config.scheduler.max_num_seqs))
-        runner = (ModelRunner(model, leader.local_cache, ranks=leader.ranks) if leader
-                  else ModelRunner(model, kv_cache, graphs))
+        samples = config.scheduler.mode != "prefill_only"  # a prefiller never samples (S8)
+        runner = (ModelRunner(model, leader.local_cache, ranks=leader.ranks, samples=samples)
+                  if leader else ModelRunner(model, kv_cache, graphs, samples=samples))
         return EngineParts(config, model, kv_cache, allocator, scheduler, runner,
                            RequestIsolation(scheduler), chooser, forks)
 

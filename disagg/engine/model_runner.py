@@ -2,7 +2,8 @@
 
 The runner packs every chunk's tokens on one axis, computes where each token's K/V goes (page
 and slot), and tells attention which rows belong to which request. It returns the hidden states
-and logits of the rows that sample, so a prefiller can ship them (S4a) and an engine can sample.
+of the rows that sample, so a prefiller can ship them (S4a), and their logits, so an engine can
+sample; a prefiller's runner never samples (S8) and skips the LM head.
 Given `DecodeGraphs`, pure-decode batches that fit a bucket take its static-buffer path (CUDA
 graphs on a GPU, `cuda_graphs.py`); everything else runs here, eagerly. On a tensor-parallel
 node the runner is the leader's: it broadcasts each step's inputs to the other ranks before
@@ -25,7 +26,8 @@ class ModelRunner:
     """Runs a `Transformer` over a paged `KVCache` one batch at a time."""
 
     def __init__(self, model: Transformer, kv_cache: KVCache,
-                 graphs: DecodeGraphs | None = None, ranks: TPRanks | None = None) -> None:
+                 graphs: DecodeGraphs | None = None, ranks: TPRanks | None = None,
+                 samples: bool = True) -> None:
         if graphs is not None and ranks is not None:
             raise ValueError("decode graphs run on one process: not with TP rank processes")
         self.model = model
@@ -33,6 +35,7 @@ class ModelRunner:
         self.device = kv_cache.device
         self.graphs = graphs
         self.ranks = ranks
+        self.samples = samples  # else no logits: nothing reads them
         self._num_eager = 0
 
     @property
@@ -84,8 +87,8 @@ class ModelRunner:
                                   for i in sample_chunk_indices], dtype=torch.int64,
                                  device=self.device)
         sample_hidden = hidden.index_select(0, last_rows)
-        return ForwardOutput(sample_chunk_indices, sample_hidden,
-                             self.model.compute_logits(sample_hidden), hidden)
+        logits = self.model.compute_logits(sample_hidden) if self.samples else None
+        return ForwardOutput(sample_chunk_indices, sample_hidden, logits, hidden)
 
     def close(self) -> None:
         """Stop the TP ranks, if any (idempotent)."""

@@ -81,10 +81,10 @@ class Request:
     generator: torch.Generator | None = None
     kv_attempts: int = 1  # decoder: times the KV was asked for (a retry after a failure adds one)
     # Speculative decoding (S8): drafts awaiting verification (they follow the real tokens
-    # in the next forward), the shipped (hidden state, logits) of the last prefilled position
+    # in the next forward), the shipped hidden state of the last prefilled position
     # (S4a), and how many drafts were verified and accepted.
     spec_token_ids: list[int] = field(default_factory=list)
-    prefill_context: tuple[torch.Tensor, torch.Tensor] | None = None
+    prefill_context: torch.Tensor | None = None
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     # Prefix caching: prompt tokens whose KV was found in this node's cache at admission, the

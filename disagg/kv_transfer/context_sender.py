@@ -2,7 +2,7 @@
 (S4a, S8).
 
 Once every layer of a request's last chunk has been posted, the prefiller packs the hidden
-state and logits of the last prefilled position, the KV checksum of the pages it sent and the
+state of the last prefilled position, the KV checksum of the pages it sent and the
 decoder's nonce into one of its registered context slots and writes it to the slot the decoder
 named; that write is the request's last, so when the decoder's counter fires its context is
 there. A decoder drafting with an MTP head also gets the head's pages, written just before the
@@ -59,7 +59,7 @@ class ContextSender:
         if self.draft is not None:
             self.draft.after_forward(batch, output, in_flight)
 
-    def post(self, outgoing: OutgoingKV, hidden: torch.Tensor, logits: torch.Tensor) -> None:
+    def post(self, outgoing: OutgoingKV, hidden: torch.Tensor) -> None:
         """Write the draft pages (if any), then the context slot of `outgoing`."""
         if not outgoing.begin_write():
             return  # stopped: nothing more is posted
@@ -73,7 +73,7 @@ class ContextSender:
         checksum = running if running is not None else kv_checksum(
             self._kv_cache, request.page_ids, request.num_prompt_tokens, outgoing.num_held_pages)
         checksum += draft.checksum(outgoing) if draft is not None else 0.0
-        pack_context(self.slots.buffer[slot], hidden, logits, checksum, outgoing.nonce)
+        pack_context(self.slots.buffer[slot], hidden, checksum, outgoing.nonce)
         if self.slots.post(slot, outgoing.tail_imm, outgoing.peer.context, outgoing.context_slot,
                            lambda error: outgoing.write_done(error, tail=1)):
             self._stats.add(writes=1, bytes=self.slots.slot_nbytes)

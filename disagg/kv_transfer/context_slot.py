@@ -2,8 +2,11 @@
 
 The prefill covers every prompt token but the last, so the prefiller never samples; the
 decoder runs the last prompt token as an ordinary decode step, which yields the first output
-token. The hidden state and logits of the last prefilled position travel by RDMA write into a
-pre-allocated context slot on the decoder, for speculative decoding or MTP heads to start from.
+token. The hidden state of the last prefilled position travels by RDMA write into a
+pre-allocated context slot on the decoder, for an MTP head to start from. Its logits would only
+predict the prompt's known last token, so the prefiller never computes them: its forward skips
+the LM head (a SmolLM2 float32 prefill's largest matrix) and the slot is hidden_size values
+instead of hidden_size + vocab_size.
 The slot also carries the KV checksum and the request's nonce: a slot nobody wrote (zeros), or
 one left from another request, never passes the decoder's check (S5).
 
@@ -46,8 +49,8 @@ def new_nonce() -> int:
 
 
 def context_slot_numel(model: ModelConfig) -> int:
-    """Values in one context slot: the hidden state, the logits, the KV checksum and nonce."""
-    return model.hidden_size + model.vocab_size + CHECKSUM_NUMEL
+    """Values in one context slot: the hidden state, the KV checksum and the nonce."""
+    return model.hidden_size + CHECKSUM_NUMEL
 
 
 def context_slot_nbytes(model: ModelConfig) -> int:
@@ -56,7 +59,7 @@ def context_slot_nbytes(model: ModelConfig) -> int:
 
 
 def allocate_context_buffer(model: ModelConfig, num_slots: int) -> torch.Tensor:
-    """``[num_slots, hidden_size + vocab_size + 4]`` zeros, to be registered for RDMA."""
+    """``[num_slots, hidden_size + 4]`` zeros, to be registered for RDMA."""
     return torch.zeros((num_slots, context_slot_numel(model)), dtype=CONTEXT_DTYPE)
 
 
@@ -71,33 +74,32 @@ def get_u64(values: torch.Tensor) -> int:
     return int(values.view(torch.int32).clone().view(torch.int64)[0]) % (1 << 64)
 
 
-def pack_context(slot: torch.Tensor, hidden: torch.Tensor, logits: torch.Tensor,
-                 checksum: float = 0.0, nonce: int = 0) -> None:
-    """Write ``[hidden_size]`` hidden state, ``[vocab_size]`` logits, the KV checksum and the
-    request's nonce (from its `KVRequest`)."""
-    end = hidden.numel() + logits.numel()
-    slot[: hidden.numel()] = hidden.to(CONTEXT_DTYPE)
-    slot[hidden.numel():end] = logits.to(CONTEXT_DTYPE)
+def pack_context(slot: torch.Tensor, hidden: torch.Tensor, checksum: float = 0.0,
+                 nonce: int = 0) -> None:
+    """Write the ``[hidden_size]`` hidden state, the KV checksum and the request's nonce (from
+    its `KVRequest`)."""
+    end = hidden.numel()
+    slot[:end] = hidden.to(CONTEXT_DTYPE)
     bits = torch.tensor([checksum], dtype=torch.float64).view(torch.int32)
     slot[end:end + 2].view(torch.int32).copy_(bits)
     put_u64(slot[end + 2:end + CHECKSUM_NUMEL], nonce)
 
 
-def unpack_context(slot: torch.Tensor, model: ModelConfig) -> tuple[torch.Tensor, torch.Tensor]:
-    """(hidden state, logits) views of one slot."""
-    return slot[: model.hidden_size], slot[model.hidden_size:model.hidden_size + model.vocab_size]
+def unpack_context(slot: torch.Tensor, model: ModelConfig) -> torch.Tensor:
+    """The hidden state's view in one slot."""
+    return slot[: model.hidden_size]
 
 
 def context_checksum(slot: torch.Tensor, model: ModelConfig) -> float:
     """The KV checksum the prefiller packed into `slot`."""
-    start = model.hidden_size + model.vocab_size
+    start = model.hidden_size
     bits = slot[start:start + 2].view(torch.int32).clone()
     return float(bits.view(torch.float64)[0])
 
 
 def context_nonce(slot: torch.Tensor, model: ModelConfig) -> int:
     """The request nonce the prefiller packed into `slot` (0 in a slot nobody wrote)."""
-    start = model.hidden_size + model.vocab_size + 2
+    start = model.hidden_size + 2
     return get_u64(slot[start:start + 2])
 
 

@@ -173,10 +173,9 @@ class DraftKVSink:
                            salt=DRAFT_SALT)
 
     def keep_context(self, request: Request, slot: torch.Tensor) -> None:
-        """Copy the shipped hidden state and logits onto the request before its context slot is
-        reused: the MTP head runs the last prefilled position from them (S4a)."""
-        hidden, logits = unpack_context(slot, self._model)
-        request.prefill_context = (hidden.clone(), logits.clone())
+        """Copy the shipped hidden state onto the request before its context slot is reused:
+        the MTP head runs the last prefilled position from it (S4a)."""
+        request.prefill_context = unpack_context(slot, self._model).clone()
 
     def close(self) -> None:
         """Unregister the MTP cache (after the transfer engine drained)."""

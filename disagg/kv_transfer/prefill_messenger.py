@@ -5,7 +5,7 @@ A decoder's `KVRequest` becomes a prefill-only request in this node's scheduler 
 `OutgoingKV` record. Before each forward the engine tells the messenger which chunks it holds
 (`on_batch`); the `LayerStreamer` plans, per request, the pages those chunks complete and posts
 each layer's writes as the model's counter reports the layer done (S3). After the request's
-last chunk the messenger writes the context slot (hidden state, logits, KV checksum, S4a); when
+last chunk the messenger writes the context slot (hidden state, KV checksum, S4a); when
 every write has completed the record ends and, on the engine thread, `poll` frees the source
 pages (S4b). Pages the decoder holds already are never
 written; pages found in this node's prefix cache go with the first chunk (X2b). Every write
@@ -251,7 +251,7 @@ class PrefillMessenger:
             if outgoing is None:
                 continue
             outgoing.last_layer_at = time.time()
-            self.context.post(outgoing, output.hidden_states[row], output.logits[row])
+            self.context.post(outgoing, output.hidden_states[row])
             outgoing.all_posted()
 
     def _trace_chunks(self, batch: Batch, now: float) -> None:

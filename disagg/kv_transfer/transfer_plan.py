@@ -22,7 +22,7 @@ from disagg.model.page_geometry import PageGeometry
 from disagg.model.sharding import Sharding
 from transfer_core.memory import MemoryRegionDescriptor
 
-CONTEXT_WRITES = 1  # hidden state + logits of the last prefilled position, one slot
+CONTEXT_WRITES = 1  # the last prefilled position's hidden state (and checksum), one slot
 
 
 def num_pages(num_tokens: int, page_size: int) -> int:

@@ -117,7 +117,7 @@ class MTPProposer:
                 # Prefilled elsewhere (S8): the prefiller ran the head up to the second-to-last
                 # prefilled position; the last one runs here, from the shipped hidden state.
                 done = request.num_prompt_tokens - 2
-                state = MTPState(done, (done, shipped[0]))
+                state = MTPState(done, (done, shipped))
             else:
                 state = MTPState(0)
             self.states[request] = state

@@ -1,5 +1,5 @@
 """The context slot (S4a, S5): the request nonce and the KV checksum packed next to the hidden
-state and logits, and why a slot nobody wrote, or another request's, never passes."""
+state, and why a slot nobody wrote, or another request's, never passes."""
 
 from __future__ import annotations
 
@@ -22,7 +22,7 @@ def test_nonce_and_checksum_round_trip(nonce: int) -> None:
     """The nonce (all 64 bits) and the float64 checksum come back exactly, side by side."""
     model = tiny_model().config
     slot = allocate_context_buffer(model, 1)[0]
-    pack_context(slot, torch.ones(model.hidden_size), torch.zeros(model.vocab_size), -1.25, nonce)
+    pack_context(slot, torch.ones(model.hidden_size), -1.25, nonce)
     assert (context_nonce(slot, model), context_checksum(slot, model)) == (nonce, -1.25)
     assert slot_matches(slot, model, nonce, -1.25, "r0")
 
@@ -34,6 +34,6 @@ def test_zero_or_foreign_slot_never_matches() -> None:
     slot = allocate_context_buffer(model, 1)[0]
     mine, other = new_nonce(), new_nonce()
     assert mine != 0 and not slot_matches(slot, model, mine, 0.0, "r0")
-    pack_context(slot, torch.zeros(model.hidden_size), torch.zeros(model.vocab_size), 3.0, other)
+    pack_context(slot, torch.zeros(model.hidden_size), 3.0, other)
     assert not slot_matches(slot, model, mine, 3.0, "r0")
     assert not slot_matches(slot, model, other, 2.0, "r0")

@@ -2,8 +2,8 @@
 real tcp fabric (S3b, S4, S6).
 
 The tokens equal a single bf16 node's, and what crossed the wire is half a float32 run's: every
-page write moves bf16 K/V (the context slot keeps shipping the hidden state and logits as
-float32, `context_slot.py`, so it weighs the same). The byte counts are the nodes' own: the
+page write moves bf16 K/V (the context slot keeps shipping the hidden state as float32,
+`context_slot.py`, so it weighs the same). The byte counts are the nodes' own: the
 prefiller's `bytes_total` (what it posted) and the decoder's `kv_bytes_total` (what its
 receipts counted), which the demo's totals add up per request and label with the KV dtype.
 """

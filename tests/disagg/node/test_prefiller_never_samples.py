@@ -1,10 +1,11 @@
 """A prefiller never samples a token (S8).
 
-It prefills every prompt token but the last and ships KV, hidden state and logits; the first
-token is sampled on the decoder, by an ordinary decode step of the last prompt token. Here the
-sampling function is counted per node thread, wherever a `disagg` module imported it, over a
-whole disaggregated request on real nodes (threads, tcp): the prefiller's thread never calls
-it, the decoder's once per output token.
+It prefills every prompt token but the last and ships KV and the last position's hidden state;
+the first token is sampled on the decoder, by an ordinary decode step of the last prompt token.
+Here the sampling function is counted per node thread, wherever a `disagg` module imported it,
+over a whole disaggregated request on real nodes (threads, tcp): the prefiller's thread never
+calls it, the decoder's once per output token. Nor does the prefiller run the LM head: no
+logits are computed on its thread.
 """
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ from disagg.config import CacheConfig, SchedulerConfig
 from disagg.control.messages import Submit
 from disagg.engine import sampling
 from disagg.engine.request import RequestState
+from disagg.model.transformer import Transformer
 from disagg.node.builder import build_node
 from disagg.node.decode_node import DecodeNode
 from disagg.node.node_config import NodeConfig, NodeRole
@@ -81,3 +83,19 @@ def test_the_prefiller_never_samples_and_the_decoder_samples_each_token(
     calls = count_sampling_by_thread(monkeypatch)
     assert serve(list(range(3, 15))) is RequestState.FINISHED_LENGTH
     assert calls == Counter({"decode-node": MAX_TOKENS}), f"sampling calls: {dict(calls)}"
+
+
+def test_the_prefiller_computes_no_logits(serve: Callable[[list[int]], RequestState],
+                                          monkeypatch: pytest.MonkeyPatch) -> None:
+    """Its forwards skip the LM head (nothing would read the logits): the prefiller's thread
+    never calls `compute_logits`, the decoder's once per decode step."""
+    calls: Counter[str] = Counter()
+    original = Transformer.compute_logits
+
+    def counted(self: Transformer, hidden: Any) -> Any:
+        calls[threading.current_thread().name] += 1
+        return original(self, hidden)
+
+    monkeypatch.setattr(Transformer, "compute_logits", counted)
+    assert serve(list(range(3, 15))) is RequestState.FINISHED_LENGTH
+    assert calls == Counter({"decode-node": MAX_TOKENS}), f"compute_logits calls: {dict(calls)}"
