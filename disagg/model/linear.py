@@ -3,9 +3,10 @@
 A decode step multiplies one row per sequence by every weight once: its time is the time to
 stream the weights. PyTorch's CPU matrix-vector products read them at a third to a half of the
 rate `torch.sum` reaches on the same buffer (`benchmarks/profile_engine.py`, measured on this
-machine), so for up to `MAX_ROWS` rows of float32 or bfloat16 on a CPU with AVX-512 the
+machine), so for up to `KERNEL_ROWS` rows of float32 or bfloat16 on a CPU with AVX-512 the
 product runs in `small_linear.c`, which streams each weight row once into the rows'
-accumulators. bfloat16 takes AVX-512 BF16's dot products where the CPU has them and the same
+accumulators (`MAX_ROWS` of them at a time, in registers; more rows go in groups over each
+chunk of weight rows while it is in the cache). bfloat16 takes AVX-512 BF16's dot products where the CPU has them and the same
 sums from float32 FMAs where it does not (PyTorch's own bfloat16 products are slowest there).
 Everything else, prefill chunks, other dtypes and devices, autograd, runs `F.linear`, which
 is also the reference the kernel is tested against; on a CPU without AVX-512 BF16 a bfloat16
@@ -22,7 +23,12 @@ from torch import nn
 from disagg.errors import KernelError
 from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, NATIVE_BF16, lib, named_call, traced
 
+# The token rows one pass over a weight row keeps in registers: a decode step's rows in the
+# layers' one C call (`decode_layers.py`) and the other decode kernels.
 MAX_ROWS = 8
+# The most rows the projections' kernel takes, in groups of MAX_ROWS (`small_linear.c`'s
+# SL_MAX_TOKEN_ROWS): beyond, oneDNN's GEMM is as fast.
+KERNEL_ROWS = 32
 # How the kernel's calls appear in torch.profiler's tables (`benchmarks/profile_engine.py`).
 PROFILER_NAME = "disagg::small_linear"
 
@@ -32,13 +38,13 @@ _KERNELS: dict[torch.dtype, int] = dict(DTYPE_CODES) if AVX512 else {}
 
 
 def takes_kernel(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None) -> bool:
-    """Whether `linear(x, weight, bias)` runs in C: a CPU tensor of at most `MAX_ROWS` rows in
-    the weight's dtype, a plain contiguous 2-D weight, and no gradient to record."""
+    """Whether `linear(x, weight, bias)` runs in C: a CPU tensor of at most `KERNEL_ROWS` rows
+    in the weight's dtype, a plain contiguous 2-D weight, and no gradient to record."""
     return (weight.dtype in _KERNELS and x.dtype == weight.dtype
             and x.is_cpu and weight.is_cpu
             and weight.dim() == 2 and weight.is_contiguous()
             and x.dim() >= 1 and x.shape[-1] == weight.shape[1]
-            and 0 < x.numel() // weight.shape[1] <= MAX_ROWS
+            and 0 < x.numel() // weight.shape[1] <= KERNEL_ROWS
             and (bias is None or (bias.dtype == weight.dtype and bias.is_contiguous()
                                   and bias.is_cpu
                                   and bias.shape == weight.shape[:1]))
@@ -53,7 +59,7 @@ def widens(x: torch.Tensor, weight: torch.Tensor) -> bool:
     (a 512 x 576 by 576 x 1536 product on an Ice Lake Xeon: 18 ms against 5, widening
     included). Both sum float32 products of the same bfloat16 values and round once."""
     return (x.dtype == torch.bfloat16 and weight.dtype == torch.bfloat16 and not NATIVE_BF16
-            and x.is_cpu and weight.is_cpu and x.numel() > MAX_ROWS * weight.shape[-1])
+            and x.is_cpu and weight.is_cpu and x.numel() > KERNEL_ROWS * weight.shape[-1])
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor,

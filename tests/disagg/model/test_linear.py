@@ -13,7 +13,7 @@ from disagg.model import linear as linear_module
 from disagg.model.attention import AttentionMetadata, SequenceSlice
 from disagg.model.cpu_kernels import AVX512, NATIVE_BF16
 from disagg.model.kv_cache import PagedKVCache
-from disagg.model.linear import MAX_ROWS, linear, takes_kernel
+from disagg.model.linear import KERNEL_ROWS, MAX_ROWS, linear, takes_kernel
 from disagg.model.precision import cast_model
 from disagg.model.transformer import Transformer
 from tests.disagg.model.counting_lib import CountingLib
@@ -41,7 +41,7 @@ def _inputs(rows: int, n: int, k: int, dtype: torch.dtype, bias: bool, seed: int
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", range(1, MAX_ROWS + 1))
+@pytest.mark.parametrize("rows", [*range(1, MAX_ROWS + 1), MAX_ROWS + 1, 20, KERNEL_ROWS])
 def test_float32_equals_f_linear(rows: int, n: int, k: int) -> None:
     x, w, b = _inputs(rows, n, k, torch.float32, bias=rows % 2 == 0)
     assert takes_kernel(x, w, b)
@@ -52,7 +52,7 @@ def test_float32_equals_f_linear(rows: int, n: int, k: int) -> None:
 
 @needs_kernel
 @pytest.mark.parametrize("n,k", SHAPES)
-@pytest.mark.parametrize("rows", [1, 3, 8])
+@pytest.mark.parametrize("rows", [1, 3, 8, 20])
 def test_bfloat16_is_the_rounded_float32_product(rows: int, n: int, k: int) -> None:
     x, w, b = _inputs(rows, n, k, torch.bfloat16, bias=True)
     exact = F.linear(x.double(), w.double(), b.double())
@@ -117,7 +117,7 @@ def test_non_finite_values_propagate_like_the_reference() -> None:
 def test_the_reference_runs_what_the_kernel_does_not_take(case: str) -> None:
     x, w, b = _inputs(2, 8, 16, torch.float32, bias=True)
     if case == "too many rows":
-        x = torch.randn(MAX_ROWS + 1, 16)
+        x = torch.randn(KERNEL_ROWS + 1, 16)
     elif case == "transposed weight":
         w = torch.randn(16, 8).t()
     elif case == "float16":
@@ -190,7 +190,7 @@ def test_bfloat16_prefill_rows_are_multiplied_in_float32_and_rounded_once(monkey
             return F.linear(x, w, b)
 
     monkeypatch.setattr(linear_module, "F", Recording())
-    x, w, b = _inputs(MAX_ROWS + 1, 40, 33, torch.bfloat16, bias=True)
+    x, w, b = _inputs(KERNEL_ROWS + 1, 40, 33, torch.bfloat16, bias=True)
     out = linear(x, w, b)
     assert seen == [torch.float32] and out.dtype == torch.bfloat16
     assert torch.equal(out, F.linear(x.float(), w.float(), b.float()).to(torch.bfloat16))
@@ -218,3 +218,18 @@ def test_several_projections_in_one_team_give_each_ones_bits(rows: int,
         ffi.new("int64_t[]", [w.shape[0] for w, _ in weights]), rows, 576, torch.get_num_threads())
     assert status == 0
     assert all(torch.equal(ours, theirs) for ours, theirs in zip(outs, alone, strict=True))
+
+
+@needs_kernel
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("rows", [MAX_ROWS + 1, 20, KERNEL_ROWS])
+def test_each_row_has_its_bits_alone_however_many_rows_come_with_it(rows: int,
+                                                                   dtype: torch.dtype) -> None:
+    """Beyond MAX_ROWS the kernel takes the rows in groups over chunks of the weight: every
+    output row still has the bits the kernel gives that row alone (a request's numbers do not
+    depend on the batch it decodes in), and a group's rows land in their own output rows."""
+    x, w, b = _inputs(rows, 300, 576, dtype, bias=True, seed=rows)
+    assert takes_kernel(x, w, b)
+    together = linear(x, w, b)
+    alone = torch.cat([linear(x[r:r + 1], w, b) for r in range(rows)])
+    assert torch.equal(together, alone)
