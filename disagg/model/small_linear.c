@@ -4,7 +4,9 @@
    the step is a stream of weight bytes and nothing else; the kernel's only job is to keep that
    stream at the memory's rate. Every weight row is loaded once, 16 floats (or 32 bf16) at a
    time, and multiplied into the m accumulators of the m token rows, which stay in registers.
-   Output rows are split into contiguous blocks, one per OpenMP thread.
+   Up to 32 rows (a larger batch, a short prefill chunk) go eight at a time over weight rows
+   still in the cache (`sl_grouped`). Output rows are split into contiguous blocks, one per
+   OpenMP thread.
 
    float32 uses AVX-512F FMAs; bfloat16 uses AVX-512 BF16's dot products, which accumulate pairs
    of bf16 products in float32, or on a CPU without that extension the same sums from AVX-512F
