@@ -13,6 +13,7 @@ from __future__ import annotations
 import logging
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from disagg.control.channel import Channel
@@ -252,22 +253,19 @@ class PrefillNode(NodeBase):
         before it, or left without our noticing yet) as failed, and poll until its writes are
         done, so that `check_clean` checks the teardown, not the timing of the Shutdown."""
         self.messenger.fail_all("prefiller shutting down")
-        deadline = time.monotonic() + timeout_s
-        while self.messenger.has_work() and time.monotonic() < deadline:
-            self.messenger.poll()
+
+        def step_leftovers() -> None:  # their failed chunks end in a step
             if self.engine.has_unfinished():
                 self._traced_step()
-            time.sleep(0.01)
+
+        poll_until_idle(self.messenger, timeout_s, step_leftovers)
 
     def settle(self, timeout_s: float = 5.0) -> None:
         """After `stop()`: poll until the writes still in flight complete on their own,
         failing nothing, so that `check_clean` looks at leaks, not at the stop's timing (a
         decoder can decode its last tokens before this side has reaped the completions of
         the writes that brought them: tcp reports a write done after it lands)."""
-        deadline = time.monotonic() + timeout_s
-        while self.messenger.has_work() and time.monotonic() < deadline:
-            self.messenger.poll()
-            time.sleep(0.01)
+        poll_until_idle(self.messenger, timeout_s)
 
     def check_clean(self) -> None:
         """Assert nothing is left behind: no request, transfer, page or armed counter."""
@@ -275,3 +273,15 @@ class PrefillNode(NodeBase):
         assert not self.messenger.has_work(), "transfers still in flight"
         assert not self.tracer.num_open, "request spans still open"
         self.engine.allocator.check_invariants(expect_all_free=True)
+
+
+def poll_until_idle(messenger: PrefillMessenger, timeout_s: float,
+                    step: Callable[[], None] | None = None) -> None:
+    """Poll `messenger` (and call `step` after each poll) until nothing is in flight or
+    `timeout_s` passed."""
+    deadline = time.monotonic() + timeout_s
+    while messenger.has_work() and time.monotonic() < deadline:
+        messenger.poll()
+        if step is not None:
+            step()
+        time.sleep(0.01)
