@@ -1,7 +1,7 @@
 """A decode step's layers in one C call, for the models whose layers it can run (X8e).
 
 `Transformer.forward` hands a batch of decodes (one new token per sequence, at most
-`MAX_ROWS` of them) to `run` when `takes` holds: the CPU has AVX-512, the weights and the cache
+`KERNEL_ROWS` of them) to `run` when `takes` holds: the CPU has AVX-512, the weights and the cache
 are CPU tensors in the step's dtype, and every layer is the pre-norm layer of Llama, Mistral,
 SmolLM2, Qwen2, Qwen3 or Qwen3-MoE (a dense SwiGLU MLP or softmax-routed SwiGLU experts,
 rotate-half RoPE over the whole head, with or without Q/K/V and o_proj biases and Qwen3's Q/K
@@ -22,7 +22,7 @@ from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call, trace
 from disagg.model.kv_cache import KVCache, PagedKVCache
 from disagg.model.layer_counter import NullLayerCounter
 from disagg.model.layer_weights import weights_of
-from disagg.model.linear import MAX_ROWS
+from disagg.model.linear import KERNEL_ROWS
 from disagg.model.mlp import MLP
 from disagg.model.moe import MoE
 from disagg.model.rope import RotaryAngles
@@ -60,13 +60,13 @@ def _mlp_fits(mlp: nn.Module) -> bool:
 def takes(model: nn.Module, h: torch.Tensor, angles: RotaryAngles, kv_cache: KVCache,
           meta: AttentionMetadata, num_layers: int | None = None) -> bool:
     """Whether this forward's layers (the first `num_layers`, or all) run in one call: `h`
-    holds one decode row per sequence, at most `MAX_ROWS` (several with the batch's padded
+    holds one decode row per sequence, at most `KERNEL_ROWS` (several with the batch's padded
     page table), `model`'s layers fit (`layers_fit`, kept on it) and bump no counter, and the
     cache is a CPU tensor of `h`'s dtype with the model's heads and at least its layers."""
     rows, layers = h.shape[0], len(model.layers) if num_layers is None else num_layers
     return (ENABLED and model.layers_in_c and type(model.layer_counter) is NullLayerCounter
             and h.dtype in DTYPE_CODES and h.is_cpu
-            and 0 < rows <= MAX_ROWS and len(meta.sequences) == rows
+            and 0 < rows <= KERNEL_ROWS and len(meta.sequences) == rows
             and all(seq.query_len == 1 for seq in meta.sequences)
             and (rows == 1 or (meta.decode_page_table is not None
                                and meta.decode_kv_lens is not None))

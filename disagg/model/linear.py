@@ -23,11 +23,12 @@ from torch import nn
 from disagg.errors import KernelError
 from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, NATIVE_BF16, lib, named_call, traced
 
-# The token rows one pass over a weight row keeps in registers: a decode step's rows in the
-# layers' one C call (`decode_layers.py`) and the other decode kernels.
+# The token rows one pass over a weight row keeps in registers (`small_linear.c`'s SL_MAX_ROWS).
 MAX_ROWS = 8
 # The most rows the projections' kernel takes, in groups of MAX_ROWS (`small_linear.c`'s
-# SL_MAX_TOKEN_ROWS): beyond, oneDNN's GEMM is as fast.
+# SL_MAX_TOKEN_ROWS): beyond, oneDNN's GEMM is as fast. Also the most decode rows the other
+# decode kernels take and the layers' one C call runs (`decode_layers.py`), so that a batch's
+# rows meet the same kernels either way.
 KERNEL_ROWS = 32
 # How the kernel's calls appear in torch.profiler's tables (`benchmarks/profile_engine.py`).
 PROFILER_NAME = "disagg::small_linear"

@@ -25,7 +25,7 @@ from torch import nn
 
 from disagg.errors import ConfigError, KernelError
 from disagg.model.cpu_kernels import DTYPE_CODES, ENABLED, lib, named_call, traced
-from disagg.model.linear import MAX_ROWS, linear
+from disagg.model.linear import KERNEL_ROWS, linear
 from disagg.model_config import MoEConfig
 
 PROFILER_NAME = "disagg::moe_route"
@@ -45,10 +45,10 @@ def softmax_top_k(logits: torch.Tensor, top_k: int, normalise: bool
 
 
 def takes_kernel(logits: torch.Tensor) -> bool:
-    """Whether `softmax_top_k` runs in C: a decode step's rows (at most `MAX_ROWS`), contiguous
+    """Whether `softmax_top_k` runs in C: a decode step's rows (at most `KERNEL_ROWS`), contiguous
     float32 or bfloat16 on the CPU, no gradient to record."""
     return (ENABLED and logits.dtype in DTYPE_CODES and logits.is_cpu and logits.dim() == 2
-            and 0 < logits.shape[0] <= MAX_ROWS and logits.is_contiguous()
+            and 0 < logits.shape[0] <= KERNEL_ROWS and logits.is_contiguous()
             and not (torch.is_grad_enabled() and logits.requires_grad) and not traced())
 
 

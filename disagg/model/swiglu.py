@@ -15,17 +15,17 @@ import torch.nn.functional as F
 
 from disagg.errors import KernelError
 from disagg.model.cpu_kernels import AVX512, DTYPE_CODES, lib, named_call, traced
-from disagg.model.linear import MAX_ROWS
+from disagg.model.linear import KERNEL_ROWS
 
 PROFILER_NAME = "disagg::silu_mul"
 
 
 def takes_kernel(gate: torch.Tensor, up: torch.Tensor) -> bool:
-    """Whether `silu_mul(gate, up)` runs in C: at most `MAX_ROWS` contiguous CPU rows of
+    """Whether `silu_mul(gate, up)` runs in C: at most `KERNEL_ROWS` contiguous CPU rows of
     float32 or bfloat16, `up` alike, no gradient to record."""
     return (AVX512 and gate.dtype in DTYPE_CODES and up.dtype == gate.dtype
             and gate.shape == up.shape and gate.dim() >= 1 and gate.shape[-1] > 0
-            and gate.numel() <= MAX_ROWS * gate.shape[-1]
+            and gate.numel() <= KERNEL_ROWS * gate.shape[-1]
             and gate.is_cpu and up.is_cpu and gate.is_contiguous() and up.is_contiguous()
             and not torch.is_grad_enabled() and not traced())
 

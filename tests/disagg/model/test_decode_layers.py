@@ -28,8 +28,14 @@ needs_kernel = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernels
 # The kernels split their work over torch's threads: the call and the loop with several.
 pytestmark = pytest.mark.usefixtures("several_threads")
 PAGE = 4
-# (tokens already cached, pages holding them and the new one): ragged on purpose.
+# (tokens already cached, pages holding them and the new one): ragged on purpose. Then 17
+# more, for a batch beyond the kernels' register tile (8 rows), on pages of their own.
 SEQUENCES = [(6, [3, 0]), (1, [5]), (9, [1, 7, 2])]
+for _row in range(3, 20):
+    _cached = (_row * 5) % 11
+    _first = 8 + 3 * (_row - 3)  # three pages each: the longest holds 10 + 1 tokens
+    SEQUENCES.append((_cached, list(range(_first, _first + _cached // PAGE + 1))))
+TOKENS = [5 + 13 * row for row in range(len(SEQUENCES))]
 
 
 def _model(config: ModelConfig, dtype: torch.dtype) -> Transformer:
@@ -65,11 +71,11 @@ def _forward(model: Transformer, cache: PagedKVCache, count: int, padded: bool,
     monkeypatch.setattr(decode_layers, "ENABLED", in_c)
     positions, meta = _decodes(count, padded)
     with torch.inference_mode():
-        return model(torch.tensor([5, 17, 42][:count]), positions, cache, meta)
+        return model(torch.tensor(TOKENS[:count]), positions, cache, meta)
 
 
 def _cache(config: ModelConfig, dtype: torch.dtype, layout: str) -> PagedKVCache:
-    cache = PagedKVCache(config, CacheConfig(page_size=PAGE, num_pages=8, kv_layout=layout,
+    cache = PagedKVCache(config, CacheConfig(page_size=PAGE, num_pages=64, kv_layout=layout,
                                              dtype=dtype))
     torch.manual_seed(1)
     cache.buffer.copy_(torch.randn(cache.buffer.shape))  # the sequences' earlier tokens
@@ -79,7 +85,7 @@ def _cache(config: ModelConfig, dtype: torch.dtype, layout: str) -> PagedKVCache
 @needs_kernel
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout", ["NHD", "HND"])
-@pytest.mark.parametrize(("count", "padded"), [(1, False), (3, True)])
+@pytest.mark.parametrize(("count", "padded"), [(1, False), (3, True), (20, True)])
 def test_the_call_leaves_the_loops_hidden_state_and_cache(
         monkeypatch: pytest.MonkeyPatch, dtype: torch.dtype, layout: str, count: int,
         padded: bool) -> None:

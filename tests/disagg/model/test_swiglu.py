@@ -9,7 +9,7 @@ import torch.nn.functional as F
 
 from disagg.model import swiglu
 from disagg.model.cpu_kernels import AVX512
-from disagg.model.linear import MAX_ROWS
+from disagg.model.linear import KERNEL_ROWS
 from disagg.model.swiglu import silu_mul, takes_kernel
 from tests.disagg.model.counting_lib import CountingLib
 
@@ -52,11 +52,11 @@ def test_a_decode_steps_rows_run_in_c_and_a_prefills_in_pytorch(monkeypatch) -> 
     counting = CountingLib(swiglu.lib, "dl_silu_mul", slice(3, 4))  # elements
     monkeypatch.setattr(swiglu, "lib", counting)
     with torch.inference_mode():
-        silu_mul(*_pair(MAX_ROWS, 16, torch.float32))
-        gate, up = _pair(MAX_ROWS + 1, 16, torch.float32)
+        silu_mul(*_pair(KERNEL_ROWS, 16, torch.float32))
+        gate, up = _pair(KERNEL_ROWS + 1, 16, torch.float32)
         expected = F.silu(gate) * up
         assert torch.equal(silu_mul(gate, up), expected)
-    assert counting.calls == [(MAX_ROWS * 16,)]
+    assert counting.calls == [(KERNEL_ROWS * 16,)]
 
 
 def test_with_autograd_gate_keeps_its_values() -> None:
