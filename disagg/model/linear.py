@@ -6,8 +6,9 @@ rate `torch.sum` reaches on the same buffer (`benchmarks/profile_engine.py`, mea
 machine), so for up to `KERNEL_ROWS` rows of float32 or bfloat16 on a CPU with AVX-512 the
 product runs in `small_linear.c`, which streams each weight row once into the rows'
 accumulators (`MAX_ROWS` of them at a time, in registers; more rows go in groups over each
-chunk of weight rows while it is in the cache). bfloat16 takes AVX-512 BF16's dot products where the CPU has them and the same
-sums from float32 FMAs where it does not (PyTorch's own bfloat16 products are slowest there).
+chunk of weight rows while it is in the cache). bfloat16 takes AVX-512 BF16's dot products
+where the CPU has them and the same sums from float32 FMAs where it does not (PyTorch's own
+bfloat16 products are slowest there).
 Everything else, prefill chunks, other dtypes and devices, autograd, runs `F.linear`, which
 is also the reference the kernel is tested against; on a CPU without AVX-512 BF16 a bfloat16
 prefill chunk's product runs it in float32 (`widens`).
