@@ -28,13 +28,21 @@ needs_kernel = pytest.mark.skipif(not AVX512, reason="no AVX-512 (or the kernels
 # The kernels split their work over torch's threads: the call and the loop with several.
 pytestmark = pytest.mark.usefixtures("several_threads")
 PAGE = 4
+
+
+def _more_sequences(count: int) -> list[tuple[int, list[int]]]:
+    """`count` ragged sequences on pages of their own, three each from page 8 on (the longest
+    holds 10 + 1 tokens)."""
+    more = []
+    for row in range(count):
+        cached, first = ((row + 3) * 5) % 11, 8 + 3 * row
+        more.append((cached, list(range(first, first + cached // PAGE + 1))))
+    return more
+
+
 # (tokens already cached, pages holding them and the new one): ragged on purpose. Then 17
-# more, for a batch beyond the kernels' register tile (8 rows), on pages of their own.
-SEQUENCES = [(6, [3, 0]), (1, [5]), (9, [1, 7, 2])]
-for _row in range(3, 20):
-    _cached = (_row * 5) % 11
-    _first = 8 + 3 * (_row - 3)  # three pages each: the longest holds 10 + 1 tokens
-    SEQUENCES.append((_cached, list(range(_first, _first + _cached // PAGE + 1))))
+# more, for a batch beyond the kernels' register tile (8 rows).
+SEQUENCES = [(6, [3, 0]), (1, [5]), (9, [1, 7, 2]), *_more_sequences(17)]
 TOKENS = [5 + 13 * row for row in range(len(SEQUENCES))]
 
 
