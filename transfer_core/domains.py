@@ -21,9 +21,11 @@ from transfer_core.pyfabric import Stats
 
 class Domains(Sequence[DomainWorker]):
     """The workers in domain order, as each opens (`add`); the engine's other collaborators
-    (router, warm-up, registrations) share this sequence."""
+    (router, warm-up, registrations) share this sequence. `guard` runs a callback on a progress
+    thread, reporting what it raises to the engine's owner."""
 
-    def __init__(self) -> None:
+    def __init__(self, guard: Callable[[OnDone], None]) -> None:
+        self._guard = guard
         self._workers: list[DomainWorker] = []
         self._threads: frozenset[threading.Thread] = frozenset()
 
@@ -44,10 +46,10 @@ class Domains(Sequence[DomainWorker]):
         """Whether the calling thread is one of the domains' progress threads."""
         return threading.current_thread() in self._threads
 
-    def call(self, callback: OnDone, guard: Callable[..., None]) -> None:
-        """Run `callback` (through `guard`) here on a progress thread, else on domain 0's."""
+    def call(self, callback: OnDone) -> None:
+        """Run `callback` (through the guard) here on a progress thread, else on domain 0's."""
         if self.on_own_thread():
-            guard(callback)
+            self._guard(callback)
         else:
             self._workers[0].call_soon(callback)
 

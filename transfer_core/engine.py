@@ -23,7 +23,7 @@ from transfer_core.completion import OnDone, OnError
 from transfer_core.domain_worker import DomainWorker
 from transfer_core.domains import Domains
 from transfer_core.errors import TransferError
-from transfer_core.imm_counter import Due, ImmCounterMap
+from transfer_core.imm_counter import ImmCounterMap
 from transfer_core.imm_counting import ImmCounting
 from transfer_core.memory import EngineAddress, MemoryRegion, MemoryRegionDescriptor, resolve_buffer
 from transfer_core.memory_paths import check_memory_path
@@ -80,13 +80,13 @@ class TransferEngine(ImmCounting):
         self.timeout_s = timeout_s
         self.phases = phases
         self._errors = OwnerErrors()
-        self.imm_counters = ImmCounterMap(fire=self._fire, on_soon=self._set_eager)
+        self._domains = Domains(self._errors.guard)
+        self.imm_counters = ImmCounterMap(fire=self._domains.call, on_soon=self._domains.set_eager)
         self._repeated = RepeatedWrites()
         self._closed = False
         self._warmup: Warmup | None = None
         infos = find_infos(provider, node=node, hmem=hmem, delivery_complete=delivery_complete)
         plans = plan_domains(infos, num_domains, cpus, domain_cpus, nics)
-        self._domains = Domains()
         self._registrations = Registrations(self._domains)
         # Each domain's progress thread hands its arrivals to the counters (S4c).
         on_imms, guard = self.imm_counters.on_imms, self._errors.guard
@@ -348,9 +348,3 @@ class TransferEngine(ImmCounting):
         if self._closed:
             raise TransferError("engine is closed")
         self._errors.raise_first()
-
-    def _set_eager(self, due: Due) -> None:
-        self._domains.set_eager(due)
-
-    def _fire(self, callback: OnDone) -> None:
-        self._domains.call(callback, self._errors.guard)

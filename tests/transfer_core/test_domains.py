@@ -35,7 +35,7 @@ class _Worker:
 
 
 def _domains(n: int) -> tuple[Domains, list[_Worker]]:
-    domains, workers = Domains(), [_Worker() for _ in range(n)]
+    domains, workers = Domains(lambda f: f()), [_Worker() for _ in range(n)]
     for worker in workers:
         domains.add(worker)
     return domains, workers
@@ -44,7 +44,7 @@ def _domains(n: int) -> tuple[Domains, list[_Worker]]:
 def test_a_callback_from_another_thread_goes_to_domain_zero() -> None:
     domains, workers = _domains(2)
     ran: list[str] = []
-    domains.call(lambda: ran.append("here"), lambda f: f())
+    domains.call(lambda: ran.append("here"))
     assert not domains.on_own_thread()
     assert ran == [] and [name for name, _ in workers[0].calls] == ["call_soon"]
     assert workers[1].calls == []
@@ -61,7 +61,7 @@ def test_a_callback_on_a_progress_thread_runs_there() -> None:
             done.set()
 
         domains[1].call_soon(lambda: (seen.append(domains.on_own_thread()),
-                                      domains.call(inner, lambda f: f())))
+                                      domains.call(inner)))
         assert done.wait(5)
         assert seen == [True] and ran_on == [domains[1].thread]
         assert not domains.on_own_thread()
