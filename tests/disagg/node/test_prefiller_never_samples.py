@@ -35,16 +35,22 @@ CACHE = CacheConfig(page_size=4, num_pages=64)
 MAX_TOKENS = 4
 
 
-def count_sampling_by_thread(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
-    """Route `sampling.sample_token`, in every loaded `disagg` module holding it, through a
-    counter of calls per thread name."""
+def counted_by_thread(original: Callable[..., Any]) -> tuple[Callable[..., Any], Counter[str]]:
+    """`original` wrapped to count its calls per thread name, and the counter."""
     calls: Counter[str] = Counter()
-    original = sampling.sample_token
 
-    def counted(*args: Any, **kwargs: Any) -> int:
+    def counted(*args: Any, **kwargs: Any) -> Any:  # noqa: ANN401
         calls[threading.current_thread().name] += 1
         return original(*args, **kwargs)
 
+    return counted, calls
+
+
+def count_sampling_by_thread(monkeypatch: pytest.MonkeyPatch) -> Counter[str]:
+    """Route `sampling.sample_token`, in every loaded `disagg` module holding it, through a
+    counter of calls per thread name."""
+    original = sampling.sample_token
+    counted, calls = counted_by_thread(original)
     holders = [module for name, module in list(sys.modules.items())
                if name.startswith("disagg") and getattr(module, "sample_token", None)
                is original]
@@ -89,13 +95,7 @@ def test_the_prefiller_computes_no_logits(serve: Callable[[list[int]], RequestSt
                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """Its forwards skip the LM head (nothing would read the logits): the prefiller's thread
     never calls `compute_logits`, the decoder's once per decode step."""
-    calls: Counter[str] = Counter()
-    original = Transformer.compute_logits
-
-    def counted(self: Transformer, hidden: Any) -> Any:
-        calls[threading.current_thread().name] += 1
-        return original(self, hidden)
-
+    counted, calls = counted_by_thread(Transformer.compute_logits)
     monkeypatch.setattr(Transformer, "compute_logits", counted)
     assert serve(list(range(3, 15))) is RequestState.FINISHED_LENGTH
     assert calls == Counter({"decode-node": MAX_TOKENS}), f"compute_logits calls: {dict(calls)}"
