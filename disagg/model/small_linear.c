@@ -172,7 +172,7 @@ static void sl_grouped(const sl_block_fn *fns, int64_t m, int64_t elem, const vo
         for (int64_t g = 0; g < m; g += SL_MAX_ROWS) {
             int64_t rows = m - g < SL_MAX_ROWS ? m - g : SL_MAX_ROWS;
             fns[rows]((const char *)x + g * k * elem, w, bias, (char *)y + g * n * elem, n, k,
-                         c, ce);
+                      c, ce);
         }
     }
 }
@@ -209,7 +209,7 @@ int sl_linear_many(int dtype, uintptr_t x, int count, const uintptr_t *w, const 
             j1 = j1 < n[i] ? j1 : n[i];
             if (m <= SL_MAX_ROWS)
                 fns[m]((const void *)x, (const void *)w[i], (const void *)bias[i],
-                          (void *)y[i], n[i], k, j0, j1);
+                       (void *)y[i], n[i], k, j0, j1);
             else
                 sl_grouped(fns, m, elem, (const void *)x, (const void *)w[i],
                            (const void *)bias[i], (void *)y[i], n[i], k, j0, j1);
